@@ -1,0 +1,1 @@
+"""Simulator cost profiles (JSON files, one per hardware x model)."""

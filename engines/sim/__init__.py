@@ -1,0 +1,1 @@
+"""The vLLM-shaped simulator behind `specproxy sim`."""

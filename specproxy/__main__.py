@@ -1,0 +1,3 @@
+from specproxy.cli import main
+
+main()

@@ -1,0 +1,358 @@
+"""The experiment file: TOML in, typed frozen config out.
+
+    [experiment]            name, mode (shadow | split), db, model, and proxy settings
+    [[arms]]                one per backend; exactly one has role = "baseline"
+
+A mistake raises :class:`ConfigError` whose message names the file, the arm and the field, e.g.
+``exp.toml: arms[2].speculative.num_speculative_tokens: must be ≥ 1``.
+
+Example::
+
+    cfg = load_experiment("exp.toml")
+    cfg.baseline.url, [a.name for a in cfg.candidates]
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+Mode = Literal["shadow", "split"]
+Role = Literal["baseline", "candidate"]
+
+# vLLM 0.33's `method` values (vllm/config/speculative.py).
+SPEC_METHODS = frozenset(
+    {
+        "ngram",
+        "draft_model",
+        "suffix",
+        "eagle",
+        "eagle3",
+        "mtp",
+        "dflash",
+        "ngram_gpu",
+        "dspark",
+        "custom_class",
+        "extract_hidden_states",
+    }
+)
+REMOVED_SPEC_METHODS = frozenset({"medusa", "mlp_speculator"})
+
+
+class ConfigError(ValueError):
+    """The experiment file is missing, unreadable or invalid; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How `specproxy engines` launches this arm's vLLM (ignored by the proxy)."""
+
+    port: int | None = None
+    gpus: tuple[int, ...] = ()
+    tensor_parallel_size: int = 1
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    url: str
+    role: Role = "candidate"
+    weight: float = 1.0
+    # Exactly vLLM's --speculative-config JSON; empty means no speculation.
+    speculative: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # Shadow mode: share of requests mirrored to this candidate (0..1).
+    sample: float = 1.0
+    # Shadow mode: at most this many mirrored calls in flight; over it the copy is dropped.
+    max_shadow_inflight: int = 64
+    # Name of an environment variable holding this arm's upstream API key (never the key itself).
+    api_key_env: str | None = None
+    # Send vLLM's extensions (stream_options.continuous_usage_stats, return_token_ids)?
+    # "auto" sends them; a backend that rejects them is retried without and remembered.
+    vllm_extensions: Literal["auto", "on", "off"] = "auto"
+    return_token_ids: bool = False
+    description: str = ""
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+    @property
+    def spec_method(self) -> str:
+        """`none` when the arm runs without speculation."""
+        return str(self.speculative.get("method", "none")) if self.speculative else "none"
+
+    @property
+    def num_speculative_tokens(self) -> int | None:
+        k = self.speculative.get("num_speculative_tokens") if self.speculative else None
+        return int(k) if k is not None else None
+
+    @property
+    def speculative_json(self) -> str:
+        return json.dumps(dict(self.speculative), sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    arms: tuple[Arm, ...]
+    mode: Mode = "shadow"
+    db: str = "specproxy.duckdb"
+    model: str | None = None
+    description: str = ""
+    # Split mode stickiness: "" (none), "user" (the body's user field) or "header:X-Session-ID".
+    sticky_key: str = ""
+    # Split mode: share of greedy requests routed to a candidate that are also sent to the baseline.
+    verify_fraction: float = 0.0
+    # Timeouts (seconds). None = no limit on the whole call; generations can be long.
+    upstream_connect_timeout_s: float = 10.0
+    upstream_read_timeout_s: float | None = 600.0
+    shadow_timeout_s: float = 600.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    shutdown_grace_s: float = 30.0
+    span_queue_size: int = 100_000
+    scrape_interval_s: float = 5.0
+    otlp_endpoint: str | None = None
+    source_path: str | None = None
+
+    @property
+    def baseline(self) -> Arm:
+        return next(a for a in self.arms if a.role == "baseline")
+
+    @property
+    def candidates(self) -> tuple[Arm, ...]:
+        return tuple(a for a in self.arms if a.role != "baseline")
+
+    def arm(self, name: str) -> Arm:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+
+class _Reader:
+    """Pulls typed fields out of one TOML table, naming the path on every mistake."""
+
+    def __init__(self, where: str, table: Mapping[str, Any], path: str) -> None:
+        self.where = where
+        self.table = table
+        self.path = path
+        self.used: set[str] = set()
+
+    def fail(self, key: str, msg: str) -> ConfigError:
+        prefix = f"{self.path}." if self.path else ""
+        return ConfigError(f"{self.where}: {prefix}{key}: {msg}")
+
+    def get(
+        self, key: str, kind: type | tuple[type, ...], default: Any = ..., *, required: bool = False
+    ) -> Any:
+        self.used.add(key)
+        if key not in self.table:
+            if required or default is ...:
+                raise self.fail(key, "is required")
+            return default
+        value = self.table[key]
+        # bool is an int in Python; do not let `true` pass for a number.
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            raise self.fail(key, f"must be {_kind_name(kind)}, got {value!r}")
+        if not isinstance(value, kind):
+            raise self.fail(key, f"must be {_kind_name(kind)}, got {value!r}")
+        return value
+
+    def check_unknown(self, allowed: set[str]) -> None:
+        unknown = sorted(set(self.table) - allowed)
+        if unknown:
+            raise self.fail(unknown[0], f"unknown field (known: {', '.join(sorted(allowed))})")
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if set(kinds) == {int, float}:
+        return "a number"
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "a table",
+             list: "a list"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def validate_speculative(spec: Mapping[str, Any], where: str, path: str) -> None:
+    """The checks every consumer needs; `specproxy engines` adds launch-time checks on top."""
+    r = _Reader(where, spec, path)
+    if not spec:
+        return
+    method = r.get("method", str, required=True)
+    if method in REMOVED_SPEC_METHODS:
+        raise r.fail("method", f"{method!r} was removed in vLLM 0.33; use eagle3, mtp, draft_model or ngram")
+    if method not in SPEC_METHODS:
+        raise r.fail("method", f"unknown method {method!r} (one of: {', '.join(sorted(SPEC_METHODS))})")
+    k = r.get("num_speculative_tokens", int, None)
+    if k is not None and k < 1:
+        raise r.fail("num_speculative_tokens", "must be ≥ 1")
+    if method == "ngram":
+        lo = r.get("prompt_lookup_min", int, None)
+        hi = r.get("prompt_lookup_max", int, None)
+        for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and v < 1:
+                raise r.fail(key, "must be ≥ 1")
+        if lo is not None and hi is not None and lo > hi:
+            raise r.fail("prompt_lookup_min", f"must be ≤ prompt_lookup_max ({lo} > {hi})")
+    if method in ("draft_model", "eagle", "eagle3"):
+        r.get("model", str, required=True)
+
+
+def _frozen_map(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(
+        {k: _frozen_map(v) if isinstance(v, Mapping) else tuple(v) if isinstance(v, list) else v
+         for k, v in d.items()}
+    )
+
+
+def _load_engine(where: str, table: Mapping[str, Any], path: str) -> EngineSettings:
+    r = _Reader(where, table, path)
+    port = r.get("port", int, None)
+    gpus = r.get("gpus", list, [])
+    if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+        raise r.fail("gpus", "must be a list of GPU indices (integers ≥ 0)")
+    tp = r.get("tensor_parallel_size", int, 1)
+    if tp < 1:
+        raise r.fail("tensor_parallel_size", "must be ≥ 1")
+    mns = r.get("max_num_seqs", int, None)
+    if mns is not None and mns < 1:
+        raise r.fail("max_num_seqs", "must be ≥ 1")
+    gmu = r.get("gpu_memory_utilization", (int, float), None)
+    if gmu is not None and not 0 < gmu <= 1:
+        raise r.fail("gpu_memory_utilization", "must be in (0, 1]")
+    mml = r.get("max_model_len", int, None)
+    extra = r.get("extra_args", list, [])
+    if not all(isinstance(a, str) for a in extra):
+        raise r.fail("extra_args", "must be a list of strings")
+    env = r.get("env", dict, {})
+    if not all(isinstance(v, str) for v in env.values()):
+        raise r.fail("env", "values must be strings")
+    r.check_unknown(r.used)
+    return EngineSettings(
+        port=port, gpus=tuple(gpus), tensor_parallel_size=tp, max_num_seqs=mns,
+        gpu_memory_utilization=float(gmu) if gmu is not None else None, max_model_len=mml,
+        extra_args=tuple(extra), env=MappingProxyType(dict(env)),
+    )
+
+
+def _load_arm(where: str, table: Any, index: int) -> Arm:
+    path = f"arms[{index}]"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: {path}: must be a table")
+    r = _Reader(where, table, path)
+    name = r.get("name", str, required=True)
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise r.fail("name", f"must be letters, digits, '-', '_' or '.', got {name!r}")
+    url = r.get("url", str, required=True).rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise r.fail("url", f"must start with http:// or https://, got {url!r}")
+    role = r.get("role", str, "candidate")
+    if role not in ("baseline", "candidate"):
+        raise r.fail("role", f"must be 'baseline' or 'candidate', got {role!r}")
+    weight = float(r.get("weight", (int, float), 1.0))
+    if weight < 0:
+        raise r.fail("weight", "must be ≥ 0")
+    spec = r.get("speculative", dict, {})
+    validate_speculative(spec, where, f"{path}.speculative")
+    sample = float(r.get("sample", (int, float), 1.0))
+    if not 0 <= sample <= 1:
+        raise r.fail("sample", "must be between 0 and 1")
+    msi = r.get("max_shadow_inflight", int, 64)
+    if msi < 1:
+        raise r.fail("max_shadow_inflight", "must be ≥ 1")
+    key_env = r.get("api_key_env", str, None)
+    ext = r.get("vllm_extensions", str, "auto")
+    if ext not in ("auto", "on", "off"):
+        raise r.fail("vllm_extensions", f"must be 'auto', 'on' or 'off', got {ext!r}")
+    rti = r.get("return_token_ids", bool, False)
+    desc = r.get("description", str, "")
+    engine = _load_engine(where, r.get("engine", dict, {}), f"{path}.engine")
+    r.check_unknown(r.used)
+    return Arm(
+        name=name, url=url, role=role, weight=weight, speculative=_frozen_map(spec), sample=sample,
+        max_shadow_inflight=msi, api_key_env=key_env, vllm_extensions=ext, return_token_ids=rti,
+        description=desc, engine=engine,
+    )
+
+
+def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Experiment:
+    """Validate an already-parsed TOML document (``where`` names it in errors)."""
+    top = _Reader(where, data, "")
+    exp_table = top.get("experiment", dict, {})
+    arms_list = top.get("arms", list, required=True)
+    top.check_unknown({"experiment", "arms"})
+    r = _Reader(where, exp_table, "experiment")
+    name = r.get("name", str, "experiment")
+    mode = r.get("mode", str, "shadow")
+    if mode not in ("shadow", "split"):
+        raise r.fail("mode", f"must be 'shadow' or 'split', got {mode!r}")
+    arms = tuple(_load_arm(where, t, i) for i, t in enumerate(arms_list))
+    if not arms:
+        raise ConfigError(f"{where}: arms: at least one arm is required")
+    baselines = [i for i, a in enumerate(arms) if a.role == "baseline"]
+    if len(baselines) != 1:
+        raise ConfigError(
+            f"{where}: arms: exactly one arm must have role = \"baseline\" (found {len(baselines)})"
+        )
+    seen: set[str] = set()
+    for i, a in enumerate(arms):
+        if a.name in seen:
+            raise ConfigError(f"{where}: arms[{i}].name: duplicate arm name {a.name!r}")
+        seen.add(a.name)
+    if mode == "split" and sum(a.weight for a in arms) <= 0:
+        raise ConfigError(f"{where}: arms: split mode needs at least one arm with weight > 0")
+    sticky = r.get("sticky_key", str, "")
+    if sticky not in ("", "user") and not (sticky.startswith("header:") and len(sticky) > 7):
+        raise r.fail("sticky_key", f"must be '', 'user' or 'header:NAME', got {sticky!r}")
+    vf = float(r.get("verify_fraction", (int, float), 0.0))
+    if not 0 <= vf <= 1:
+        raise r.fail("verify_fraction", "must be between 0 and 1")
+
+    def positive(key: str, default: float | None) -> Any:
+        v = r.get(key, (int, float), default)
+        if v is not None and v <= 0:
+            raise r.fail(key, "must be > 0")
+        return v
+
+    exp = Experiment(
+        name=name,
+        arms=arms,
+        mode=mode,
+        db=r.get("db", str, "specproxy.duckdb"),
+        model=r.get("model", str, None),
+        description=r.get("description", str, ""),
+        sticky_key=sticky,
+        verify_fraction=vf,
+        upstream_connect_timeout_s=float(positive("upstream_connect_timeout_s", 10.0)),
+        upstream_read_timeout_s=positive("upstream_read_timeout_s", 600.0),
+        shadow_timeout_s=float(positive("shadow_timeout_s", 600.0)),
+        max_body_bytes=int(positive("max_body_bytes", 32 * 1024 * 1024)),
+        shutdown_grace_s=float(positive("shutdown_grace_s", 30.0)),
+        span_queue_size=int(positive("span_queue_size", 100_000)),
+        scrape_interval_s=float(positive("scrape_interval_s", 5.0)),
+        otlp_endpoint=r.get("otlp_endpoint", str, None),
+        source_path=None if where.startswith("<") else where,
+    )
+    r.check_unknown(r.used)
+    return exp
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment file; every problem is a :class:`ConfigError`."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the experiment file ({exc.strerror or exc})") from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+    return parse_experiment(data, str(p))

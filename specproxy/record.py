@@ -1,0 +1,113 @@
+"""The span record: one row per upstream call, the contract between proxy, replay and analysis.
+
+A shadowed request gives one record per arm, all sharing ``request_id``. The proxy and replay build
+records with :class:`SpanRecord`; the sink turns them into OpenTelemetry spans (attribute names in
+:data:`OTEL_ATTRIBUTE`) and DuckDB rows (table ``requests``, columns in :data:`COLUMNS`, in order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+Status = Literal["ok", "http_error", "upstream_error", "timeout", "client_cancelled", "dropped"]
+SpecSource = Literal["vllm_request_metrics", "stream_shape", "none"]
+RoutedAs = Literal["primary", "shadow", "split", "verify", "replay"]
+Source = Literal["live", "replay"]
+STATUSES: tuple[str, ...] = ("ok", "http_error", "upstream_error", "timeout", "client_cancelled", "dropped")
+
+
+@dataclass(slots=True)
+class SpanRecord:
+    # identity
+    run_id: str
+    request_id: str
+    arm: str
+    arm_role: str
+    backend_url: str
+    trace_id: str = ""
+    span_id: str = ""
+    spec_method: str = "none"
+    num_speculative_tokens: int | None = None
+    # how it came
+    source: str = "live"
+    routed_as: str = "primary"
+    category: str | None = None
+    concurrency_level: int | None = None
+    inflight_at_start: int | None = None
+    # request
+    endpoint: str = "chat"  # chat | completions
+    model: str | None = None
+    stream: bool = False
+    temperature: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    prompt_sha256: str | None = None
+    prompt_tokens: int | None = None
+    # timing; t_start is UTC (tz-aware datetime, microseconds) and t_start_ns the exact epoch ns
+    t_start: datetime | None = None
+    t_start_ns: int | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    decode_tok_s: float | None = None
+    chunks: int | None = None
+    # output
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    output_sha256: str | None = None
+    output_text: str | None = None
+    # speculation
+    num_drafts: int | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    acceptance_length: float | None = None
+    spec_source: str = "none"
+    # verification
+    identical: bool | None = None
+    first_divergence: int | None = None
+    divergence_margin: float | None = None
+    # outcome
+    status: str = "ok"
+    http_status: int | None = None
+    error: str | None = None
+
+    def as_row(self) -> tuple[Any, ...]:
+        """Values in :data:`COLUMNS` order, for DuckDB inserts."""
+        return tuple(getattr(self, name) for name in COLUMNS)
+
+
+COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SpanRecord))
+
+# OpenTelemetry attribute name for each record field: GenAI semantic conventions where one exists,
+# `specproxy.*` otherwise.
+OTEL_ATTRIBUTE: dict[str, str] = {
+    name: f"specproxy.{name}" for name in COLUMNS
+} | {
+    "model": "gen_ai.request.model",
+    "temperature": "gen_ai.request.temperature",
+    "max_tokens": "gen_ai.request.max_tokens",
+    "seed": "gen_ai.request.seed",
+    "prompt_tokens": "gen_ai.usage.input_tokens",
+    "completion_tokens": "gen_ai.usage.output_tokens",
+    "finish_reason": "gen_ai.response.finish_reasons",
+    "backend_url": "server.address",
+    "http_status": "http.response.status_code",
+    "error": "error.type",
+}
+
+
+def decode_tok_s(
+    completion_tokens: int | None, t_first_token: float | None, t_last_token: float | None
+) -> float | None:
+    """DESIGN.md's per-request decode speed: (completion_tokens − 1) / (t_last − t_first).
+
+    None when it is not defined (fewer than two tokens, or all tokens arrived in one chunk).
+    """
+    if completion_tokens is None or completion_tokens < 2 or t_first_token is None or t_last_token is None:
+        return None
+    dt = t_last_token - t_first_token
+    if dt <= 0:
+        return None
+    return (completion_tokens - 1) / dt

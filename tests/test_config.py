@@ -1,0 +1,90 @@
+"""The experiment file loads into frozen config; every mistake names the file, the arm and the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from specproxy.config import ConfigError, load_experiment
+
+GOOD = """
+[experiment]
+name = "llama8b-spec"
+mode = "shadow"
+db = "spans.duckdb"
+model = "meta-llama/Llama-3.1-8B-Instruct"
+
+[[arms]]
+name = "baseline"
+role = "baseline"
+url = "http://127.0.0.1:8001/"
+speculative = {}
+
+[[arms]]
+name = "eagle3"
+url = "http://127.0.0.1:8002"
+speculative = { method = "eagle3", model = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", num_speculative_tokens = 3 }
+
+[[arms]]
+name = "ngram"
+url = "http://127.0.0.1:8003"
+sample = 0.5
+speculative = { method = "ngram", num_speculative_tokens = 4, prompt_lookup_min = 2, prompt_lookup_max = 5 }
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "exp.toml"
+    p.write_text(text)
+    return p
+
+
+def test_good_file_loads_typed_and_frozen(tmp_path: Path) -> None:
+    exp = load_experiment(write(tmp_path, GOOD))
+    assert exp.name == "llama8b-spec" and exp.mode == "shadow" and exp.db == "spans.duckdb"
+    assert exp.baseline.name == "baseline" and exp.baseline.url == "http://127.0.0.1:8001"
+    assert [a.name for a in exp.candidates] == ["eagle3", "ngram"]
+    assert exp.arm("eagle3").spec_method == "eagle3" and exp.arm("eagle3").num_speculative_tokens == 3
+    assert exp.baseline.spec_method == "none" and exp.baseline.num_speculative_tokens is None
+    assert exp.arm("ngram").sample == 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        exp.name = "x"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        exp.arm("ngram").speculative["method"] = "eagle"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("replace", "by", "message"),
+    [
+        ("num_speculative_tokens = 4", "num_speculative_tokens = 0",
+         "arms[2].speculative.num_speculative_tokens: must be ≥ 1"),
+        ("prompt_lookup_min = 2", "prompt_lookup_min = 7",
+         "arms[2].speculative.prompt_lookup_min: must be ≤"),
+        ('method = "eagle3"', 'method = "medusa"',
+         "arms[1].speculative.method: 'medusa' was removed in vLLM 0.33"),
+        ('method = "eagle3"', 'method = "magic"', "arms[1].speculative.method: unknown method 'magic'"),
+        ('mode = "shadow"', 'mode = "mirror"', "experiment.mode: must be 'shadow' or 'split'"),
+        ('url = "http://127.0.0.1:8002"', 'url = "127.0.0.1:8002"', "arms[1].url: must start with http://"),
+        ("sample = 0.5", "sample = 2", "arms[2].sample: must be between 0 and 1"),
+        ("sample = 0.5", "sampel = 0.5", "arms[2].sampel: unknown field"),
+        ('role = "baseline"', 'role = "candidate"', 'exactly one arm must have role = "baseline"'),
+        ('name = "ngram"', 'name = "eagle3"', "arms[2].name: duplicate arm name 'eagle3'"),
+        ("sample = 0.5", "sample = true", "arms[2].sample: must be a number"),
+    ],
+)
+def test_mistakes_name_file_arm_and_field(tmp_path: Path, replace: str, by: str, message: str) -> None:
+    assert replace in GOOD
+    path = write(tmp_path, GOOD.replace(replace, by, 1))
+    with pytest.raises(ConfigError) as info:
+        load_experiment(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert message in str(info.value)
+
+
+def test_unreadable_and_invalid_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the experiment file"):
+        load_experiment(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_experiment(write(tmp_path, "[experiment\nname="))
