@@ -1,0 +1,90 @@
+"""Replay's live progress display: per arm, calls done of the phase, output tok/s and errors.
+
+On a terminal it is a rich ``Live`` table refreshed a few times a second; elsewhere (a pipe, a CI log)
+it prints one line per arm when each phase ends, so logs stay readable. Counting is a few integer
+additions per finished call; rendering happens on rich's refresh thread, off the event loop's path.
+
+Example::
+
+    with ReplayProgress(["baseline", "eagle3"]) as progress:
+        progress.begin_phase("c=16", calls_per_arm=64)
+        progress.record("eagle3", completion_tokens=128, ok=True)
+        progress.end_phase()
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import TracebackType
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+
+@dataclass(slots=True)
+class ArmProgress:
+    done: int = 0
+    errors: int = 0
+    tokens: int = 0
+
+
+class ReplayProgress:
+    def __init__(self, arms: list[str], console: Console | None = None, *, enabled: bool = True) -> None:
+        self.arms = arms
+        self.console = console or Console(stderr=True)
+        self.enabled = enabled
+        self.label = ""
+        self.calls_per_arm: int | None = None
+        self.per_arm: dict[str, ArmProgress] = {a: ArmProgress() for a in arms}
+        self._t0 = time.monotonic()
+        self._live: Live | None = None
+
+    def __enter__(self) -> ReplayProgress:
+        if self.enabled and self.console.is_terminal:
+            self._live = Live(self, console=self.console, refresh_per_second=4, transient=False)
+            self._live.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def begin_phase(self, label: str, calls_per_arm: int | None) -> None:
+        self.label = label
+        self.calls_per_arm = calls_per_arm
+        self.per_arm = {a: ArmProgress() for a in self.arms}
+        self._t0 = time.monotonic()
+
+    def record(self, arm: str, completion_tokens: int | None, ok: bool) -> None:
+        p = self.per_arm[arm]
+        p.done += 1
+        p.tokens += completion_tokens or 0
+        if not ok:
+            p.errors += 1
+
+    def end_phase(self) -> None:
+        if not self.enabled or self._live is not None:
+            return
+        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        for arm, p in self.per_arm.items():
+            self.console.print(
+                f"{self.label:>8}  {arm:<14} done {p.done:>5}  {p.tokens / elapsed:>9.1f} tok/s  "
+                f"errors {p.errors}", highlight=False,
+            )
+
+    def __rich__(self) -> Table:
+        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        table = Table(title=f"replay {self.label}  {elapsed:5.1f} s", title_justify="left")
+        table.add_column("arm")
+        table.add_column("done", justify="right")
+        table.add_column("tok/s", justify="right")
+        table.add_column("errors", justify="right")
+        total = f"/{self.calls_per_arm}" if self.calls_per_arm is not None else ""
+        for arm, p in self.per_arm.items():
+            table.add_row(arm, f"{p.done}{total}", f"{p.tokens / elapsed:.1f}",
+                          f"[red]{p.errors}[/red]" if p.errors else "0")
+        return table
