@@ -85,9 +85,174 @@ CREATE TABLE IF NOT EXISTS backend_metrics (
 )
 """
 
+# Views (migration 2): the analysis' building blocks, kept in the file so the DuckDB CLI sees them too.
+# specproxy.analysis creates the same views over the union of several files. A concurrency level is
+# `concurrency_level` as text, or 'live' for serve's traffic (which has none). Times in seconds since
+# the epoch come from t_start_ns when present (exact), else from t_start (microseconds).
+ARM_SUMMARY_VIEW = """
+CREATE OR REPLACE VIEW arm_summary AS
+WITH calls AS (
+    SELECT run_id, arm, arm_role, spec_method, status, completion_tokens, decode_tok_s, ttft_s, e2e_s,
+           num_drafts, draft_tokens, accepted_tokens, acceptance_length, spec_source,
+           concurrency_level,
+           coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
+           coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
+    FROM requests
+), agg AS (
+    SELECT run_id, arm, level,
+           any_value(arm_role) AS arm_role,
+           any_value(spec_method) AS spec_method,
+           any_value(concurrency_level) AS concurrency_level,
+           count(*) AS calls,
+           count(*) FILTER (WHERE status = 'ok') AS ok,
+           coalesce(sum(completion_tokens) FILTER (WHERE status = 'ok'), 0) AS completion_tokens,
+           -- the level's wall time: first start to last end of the calls that were sent
+           min(start_s) FILTER (WHERE status <> 'dropped') AS first_start_s,
+           max(start_s + coalesce(e2e_s, 0)) FILTER (WHERE status <> 'dropped') AS last_end_s,
+           quantile_cont(decode_tok_s, 0.5) FILTER (WHERE status = 'ok') AS p50_decode_tok_s,
+           quantile_cont(ttft_s, 0.5) FILTER (WHERE status = 'ok') AS p50_ttft_s,
+           quantile_cont(ttft_s, 0.95) FILTER (WHERE status = 'ok') AS p95_ttft_s,
+           sum(accepted_tokens) FILTER (WHERE status = 'ok') AS req_accepted_tokens,
+           sum(draft_tokens) FILTER (WHERE status = 'ok') AS req_draft_tokens,
+           sum(num_drafts) FILTER (WHERE status = 'ok') AS req_num_drafts,
+           avg(acceptance_length) FILTER (WHERE status = 'ok') AS req_mean_acceptance_length
+    FROM calls
+    GROUP BY run_id, arm, level
+)
+SELECT run_id, arm, arm_role, spec_method, level, concurrency_level, calls, ok, calls - ok AS failed,
+       completion_tokens, first_start_s, last_end_s, last_end_s - first_start_s AS wall_s,
+       completion_tokens / nullif(last_end_s - first_start_s, 0) AS agg_tok_s,
+       p50_decode_tok_s, p50_ttft_s, p95_ttft_s,
+       req_accepted_tokens / nullif(req_draft_tokens, 0) AS req_acceptance_rate,
+       -- vLLM's definition (1 + accepted / drafts) where drafts were reported, else the per-request mean
+       coalesce(1 + req_accepted_tokens / nullif(req_num_drafts, 0), req_mean_acceptance_length)
+           AS req_acceptance_length
+FROM agg
+"""
+
+# Each call beside the baseline call of the same request_id (the first ok one). kind says what the
+# comparison measures: 'candidate' (a speculative arm), 'replica' (a non-speculative candidate arm, a
+# second baseline: Diffy's secondary) or 'repeat' (the same request sent to the baseline again); the
+# last two give the noise floor. identical is the proxy's verdict, else a comparison of output hashes
+# when both calls were greedy (temperature 0).
+PAIRS_VIEW = """
+CREATE OR REPLACE VIEW pairs AS
+WITH ranked AS (
+    SELECT *, row_number() OVER (
+        PARTITION BY run_id, request_id
+        ORDER BY (status = 'ok') DESC, t_start, t_start_ns, span_id) AS base_rank
+    FROM requests
+    WHERE arm_role = 'baseline'
+), base AS (
+    SELECT * FROM ranked WHERE base_rank = 1
+), others AS (
+    SELECT *, NULL AS base_rank FROM requests WHERE arm_role <> 'baseline'
+    UNION ALL BY NAME
+    SELECT * FROM ranked WHERE base_rank > 1
+)
+SELECT c.run_id, c.request_id,
+       coalesce(CAST(c.concurrency_level AS VARCHAR), 'live') AS level,
+       c.concurrency_level, c.category, c.arm, c.arm_role, c.spec_method, c.routed_as,
+       CASE WHEN c.arm_role = 'baseline' THEN 'repeat'
+            WHEN coalesce(c.spec_method, 'none') IN ('none', '') THEN 'replica'
+            ELSE 'candidate' END AS kind,
+       b.arm AS baseline_arm,
+       c.status, b.status AS baseline_status,
+       c.decode_tok_s, b.decode_tok_s AS baseline_decode_tok_s,
+       c.decode_tok_s / nullif(b.decode_tok_s, 0) AS decode_speedup,
+       c.ttft_s, b.ttft_s AS baseline_ttft_s,
+       c.e2e_s, b.e2e_s AS baseline_e2e_s,
+       c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
+       coalesce(c.identical,
+                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.temperature = 0 AND b.temperature = 0
+                     THEN c.output_sha256 = b.output_sha256 END) AS identical,
+       c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
+       c.output_text, b.output_text AS baseline_output_text
+FROM others c
+JOIN base b ON c.run_id = b.run_id AND c.request_id = b.request_id
+"""
+
+# Identity per run, arm and level. A mismatch is a near-tie when the logprob margin (top-1 minus
+# top-2) at the first divergence is at most 0.5 nats (numerics can flip such a token), gross above it.
+IDENTITY_VIEW = """
+CREATE OR REPLACE VIEW identity AS
+SELECT run_id, arm, level, any_value(concurrency_level) AS concurrency_level, any_value(kind) AS kind,
+       count(identical) AS compared,
+       count(*) FILTER (WHERE identical) AS identical,
+       count(*) FILTER (WHERE NOT identical) AS mismatched,
+       count(*) FILTER (WHERE identical) / nullif(count(identical), 0) AS identical_rate,
+       count(*) FILTER (WHERE NOT identical AND divergence_margin <= 0.5) AS near_tie,
+       count(*) FILTER (WHERE NOT identical AND divergence_margin > 0.5) AS gross,
+       count(*) FILTER (WHERE NOT identical AND divergence_margin IS NULL) AS margin_unknown
+FROM pairs
+GROUP BY run_id, arm, level
+"""
+
+# Speculative-decoding counters per run, arm and window, from backend_metrics. A window is a phase
+# pair 'X:before' / 'X:after' (replay's 'c=16' → level '16') or every scrape of one other phase
+# ('periodic' → level 'live'). Each series (name + labels, so each `engine`) contributes its increase,
+# Prometheus-style: a drop means the counter restarted from zero, so the new value is the increase.
+# Then series are summed (over `engine` and any other label).
+ACCEPTANCE_VIEW = """
+CREATE OR REPLACE VIEW acceptance AS
+WITH samples AS (
+    SELECT run_id, arm, scraped_at, name, labels_json, value,
+           CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
+                THEN regexp_replace(phase, ':(before|after)$', '')
+                ELSE coalesce(phase, 'periodic') END AS phase,
+           json_extract_string(labels_json, '$.position') AS position
+    FROM backend_metrics
+    WHERE name IN ('vllm:spec_decode_num_drafts_total', 'vllm:spec_decode_num_draft_tokens_total',
+                   'vllm:spec_decode_num_accepted_tokens_total',
+                   'vllm:spec_decode_num_accepted_tokens_per_pos_total')
+), steps AS (
+    SELECT *, lag(value) OVER (
+        PARTITION BY run_id, arm, phase, name, labels_json ORDER BY scraped_at) AS previous
+    FROM samples
+), series AS (
+    SELECT run_id, arm, phase, name, position,
+           sum(CASE WHEN previous IS NULL THEN 0
+                    WHEN value >= previous THEN value - previous
+                    ELSE value END) AS increase
+    FROM steps
+    GROUP BY run_id, arm, phase, name, labels_json, position
+), totals AS (
+    SELECT run_id, arm, phase,
+           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_drafts_total') AS drafts,
+           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_draft_tokens_total') AS draft_tokens,
+           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_accepted_tokens_total') AS accepted_tokens
+    FROM series
+    GROUP BY run_id, arm, phase
+), positions AS (
+    SELECT s.run_id, s.arm, s.phase,
+           list(s.increase / nullif(t.drafts, 0) ORDER BY TRY_CAST(s.position AS INTEGER))
+               AS acceptance_per_position
+    FROM (SELECT run_id, arm, phase, position, sum(increase) AS increase
+          FROM series
+          WHERE name = 'vllm:spec_decode_num_accepted_tokens_per_pos_total'
+          GROUP BY run_id, arm, phase, position) s
+    JOIN totals t USING (run_id, arm, phase)
+    GROUP BY s.run_id, s.arm, s.phase
+)
+SELECT t.run_id, t.arm, t.phase,
+       CASE WHEN t.phase LIKE 'c=%' THEN substr(t.phase, 3)
+            WHEN t.phase = 'periodic' THEN 'live'
+            ELSE t.phase END AS level,
+       t.drafts, t.draft_tokens, t.accepted_tokens,
+       t.accepted_tokens / nullif(t.draft_tokens, 0) AS acceptance_rate,
+       1 + t.accepted_tokens / nullif(t.drafts, 0) AS acceptance_length,
+       p.acceptance_per_position
+FROM totals t
+LEFT JOIN positions p USING (run_id, arm, phase)
+"""
+
+VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
+
 # One list of statements per version; index 0 brings an empty file to version 1.
 MIGRATIONS: list[list[str]] = [
     [REQUESTS_DDL, RUNS_DDL, BACKEND_METRICS_DDL],
+    # 2: the analysis views (arm_summary, pairs, identity, acceptance)
+    VIEWS_DDL,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
