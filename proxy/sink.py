@@ -1,0 +1,527 @@
+"""The span sink: span records → OpenTelemetry spans → a bounded queue → DuckDB (and OTLP).
+
+One :class:`SpanSink` per process holds the span store (a DuckDB file has one writer) for its lifetime::
+
+    sink = SpanSink("specproxy.duckdb", otlp_endpoint=None)
+    sink.start()                      # opens the file (SpanStoreLocked if another process has it),
+                                      # migrates the schema, starts the writer thread
+    sink.begin_run(run_id, name="exp", mode="shadow", source="live", config_json="{}", stacks_json="{}")
+    sink.emit(record)                 # from any thread or the event loop; never blocks; False = dropped
+    sink.emit_backend_metrics(rows)   # rows of backend_metrics (the metrics scraper), same rules
+    sink.end_run(run_id)
+    sink.close()                      # writes every accepted span and row, then closes the file
+
+The path of a span. :meth:`SpanSink.emit` starts and ends a real OTel span on the sink's own
+``TracerProvider`` (start and end time from the record, attributes from
+:func:`~specproxy.proxy.otel.record_attributes`) and writes the span's ``trace_id``/``span_id`` back into
+the record. The provider has two span processors:
+
+- the sink's queue: a bounded list the writer thread drains in batches through
+  :class:`~specproxy.proxy.otel.DuckDBSpanExporter` (its own DuckDB connection, one columnar insert per
+  batch of up to ``batch_size`` spans, at least every ``flush_interval_s``);
+- when OTLP is configured (``otlp_endpoint``, or the standard ``OTEL_*`` variables, see
+  :func:`~specproxy.proxy.otel.otlp_exporter`), the SDK's ``BatchSpanProcessor`` with the OTLP/HTTP
+  exporter, on its own thread.
+
+The queue holds at most ``queue_size`` spans waiting for the writer. :meth:`emit` reserves a place before
+it does any OTel work: when none is left the record is dropped (from DuckDB and OTLP alike), counted in
+:attr:`SpanSink.dropped`, and ``emit`` returns False at once — traffic never waits on the writer.
+Records emitted after :meth:`close` began are dropped and counted the same way.
+
+The sink always records: it uses its own provider with an always-on sampler and no attribute limits,
+so ``OTEL_TRACES_SAMPLER``, ``OTEL_SPAN_ATTRIBUTE_*_LIMIT`` and ``OTEL_SDK_DISABLED`` (which turns the
+SDK's tracers into no-ops) cannot thin or truncate the span store; with the SDK disabled the sink builds
+the finished spans itself and OTLP export is off.
+
+Exceptions (translated from DuckDB's at this boundary)::
+
+    SpanSinkError                 the span store cannot be used (a sentence saying why and what to do)
+    └── SpanStoreLocked           another process holds the file open for writing
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import duckdb
+import numpy as np
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from specproxy import schema
+from specproxy.proxy.otel import (
+    DuckDBSpanExporter,
+    column_array,
+    epoch_us_to_timestamptz,
+    insert_columns,
+    otlp_exporter,
+    record_attributes,
+    span_name,
+    start_time_ns,
+)
+from specproxy.record import SpanRecord
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 8192
+DEFAULT_FLUSH_INTERVAL_S = 0.5
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+class SpanSinkError(RuntimeError):
+    """The span store cannot be opened or written; the message says why and what to do."""
+
+
+class SpanStoreLocked(SpanSinkError):
+    """Another process holds the DuckDB file open for writing (DuckDB allows one writer per file)."""
+
+
+class BackendMetricRow(NamedTuple):
+    """One row of table ``backend_metrics``: one scraped series of one arm at one moment."""
+
+    run_id: str | None
+    arm: str
+    scraped_at: datetime  # tz-aware UTC
+    phase: str  # 'periodic', or replay's 'c=16:before' / 'c=16:after'
+    name: str  # e.g. vllm:spec_decode_num_drafts_total
+    labels_json: str  # sorted JSON of the labels, `engine` included
+    value: float
+
+
+def _epoch_us(t: datetime) -> int:
+    t = t if t.tzinfo else t.replace(tzinfo=UTC)
+    d = t - _EPOCH
+    return (d.days * 86_400 + d.seconds) * 1_000_000 + d.microseconds
+
+
+class _PendingWrites:
+    """The bounded hand-off between emitters and the writer thread; producers never block.
+
+    A span takes a place with :meth:`reserve` before its OTel span exists and fills it in
+    :meth:`put_reserved` when the span ends (the processor's ``on_end``), so the bound holds exactly and
+    a full queue costs the caller one lock, not an OTel span.
+    """
+
+    def __init__(self, capacity: int, batch_size: int) -> None:
+        self._lock = threading.Lock()
+        self.wake = threading.Event()
+        self._capacity = capacity
+        self._batch_size = batch_size
+        self._spans: list[ReadableSpan] = []
+        self._reserved = 0  # places taken: spans queued plus spans being built by emit()
+        self._metric_rows: list[BackendMetricRow] = []
+        self._closed = False
+        self.dropped = 0
+        self.dropped_metric_rows = 0
+
+    def reserve(self) -> bool:
+        with self._lock:
+            if self._closed or self._reserved >= self._capacity:
+                self.dropped += 1
+                return False
+            self._reserved += 1
+            return True
+
+    def release(self) -> None:
+        """Give back a reservation whose span never ended (emit failed before ending it)."""
+        with self._lock:
+            self._reserved -= 1
+            self.dropped += 1
+
+    def put_reserved(self, span: ReadableSpan) -> None:
+        with self._lock:
+            self._spans.append(span)
+            full_batch = len(self._spans) == self._batch_size
+        if full_batch:
+            self.wake.set()
+
+    def offer_metrics(self, rows: Sequence[BackendMetricRow]) -> bool:
+        with self._lock:
+            if self._closed or len(self._metric_rows) + len(rows) > self._capacity:
+                self.dropped_metric_rows += len(rows)
+                return False
+            self._metric_rows.extend(rows)
+        self.wake.set()
+        return True
+
+    def take(self, max_spans: int) -> tuple[list[ReadableSpan], list[BackendMetricRow]]:
+        with self._lock:
+            spans = self._spans[:max_spans]
+            del self._spans[:max_spans]
+            self._reserved -= len(spans)
+            rows, self._metric_rows = self._metric_rows, []
+        return spans, rows
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.wake.set()
+
+    @property
+    def depth(self) -> int:
+        return self._reserved
+
+    @property
+    def settled(self) -> bool:
+        """Nothing queued and no emit() half-way."""
+        with self._lock:
+            return self._reserved == 0 and not self._metric_rows
+
+
+class _QueueSpanProcessor(SpanProcessor):
+    """Hands every ended span to the writer's queue (its place was reserved by emit())."""
+
+    def __init__(self, pending: _PendingWrites) -> None:
+        self._pending = pending
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self._pending.put_reserved(span)
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class SpanSink:
+    """Turns span records into OTel spans and writes them to the DuckDB span store (module docstring)."""
+
+    def __init__(
+        self,
+        db_path: str | Path | None,
+        *,
+        queue_size: int = 100_000,
+        otlp_endpoint: str | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        service_name: str | None = None,
+    ) -> None:
+        if queue_size < 1 or batch_size < 1 or flush_interval_s <= 0:
+            raise ValueError("queue_size and batch_size must be ≥ 1 and flush_interval_s > 0")
+        self.db_path = Path(db_path) if db_path is not None else None
+        self._batch_size = batch_size
+        self._flush_interval_s = flush_interval_s
+        self._pending = _PendingWrites(queue_size, batch_size)
+        self._written = 0
+        self._metric_rows_written = 0
+        self._failed = 0
+        self._conn: Any = None
+        self._runs_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._closed = False
+
+        resource = Resource.create(
+            {"service.name": service_name or os.environ.get("OTEL_SERVICE_NAME") or "specproxy"}
+        )
+        unlimited = SpanLimits(
+            max_span_attributes=SpanLimits.UNSET, max_span_attribute_length=SpanLimits.UNSET
+        )
+        self._provider = TracerProvider(
+            sampler=ALWAYS_ON, resource=resource, span_limits=unlimited, shutdown_on_exit=False
+        )
+        self._provider.add_span_processor(_QueueSpanProcessor(self._pending))
+        tracer = self._provider.get_tracer("specproxy")
+        # OTEL_SDK_DISABLED=true makes get_tracer hand out a no-op tracer; the store must still fill.
+        self._tracer: SdkTracer | None = tracer if isinstance(tracer, SdkTracer) else None
+        self._resource = resource
+        self._otlp: BatchSpanProcessor | None = None
+        exporter = otlp_exporter(otlp_endpoint) if self._tracer is not None else None
+        if exporter is not None:
+            self._otlp = BatchSpanProcessor(exporter)
+            self._provider.add_span_processor(self._otlp)
+
+    @property
+    def otlp_enabled(self) -> bool:
+        return self._otlp is not None
+
+    @property
+    def dropped(self) -> int:
+        """Spans dropped because the queue was full (or the sink closed, or building the span failed)."""
+        return self._pending.dropped
+
+    @property
+    def dropped_metric_rows(self) -> int:
+        return self._pending.dropped_metric_rows
+
+    @property
+    def written(self) -> int:
+        """Span rows written to the DuckDB file."""
+        return self._written
+
+    @property
+    def failed(self) -> int:
+        """Span rows the writer could not write (the error was logged)."""
+        return self._failed
+
+    @property
+    def queue_depth(self) -> int:
+        """Spans accepted and not yet handed to the writer."""
+        return self._pending.depth
+
+    def start(self) -> None:
+        """Open the span store, bring its schema up to date and start the writer thread."""
+        if self._thread is not None:
+            raise SpanSinkError("this span sink is already started")
+        if self.db_path is not None:
+            self._conn = _open_store(self.db_path)
+        self._thread = threading.Thread(target=self._run_writer, name="specproxy-span-writer", daemon=True)
+        self._thread.start()
+
+    def begin_run(
+        self, run_id: str, *, name: str, mode: str, source: str, config_json: str, stacks_json: str
+    ) -> None:
+        """Add the ``runs`` row of a run (started_at = now). A no-op without a span store."""
+        if self._conn is None:
+            self._require_started()
+            return
+        from specproxy import __version__
+
+        with self._runs_lock:
+            cur = self._conn.cursor()
+            try:
+                cur.execute(
+                    "INSERT INTO runs (run_id, name, mode, source, started_at, config_json, stacks_json, "
+                    "host, specproxy_version) VALUES (?, ?, ?, ?, now(), ?, ?, ?, ?)",
+                    [run_id, name, mode, source, config_json, stacks_json, socket.gethostname(), __version__],
+                )
+            except duckdb.ConstraintException as exc:
+                raise SpanSinkError(f"run {run_id!r} is already in {self.db_path}; use a new run id") from exc
+            finally:
+                cur.close()
+
+    def end_run(self, run_id: str) -> None:
+        """Set the run's ``ended_at`` to now."""
+        if self._conn is None:
+            return
+        with self._runs_lock:
+            cur = self._conn.cursor()
+            try:
+                cur.execute("UPDATE runs SET ended_at = now() WHERE run_id = ?", [run_id])
+            finally:
+                cur.close()
+
+    def emit(self, record: SpanRecord) -> bool:
+        """Queue one span record; thread-safe and never blocking. False when it was dropped (counted).
+
+        Fills ``record.trace_id`` and ``record.span_id`` from the OTel span. The span starts at
+        ``t_start_ns`` (else ``t_start``, else now) and lasts ``e2e_s``.
+        """
+        if not self._pending.reserve():
+            return False
+        ended = False
+        try:
+            try:
+                start = start_time_ns(record)
+            except ValueError:
+                start = time.time_ns()
+            e2e = record.e2e_s
+            end = start + round(e2e * 1e9) if e2e is not None and e2e > 0 else start
+            attributes = record_attributes(record)
+            if self._tracer is None:
+                self._emit_without_sdk(record, attributes, start, end)
+                ended = True
+                return True
+            span = self._tracer.start_span(
+                span_name(record), kind=SpanKind.CLIENT, attributes=attributes, start_time=start
+            )
+            context = span.get_span_context()
+            record.trace_id = format(context.trace_id, "032x")
+            record.span_id = format(context.span_id, "016x")
+            if record.status != "ok":
+                span.set_status(Status(StatusCode.ERROR, record.error or record.status))
+            ended = True  # from here on the processor owns the reserved place
+            span.end(end_time=end)
+            return True
+        except Exception:
+            # A malformed record must not fail the request that produced it.
+            log.exception("could not build the span of request %s; dropped", record.request_id)
+            if not ended:
+                self._pending.release()
+            return False
+
+    def _emit_without_sdk(self, record: SpanRecord, attributes: dict[str, Any], start: int, end: int) -> None:
+        context = SpanContext(
+            trace_id=random.getrandbits(128) or 1,
+            span_id=random.getrandbits(64) or 1,
+            is_remote=False,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+        )
+        record.trace_id = format(context.trace_id, "032x")
+        record.span_id = format(context.span_id, "016x")
+        span = ReadableSpan(
+            name=span_name(record), context=context, attributes=attributes, start_time=start,
+            end_time=end, kind=SpanKind.CLIENT, resource=self._resource,
+        )
+        self._pending.put_reserved(span)
+
+    def emit_backend_metrics(self, rows: Sequence[BackendMetricRow]) -> bool:
+        """Queue rows for ``backend_metrics``; never blocks. False when dropped (queue full or closed)."""
+        if not rows:
+            return True
+        return self._pending.offer_metrics(rows)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything accepted so far is written (True) or ``timeout`` passes (False)."""
+        self._pending.wake.set()
+        deadline = time.monotonic() + timeout
+        while not self._pending.settled or self._busy:
+            if time.monotonic() > deadline:
+                return False
+            self._pending.wake.set()
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write every accepted span and metric row, stop the writer, flush OTLP, close the file.
+
+        With a ``timeout`` that passes first, the spans not yet written are reported in the log and the
+        file is left to the (daemon) writer thread. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.close()
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error(
+                    "the span writer did not finish within %.1fs; %d spans not yet written to %s",
+                    timeout or 0.0, self._pending.depth, self.db_path,
+                )
+                return
+        if self._otlp is not None:
+            self._otlp.force_flush(int((timeout or 30.0) * 1000))
+        self._provider.shutdown()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    _busy = False  # the writer is inside a write (flush() waits for it)
+
+    def _run_writer(self) -> None:
+        cursor = self._conn.cursor() if self._conn is not None else None
+        exporter = DuckDBSpanExporter(cursor) if cursor is not None else None
+        try:
+            while True:
+                stopping = self._stopping.is_set()
+                self._pending.wake.wait(0.005 if stopping else self._flush_interval_s)
+                self._pending.wake.clear()
+                while True:
+                    self._busy = True
+                    spans, rows = self._pending.take(self._batch_size)
+                    if not spans and not rows:
+                        self._busy = False
+                        break
+                    self._write(exporter, cursor, spans, rows)
+                    self._busy = False
+                    # Hand the GIL to the event loop between batches rather than after a 5 ms slice.
+                    time.sleep(0)
+                if stopping and self._pending.settled:
+                    return
+        finally:
+            self._busy = False
+            if cursor is not None:
+                cursor.close()
+
+    def _write(
+        self, exporter: DuckDBSpanExporter | None, cursor: Any, spans: list[ReadableSpan],
+        rows: list[BackendMetricRow],
+    ) -> None:
+        if spans and exporter is not None:
+            try:
+                exporter.export(spans)
+                self._written += len(spans)
+            except Exception:
+                self._failed += len(spans)
+                log.exception("could not write %d spans to %s", len(spans), self.db_path)
+        if rows and cursor is not None:
+            try:
+                _insert_backend_metrics(cursor, rows)
+                self._metric_rows_written += len(rows)
+            except Exception:
+                log.exception("could not write %d backend metric rows to %s", len(rows), self.db_path)
+
+    def _require_started(self) -> None:
+        if self._thread is None:
+            raise SpanSinkError("the span sink is not started; call start() first")
+
+    def __enter__(self) -> SpanSink:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _insert_backend_metrics(conn: Any, rows: Sequence[BackendMetricRow]) -> None:
+    columns = {
+        "run_id": column_array([r.run_id for r in rows], "VARCHAR"),
+        "arm": column_array([r.arm for r in rows], "VARCHAR"),
+        "phase": column_array([r.phase for r in rows], "VARCHAR"),
+        "name": column_array([r.name for r in rows], "VARCHAR"),
+        "labels_json": column_array([r.labels_json for r in rows], "VARCHAR"),
+        "value": column_array([float(r.value) for r in rows], "DOUBLE"),
+        "_scraped_us": (np.array([_epoch_us(r.scraped_at) for r in rows], dtype=np.int64), None),
+    }
+    insert_columns(conn, "backend_metrics", columns, {"scraped_at": epoch_us_to_timestamptz("_scraped_us")})
+
+
+_LOCK_PID = re.compile(r"\(PID (\d+)\)")
+
+
+def _open_store(path: Path) -> Any:
+    """Open (or create) the DuckDB file for writing and migrate it; DuckDB's errors become sentences."""
+    try:
+        conn = duckdb.connect(str(path))
+    except duckdb.IOException as exc:
+        text = str(exc)
+        if "lock" in text.lower():
+            pid = _LOCK_PID.search(text)
+            holder = f"process {pid.group(1)}" if pid else "another process"
+            raise SpanStoreLocked(
+                f"the span store {path} is open for writing in {holder}; DuckDB allows one writer per "
+                f"file: stop that process, or give this one another file (--db)"
+            ) from exc
+        raise SpanSinkError(f"cannot open the span store {path}: {text}") from exc
+    except duckdb.Error as exc:
+        raise SpanSinkError(
+            f"cannot open the span store {path} ({exc}); is it a DuckDB file written by specproxy?"
+        ) from exc
+    try:
+        schema.migrate(conn)
+    except RuntimeError as exc:
+        conn.close()
+        raise SpanSinkError(str(exc)) from exc
+    except duckdb.Error as exc:
+        conn.close()
+        raise SpanSinkError(f"cannot set up the schema of the span store {path}: {exc}") from exc
+    return conn
+
+
+__all__ = [
+    "BackendMetricRow",
+    "SpanSink",
+    "SpanSinkError",
+    "SpanStoreLocked",
+]
