@@ -1,0 +1,357 @@
+"""Server-sent events in, span facts out: a pure, synchronous SSE parser and a completions tap.
+
+Two small pieces, both fed bytes and free of I/O so that the proxy and replay share them:
+
+- :class:`SSEParser` splits a byte stream into events. It works on bytes, never on text: the event
+  separator (a blank line) and the ``data:`` prefix are ASCII, and an ASCII byte never occurs inside a
+  multi-byte UTF-8 sequence, so a code point split across two network reads stays whole (decoding is
+  left to the JSON parser, which reads UTF-8 bytes directly). ``:`` comment lines are skipped.
+- :class:`CompletionTap` turns OpenAI/vLLM chat or completions chunks (or one non-streaming response
+  body) into what a span needs: first content chunk time, last token time, chunks, tokens per chunk,
+  completion tokens, finish reason, output text and token ids, vLLM's per-request speculation stats and
+  the top-1/top-2 logprob margin of each generated token.
+
+Tokens per chunk come from the chunk's ``token_ids`` (vLLM ``return_token_ids``), else from the change
+in continuous ``usage.completion_tokens`` (vLLM ``stream_options.continuous_usage_stats``), else one
+per content chunk (a llama.cpp-style server). They are never derived from text.
+
+Example::
+
+    parser, tap = SSEParser(), CompletionTap("chat")
+    for raw in network_reads:                      # bytes, split anywhere
+        now = time.perf_counter()
+        for event in parser.feed(raw):
+            if event.data is not None:
+                tap.feed_data(event.data, now)
+    tap.completion_tokens, tap.tokens_per_chunk, tap.text()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+Endpoint = Literal["chat", "completions"]
+
+DONE = b"[DONE]"
+
+
+@dataclass(slots=True)
+class SSEEvent:
+    """One event: its raw bytes (including the blank-line terminator) and its joined ``data`` field.
+
+    ``data`` is None for an event without data lines (a comment, a bare ``event:``/``id:``).
+    """
+
+    raw: bytes
+    data: bytes | None
+
+
+class SSEParser:
+    """Incremental SSE splitter. ``feed(bytes) -> [SSEEvent]``; call :meth:`flush` at end of stream."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        buf = self._buf + chunk if self._buf else chunk
+        held = b""
+        if b"\r" in buf:
+            # CRLF or bare CR line endings (allowed by the SSE spec); vLLM sends plain LF. A CR at the
+            # very end may be the first half of a CRLF split across reads: keep it for the next feed.
+            if buf.endswith(b"\r"):
+                buf, held = buf[:-1], b"\r"
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        events: list[SSEEvent] = []
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            block = buf[start:end]
+            start = end + 2
+            if block:
+                events.append(SSEEvent(block + b"\n\n", _data_of(block)))
+        self._buf = buf[start:] + held
+        return events
+
+    def flush(self) -> list[SSEEvent]:
+        """The last event when the stream ended without its blank line (a truncated stream)."""
+        block, self._buf = self._buf.replace(b"\r", b"\n").strip(b"\n"), b""
+        return [SSEEvent(block + b"\n\n", _data_of(block))] if block else []
+
+    @property
+    def pending(self) -> int:
+        """Bytes held back waiting for the end of an event."""
+        return len(self._buf)
+
+
+def _data_of(block: bytes) -> bytes | None:
+    # Fast path: the one-line `data: {...}` event that vLLM and OpenAI send.
+    if block.startswith(b"data: ") and b"\n" not in block:
+        return block[6:]
+    parts: list[bytes] = []
+    for line in block.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(parts) if parts else None
+
+
+# Keys in a delta / choice whose presence with a non-empty value makes a chunk a "content" chunk.
+_CHAT_CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Per-request speculation counts, from vLLM's ``metrics.speculative_decoding`` or the stream shape."""
+
+    num_drafts: int | None
+    draft_tokens: int | None
+    accepted_tokens: int | None
+    acceptance_length: float | None
+
+
+class CompletionTap:
+    """Accumulates the facts of one chat/completions response, chunk by chunk (or in one body).
+
+    Times are whatever clock the caller passes (the proxy uses ``time.perf_counter()``).
+    Only choice index 0 contributes text, token ids and logprobs (identity compares n=1 requests);
+    tokens of every choice are counted.
+    """
+
+    __slots__ = (
+        "endpoint", "t_first", "t_last", "chunks", "tokens_per_chunk", "_text", "token_ids",
+        "_have_token_ids", "_usage_tokens", "_continuous", "final_usage", "finish_reason", "spec_metrics",
+        "margins", "token_texts", "done", "error", "count_source", "prompt_tokens",
+    )
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.t_first: float | None = None  # first chunk carrying content (or tokens)
+        self.t_last: float | None = None  # last chunk carrying tokens
+        self.chunks = 0  # chunks carrying content or tokens
+        self.tokens_per_chunk: list[int] = []
+        self._text: list[str] = []
+        self.token_ids: list[int] = []
+        self._have_token_ids = False
+        self._usage_tokens = 0  # last cumulative completion_tokens seen in a chunk
+        self._continuous = False
+        self.final_usage: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.spec_metrics: dict[str, Any] | None = None
+        self.margins: list[float | None] = []  # top-1 minus top-2 logprob per generated token
+        self.token_texts: list[str] = []  # token strings from logprobs, to map a char index to a token
+        self.done = False  # saw data: [DONE]
+        self.error: Any = None  # an in-stream {"error": ...} event
+        # How tokens were counted: token_ids | continuous_usage | chunks (one per content chunk)
+        self.count_source = "chunks"
+        self.prompt_tokens: int | None = None
+
+    def feed_data(self, data: bytes, now: float) -> dict[str, Any] | None:
+        """One event's data; returns the parsed chunk (None for ``[DONE]`` or unparsable data)."""
+        if data == DONE:
+            self.done = True
+            return None
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        self.feed_chunk(obj, now)
+        return obj
+
+    def feed_chunk(self, obj: dict[str, Any], now: float) -> None:
+        """One parsed streaming chunk."""
+        if "error" in obj and "choices" not in obj:
+            self.error = obj["error"]
+            return
+        usage = obj.get("usage")
+        metrics = obj.get("metrics")
+        if metrics:
+            self._take_metrics(metrics)
+        choices = obj.get("choices")
+        if not choices:
+            # The usage-only chunk at the end (include_usage): final counts.
+            if usage:
+                self._take_final_usage(usage)
+            return
+        n_ids = 0
+        has_content = False
+        for choice in choices:
+            first = choice.get("index", 0) == 0
+            ids = choice.get("token_ids")
+            if ids:
+                n_ids += len(ids)
+                self._have_token_ids = True
+                if first:
+                    self.token_ids.extend(ids)
+            if self.endpoint == "chat":
+                delta = choice.get("delta") or {}
+                text = delta.get("content")
+                if text or any(delta.get(k) for k in _CHAT_CONTENT_KEYS):
+                    has_content = True
+            else:
+                text = choice.get("text")
+                if text:
+                    has_content = True
+            if first:
+                if text:
+                    self._text.append(text)
+                lp = choice.get("logprobs")
+                if lp:
+                    self._take_logprobs(lp)
+            reason = choice.get("finish_reason")
+            if reason:
+                self.finish_reason = reason
+        if self._have_token_ids:
+            n = n_ids
+            self.count_source = "token_ids"
+        elif usage and usage.get("completion_tokens") is not None:
+            cum = int(usage["completion_tokens"])
+            n = cum - self._usage_tokens
+            self._usage_tokens = cum
+            self._continuous = True
+            self.count_source = "continuous_usage"
+            if self.prompt_tokens is None and usage.get("prompt_tokens") is not None:
+                self.prompt_tokens = int(usage["prompt_tokens"])
+        else:
+            n = 1 if has_content else 0
+        if n > 0 or has_content:
+            if self.t_first is None:
+                self.t_first = now
+            if n > 0:
+                self.t_last = now
+            self.chunks += 1
+            self.tokens_per_chunk.append(n)
+
+    def feed_body(self, body: bytes, now: float) -> dict[str, Any] | None:
+        """A whole non-streaming response body (arriving at ``now``); returns it parsed, or None."""
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if obj.get("metrics"):
+            self._take_metrics(obj["metrics"])
+        for choice in obj.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            if self.endpoint == "chat":
+                text = (choice.get("message") or {}).get("content")
+            else:
+                text = choice.get("text")
+            if text:
+                self._text.append(text)
+            ids = choice.get("token_ids")
+            if ids:
+                self.token_ids.extend(ids)
+                self._have_token_ids = True
+            lp = choice.get("logprobs")
+            if lp:
+                self._take_logprobs(lp)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        if obj.get("usage"):
+            self._take_final_usage(obj["usage"])
+        if self._text or self.token_ids or self.final_usage:
+            self.t_first = self.t_last = now
+        return obj
+
+    def _take_final_usage(self, usage: dict[str, Any]) -> None:
+        self.final_usage = usage
+        if usage.get("prompt_tokens") is not None:
+            self.prompt_tokens = int(usage["prompt_tokens"])
+
+    def _take_metrics(self, metrics: Any) -> None:
+        if isinstance(metrics, dict):
+            sd = metrics.get("speculative_decoding")
+            if isinstance(sd, dict):
+                self.spec_metrics = sd
+
+    def _take_logprobs(self, lp: Any) -> None:
+        if not isinstance(lp, dict):
+            return
+        content = lp.get("content")
+        if content is not None:  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
+            for item in content:
+                self.token_texts.append(item.get("token") or "")
+                tops = item.get("top_logprobs") or ()
+                self.margins.append(_margin([t.get("logprob") for t in tops]))
+            return
+        tops_list = lp.get("top_logprobs")  # completions: top_logprobs: [{token: logprob}]
+        tokens = lp.get("tokens") or ()
+        for i, tops in enumerate(tops_list or ()):
+            self.token_texts.append(tokens[i] if i < len(tokens) else "")
+            self.margins.append(_margin(tops.values() if isinstance(tops, dict) else ()))
+
+    @property
+    def completion_tokens(self) -> int | None:
+        """Final usage when the backend sent it, else the counted tokens (None if nothing arrived)."""
+        if self.final_usage and self.final_usage.get("completion_tokens") is not None:
+            return int(self.final_usage["completion_tokens"])
+        counted = sum(self.tokens_per_chunk)
+        if counted:
+            return counted
+        if self.token_ids:
+            return len(self.token_ids)
+        return None
+
+    @property
+    def has_token_ids(self) -> bool:
+        return self._have_token_ids
+
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def spec_from_shape(self, k: int | None) -> SpecStats | None:
+        """Acceptance estimated from tokens per chunk (one chunk ≈ one engine step).
+
+        Only when tokens were counted exactly (token ids or continuous usage). The first token chunk
+        comes from prefill, not from a verified draft, so it is left out. Each later chunk of n tokens
+        counts as one step with n − 1 accepted drafts; drafts = steps × k when k is known.
+        Approximate: ``--stream-interval`` or a lagging server merges steps (overestimates), the last
+        step can be cut by max_tokens or a stop string (underestimates).
+        """
+        if self.count_source == "chunks":
+            return None
+        steps = [n for n in self.tokens_per_chunk[1:] if n > 0]
+        if not steps:
+            return None
+        accepted = sum(n - 1 for n in steps)
+        return SpecStats(
+            num_drafts=len(steps),
+            draft_tokens=len(steps) * k if k else None,
+            accepted_tokens=accepted,
+            acceptance_length=1.0 + accepted / len(steps),
+        )
+
+    def spec_from_metrics(self) -> SpecStats | None:
+        """vLLM's own per-request numbers (``--per-request-spec-decode-metrics``), when present."""
+        sd = self.spec_metrics
+        if not sd:
+            return None
+        mal = sd.get("mean_acceptance_length")
+        return SpecStats(
+            num_drafts=_int_or_none(sd.get("num_spec_steps")),
+            draft_tokens=_int_or_none(sd.get("num_draft_tokens")),
+            accepted_tokens=_int_or_none(sd.get("num_accepted_draft_tokens")),
+            acceptance_length=float(mal) if mal is not None else None,
+        )
+
+
+def _int_or_none(v: Any) -> int | None:
+    return int(v) if v is not None else None
+
+
+def _margin(logprobs: Iterable[Any]) -> float | None:
+    vals = sorted((float(v) for v in logprobs if v is not None), reverse=True)
+    if len(vals) < 2:
+        return None
+    return vals[0] - vals[1]

@@ -1,0 +1,436 @@
+"""One call to one arm: send a chat/completions request, optionally relay the response, fill its span.
+
+The proxy and ``specproxy replay`` both call arms through :func:`call_arm`, so a replayed call and a
+live one are measured the same way.
+
+What :func:`call_arm` does:
+
+- asks vLLM arms for what a span needs (``stream_options.include_usage`` +
+  ``continuous_usage_stats`` on streams, ``return_token_ids`` when the arm sets it) unless the arm has
+  ``vllm_extensions = "off"``; a backend that rejects them (400/422 naming them) is retried once
+  without, and remembered per arm URL in :class:`UpstreamState`;
+- relays the response to an optional :class:`Relay` (the proxy's client writer) as it arrives, with
+  everything the client did not ask for stripped again, so the client gets what the backend would have
+  sent it; when nothing needs stripping the received bytes are forwarded untouched;
+- never raises for upstream trouble: the record's ``status`` says ``ok``, ``http_error`` (upstream
+  4xx/5xx, passed through to the relay as it is), ``upstream_error`` (refused, reset, bad stream),
+  ``timeout`` or ``client_cancelled`` (the relay raised :class:`ClientGone`);
+- ``asyncio.CancelledError`` is never swallowed: the upstream connection is closed (vLLM then aborts
+  the generation), the record says ``client_cancelled`` and the error propagates.
+
+Example (replay-style, no relay)::
+
+    async with aiohttp.ClientSession() as session:
+        rec = new_record(run_id, "req-1", arm, body, endpoint="chat", routed_as="replay", source="replay")
+        result = await call_arm(session, arm, body, endpoint="chat", record=rec)
+        result.record.status, result.record.ttft_s, result.text, result.token_ids
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+
+from specproxy.config import Arm
+from specproxy.record import SpanRecord, decode_tok_s
+
+from .sse import CompletionTap, Endpoint, SSEParser
+
+ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+CATEGORY_HEADER = "X-Specproxy-Category"
+REQUEST_ID_HEADER = "X-Request-Id"
+
+# Words in a 400/422 body that mean "this backend does not know vLLM's extensions".
+_REJECTION_MARKERS = (b"stream_options", b"continuous_usage_stats", b"return_token_ids", b"nrecognized",
+                      b"xtra", b"not permitted", b"unknown field")
+
+
+class ClientGone(Exception):
+    """Raised by a :class:`Relay` when the client it writes to has disconnected."""
+
+
+class Relay(Protocol):
+    """Where a relayed response goes (the proxy's client response)."""
+
+    async def start(self, status: int, content_type: str) -> None:
+        """Called once, before the first write, with the upstream status and content type."""
+
+    async def write(self, data: bytes) -> None:
+        """Bytes for the client, in order; awaiting it is the backpressure."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTimeout:
+    """Seconds. ``read`` bounds each wait for the next bytes; ``total`` the whole call (None: no cap)."""
+
+    connect: float = 10.0
+    read: float | None = 600.0
+    total: float | None = None
+
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.total, sock_connect=self.connect, sock_read=self.read)
+
+
+@dataclass(slots=True)
+class UpstreamState:
+    """Per-process memory about arms: which reject vLLM's extensions, and calls in flight per arm."""
+
+    rejects_extensions: set[str] = field(default_factory=set)
+    inflight: dict[str, int] = field(default_factory=dict)
+
+
+DEFAULT_STATE = UpstreamState()
+
+
+@dataclass(slots=True)
+class _Strip:
+    """What to remove from the upstream response because the proxy, not the client, asked for it."""
+
+    usage: bool = False  # client did not ask include_usage: drop usage and the usage-only chunk
+    chunk_usage: bool = False  # client asked include_usage but not continuous stats
+    token_ids: bool = False  # client did not ask return_token_ids
+
+    @property
+    def any(self) -> bool:
+        return self.usage or self.chunk_usage or self.token_ids
+
+
+@dataclass(slots=True)
+class CallResult:
+    """The outcome of one upstream call. ``record`` is filled in; ``tap`` holds the output facts."""
+
+    record: SpanRecord
+    tap: CompletionTap
+    http_status: int | None = None
+    relay_started: bool = False  # the relay got start(): the client response is under way
+    client_gone: bool = False
+    t_send: float = 0.0  # perf_counter at send
+
+    @property
+    def ok(self) -> bool:
+        return self.record.status == "ok"
+
+    @property
+    def text(self) -> str:
+        return self.tap.text()
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        return self.tap.token_ids if self.tap.has_token_ids else None
+
+
+def prompt_sha256(body: dict[str, Any], endpoint: str) -> str:
+    """sha256 of the prompt part of a request (messages or prompt), canonical JSON, so arms agree."""
+    part = body.get("messages") if endpoint == "chat" else body.get("prompt")
+    return hashlib.sha256(orjson.dumps(part, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def new_record(
+    run_id: str,
+    request_id: str,
+    arm: Arm,
+    body: dict[str, Any],
+    *,
+    endpoint: Endpoint,
+    routed_as: str,
+    source: str = "live",
+    category: str | None = None,
+    trace_id: str | None = None,
+    concurrency_level: int | None = None,
+) -> SpanRecord:
+    """A span record with identity and request fields filled from the arm and the client's body."""
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    temperature = body.get("temperature")
+    seed = body.get("seed")
+    return SpanRecord(
+        run_id=run_id,
+        request_id=request_id,
+        arm=arm.name,
+        arm_role=arm.role,
+        backend_url=arm.url,
+        trace_id=trace_id or secrets.token_hex(16),
+        span_id=secrets.token_hex(8),
+        spec_method=arm.spec_method,
+        num_speculative_tokens=arm.num_speculative_tokens,
+        source=source,
+        routed_as=routed_as,
+        category=category,
+        concurrency_level=concurrency_level,
+        endpoint=endpoint,
+        model=body.get("model") if isinstance(body.get("model"), str) else None,
+        stream=bool(body.get("stream")),
+        temperature=float(temperature) if isinstance(temperature, int | float) else None,
+        max_tokens=int(max_tokens) if isinstance(max_tokens, int) else None,
+        seed=int(seed) if isinstance(seed, int) else None,
+        prompt_sha256=prompt_sha256(body, endpoint),
+    )
+
+
+def _upstream_body(arm: Arm, body: dict[str, Any], *, with_extensions: bool) -> tuple[bytes, _Strip]:
+    """The body sent upstream and what must be stripped from its response for the client."""
+    strip = _Strip()
+    if not with_extensions:
+        return orjson.dumps(body), strip
+    out = dict(body)
+    if body.get("stream"):
+        opts = body.get("stream_options")
+        client_opts = opts if isinstance(opts, dict) else {}
+        strip.usage = not client_opts.get("include_usage")
+        strip.chunk_usage = not strip.usage and not client_opts.get("continuous_usage_stats")
+        out["stream_options"] = {**client_opts, "include_usage": True, "continuous_usage_stats": True}
+    if arm.return_token_ids:
+        strip.token_ids = not body.get("return_token_ids")
+        out["return_token_ids"] = True
+    return orjson.dumps(out), strip
+
+
+def _strip_chunk(obj: dict[str, Any], strip: _Strip) -> bool:
+    """Remove what the client did not ask for from one chunk; False means drop the whole event."""
+    choices = obj.get("choices")
+    if strip.usage:
+        if not choices and "usage" in obj:
+            return False
+        obj.pop("usage", None)
+    elif strip.chunk_usage and choices:
+        obj.pop("usage", None)
+    if strip.token_ids:
+        obj.pop("prompt_token_ids", None)
+        for c in choices or ():
+            c.pop("token_ids", None)
+            c.pop("prompt_token_ids", None)
+    return True
+
+
+def _strip_body(body: bytes, strip: _Strip) -> bytes:
+    """A non-streaming response without the token ids the proxy added (unchanged when nothing to do)."""
+    if not strip.token_ids:
+        return body
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(obj, dict):
+        return body
+    _strip_chunk(obj, _Strip(token_ids=True))
+    return orjson.dumps(obj)
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        obj = orjson.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else (err if isinstance(err, str) else None)
+        if msg is None and isinstance(obj, dict):
+            msg = obj.get("message") or obj.get("detail")
+        if msg:
+            return str(msg)[:500]
+    except orjson.JSONDecodeError:
+        pass
+    return body[:500].decode("utf-8", errors="replace")
+
+
+def _headers(arm: Arm, request_id: str, category: str | None, extra: dict[str, str] | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+    if category:
+        headers[CATEGORY_HEADER] = category
+    if extra:
+        headers.update(extra)
+    if arm.api_key_env:
+        key = os.environ.get(arm.api_key_env)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+async def call_arm(
+    session: aiohttp.ClientSession,
+    arm: Arm,
+    body: dict[str, Any],
+    *,
+    endpoint: Endpoint,
+    record: SpanRecord,
+    relay: Relay | None = None,
+    timeout: UpstreamTimeout | None = None,
+    headers: dict[str, str] | None = None,
+    capture_output: bool = False,
+    state: UpstreamState | None = None,
+) -> CallResult:
+    """Send ``body`` to ``arm`` and fill ``record``; see the module docstring. Never raises for upstream
+    trouble; re-raises ``asyncio.CancelledError`` after closing the upstream connection."""
+    state = state or DEFAULT_STATE
+    timeout = timeout or UpstreamTimeout()
+    url = arm.url + ENDPOINT_PATHS[endpoint]
+    hdrs = _headers(arm, record.request_id, record.category, headers)
+    tap = CompletionTap(endpoint)
+    result = CallResult(record=record, tap=tap)
+    inflight = state.inflight.get(arm.url, 0)
+    record.inflight_at_start = inflight
+    state.inflight[arm.url] = inflight + 1
+    with_ext = arm.vllm_extensions == "on" or (
+        arm.vllm_extensions == "auto" and arm.url not in state.rejects_extensions
+    )
+    record.t_start_ns = time.time_ns()
+    result.t_send = t_send = time.perf_counter()
+    t_end: float | None = None
+    try:
+        while True:
+            data, strip = _upstream_body(arm, body, with_extensions=with_ext)
+            resp = await session.post(url, data=data, headers=hdrs, timeout=timeout.client_timeout())
+            try:
+                result.http_status = record.http_status = resp.status
+                if resp.status >= 400:
+                    err_body = await resp.read()
+                    if (
+                        with_ext and arm.vllm_extensions == "auto" and resp.status in (400, 422)
+                        and any(m in err_body for m in _REJECTION_MARKERS)
+                    ):
+                        state.rejects_extensions.add(arm.url)
+                        with_ext = False
+                        continue
+                    t_end = time.perf_counter()
+                    record.status = "http_error"
+                    record.error = _error_message(err_body)
+                    if relay is not None:
+                        await _relay_start(relay, result, resp.status, resp.content_type)
+                        await _relay_write(relay, err_body)
+                    break
+                is_sse = resp.content_type == "text/event-stream"
+                if is_sse:
+                    await _read_stream(resp, tap, relay, strip, result)
+                    if not tap.done and tap.error is None:
+                        record.status = "upstream_error"
+                        record.error = "stream ended before data: [DONE]"
+                else:
+                    payload = await resp.read()
+                    now = time.perf_counter()
+                    if tap.feed_body(payload, now) is None:
+                        record.status = "upstream_error"
+                        record.error = "response is not a JSON object"
+                    if relay is not None:
+                        await _relay_start(relay, result, resp.status, resp.content_type)
+                        await _relay_write(relay, _strip_body(payload, strip))
+                if tap.error is not None:
+                    record.status = "upstream_error"
+                    record.error = _error_message(orjson.dumps({"error": tap.error}))
+                t_end = time.perf_counter()
+                break
+            finally:
+                # A normal end leaves the connection reusable; anything else closes it, which makes
+                # vLLM abort the generation.
+                if t_end is None:
+                    resp.close()
+                else:
+                    resp.release()
+    except ClientGone:
+        record.status = "client_cancelled"
+        record.error = "client disconnected"
+        result.client_gone = True
+    except asyncio.CancelledError:
+        record.status = "client_cancelled"
+        record.error = "cancelled"
+        raise
+    except TimeoutError as exc:  # aiohttp's ServerTimeoutError is a TimeoutError too
+        record.status = "timeout"
+        record.error = f"upstream timed out ({exc.__class__.__name__})"
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        record.status = "upstream_error"
+        record.error = f"{exc.__class__.__name__}: {exc}"[:500]
+    finally:
+        state.inflight[arm.url] -= 1
+        _finish_record(record, arm, tap, t_send, t_end, capture_output)
+    return result
+
+
+async def _relay_start(relay: Relay, result: CallResult, status: int, content_type: str) -> None:
+    result.relay_started = True
+    try:
+        await relay.start(status, content_type)
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+        raise ClientGone() from exc
+
+
+async def _relay_write(relay: Relay, data: bytes) -> None:
+    try:
+        await relay.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+        raise ClientGone() from exc
+
+
+async def _read_stream(
+    resp: aiohttp.ClientResponse, tap: CompletionTap, relay: Relay | None, strip: _Strip, result: CallResult
+) -> None:
+    parser = SSEParser()
+    perf = time.perf_counter
+    rewrite = relay is not None and strip.any
+    if relay is not None:
+        await _relay_start(relay, result, resp.status, resp.content_type)
+    async for raw in resp.content.iter_any():
+        now = perf()
+        if relay is not None and not rewrite:
+            # Forward first, parse after: the client's latency does not include our parsing.
+            await _relay_write(relay, raw)
+        events = parser.feed(raw)
+        if rewrite:
+            out: list[bytes] = []
+            for ev in events:
+                obj = tap.feed_data(ev.data, now) if ev.data is not None else None
+                if obj is None:
+                    out.append(ev.raw)
+                elif _strip_chunk(obj, strip):
+                    out.append(b"data: " + orjson.dumps(obj) + b"\n\n")
+            if out and relay is not None:
+                await _relay_write(relay, b"".join(out))
+        else:
+            for ev in events:
+                if ev.data is not None:
+                    tap.feed_data(ev.data, now)
+    now = perf()
+    for ev in parser.flush():
+        if ev.data is not None:
+            tap.feed_data(ev.data, now)
+        if rewrite and relay is not None:
+            await _relay_write(relay, ev.raw)
+
+
+def _finish_record(
+    record: SpanRecord, arm: Arm, tap: CompletionTap, t_send: float, t_end: float | None, capture: bool
+) -> None:
+    end = t_end if t_end is not None else time.perf_counter()
+    record.t_start = datetime.fromtimestamp((record.t_start_ns or 0) / 1e9, UTC)
+    record.e2e_s = end - t_send
+    streamed = record.stream
+    if streamed and tap.t_first is not None:
+        record.ttft_s = tap.t_first - t_send
+        record.chunks = tap.chunks
+    record.completion_tokens = tap.completion_tokens
+    if tap.prompt_tokens is not None:
+        record.prompt_tokens = tap.prompt_tokens
+    if streamed:
+        record.decode_tok_s = decode_tok_s(record.completion_tokens, tap.t_first, tap.t_last)
+    record.finish_reason = tap.finish_reason
+    text = tap.text()
+    if text or tap.t_first is not None:
+        record.output_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if capture:
+        record.output_text = text
+    spec = tap.spec_from_metrics()
+    if spec is not None:
+        record.spec_source = "vllm_request_metrics"
+    elif arm.spec_method != "none":
+        spec = tap.spec_from_shape(arm.num_speculative_tokens)
+        if spec is not None:
+            record.spec_source = "stream_shape"
+    if spec is not None:
+        record.num_drafts = spec.num_drafts
+        record.draft_tokens = spec.draft_tokens
+        record.accepted_tokens = spec.accepted_tokens
+        record.acceptance_length = spec.acceptance_length
