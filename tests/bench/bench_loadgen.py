@@ -24,10 +24,10 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from specproxy.config import Arm  # noqa: E402
-from specproxy.proxy.loadgen import closed_loop, open_loop, poisson_offsets  # noqa: E402
-from specproxy.proxy.upstream import UpstreamState, call_arm, new_record  # noqa: E402
-from tests.support import free_port, wait_http  # noqa: E402
+from specproxy.config import Arm
+from specproxy.proxy.loadgen import closed_loop, open_loop, poisson_offsets
+from specproxy.proxy.upstream import UpstreamState, call_arm, new_record
+from tests.support import free_port, wait_http
 
 BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
         "temperature": 0, "stream": True}
@@ -47,7 +47,8 @@ async def bench(url: str, rate: float, seconds: float, levels: list[int]) -> Non
 
         async def send(i: int) -> None:
             nonlocal failures
-            rec = new_record("bench", f"r{i}", arm, BODY, endpoint="chat", routed_as="replay", source="replay")
+            rec = new_record("bench", f"r{i}", arm, BODY, endpoint="chat", routed_as="replay",
+                             source="replay")
             result = await call_arm(session, arm, BODY, endpoint="chat", record=rec, state=state)
             failures += not result.ok
 
