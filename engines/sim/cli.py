@@ -1,0 +1,248 @@
+"""`specproxy sim`: parse flags, build a `SimConfig`, serve `create_sim_app` until interrupted."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import click
+
+from specproxy.engines.profiles import ProfileError, load_profile
+from specproxy.engines.sim.config import Faults, SimConfig, SimConfigError, SpeculativeConfig
+
+
+def build_config(
+    *,
+    method: str | None,
+    num_speculative_tokens: int | None,
+    speculative_config: str | None,
+    model: str,
+    served_model_name: str | None,
+    profile: str,
+    time_scale: float,
+    seed: int,
+    per_request_spec_decode_metrics: str,
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    faults: Faults,
+) -> SimConfig:
+    """Flags -> SimConfig; `--method/--num-speculative-tokens` are shorthands for the JSON."""
+    spec: SpeculativeConfig | None = None
+    if speculative_config:
+        spec = SpeculativeConfig.from_json(speculative_config)
+        if method and method != spec.method:
+            raise SimConfigError(f"--method {method} contradicts --speculative-config method '{spec.method}'")
+        if num_speculative_tokens is not None and num_speculative_tokens != spec.num_speculative_tokens:
+            raise SimConfigError("--num-speculative-tokens contradicts --speculative-config")
+    elif method and method != "none":
+        raw: dict[str, object] = {"method": method}
+        defaults = {"ngram": 4, "suffix": 16, "mtp": 1, "eagle": 3, "eagle3": 3, "draft_model": 5}
+        raw["num_speculative_tokens"] = num_speculative_tokens or defaults.get(method, 3)
+        if method == "ngram":
+            raw.update(prompt_lookup_min=2, prompt_lookup_max=5)
+        if method == "draft_model":
+            raw["model"] = "meta-llama/Llama-3.2-1B-Instruct"
+        if method in ("eagle", "eagle3"):
+            raw["model"] = (
+                "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+                if method == "eagle3"
+                else "yuhuili/EAGLE-LLaMA3.1-Instruct-8B"
+            )
+        spec = SpeculativeConfig.from_dict(raw)
+    elif num_speculative_tokens is not None:
+        raise SimConfigError("--num-speculative-tokens needs --method (or --speculative-config)")
+    return SimConfig(
+        model=model,
+        served_model_name=served_model_name,
+        speculative=spec,
+        profile=profile,
+        time_scale=time_scale,
+        seed=seed,
+        per_request_spec_decode_metrics=per_request_spec_decode_metrics,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        faults=faults,
+    )
+
+
+@click.command("sim", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--method",
+    type=click.Choice(["none", "ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix"]),
+    default=None,
+    help="Speculative method (shorthand for --speculative-config with defaults).",
+)
+@click.option(
+    "--num-speculative-tokens", type=int, default=None, help="Draft tokens per step k (with --method)."
+)
+@click.option(
+    "--speculative-config",
+    "-sc",
+    default=None,
+    help="vLLM's --speculative-config JSON, verbatim, e.g. "
+    '\'{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":5}\'.',
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: a free one).")
+@click.option(
+    "--model",
+    default="meta-llama/Llama-3.1-8B-Instruct",
+    show_default=True,
+    help="Model the simulated server pretends to run; outputs are keyed by it.",
+)
+@click.option("--served-model-name", default=None, help="Name clients use in 'model' (default: --model).")
+@click.option(
+    "--profile",
+    default="h100-llama3.1-8b",
+    show_default=True,
+    help="Cost profile: a name in engines/profiles or a path to a profile JSON file.",
+)
+@click.option(
+    "--time-scale",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Run the engine clock this many times faster than the profile's step times.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed for acceptance draws and faults (outputs depend only on model and prompt).",
+)
+@click.option(
+    "--per-request-spec-decode-metrics",
+    type=click.Choice(["none", "summary", "detailed"]),
+    default="none",
+    show_default=True,
+    help="Like vLLM: add metrics.speculative_decoding to responses (final usage chunk when streaming).",
+)
+@click.option(
+    "--max-num-seqs", type=int, default=None, help="Max requests per step (default: the profile's)."
+)
+@click.option(
+    "--max-num-batched-tokens", type=int, default=None, help="Token budget per step (default: the profile's)."
+)
+@click.option(
+    "--lossy-rate",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Share of greedy outputs that diverge from the lossless text at a near-tie position.",
+)
+@click.option(
+    "--error-rate",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Share of requests answered with HTTP 500.",
+)
+@click.option(
+    "--stall-ms",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Pause every response this long mid-stream (after the second chunk).",
+)
+@click.option(
+    "--drop-rate",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Share of requests whose connection is cut mid-stream.",
+)
+@click.option(
+    "--max-concurrency",
+    type=int,
+    default=None,
+    help="Admit at most this many requests at once; the rest queue.",
+)
+def sim(
+    method: str | None,
+    num_speculative_tokens: int | None,
+    speculative_config: str | None,
+    host: str,
+    port: int,
+    model: str,
+    served_model_name: str | None,
+    profile: str,
+    time_scale: float,
+    seed: int,
+    per_request_spec_decode_metrics: str,
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    lossy_rate: float,
+    error_rate: float,
+    stall_ms: float,
+    drop_rate: float,
+    max_concurrency: int | None,
+) -> None:
+    """A vLLM-shaped simulated backend with speculative decoding.
+
+    Speaks vLLM 0.33's OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /version, /metrics) and adds ground truth at /sim/requests/{id} and /sim/stats.
+
+    Example: specproxy sim --method eagle3 --num-speculative-tokens 3 --port 8002 --time-scale 10
+    """
+    try:
+        faults = Faults(
+            lossy_rate=lossy_rate,
+            error_rate=error_rate,
+            stall_ms=stall_ms,
+            drop_rate=drop_rate,
+            max_concurrency=max_concurrency,
+        )
+        config = build_config(
+            method=method,
+            num_speculative_tokens=num_speculative_tokens,
+            speculative_config=speculative_config,
+            model=model,
+            served_model_name=served_model_name,
+            profile=profile,
+            time_scale=time_scale,
+            seed=seed,
+            per_request_spec_decode_metrics=per_request_spec_decode_metrics,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            faults=faults,
+        )
+        cost = load_profile(config.profile)
+    except (SimConfigError, ProfileError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        pass
+    try:
+        asyncio.run(_serve(config, cost.name, host, port))
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+async def _serve(config: SimConfig, profile_name: str, host: str, port: int) -> None:
+    import signal
+
+    from specproxy.engines.sim.server import running_sim
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with running_sim(config, host=host, port=port) as sim:
+            spec = config.speculative
+            described = f"{spec.method} k={spec.num_speculative_tokens}" if spec else "no speculation"
+            click.echo(
+                f"specproxy sim: model {config.served_name}, {described}, profile {profile_name}, "
+                f"time scale {config.time_scale:g}"
+            )
+            click.echo(f"specproxy sim listening on {sim.url}")
+            sys.stdout.flush()
+            await stop.wait()
+    except SimConfigError as exc:
+        raise click.ClickException(str(exc)) from exc

@@ -1,0 +1,254 @@
+"""vLLM's Prometheus series for the simulator: plain counters bumped by the engine, rendered on scrape.
+
+Names, labels and buckets are those of vLLM 0.33 (`vllm/v1/metrics/loggers.py`, `buckets.py`,
+`vllm/v1/spec_decode/metrics.py`). The engine updates plain ints and bucket lists (cheap enough for
+every step at batch 512); a prometheus_client collector turns them into the text format when scraped.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_TOKENS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+class Histogram:
+    """Cumulative-on-render bucket counts, as Prometheus histograms are."""
+
+    __slots__ = ("bounds", "counts", "total", "count")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        acc = 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            acc += n
+            out.append((_fmt(float(bound)), acc))
+        out.append(("+Inf", self.count))
+        return out
+
+
+def _fmt(value: float) -> str:
+    return repr(value)
+
+
+class EngineMetrics:
+    """Everything `/metrics` shows, as plain numbers the engine bumps directly."""
+
+    def __init__(self, model_name: str, num_spec_tokens: int | None) -> None:
+        self.model_name = model_name
+        self.num_spec_tokens = num_spec_tokens
+        self.created = time.time()
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.preemptions = 0
+        self.success = dict.fromkeys(FINISHED_REASONS, 0)
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted = 0
+        self.spec_accepted_per_pos = [0] * (num_spec_tokens or 0)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.tpot = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.queue = Histogram(LATENCY_BUCKETS)
+        self.prefill_time = Histogram(LATENCY_BUCKETS)
+        self.decode_time = Histogram(LATENCY_BUCKETS)
+        self.iteration_tokens = Histogram(ITERATION_BUCKETS)
+        self.request_prompt_tokens = Histogram(REQUEST_TOKENS_BUCKETS)
+        self.request_generation_tokens = Histogram(REQUEST_TOKENS_BUCKETS)
+
+    def registry(self) -> CollectorRegistry:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(self))
+        return registry
+
+    def render(self, registry: CollectorRegistry) -> bytes:
+        return bytes(generate_latest(registry))
+
+
+class _Collector(Collector):
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        labels = ["model_name", "engine"]
+        values = [m.model_name, "0"]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value, created=m.created)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
+            family = HistogramMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, h.buckets(), h.total)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", m.running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m.waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage)
+        yield counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", m.preemptions
+        )
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens)
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*labels, "finished_reason"],
+        )
+        for reason, count in m.success.items():
+            success.add_metric([*values, reason], count, created=m.created)
+        yield success
+        if m.num_spec_tokens is not None:
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", m.spec_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", m.spec_draft_tokens)
+            yield counter(
+                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", m.spec_accepted
+            )
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=[*labels, "position"],
+            )
+            for pos, count in enumerate(m.spec_accepted_per_pos):
+                per_pos.add_metric([*values, str(pos)], count, created=m.created)
+            yield per_pos
+        yield histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            m.iteration_tokens,
+        )
+        yield histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", m.request_prompt_tokens
+        )
+        yield histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            m.request_generation_tokens,
+        )
+        yield histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft
+        )
+        yield histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl
+        )
+        yield histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            m.tpot,
+        )
+        yield histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m.e2e
+        )
+        yield histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            m.queue,
+        )
+        yield histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            m.prefill_time,
+        )
+        yield histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            m.decode_time,
+        )
