@@ -1,0 +1,442 @@
+"""The proxy's aiohttp application: ``create_app(settings)`` is its front door.
+
+Endpoints::
+
+    POST /v1/chat/completions, /v1/completions   served by one arm (the baseline in shadow mode, an arm
+                                                 chosen by weight in split mode), streaming or not;
+                                                 copies go to other arms (shadow / verify)
+    GET  /v1/models                              the baseline's
+    GET  /health                                 the proxy's own liveness
+    GET  /metrics                                the proxy's Prometheus metrics (specproxy.proxy.metrics)
+
+Long-lived resources are made and closed in ``cleanup_ctx`` (in this order, closed in reverse): the
+span sink (DuckDB writer thread; the run's row with each arm's stack), the metrics scraper, the client
+sessions (one for calls that serve clients, one for copies, so a slow shadow arm cannot take
+connections the client path needs) with the shadow dispatcher, and the capture writer. At shutdown the
+server first stops accepting and lets in-flight requests finish (``shutdown_grace_s``), then copies
+still running get the rest of the grace period, then the sink writes every accepted span and closes.
+
+Example::
+
+    settings = ProxySettings(experiment=load_experiment("exp.toml"), db="spans.duckdb")
+    web.run_app(create_app(settings), port=8000, handler_cancellation=True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from specproxy.config import Arm, Experiment
+from specproxy.record import SpanRecord
+
+from .capture import CaptureWriter
+from .errors import Handler, error_body, openai_error, openai_errors
+from .identity import is_comparable
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ProxyMetrics
+from .routing import ArmRouter
+from .shadow import IdentityPair, ShadowDispatcher
+from .sink import SpanSink
+from .sse import Endpoint
+from .upstream import (
+    CATEGORY_HEADER,
+    REQUEST_ID_HEADER,
+    CallResult,
+    UpstreamState,
+    UpstreamTimeout,
+    call_arm,
+    new_record,
+)
+
+log = logging.getLogger(__name__)
+
+ARM_HEADER = "X-Specproxy-Arm"
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Everything ``create_app`` needs; the CLI builds it from options and the experiment file."""
+
+    experiment: Experiment
+    db: str | None = None  # None: the experiment's db
+    run_id: str = ""  # "": a new one
+    capture: str | None = None
+    capture_responses: bool = False
+    api_key: str | None = None  # SPECPROXY_API_KEY: clients must send it as a bearer token
+    scrape_metrics: bool = True
+    worker_index: int | None = None
+
+
+@dataclass
+class ProxyState:
+    settings: ProxySettings
+    run_id: str
+    router: ArmRouter
+    upstream: UpstreamState
+    metrics: ProxyMetrics
+    primary_timeout: UpstreamTimeout
+    shadow_timeout: UpstreamTimeout
+    sink: SpanSink | None = None
+    session: aiohttp.ClientSession | None = None
+    dispatcher: ShadowDispatcher | None = None
+    capture: CaptureWriter | None = None
+    shutdown_started: float | None = None
+
+    def finish(self, record: SpanRecord) -> None:
+        """A call is over: count it and hand its span to the sink (never blocks)."""
+        self.metrics.observe_call(record)
+        if self.sink is not None:
+            self.sink.emit(record)
+
+
+STATE = web.AppKey("specproxy_state", ProxyState)
+
+
+class ClientRelay:
+    """Writes an upstream response to the client: SSE as it arrives, anything else in one piece."""
+
+    __slots__ = ("request", "headers", "response", "status", "content_type", "parts")
+
+    def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
+        self.request = request
+        self.headers = headers
+        self.response: web.StreamResponse | None = None
+        self.status = 0
+        self.content_type = "application/json"
+        self.parts: list[bytes] = []
+
+    async def start(self, status: int, content_type: str) -> None:
+        self.status, self.content_type = status, content_type
+        if content_type == "text/event-stream":
+            resp = web.StreamResponse(status=status, headers=self.headers)
+            resp.content_type = content_type
+            resp.headers["Cache-Control"] = "no-cache"
+            await resp.prepare(self.request)
+            self.response = resp
+
+    async def write(self, data: bytes) -> None:
+        if self.response is not None:
+            await self.response.write(data)
+        else:
+            self.parts.append(data)
+
+    async def finish(self, result: CallResult | None) -> web.StreamResponse:
+        """The response to return from the handler, completing a stream or building a plain one."""
+        rec = result.record if result is not None else None
+        gone = result is not None and result.client_gone
+        if self.response is not None:
+            if rec is not None and not gone and rec.status not in ("ok", "http_error"):
+                # A failure mid-stream: tell the client in the stream (the OpenAI client raises on it),
+                # then end the stream cleanly.
+                status = 504 if rec.status == "timeout" else 502
+                msg = f"upstream {rec.arm} failed mid-stream: {rec.error or rec.status}"
+                try:
+                    await self.response.write(b"data: " + error_body(status, msg) + b"\n\n")
+                except (ConnectionError, aiohttp.ClientConnectionResetError):
+                    pass
+            try:
+                await self.response.write_eof()
+            except (ConnectionError, aiohttp.ClientConnectionResetError):
+                pass
+            return self.response
+        if self.status:
+            return web.Response(status=self.status, body=b"".join(self.parts), headers=self.headers,
+                                content_type=self.content_type)
+        if rec is not None and rec.status == "timeout":
+            return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.headers)
+        arm = rec.arm if rec is not None else "?"
+        error = rec.error if rec is not None else "no response"
+        return openai_error(502, f"upstream {arm} failed: {error}", headers=self.headers)
+
+
+async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    st = request.app[STATE]
+    exp = st.settings.experiment
+    length = request.content_length
+    if length is not None and length > exp.max_body_bytes:
+        st.metrics.client_error(413)
+        return openai_error(413, f"request body is {length} bytes; the limit is {exp.max_body_bytes} "
+                                 "(max_body_bytes in the experiment file)")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        st.metrics.client_error(413)
+        return openai_error(413, f"request body is over the limit of {exp.max_body_bytes} bytes "
+                                 "(max_body_bytes in the experiment file)")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        st.metrics.client_error(400)
+        return openai_error(400, f"request body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        st.metrics.client_error(400)
+        return openai_error(400, "request body must be a JSON object")
+    arrival = time.time()
+    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    category = request.headers.get(CATEGORY_HEADER)
+    comparable = is_comparable(body)
+    plan = st.router.plan(body, request.headers, comparable=comparable)
+    primary = plan.primary
+    pair: IdentityPair | None = None
+    if plan.copies:
+        pair = IdentityPair(comparable, st.metrics.observe_identity) if comparable else None
+        dispatcher = st.dispatcher
+        assert dispatcher is not None
+        for copy in plan.copies:
+            rec = new_record(st.run_id, request_id, copy.arm, body, endpoint=endpoint,
+                             routed_as=copy.routed_as, category=category)
+            dispatcher.send(copy, body, rec, endpoint=endpoint, pair=pair)
+    record = new_record(st.run_id, request_id, primary, body, endpoint=endpoint,
+                        routed_as=plan.primary_routed_as, category=category)
+    relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
+    assert st.session is not None
+    result: CallResult | None = None
+    try:
+        result = await call_arm(st.session, primary, body, endpoint=endpoint, record=record, relay=relay,
+                                timeout=st.primary_timeout, state=st.upstream,
+                                capture_output=st.capture is not None)
+        return await relay.finish(result)
+    finally:
+        _after_primary(st, primary, record, result, pair)
+        if st.capture is not None:
+            st.capture.add(arrival_unix_s=arrival, request_id=request_id, path=request.path,
+                           category=category, body=body, status=record.status,
+                           response_text=result.text if result is not None else None)
+
+
+def _after_primary(st: ProxyState, primary: Arm, record: SpanRecord, result: CallResult | None,
+                   pair: IdentityPair | None) -> None:
+    if pair is None:
+        st.finish(record)
+    elif primary.role == "baseline":
+        pair.set_baseline(result)
+        st.finish(record)
+    elif result is None:
+        st.finish(record)
+    else:
+        # A candidate served the client (split mode) and a verify copy went to the baseline: compare
+        # when that copy ends, in the background; the client's response is already complete.
+        assert st.dispatcher is not None
+        st.dispatcher.spawn(_check_then_finish(st, pair, result))
+
+
+async def _check_then_finish(st: ProxyState, pair: IdentityPair, result: CallResult) -> None:
+    try:
+        await pair.check(result)
+    finally:
+        st.finish(result.record)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "completions")
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    arm = st.settings.experiment.baseline
+    assert st.session is not None
+    try:
+        async with st.session.get(f"{arm.url}/v1/models", headers=_arm_auth(arm),
+                                  timeout=st.primary_timeout.client_timeout()) as resp:
+            payload = await resp.read()
+            return web.Response(status=resp.status, body=payload, content_type=resp.content_type)
+    except TimeoutError:
+        return openai_error(504, f"baseline {arm.name} did not answer GET /v1/models in time")
+    except (aiohttp.ClientError, OSError) as exc:
+        return openai_error(502, f"baseline {arm.name} is unreachable: {exc.__class__.__name__}: {exc}")
+
+
+async def health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    return web.json_response({"status": "ok", "run_id": st.run_id, "mode": st.settings.experiment.mode})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def _arm_auth(arm: Arm) -> dict[str, str]:
+    key = os.environ.get(arm.api_key_env) if arm.api_key_env else None
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _auth_middleware(api_key: str) -> Any:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                request.app[STATE].metrics.client_error(401)
+                return openai_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                         "with the key in SPECPROXY_API_KEY", code="invalid_api_key")
+        return await handler(request)
+
+    return require_api_key
+
+
+def experiment_json(exp: Experiment) -> str:
+    """The experiment as JSON for ``runs.config_json`` (holds env var names, never keys)."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        return value
+
+    return json.dumps(plain(exp), sort_keys=True)
+
+
+async def arm_stacks(session: aiohttp.ClientSession, exp: Experiment, timeout_s: float = 3.0) -> str:
+    """Each arm's stack for ``runs.stacks_json``: GET /version and /v1/models (failures recorded, not
+    raised), its speculative config and description, and what `specproxy engines up` recorded."""
+    try:
+        from specproxy.engines.supervisor import recorded_stacks
+
+        engine_stacks = recorded_stacks(exp)
+    except Exception:  # the engines state is optional context; never a reason not to serve
+        engine_stacks = {}
+
+    async def get(url: str, headers: dict[str, str]) -> tuple[Any, str | None]:
+        try:
+            async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status >= 400:
+                    return None, f"HTTP {r.status}"
+                return await r.json(content_type=None), None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            return None, f"{exc.__class__.__name__}: {exc}"
+
+    async def one(arm: Arm) -> tuple[str, dict[str, Any]]:
+        headers = _arm_auth(arm)
+        (version, verr), (models_, merr) = await asyncio.gather(
+            get(f"{arm.url}/version", headers), get(f"{arm.url}/v1/models", headers))
+        return arm.name, {
+            "url": arm.url, "role": arm.role, "speculative": dict(arm.speculative),
+            "description": arm.description,
+            "version": version.get("version") if isinstance(version, dict) else None,
+            "models": models_, "errors": {k: v for k, v in (("version", verr), ("models", merr)) if v},
+            "engine": engine_stacks.get(arm.name),
+        }
+
+    pairs = await asyncio.gather(*(one(a) for a in exp.arms))
+    return json.dumps(dict(pairs), sort_keys=True, default=str)
+
+
+def create_app(settings: ProxySettings) -> web.Application:
+    """The proxy as an aiohttp application (run it with ``handler_cancellation=True`` so a client that
+    disconnects cancels its upstream call)."""
+    exp = settings.experiment
+    upstream = UpstreamState()
+    arm_urls = {a.name: a.url for a in exp.arms}
+    state = ProxyState(
+        settings=settings,
+        run_id=settings.run_id or uuid.uuid4().hex,
+        router=ArmRouter(exp),
+        upstream=upstream,
+        metrics=ProxyMetrics(upstream.inflight, arm_urls),
+        primary_timeout=UpstreamTimeout(connect=exp.upstream_connect_timeout_s,
+                                        read=exp.upstream_read_timeout_s, total=None),
+        shadow_timeout=UpstreamTimeout(connect=exp.upstream_connect_timeout_s,
+                                       read=exp.upstream_read_timeout_s, total=exp.shadow_timeout_s),
+    )
+    middlewares: list[Any] = [openai_errors]
+    if settings.api_key:
+        middlewares.append(_auth_middleware(settings.api_key))
+    app = web.Application(client_max_size=exp.max_body_bytes, middlewares=middlewares)
+    app[STATE] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.cleanup_ctx.append(_span_store)
+    app.cleanup_ctx.append(_sessions)
+    app.cleanup_ctx.append(_capture)
+    app.on_shutdown.append(_mark_shutdown)
+    return app
+
+
+async def _span_store(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+    s = st.settings
+    exp = s.experiment
+    sink = SpanSink(s.db or exp.db, queue_size=exp.span_queue_size, otlp_endpoint=exp.otlp_endpoint)
+    await asyncio.to_thread(sink.start)
+    st.sink = sink
+    st.metrics.watch_sink(lambda: (sink.queue_depth, sink.dropped, sink.written))
+    try:
+        async with aiohttp.ClientSession() as probe:
+            stacks = await arm_stacks(probe, exp)
+        sink.begin_run(st.run_id, name=exp.name, mode=exp.mode, source="live",
+                       config_json=experiment_json(exp), stacks_json=stacks)
+        yield
+    finally:
+        try:
+            sink.end_run(st.run_id)
+        finally:
+            await asyncio.to_thread(sink.close)
+            if sink.dropped:
+                log.warning("%d spans were dropped (the writer queue was full)", sink.dropped)
+
+
+async def _sessions(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+    # Generations can be long: no total timeout here (each call sets connect/read limits itself).
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300)
+    shadow_connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+    no_cap = aiohttp.ClientTimeout(total=None)
+    session = aiohttp.ClientSession(connector=connector, timeout=no_cap)
+    shadow_session = aiohttp.ClientSession(connector=shadow_connector, timeout=no_cap)
+    st.session = session
+    st.dispatcher = ShadowDispatcher(shadow_session, timeout=st.shadow_timeout, state=st.upstream,
+                                     emit=st.finish, capture_output=st.settings.capture is not None)
+    try:
+        yield
+    finally:
+        grace = st.settings.experiment.shutdown_grace_s
+        if st.shutdown_started is not None:
+            grace = max(1.0, grace - (time.monotonic() - st.shutdown_started))
+        await st.dispatcher.close(grace)
+        await session.close()
+        await shadow_session.close()
+
+
+async def _capture(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+    if st.settings.capture is None:
+        yield
+        return
+    writer = CaptureWriter(st.settings.capture, with_responses=st.settings.capture_responses)
+    writer.start()
+    st.capture = writer
+    try:
+        yield
+    finally:
+        await writer.close()
+
+
+async def _mark_shutdown(app: web.Application) -> None:
+    app[STATE].shutdown_started = time.monotonic()

@@ -1,0 +1,177 @@
+"""`specproxy serve`: parse options, build :class:`~specproxy.proxy.app.ProxySettings`, run the app.
+
+One process by default. ``--workers N`` starts N worker processes on the same port (SO_REUSEPORT:
+the kernel spreads connections over them); each writes its own span store ``<stem>.w<i><suffix>``
+next to the configured one (DuckDB allows one writer per file), all under one run id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from specproxy.config import ConfigError, Experiment, load_experiment
+
+if TYPE_CHECKING:
+    from .app import ProxySettings
+
+log = logging.getLogger("specproxy.serve")
+
+
+def worker_path(path: str, index: int) -> str:
+    """``specproxy.duckdb`` → ``specproxy.w0.duckdb``: the file of worker ``index``."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.w{index}{p.suffix}"))
+
+
+@click.command("serve")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="The experiment file (TOML): mode, arms, timeouts.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for every interface).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on.")
+@click.option("--db", default=None, help="Span store (DuckDB file); default: the experiment's `db`.")
+@click.option("--capture", default=None, type=click.Path(dir_okay=False),
+              help="Append every client request to this JSONL file (the format `specproxy replay` reads).")
+@click.option("--capture-responses", is_flag=True,
+              help="With --capture: also keep the text each client received.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Worker processes sharing the port (SO_REUSEPORT); worker i writes <db stem>.w<i>.duckdb.")
+@click.option("--run-id", default=None, help="Run id for the span store (default: a new one).")
+@click.option("--no-scrape", is_flag=True, help="Do not scrape the arms' /metrics into backend_metrics.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]), help="Log verbosity (stderr).")
+@click.option("--worker-index", default=None, type=int, hidden=True)
+def serve(
+    config_path: str, host: str, port: int, db: str | None, capture: str | None, capture_responses: bool,
+    workers: int, run_id: str | None, no_scrape: bool, log_level: str, worker_index: int | None,
+) -> None:
+    """Run the proxy in front of the experiment's arms (shadow or split mode) and write a span per
+    upstream call to the DuckDB span store.
+
+    Clients talk to it as to any OpenAI-compatible server (POST /v1/chat/completions, /v1/completions;
+    GET /v1/models, /health, /metrics). SIGTERM or Ctrl-C: stop accepting, let in-flight requests
+    finish (shutdown_grace_s), write every span, exit.
+
+    Example: specproxy serve --config exp.toml --port 8000
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        exp = load_experiment(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for arm in exp.arms:
+        if arm.api_key_env and not os.environ.get(arm.api_key_env):
+            click.echo(f"warning: arm {arm.name!r}: environment variable {arm.api_key_env} is not set; "
+                       "calls go without an API key", err=True)
+    db_path = db or exp.db
+    run_id = run_id or uuid.uuid4().hex
+    if workers > 1:
+        if port == 0:
+            raise click.ClickException("--workers needs a fixed --port (with 0 each worker gets its own)")
+        _run_workers(config_path, host, port, db_path, capture, capture_responses, workers, run_id,
+                     no_scrape, log_level)
+        return
+    _run_one(exp, host, port, db_path, capture, capture_responses, run_id, no_scrape, worker_index)
+
+
+def _run_one(exp: Experiment, host: str, port: int, db: str, capture: str | None, capture_responses: bool,
+             run_id: str, no_scrape: bool, worker_index: int | None) -> None:
+    from .app import ProxySettings
+
+    settings = ProxySettings(
+        experiment=exp, db=db, run_id=run_id, capture=capture, capture_responses=capture_responses,
+        api_key=os.environ.get("SPECPROXY_API_KEY") or None, scrape_metrics=not no_scrape,
+        worker_index=worker_index,
+    )
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # Windows: the default loop works, slower
+        pass
+    asyncio.run(_serve(settings, host, port, reuse_port=worker_index is not None))
+
+
+async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: bool) -> None:
+    from aiohttp import web
+
+    from .app import STATE, create_app
+    from .sink import SpanSinkError
+
+    exp = settings.experiment
+    app = create_app(settings)
+    st = app[STATE]
+    where = f" (worker {settings.worker_index})" if settings.worker_index is not None else ""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=exp.shutdown_grace_s)
+    try:
+        await runner.setup()
+    except SpanSinkError as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=2048)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        click.echo(f"specproxy serve{where}: listening on http://{host}:{port}, mode {exp.mode}, "
+                   f"baseline {exp.baseline.name} at {exp.baseline.url}, run {st.run_id}, "
+                   f"spans -> {settings.db or exp.db}", err=True)
+        await stop.wait()
+        click.echo(f"specproxy serve{where}: shutting down (grace {exp.shutdown_grace_s:.0f}s)", err=True)
+    finally:
+        await runner.cleanup()
+    sink = st.sink
+    if sink is not None:
+        click.echo(f"specproxy serve{where}: {sink.written} spans written, {sink.dropped} dropped", err=True)
+
+
+def _run_workers(config_path: str, host: str, port: int, db: str, capture: str | None,
+                 capture_responses: bool, workers: int, run_id: str, no_scrape: bool, log_level: str) -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for i in range(workers):
+        argv = [sys.executable, "-m", "specproxy", "serve", "--config", config_path, "--host", host,
+                "--port", str(port), "--db", worker_path(db, i), "--run-id", run_id, "--worker-index", str(i),
+                "--log-level", log_level]
+        if capture:
+            argv += ["--capture", worker_path(capture, i)]
+            if capture_responses:
+                argv.append("--capture-responses")
+        if no_scrape or i > 0:  # one scraper is enough: every worker would scrape the same arms
+            argv.append("--no-scrape")
+        procs.append(subprocess.Popen(argv))
+    stopping = False
+    while any(p.poll() is None for p in procs):
+        # A worker that dies on its own (port taken, span store locked) takes the others down with it.
+        if not stopping and any(p.poll() not in (None, 0) for p in procs):
+            stopping = True
+            forward(signal.SIGTERM, None)
+        time.sleep(0.2)
+    codes = [p.returncode for p in procs]
+    failed = [i for i, c in enumerate(codes) if c not in (0, -signal.SIGTERM, -signal.SIGINT)]
+    if failed:
+        raise click.ClickException(f"worker(s) {failed} exited with {[codes[i] for i in failed]}")
