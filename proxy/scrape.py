@@ -1,0 +1,258 @@
+"""Scraping each arm's vLLM ``/metrics`` into ``backend_metrics``, and the counter arithmetic on scrapes.
+
+::
+
+    scraper = MetricsScraper(experiment.arms, sink, session, run_id=run_id, interval_s=5.0)
+    task = asyncio.create_task(scraper.run())          # serve: every interval_s, phase 'periodic'
+    before = await scraper.scrape_once("c=16:before")  # replay: around each concurrency level
+    ...
+    after = await scraper.scrape_once("c=16:after")
+    spec_decode_summary(before["eagle3"], after["eagle3"])
+    # {'num_drafts': 812.0, 'draft_tokens': 2436.0, 'accepted_tokens': 1702.0, 'acceptance_rate': 0.698...,
+    #  'mean_acceptance_length': 3.096..., 'per_position_rates': [0.87, 0.70, 0.52]}
+
+A scrape parses the Prometheus text with ``prometheus_client``'s parser and keeps vLLM's ``vllm:*``
+samples (``_created`` series are dropped: they are timestamps, not values). Each kept sample becomes one
+``backend_metrics`` row (arm, scraped_at, phase, name, labels as sorted JSON with ``engine`` kept, value)
+sent to the :class:`~specproxy.proxy.sink.SpanSink`, which never blocks.
+
+Backends without ``/metrics`` (llama.cpp-style servers, vLLM with ``--disable-log-stats``), refused
+connections, timeouts and text that does not parse are tolerated: the arm's :class:`Snapshot` has
+``ok=False`` and ``error`` set, the problem is logged once per arm (and once when it recovers), and
+nothing is raised.
+
+Counter arithmetic (:func:`counter_delta`, :func:`counter_deltas`, :func:`spec_decode_summary`) sums
+over vLLM's ``engine`` label (one series per data-parallel engine) and treats a counter that went down
+as a restarted engine: its delta is its new value (it counted from zero since the restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from specproxy.config import Arm
+from specproxy.proxy.sink import BackendMetricRow, SpanSink
+
+log = logging.getLogger(__name__)
+
+# A series' labels as a sorted tuple of (name, value) pairs; hashable and order-independent.
+Labels = tuple[tuple[str, str], ...]
+
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+ENGINE_LABEL = "engine"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One scrape of one arm: every ``vllm:*`` sample, by name and then by labels (``engine`` included)."""
+
+    arm: str
+    scraped_at: datetime
+    series: Mapping[str, Mapping[Labels, float]] = field(default_factory=lambda: MappingProxyType({}))
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """Sum of the series of ``name`` whose labels include ``labels`` (so over engines); None if absent."""
+        found = [v for lab, v in self.series.get(name, {}).items() if _matches(lab, labels)]
+        return sum(found) if found else None
+
+
+def _matches(labels: Labels, wanted: Mapping[str, str]) -> bool:
+    if not wanted:
+        return True
+    have = dict(labels)
+    return all(have.get(k) == v for k, v in wanted.items())
+
+
+def _without_engine(labels: Labels) -> Labels:
+    return tuple(kv for kv in labels if kv[0] != ENGINE_LABEL)
+
+
+def parse_metrics(arm: str, text: str, scraped_at: datetime | None = None) -> Snapshot:
+    """Parse Prometheus exposition text into a :class:`Snapshot` of its ``vllm:*`` samples.
+
+    Raises ValueError for text that is not Prometheus exposition format.
+    """
+    series: dict[str, dict[Labels, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if not name.startswith("vllm:") or name.endswith("_created"):
+                continue
+            series.setdefault(name, {})[tuple(sorted(sample.labels.items()))] = float(sample.value)
+    return Snapshot(
+        arm=arm,
+        scraped_at=scraped_at or datetime.now(UTC),
+        series=MappingProxyType({k: MappingProxyType(v) for k, v in series.items()}),
+    )
+
+
+def counter_deltas(before: Snapshot, after: Snapshot, name: str) -> dict[Labels, float] | None:
+    """Increase of counter ``name`` between two scrapes, per label set with ``engine`` summed away.
+
+    A series whose value went down belongs to a restarted engine and contributes its new value; a series
+    new in ``after`` contributes its value (it started from zero). None when either scrape failed or
+    ``after`` lacks the counter (e.g. an arm without speculative decoding).
+    """
+    if not (before.ok and after.ok) or name not in after.series:
+        return None
+    previous = before.series.get(name, {})
+    totals: dict[Labels, float] = {}
+    for labels, now in after.series[name].items():
+        then = previous.get(labels)
+        delta = now if then is None or now < then else now - then
+        key = _without_engine(labels)
+        totals[key] = totals.get(key, 0.0) + delta
+    return totals
+
+
+def counter_delta(before: Snapshot, after: Snapshot, name: str, **labels: str) -> float | None:
+    """Increase of counter ``name`` summed over ``engine`` (and over other labels unless given).
+
+    Example: ``counter_delta(before, after, "vllm:spec_decode_num_drafts_total")`` → ``812.0``;
+    ``counter_delta(before, after, SPEC_ACCEPTED_PER_POS, position="0")`` → ``706.0``.
+    """
+    deltas = counter_deltas(before, after, name)
+    if deltas is None:
+        return None
+    return sum(v for lab, v in deltas.items() if _matches(lab, labels))
+
+
+def spec_decode_summary(before: Snapshot, after: Snapshot) -> dict[str, Any]:
+    """vLLM's speculative-decoding figures between two scrapes, as ``vllm bench serve`` computes them.
+
+    ``acceptance_rate`` = Δaccepted / Δdraft_tokens; ``mean_acceptance_length`` = 1 + Δaccepted / Δdrafts;
+    ``per_position_rates[i]`` = Δaccepted_per_pos{position=i} / Δdrafts. Counts are None when the arm
+    exports no speculative counters (or a scrape failed); ratios are None when their denominator is 0.
+    """
+    drafts = counter_delta(before, after, SPEC_DRAFTS)
+    draft_tokens = counter_delta(before, after, SPEC_DRAFT_TOKENS)
+    accepted = counter_delta(before, after, SPEC_ACCEPTED)
+    per_pos = counter_deltas(before, after, SPEC_ACCEPTED_PER_POS) or {}
+    by_position: dict[int, float] = {}
+    for labels, value in per_pos.items():
+        position = dict(labels).get("position")
+        if position is not None and position.isdigit():
+            by_position[int(position)] = by_position.get(int(position), 0.0) + value
+    per_position_rates: list[float] = []
+    if drafts and by_position:
+        per_position_rates = [by_position.get(i, 0.0) / drafts for i in range(max(by_position) + 1)]
+    return {
+        "num_drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens if accepted is not None and draft_tokens else None,
+        "mean_acceptance_length": 1.0 + accepted / drafts if accepted is not None and drafts else None,
+        "per_position_rates": per_position_rates,
+    }
+
+
+def snapshot_rows(snapshot: Snapshot, *, run_id: str | None, phase: str) -> list[BackendMetricRow]:
+    """One ``backend_metrics`` row per sample of a successful scrape."""
+    return [
+        BackendMetricRow(
+            run_id=run_id,
+            arm=snapshot.arm,
+            scraped_at=snapshot.scraped_at,
+            phase=phase,
+            name=name,
+            labels_json=json.dumps(dict(labels), sort_keys=True, separators=(",", ":")),
+            value=value,
+        )
+        for name, by_labels in snapshot.series.items()
+        for labels, value in by_labels.items()
+    ]
+
+
+class MetricsScraper:
+    """Scrapes every arm's ``/metrics``, keeps the snapshots, and writes them as ``backend_metrics`` rows."""
+
+    def __init__(
+        self,
+        arms: Sequence[Arm],
+        sink: SpanSink | None,
+        session: aiohttp.ClientSession,
+        *,
+        run_id: str,
+        interval_s: float = 5.0,
+        timeout_s: float = 5.0,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
+        self.arms = tuple(arms)
+        self.sink = sink
+        self.session = session
+        self.run_id = run_id
+        self.interval_s = interval_s
+        self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, interval_s * 2))
+        self.latest: dict[str, Snapshot] = {}
+        self.scrapes = 0
+        self._failing: set[str] = set()
+
+    async def scrape_once(self, phase: str = "periodic") -> dict[str, Snapshot]:
+        """Scrape all arms at once: a snapshot per arm (``ok`` False where it failed). Never raises."""
+        snapshots = await asyncio.gather(*(self._scrape_arm(arm) for arm in self.arms))
+        result = {s.arm: s for s in snapshots}
+        rows: list[BackendMetricRow] = []
+        for snapshot in snapshots:
+            if snapshot.ok:
+                self.latest[snapshot.arm] = snapshot
+                rows.extend(snapshot_rows(snapshot, run_id=self.run_id, phase=phase))
+        if rows and self.sink is not None and not self.sink.emit_backend_metrics(rows):
+            log.warning("backend metrics of phase %s dropped: the span queue is full", phase)
+        self.scrapes += 1
+        return result
+
+    async def run(self) -> None:
+        """Scrape every ``interval_s`` (phase ``periodic``) until cancelled."""
+        while True:
+            started = time.monotonic()
+            await self.scrape_once("periodic")
+            # A slow scrape shortens the wait instead of shifting every later scrape.
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def _scrape_arm(self, arm: Arm) -> Snapshot:
+        url = arm.url.rstrip("/") + "/metrics"
+        headers: dict[str, str] = {}
+        if arm.api_key_env and os.environ.get(arm.api_key_env):
+            headers["Authorization"] = f"Bearer {os.environ[arm.api_key_env]}"
+        scraped_at = datetime.now(UTC)
+        try:
+            async with self.session.get(url, headers=headers, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return self._failed(arm, scraped_at, f"GET {url} answered HTTP {resp.status}")
+                text = await resp.text(errors="replace")
+            snapshot = parse_metrics(arm.name, text, scraped_at)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return self._failed(arm, scraped_at, f"GET {url} failed: {exc.__class__.__name__} {exc}".strip())
+        except ValueError as exc:  # prometheus_client's parser on text that is not the exposition format
+            return self._failed(arm, scraped_at, f"{url} is not Prometheus text: {exc}")
+        if arm.name in self._failing:
+            self._failing.discard(arm.name)
+            log.info("arm %s: %s answers again", arm.name, url)
+        return snapshot
+
+    def _failed(self, arm: Arm, scraped_at: datetime, error: str) -> Snapshot:
+        if arm.name not in self._failing:
+            self._failing.add(arm.name)
+            log.warning("arm %s: no backend metrics (%s); acceptance comes from spans only", arm.name, error)
+        return Snapshot(arm=arm.name, scraped_at=scraped_at, error=error)
