@@ -1,1 +1,69 @@
-"""specproxy.analysis."""
+"""specproxy.analysis: the span store's verdicts, report and SQL.
+
+Public API (used by `specproxy lab` and the click commands):
+
+- :func:`analyze_text` — the verdict table of one or several span store files, as text;
+- :func:`write_report` — the self-contained HTML report;
+- :func:`~specproxy.analysis.store.open_store` — a read-only DuckDB connection over several files,
+  with the views ``arm_summary``, ``pairs``, ``identity``, ``acceptance``;
+- :func:`~specproxy.analysis.evaluation.evaluate` — the figures as dataclasses.
+
+Errors are :class:`~specproxy.analysis.store.StoreError` (a sentence saying what to do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from specproxy.analysis.evaluation import RunEvaluation, Settings, evaluate
+from specproxy.analysis.store import SpanStore, StoreError, open_store
+
+__all__ = [
+    "RunEvaluation",
+    "Settings",
+    "SpanStore",
+    "StoreError",
+    "analyze_text",
+    "evaluate",
+    "open_store",
+    "write_report",
+]
+
+
+def analyze_text(
+    db_paths: Sequence[str | Path],
+    run: str | None = None,
+    fmt: str = "table",
+    settings: Settings | None = None,
+) -> str:
+    """The verdict table of the runs in ``db_paths`` (each with its worker siblings).
+
+    ``fmt`` is one of table, markdown, json, csv. Raises StoreError for a missing, corrupt or locked
+    file, an unknown run or a run without a baseline arm.
+
+    >>> print(analyze_text(["specproxy.duckdb"], fmt="markdown"))  # doctest: +SKIP
+    """
+    from specproxy.analysis.render import render
+
+    settings = settings or Settings()
+    with open_store(db_paths) as store:
+        return render(evaluate(store, run, settings), settings, fmt)
+
+
+def write_report(
+    db_paths: Sequence[str | Path],
+    out_path: str | Path,
+    run: str | None = None,
+    settings: Settings | None = None,
+) -> Path:
+    """Write the self-contained HTML report (no network needed to open it); returns its path."""
+    from specproxy.analysis.report import build_report
+
+    settings = settings or Settings()
+    out = Path(out_path)
+    with open_store(db_paths) as store:
+        html = build_report(store, evaluate(store, run, settings), settings)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(html, encoding="utf-8")
+    return out

@@ -1,0 +1,260 @@
+"""The click commands `analyze`, `report`, `sql`, `export`: parse options, call the library, print.
+
+Every failure a user can cause (a missing, corrupt or locked file, an unknown run, bad SQL) becomes a
+ClickException: one sentence and exit status 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Callable, Sequence
+from datetime import date, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import duckdb
+
+from specproxy.analysis.evaluation import Settings
+from specproxy.analysis.render import FORMATS
+from specproxy.analysis.store import StoreError, open_store
+from specproxy.analysis.verdict import Thresholds
+
+DEFAULT_DB = "specproxy.duckdb"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _dbs(paths: Sequence[str]) -> list[str]:
+    return list(paths) or [DEFAULT_DB]
+
+
+def settings_options(func: F) -> F:
+    """The verdict and bootstrap options shared by analyze and report."""
+    options = [
+        click.option(
+            "--run", "run", metavar="NAME", help="Only this run (its name or run_id); default: every run."
+        ),
+        click.option(
+            "--win-threshold",
+            type=float,
+            default=1.05,
+            show_default=True,
+            help="WIN needs the decode speedup's CI lower bound above this.",
+        ),
+        click.option(
+            "--identity-min",
+            type=click.FloatRange(0, 100),
+            default=99.0,
+            show_default=True,
+            help="Identical outputs needed, in percent (below it: LOSS).",
+        ),
+        click.option(
+            "--near-tie-margin",
+            type=float,
+            default=0.5,
+            show_default=True,
+            help="A mismatch whose logprob margin (top-1 minus top-2, nats) is at most this is a near-tie.",
+        ),
+        click.option(
+            "--confidence",
+            type=click.FloatRange(0.5, 0.999),
+            default=0.95,
+            show_default=True,
+            help="Confidence level of the bootstrap intervals.",
+        ),
+        click.option(
+            "--bootstrap-iterations",
+            type=click.IntRange(100, 100_000),
+            default=1000,
+            show_default=True,
+            help="Bootstrap resamples per interval.",
+        ),
+        click.option(
+            "--bootstrap-seed",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Seed of the bootstrap (same seed, same intervals).",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _settings(kw: dict[str, Any]) -> Settings:
+    return Settings(
+        thresholds=Thresholds(win_threshold=kw["win_threshold"], identity_min=kw["identity_min"] / 100.0),
+        near_tie_margin=kw["near_tie_margin"],
+        confidence=kw["confidence"],
+        bootstrap_iterations=kw["bootstrap_iterations"],
+        bootstrap_seed=kw["bootstrap_seed"],
+    )
+
+
+@click.command()
+@click.argument("dbs", nargs=-1, metavar="[DB]...")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default="table",
+    show_default=True,
+    help="Output format (csv and json carry full precision).",
+)
+@settings_options
+def analyze(dbs: tuple[str, ...], fmt: str, **kw: Any) -> None:
+    """The verdict table: per run, arm and concurrency level.
+
+    DB files default to specproxy.duckdb; each file's worker siblings (specproxy.w0.duckdb, ...) are
+    read too, and several files (machines) are analysed as one store. Files are opened read-only.
+    """
+    from specproxy.analysis import analyze_text
+
+    try:
+        click.echo(analyze_text(_dbs(dbs), kw["run"], fmt, _settings(kw)), nl=False)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.command()
+@click.argument("dbs", nargs=-1, metavar="[DB]...")
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    type=click.Path(dir_okay=False),
+    default="report.html",
+    show_default=True,
+    help="Where to write the HTML file.",
+)
+@settings_options
+def report(dbs: tuple[str, ...], out: str, **kw: Any) -> None:
+    """A self-contained HTML report (inline SVG plots; opens without network)."""
+    from specproxy.analysis import write_report
+
+    try:
+        path = write_report(_dbs(dbs), out, kw["run"], _settings(kw))
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out}: {exc.strerror or exc}") from exc
+    click.echo(f"wrote {path}")
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
+
+
+def format_result(names: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str) -> str:
+    """A query result as an aligned table, CSV or JSON (a list of objects)."""
+    if fmt == "json":
+        return (
+            json.dumps(
+                [{n: _cell(v) for n, v in zip(names, r, strict=True)} for r in rows],
+                indent=2,
+                default=str,
+                ensure_ascii=False,
+            )
+            + "\n"
+        )
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(names)
+        writer.writerows([["" if v is None else _cell(v) for v in r] for r in rows])
+        return buf.getvalue()
+    text = [[("NULL" if v is None else str(_cell(v))) for v in r] for r in rows]
+    widths = [max([len(n), *(len(t[i]) for t in text)]) for i, n in enumerate(names)]
+    header = "  ".join(n.ljust(w) for n, w in zip(names, widths, strict=True))
+    lines = [header, "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip() for t in text]
+    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(lines) + "\n"
+
+
+@click.command()
+@click.argument("args", nargs=-1, required=True, metavar="[DB]... QUERY")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(("table", "csv", "json")),
+    default="table",
+    show_default=True,
+    help="Output format.",
+)
+def sql(args: tuple[str, ...], fmt: str) -> None:
+    """Run QUERY (the last argument) on the span store(s).
+
+    Tables requests, runs, backend_metrics and views arm_summary, pairs, identity, acceptance are
+    available; several DB files are queried as their union. Example:
+
+        specproxy sql specproxy.duckdb "SELECT arm, level, agg_tok_s FROM arm_summary"
+    """
+    *dbs, query = args
+    try:
+        with open_store(_dbs(dbs)) as store:
+            try:
+                cur = store.conn.execute(query)
+                names = [d[0] for d in cur.description or []]
+                rows = cur.fetchall() if names else []
+            except duckdb.Error as exc:
+                raise click.ClickException(f"the query failed: {str(exc).splitlines()[0]}") from exc
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_result(names, rows, fmt), nl=False)
+
+
+@click.command()
+@click.argument("dbs", nargs=-1, metavar="[DB]...")
+@click.option(
+    "--parquet",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory for requests.parquet, runs.parquet, backend_metrics.parquet.",
+)
+@click.option("--run", "run", metavar="NAME", help="Only this run (its name or run_id).")
+def export(dbs: tuple[str, ...], out_dir: str, run: str | None) -> None:
+    """Export spans, runs and metrics as Parquet files, for a warehouse."""
+    from specproxy.analysis.evaluation import select_runs
+
+    target = Path(out_dir)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.ClickException(f"cannot create {target}: {exc.strerror or exc}") from exc
+    try:
+        with open_store(_dbs(dbs)) as store:
+            run_ids = [r["run_id"] for r in select_runs(store, run)] if run else None
+            for table in ("requests", "runs", "backend_metrics"):
+                path = target / f"{table}.parquet"
+                where = ""
+                if run_ids is not None:
+                    where = (
+                        " WHERE run_id IN ("
+                        + ", ".join("'" + r.replace("'", "''") + "'" for r in run_ids)
+                        + ")"
+                    )
+                n = store.conn.execute(f"SELECT count(*) FROM {table}{where}").fetchone()
+                store.conn.execute(
+                    f"COPY (SELECT * FROM {table}{where}) TO '{str(path).replace(chr(39), chr(39) * 2)}' "
+                    "(FORMAT parquet, COMPRESSION zstd)"
+                )
+                click.echo(f"{path}: {n[0] if n else 0} rows")
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except duckdb.Error as exc:
+        raise click.ClickException(f"export failed: {str(exc).splitlines()[0]}") from exc

@@ -1,0 +1,244 @@
+"""The verdict table as text: aligned table, Markdown, CSV, JSON.
+
+Printed precision (the tests check every printed digit against an independent computation): tok/s
+one decimal, TTFT in milliseconds one decimal, acceptance rate in percent one decimal, acceptance
+length two decimals, speedups two decimals. CSV and JSON carry full precision.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from datetime import datetime
+from typing import Any
+
+from specproxy.analysis.evaluation import LevelRow, RunEvaluation, Settings
+from specproxy.analysis.stats import Interval
+
+FORMATS = ("table", "markdown", "json", "csv")
+DASH = "—"
+
+HEADERS = (
+    "level",
+    "arm",
+    "ok/calls",
+    "agg tok/s",
+    "P50 decode tok/s",
+    "P50 TTFT ms",
+    "P95 TTFT ms",
+    "accept rate",
+    "accept len",
+    "req accept len",
+    "identical",
+    "decode speedup [95% CI]",
+    "throughput ratio [95% CI]",
+    "verdict",
+)
+
+
+def fmt_num(value: float | None, digits: int, scale: float = 1.0, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return DASH
+    return f"{value * scale:.{digits}f}{suffix}"
+
+
+def fmt_interval(iv: Interval | None) -> str:
+    if iv is None:
+        return DASH
+    if iv.low is None or iv.high is None:
+        return f"{iv.point:.2f}x"
+    return f"{iv.point:.2f}x [{iv.low:.2f}, {iv.high:.2f}]"
+
+
+def fmt_level(level: str) -> str:
+    return f"c={level}" if level.isdigit() else level
+
+
+def row_cells(row: LevelRow) -> list[str]:
+    return [
+        fmt_level(row.level),
+        row.arm,
+        f"{row.ok}/{row.calls}",
+        fmt_num(row.agg_tok_s, 1),
+        fmt_num(row.p50_decode_tok_s, 1),
+        fmt_num(row.p50_ttft_s, 1, 1000.0),
+        fmt_num(row.p95_ttft_s, 1, 1000.0),
+        fmt_num(row.acceptance_rate, 1, 100.0, "%"),
+        fmt_num(row.acceptance_length, 2),
+        fmt_num(row.req_acceptance_length, 2),
+        f"{row.identical}/{row.compared}" if row.compared else DASH,
+        fmt_interval(row.decode_speedup) + (" (unpaired)" if row.paired is False else ""),
+        fmt_interval(row.throughput_speedup),
+        row.verdict or ("baseline" if row.role == "baseline" else DASH),
+    ]
+
+
+def _aligned(headers: Sequence[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    left = {0, 1, len(headers) - 1}
+
+    def line(cells: Sequence[str]) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in pairs)
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join(x.rstrip() for x in [line(headers), rule, *(line(r) for r in rows)])
+
+
+def _markdown(headers: Sequence[str], rows: list[list[str]]) -> str:
+    def esc(c: str) -> str:
+        return c.replace("|", "\\|")
+
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def run_title(ev: RunEvaluation) -> str:
+    bits = [f"run {ev.name}"]
+    if ev.name != ev.run_id:
+        bits[0] += f" ({ev.run_id})"
+    if ev.mode:
+        bits.append(str(ev.mode))
+    bits.append(f"baseline: {ev.baseline}")
+    bits.append(f"peak level: {fmt_level(ev.peak_level)}")
+    return " · ".join(bits)
+
+
+def run_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
+    """Crossover, identity triage and verdict reasons, one line each."""
+    lines: list[str] = []
+    floor = ev.noise_floor
+    floor_text = (
+        f"noise floor (baseline vs baseline): {ev.noise_mismatched}/{ev.noise_compared} mismatched "
+        f"({floor:.1%})"
+        if floor is not None
+        else "noise floor: n/a (no baseline replica or repeated call)"
+    )
+    for arm in ev.arms:
+        if arm.kind == "baseline":
+            continue
+        lines.append(f"crossover {arm.arm}: {arm.crossover_text}")
+    for arm in ev.arms:
+        if arm.compared == 0 or arm.kind == "baseline":
+            continue
+        rate = arm.mismatched / arm.compared
+        vs = f", {rate / floor:.1f}x the noise floor" if floor else ""
+        unknown = arm.mismatched - arm.near_tie - arm.gross
+        lines.append(
+            f"identity {arm.arm}: {arm.mismatched}/{arm.compared} mismatched ({rate:.1%}{vs}): "
+            f"{arm.near_tie} near-tie (margin ≤ {settings.near_tie_margin:g}), {arm.gross} gross, "
+            f"{unknown} without margin"
+        )
+    lines.append(floor_text)
+    for row in ev.rows:
+        if row.verdict:
+            lines.append(f"{row.arm} {fmt_level(row.level)}: {row.verdict}: {row.reason}")
+    return lines + ev.notes
+
+
+def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: bool = False) -> str:
+    blocks: list[str] = []
+    for ev in evals:
+        rows = [row_cells(r) for r in ev.rows]
+        if markdown:
+            notes = "\n".join(f"- {n}" for n in run_notes(ev, settings))
+            blocks.append(f"### {run_title(ev)}\n\n{_markdown(HEADERS, rows)}\n\n{notes}")
+        else:
+            notes = "\n".join(f"  {n}" for n in run_notes(ev, settings))
+            blocks.append(f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}")
+    return "\n\n".join(blocks) + "\n"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def as_dicts(evals: Sequence[RunEvaluation]) -> list[dict[str, Any]]:
+    out = []
+    for ev in evals:
+        d = asdict(ev)
+        d["noise_floor"] = ev.noise_floor
+        for row, rd in zip(ev.rows, d["rows"], strict=True):
+            rd["identical_rate"] = row.identical_rate
+        out.append(d)
+    return out
+
+
+def render_json(evals: Sequence[RunEvaluation], settings: Settings) -> str:
+    doc = {"settings": asdict(settings), "runs": as_dicts(evals)}
+    return json.dumps(doc, indent=2, default=_jsonable, ensure_ascii=False) + "\n"
+
+
+CSV_FIELDS = (
+    "run_id",
+    "run_name",
+    "level",
+    "concurrency_level",
+    "arm",
+    "role",
+    "spec_method",
+    "calls",
+    "ok",
+    "completion_tokens",
+    "wall_s",
+    "agg_tok_s",
+    "p50_decode_tok_s",
+    "p50_ttft_s",
+    "p95_ttft_s",
+    "acceptance_rate",
+    "acceptance_length",
+    "req_acceptance_rate",
+    "req_acceptance_length",
+    "compared",
+    "identical",
+    "near_tie",
+    "gross",
+    "margin_unknown",
+    "paired",
+    "pairs",
+    "decode_speedup",
+    "decode_speedup_low",
+    "decode_speedup_high",
+    "throughput_ratio",
+    "throughput_ratio_low",
+    "throughput_ratio_high",
+    "verdict",
+    "reason",
+)
+
+
+def render_csv(evals: Sequence[RunEvaluation]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_FIELDS)
+    for ev in evals:
+        for r in ev.rows:
+            d = asdict(r)
+            d.update(run_id=ev.run_id, run_name=ev.name)
+            for key, iv in (("decode_speedup", r.decode_speedup), ("throughput_ratio", r.throughput_speedup)):
+                d[key] = iv.point if iv else None
+                d[f"{key}_low"] = iv.low if iv else None
+                d[f"{key}_high"] = iv.high if iv else None
+            writer.writerow(["" if d.get(f) is None else _jsonable(d.get(f)) for f in CSV_FIELDS])
+    return buf.getvalue()
+
+
+def render(evals: Sequence[RunEvaluation], settings: Settings, fmt: str) -> str:
+    if fmt == "table":
+        return render_table(evals, settings)
+    if fmt == "markdown":
+        return render_table(evals, settings, markdown=True)
+    if fmt == "json":
+        return render_json(evals, settings)
+    if fmt == "csv":
+        return render_csv(evals)
+    raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")

@@ -1,0 +1,363 @@
+"""The self-contained HTML report: verdict table, plots (inline SVG), mismatches, each arm's stack.
+
+Everything is in one file (CSS inline, no scripts, no fonts or images fetched), so it opens offline
+and can be attached to a ticket.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from html import escape
+
+from specproxy import __version__
+from specproxy.analysis.evaluation import RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.render import HEADERS, fmt_level, row_cells, run_notes, run_title
+from specproxy.analysis.store import SpanStore
+from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
+
+MAX_MISMATCH_ROWS = 100
+MAX_CDF_LEVELS = 6
+SNIPPET = 40
+
+CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px 32px; color: #222; }
+h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 32px; border-bottom: 1px solid #ddd; }
+h3 { font-size: 15px; margin-top: 22px; }
+table { border-collapse: collapse; margin: 8px 0; font-size: 12px; }
+th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: right; white-space: nowrap; }
+th { background: #f4f4f4; white-space: normal; max-width: 110px; vertical-align: bottom; } td.l, th.l { text-align: left; }
+td.WIN { background: #d9f2d9; font-weight: 600; } td.LOSS { background: #f8d7d7; font-weight: 600; }
+td.NCG { background: #fff3cd; }
+.charts { display: flex; flex-wrap: wrap; gap: 12px; }
+svg { background: #fff; border: 1px solid #eee; }
+svg .title { font-size: 13px; font-weight: 600; } svg .tick { font-size: 11px; fill: #444; }
+svg .label { font-size: 12px; fill: #333; } svg .grid { stroke: #eee; } svg .axis { stroke: #888; }
+svg .ref { stroke: #555; stroke-dasharray: 4 3; }
+pre { background: #f7f7f7; padding: 8px; overflow-x: auto; font-size: 12px; max-width: 1300px; }
+ul.notes li { margin: 2px 0; } .muted { color: #777; } code, .mono { font-family: ui-monospace, monospace; }
+td.snip { text-align: left; white-space: pre-wrap; max-width: 520px; font-family: ui-monospace, monospace;
+          font-size: 11.5px; }
+mark { background: #ffd6d6; }
+"""
+
+
+def _colors(arms: Sequence[str]) -> dict[str, str]:
+    return {arm: PALETTE[i % len(PALETTE)] for i, arm in enumerate(arms)}
+
+
+def _table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], left: set[int], css: Sequence[str] = ()
+) -> str:
+    head = "".join(f'<th class="{"l" if i in left else ""}">{escape(h)}</th>' for i, h in enumerate(headers))
+    body = []
+    for r_i, row in enumerate(rows):
+        cells = []
+        for i, c in enumerate(row):
+            cls = ("l " if i in left else "") + (css[r_i] if css and i == len(row) - 1 else "")
+            cells.append(f'<td class="{cls.strip()}">{escape(c)}</td>')
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _verdict_table(ev: RunEvaluation) -> str:
+    rows = [row_cells(r) for r in ev.rows]
+    css = [{"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG"}.get(r.verdict or "", "") for r in ev.rows]
+    return _table(HEADERS, rows, {0, 1, len(HEADERS) - 1}, css)
+
+
+def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
+    numeric = [r for r in ev.rows if r.concurrency_level is not None]
+    if not numeric:
+        return '<p class="muted">No concurrency levels (live traffic): see the "live" row of the table.</p>'
+    arms = list(dict.fromkeys(r.arm for r in numeric))
+    speed: list[Series] = []
+    thr: list[Series] = []
+    decode: list[Series] = []
+    agg: list[Series] = []
+    for arm in arms:
+        rows = [r for r in numeric if r.arm == arm]
+        color = colors[arm]
+        decode.append(
+            Series(
+                arm,
+                [
+                    (r.concurrency_level, r.p50_decode_tok_s)
+                    for r in rows
+                    if r.concurrency_level and r.p50_decode_tok_s is not None
+                ],
+                color=color,
+            )
+        )
+        agg.append(
+            Series(
+                arm,
+                [
+                    (r.concurrency_level, r.agg_tok_s)
+                    for r in rows
+                    if r.concurrency_level and r.agg_tok_s is not None
+                ],
+                color=color,
+            )
+        )
+        if arm == ev.baseline:
+            continue
+        for target, attr in ((speed, "decode_speedup"), (thr, "throughput_speedup")):
+            ivs = [(r.concurrency_level, getattr(r, attr)) for r in rows if r.concurrency_level]
+            ivs = [(c, iv) for c, iv in ivs if iv is not None]
+            target.append(
+                Series(
+                    arm,
+                    [(c, iv.point) for c, iv in ivs],
+                    band=[
+                        (c, iv.low, iv.high) for c, iv in ivs if iv.low is not None and iv.high is not None
+                    ],
+                    color=color,
+                )
+            )
+    charts = [
+        line_chart(
+            speed,
+            title="P50 decode speedup vs baseline (95% CI)",
+            x_label="concurrency",
+            y_label="speedup (x)",
+            reference_y=1.0,
+            y_from_zero=False,
+        ),
+        line_chart(
+            thr,
+            title="Aggregate throughput ratio vs baseline (95% CI)",
+            x_label="concurrency",
+            y_label="ratio (x)",
+            reference_y=1.0,
+            y_from_zero=False,
+        ),
+        line_chart(decode, title="P50 decode tok/s per request", x_label="concurrency", y_label="tok/s"),
+        line_chart(agg, title="Aggregate tok/s (all requests)", x_label="concurrency", y_label="tok/s"),
+    ]
+    return '<div class="charts">' + "".join(charts) + "</div>"
+
+
+def _ttft_charts(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) -> str:
+    rows = store.query(
+        """
+        SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
+               quantile_cont(ttft_s, [i / 100 for i in range(101)]) AS q
+        FROM requests WHERE run_id = ? AND status = 'ok' AND ttft_s IS NOT NULL
+        GROUP BY ALL
+    """,
+        [ev.run_id],
+    )
+    levels = sorted({r["level"] for r in rows}, key=level_sort_key)
+    if not levels:
+        return '<p class="muted">No TTFT measured (no streamed calls).</p>'
+    shown = (
+        levels
+        if len(levels) <= MAX_CDF_LEVELS
+        else [levels[round(i * (len(levels) - 1) / (MAX_CDF_LEVELS - 1))] for i in range(MAX_CDF_LEVELS)]
+    )
+    charts = []
+    for level in dict.fromkeys(shown):
+        series = [
+            Series(
+                r["arm"],
+                [(q * 1000.0, i / 100) for i, q in enumerate(r["q"])],
+                color=colors.get(r["arm"], "#000"),
+            )
+            for r in sorted(rows, key=lambda r: r["arm"] != ev.baseline)
+            if r["level"] == level
+        ]
+        charts.append(cdf_chart(series, title=f"TTFT CDF at {fmt_level(level)}", x_label="TTFT (ms)"))
+    note = (
+        ""
+        if len(shown) == len(levels)
+        else f'<p class="muted">{len(shown)} of {len(levels)} levels shown.</p>'
+    )
+    return note + '<div class="charts">' + "".join(charts) + "</div>"
+
+
+def _acceptance_by_category(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) -> str:
+    rows = store.query(
+        """
+        SELECT arm, coalesce(category, '(none)') AS category,
+               coalesce(1 + sum(accepted_tokens) / nullif(sum(num_drafts), 0), avg(acceptance_length)) AS len,
+               count(*) AS n
+        FROM requests
+        WHERE run_id = ? AND status = 'ok' AND (accepted_tokens IS NOT NULL OR acceptance_length IS NOT NULL)
+        GROUP BY ALL
+    """,
+        [ev.run_id],
+    )
+    rows = [r for r in rows if r["len"] is not None]
+    if not rows:
+        return (
+            '<p class="muted">No per-request acceptance figures (the backends did not report them; see '
+            "the /metrics-based columns of the table).</p>"
+        )
+    groups = sorted({r["category"] for r in rows})
+    arms = sorted({r["arm"] for r in rows})
+    series = [
+        Series(
+            arm,
+            [(groups.index(r["category"]), r["len"]) for r in rows if r["arm"] == arm],
+            color=colors.get(arm, "#000"),
+        )
+        for arm in arms
+    ]
+    table = _table(
+        ["arm", "category", "mean acceptance length", "calls"],
+        [
+            [r["arm"], r["category"], f"{r['len']:.2f}", str(r["n"])]
+            for r in sorted(rows, key=lambda r: (r["arm"], r["category"]))
+        ],
+        {0, 1},
+    )
+    chart = bar_chart(
+        groups, series, title="Mean acceptance length by category", y_label="tokens per step", reference_y=1.0
+    )
+    return f'<div class="charts">{chart}<div>{table}</div></div>'
+
+
+def _snippets(cand: str | None, base: str | None) -> tuple[str, str]:
+    """±SNIPPET characters around the first differing character of the two texts (HTML, marked)."""
+    if cand is None or base is None:
+        return "", ""
+    i = next(
+        (k for k, (a, b) in enumerate(zip(cand, base, strict=False)) if a != b), min(len(cand), len(base))
+    )
+    lo = max(0, i - SNIPPET)
+
+    def cut(text: str) -> str:
+        pre = ("…" if lo else "") + escape(text[lo:i])
+        post = text[i : i + SNIPPET]
+        return (
+            pre
+            + "<mark>"
+            + escape(post[:1])
+            + "</mark>"
+            + escape(post[1:])
+            + ("…" if len(text) > i + SNIPPET else "")
+        )
+
+    return cut(cand), cut(base)
+
+
+def _mismatches(store: SpanStore, ev: RunEvaluation, settings: Settings) -> str:
+    total = store.query("SELECT count(*) AS n FROM pairs WHERE run_id = ? AND NOT identical", [ev.run_id])[0][
+        "n"
+    ]
+    if not total:
+        compared = store.query("SELECT count(identical) AS n FROM pairs WHERE run_id = ?", [ev.run_id])[0][
+            "n"
+        ]
+        return f"<p>No mismatches among {compared} compared outputs.</p>"
+    rows = store.query(
+        f"""
+        SELECT arm, kind, level, request_id, category, first_divergence, divergence_margin,
+               output_text, baseline_output_text
+        FROM pairs WHERE run_id = ? AND NOT identical
+        ORDER BY kind, arm, divergence_margin DESC NULLS LAST, request_id
+        LIMIT {MAX_MISMATCH_ROWS}
+    """,
+        [ev.run_id],
+    )
+    head = [
+        "arm",
+        "kind",
+        "level",
+        "request_id",
+        "category",
+        "first divergence",
+        "margin",
+        "triage",
+        "candidate text",
+        "baseline text",
+    ]
+    body = []
+    for r in rows:
+        margin = r["divergence_margin"]
+        triage = (
+            "unknown" if margin is None else ("near-tie" if margin <= settings.near_tie_margin else "gross")
+        )
+        cand, base = _snippets(r["output_text"], r["baseline_output_text"])
+        cells = [
+            r["arm"],
+            r["kind"],
+            fmt_level(r["level"]),
+            r["request_id"],
+            r["category"] or "",
+            "" if r["first_divergence"] is None else str(r["first_divergence"]),
+            "" if margin is None else f"{margin:.3f}",
+            triage,
+        ]
+        body.append(
+            "<tr>"
+            + "".join(f'<td class="l">{escape(c)}</td>' for c in cells)
+            + f'<td class="snip">{cand}</td><td class="snip">{base}</td></tr>'
+        )
+    more = f'<p class="muted">First {len(rows)} of {total} mismatches.</p>' if total > len(rows) else ""
+    heads = "".join(f'<th class="l">{escape(h)}</th>' for h in head)
+    return f"{more}<table><thead><tr>{heads}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _stacks(ev: RunEvaluation) -> str:
+    if not ev.stacks:
+        return '<p class="muted">No stack recorded for this run (runs.stacks_json is empty).</p>'
+    parts = []
+    for arm, stack in ev.stacks.items():
+        parts.append(
+            f"<h3>{escape(str(arm))}</h3><pre>{escape(json.dumps(stack, indent=2, default=str))}</pre>"
+        )
+    return "".join(parts)
+
+
+def build_report(store: SpanStore, evals: Sequence[RunEvaluation], settings: Settings) -> str:
+    """The whole HTML document for the evaluated runs."""
+    sections = []
+    for ev in evals:
+        arms = [a.arm for a in ev.arms]
+        colors = _colors(arms)
+        notes = "".join(f"<li>{escape(n)}</li>" for n in run_notes(ev, settings))
+        started = (
+            ev.started_at.isoformat() if isinstance(ev.started_at, datetime) else str(ev.started_at or "")
+        )
+        sections.append(f"""
+<section>
+<h2>{escape(run_title(ev))}</h2>
+<p class="muted">run_id <span class="mono">{escape(ev.run_id)}</span> · source {escape(str(ev.source))}
+ · started {escape(started)}</p>
+<h3>Verdicts</h3>
+{_verdict_table(ev)}
+<ul class="notes">{notes}</ul>
+<h3>Speed and throughput vs concurrency</h3>
+{_level_charts(ev, colors)}
+<h3>Time to first token</h3>
+{_ttft_charts(store, ev, colors)}
+<h3>Acceptance length by category</h3>
+{_acceptance_by_category(store, ev, colors)}
+<h3>Mismatches (first divergence)</h3>
+{_mismatches(store, ev, settings)}
+<h3>Stacks</h3>
+{_stacks(ev)}
+</section>""")
+    t = settings.thresholds
+    rules = (
+        f"WIN: decode speedup CI lower bound &gt; {t.win_threshold:g}, peak-level throughput ratio CI upper "
+        f"bound ≥ 1 and identical outputs ≥ {t.identity_min:.0%}. LOSS: decode speedup or peak throughput "
+        f"CI upper bound &lt; 1, or identity below {t.identity_min:.0%}. NO CLEAR GAIN otherwise. "
+        f"Intervals: {settings.confidence:.0%} bootstrap, {settings.bootstrap_iterations} resamples, "
+        f"seed {settings.bootstrap_seed}."
+    )
+    files = ", ".join(escape(str(p)) for p in store.paths)
+    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>specproxy report</title>
+<style>{CSS}</style></head>
+<body>
+<h1>specproxy: does speculative decoding pay?</h1>
+<p class="muted">From {files} · generated {generated} by specproxy {__version__}</p>
+<p>{rules}</p>
+{"".join(sections)}
+</body></html>
+"""

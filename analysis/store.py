@@ -1,0 +1,177 @@
+"""Opening span stores for analysis: one or several DuckDB files, read-only, as one database.
+
+Each file is ATTACHed READ_ONLY into an in-memory DuckDB; views ``requests``, ``runs`` and
+``backend_metrics`` there are the union of the files' tables (``UNION ALL BY NAME``, so a file with an
+older schema only lacks columns), and the analysis views of :mod:`specproxy.schema` are created on top.
+`serve --workers N` writes one file per worker (``specproxy.w0.duckdb``, ...): given
+``specproxy.duckdb``, its ``.w<i>`` siblings are read too.
+
+Errors are :class:`StoreError`, a sentence a person can act on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from specproxy import schema
+
+TABLES = ("requests", "runs", "backend_metrics")
+
+
+class StoreError(Exception):
+    """A span store that cannot be read, or a question it cannot answer; the message says what to do."""
+
+
+def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
+    """The files to read: each path given, plus its worker siblings ``<stem>.w<i><suffix>``.
+
+    A path that does not exist but has worker siblings stands for them (serve with --workers writes only
+    the siblings). Duplicates (the same file twice) are read once.
+    """
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for given in paths:
+        path = Path(given)
+        worker = re.compile(re.escape(path.stem) + r"\.w\d+" + re.escape(path.suffix) + "$")
+        siblings = sorted(
+            (p for p in path.parent.glob(f"{path.stem}.w*{path.suffix}") if worker.match(p.name)),
+            key=lambda p: int(p.name[len(path.stem) + 2 : len(p.name) - len(path.suffix)]),
+        )
+        if not path.exists() and not siblings:
+            raise StoreError(
+                f"{path}: no such span store (and no worker files {path.stem}.w0{path.suffix}, ...); "
+                "give the file that `specproxy serve` or `replay` wrote (the experiment's `db`)"
+            )
+        for p in ([path] if path.exists() else []) + siblings:
+            key = p.resolve()
+            if key not in seen:
+                seen.add(key)
+                out.append(p)
+    return out
+
+
+def _attach_error(path: Path, exc: duckdb.Error) -> StoreError:
+    text = str(exc)
+    if "lock" in text.lower():
+        return StoreError(
+            f"{path} is open for writing by another process (DuckDB allows one writer and no readers "
+            f"beside it); stop that process (`specproxy serve`/`replay`) or analyse a copy: "
+            f"cp {path} /tmp/{path.name}"
+        )
+    if "not a valid DuckDB database" in text or "Serialization" in text or "Corrupt" in text.lower():
+        return StoreError(f"{path} is not a readable DuckDB span store ({text.splitlines()[0]})")
+    return StoreError(f"cannot open {path}: {text.splitlines()[0]}")
+
+
+@dataclass
+class SpanStore:
+    """An in-memory DuckDB connection that sees the union of several span store files."""
+
+    conn: duckdb.DuckDBPyConnection
+    paths: list[Path]
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> SpanStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def query(self, sql: str, params: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+        """Rows as dicts (column name → value)."""
+        cur = self.conn.execute(sql, params or [])
+        names = [d[0] for d in cur.description or []]
+        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def open_store(paths: Sequence[str | Path]) -> SpanStore:
+    """Attach every file (and its worker siblings) read-only and build the union views.
+
+    >>> with open_store(["specproxy.duckdb"]) as store:  # doctest: +SKIP
+    ...     store.query("SELECT arm, agg_tok_s FROM arm_summary")
+    """
+    if not paths:
+        raise StoreError("give at least one span store file")
+    files = expand_paths(paths)
+    conn = duckdb.connect(":memory:")
+    try:
+        attached: list[tuple[str, set[str]]] = []
+        for i, path in enumerate(files):
+            alias = f"db{i}"
+            try:
+                conn.execute(f"ATTACH '{_quote(str(path))}' AS {alias} (READ_ONLY)")
+            except duckdb.Error as exc:
+                raise _attach_error(path, exc) from exc
+            tables = {
+                r[0]
+                for r in conn.execute(
+                    "SELECT table_name FROM duckdb_tables() WHERE database_name = ?", [alias]
+                ).fetchall()
+            }
+            if "requests" not in tables:
+                raise StoreError(
+                    f"{path} has no `requests` table: it is a DuckDB file but not a specproxy span store"
+                )
+            attached.append((alias, tables))
+        _create_union_views(conn, attached)
+        for stmt in schema.VIEWS_DDL:
+            conn.execute(stmt)
+    except BaseException:
+        conn.close()
+        raise
+    return SpanStore(conn, files)
+
+
+def _quote(text: str) -> str:
+    return text.replace("'", "''")
+
+
+def _create_union_views(conn: duckdb.DuckDBPyConnection, attached: list[tuple[str, set[str]]]) -> None:
+    for table in ("requests", "runs"):
+        parts = [f"SELECT * FROM {alias}.main.{table}" for alias, tables in attached if table in tables]
+        if not parts:
+            # an old or partial file: an empty table of the current shape keeps every query valid
+            conn.execute(_empty_table_ddl(table))
+            continue
+        conn.execute(f"CREATE VIEW {table} AS " + " UNION ALL BY NAME ".join(parts))
+    # Every worker of `serve --workers N` may scrape the same backends: counters from two files are the
+    # same series seen twice, so each (run, arm) takes its metrics from one file, the one with the most.
+    metric_parts = [
+        f"SELECT *, {i} AS source_file FROM {alias}.main.backend_metrics"
+        for i, (alias, tables) in enumerate(attached)
+        if "backend_metrics" in tables
+    ]
+    if not metric_parts:
+        conn.execute(_empty_table_ddl("backend_metrics"))
+        return
+    conn.execute("CREATE VIEW backend_metrics_all AS " + " UNION ALL BY NAME ".join(metric_parts))
+    conn.execute("""
+        CREATE VIEW backend_metrics AS
+        WITH counts AS (
+            SELECT run_id, arm, source_file, count(*) AS n FROM backend_metrics_all GROUP BY ALL
+        ), chosen AS (
+            SELECT run_id, arm, arg_max(source_file, n * 1000000 - source_file) AS source_file
+            FROM counts GROUP BY ALL
+        )
+        SELECT m.* EXCLUDE (source_file)
+        FROM backend_metrics_all m
+        JOIN chosen c ON m.run_id IS NOT DISTINCT FROM c.run_id AND m.arm = c.arm
+                     AND m.source_file = c.source_file
+    """)
+
+
+def _empty_table_ddl(table: str) -> str:
+    ddl = {
+        "requests": schema.REQUESTS_DDL,
+        "runs": schema.RUNS_DDL,
+        "backend_metrics": schema.BACKEND_METRICS_DDL,
+    }[table]
+    return ddl.replace("CREATE TABLE IF NOT EXISTS", "CREATE TEMP TABLE")

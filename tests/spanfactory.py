@@ -1,0 +1,300 @@
+"""Synthetic spans with known ground truth, for tests and benchmarks of the span store and analysis.
+
+Two generators:
+- :func:`make_run` builds :class:`SpanRecord` rows in Python (small runs; every value known), with the
+  matching `runs` row and `backend_metrics` scrapes (two engines each);
+- :func:`generate_sql` fills a DuckDB file inside DuckDB (``generate_series``), for millions of rows.
+
+The population truth is simple on purpose: per arm and level, decode tok/s is lognormal with median
+``BASE_DECODE_MEDIAN / (1 + level / 32) * speedup`` (paired runs multiply the baseline's own draw, so the
+true ratio of medians is exactly ``speedup``), TTFT is lognormal, outputs are identical with
+probability ``identical_p``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from specproxy import schema
+from specproxy.record import COLUMNS, SpanRecord
+
+BASE_DECODE_MEDIAN = 80.0
+DECODE_SIGMA = 0.35
+PAIR_SIGMA = 0.15
+T0 = datetime(2026, 11, 29, 9, 0, 0, tzinfo=UTC)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One synthetic arm: its true speedup per level (default for levels not listed) and behaviour."""
+
+    name: str
+    role: str = "candidate"
+    spec_method: str = "eagle3"
+    speedup: float = 1.0
+    speedup_by_level: dict[int, float] = field(default_factory=dict)
+    identical_p: float = 1.0
+    # acceptance per drafted token and tokens drafted per step, for the /metrics counters
+    acceptance_rate: float = 0.6
+    k: int = 3
+
+    def true_speedup(self, level: int | None) -> float:
+        if level is not None and level in self.speedup_by_level:
+            return self.speedup_by_level[level]
+        return self.speedup
+
+
+@dataclass
+class SyntheticRun:
+    run_id: str
+    name: str
+    spans: list[SpanRecord]
+    metrics: list[tuple[Any, ...]]
+    run_row: tuple[Any, ...]
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
+    return median * math.exp(rng.gauss(0.0, sigma))
+
+
+def make_run(
+    arms: Sequence[ArmSpec],
+    levels: Sequence[int | None] = (1, 8),
+    n_per_level: int = 200,
+    *,
+    run_id: str = "run-1",
+    name: str = "synthetic",
+    paired: bool = True,
+    seed: int = 1,
+    categories: Sequence[str] = ("chat", "code"),
+    margins: bool = True,
+    capture_text: bool = False,
+    restart_engine: str | None = None,
+) -> SyntheticRun:
+    """A run: every request goes to every arm (paired) or to one arm, round robin (split)."""
+    rng = random.Random(seed)
+    spans: list[SpanRecord] = []
+    metrics: list[tuple[Any, ...]] = []
+    baseline = next(a for a in arms if a.role == "baseline")
+    t_level = T0
+    for level in levels:
+        level_end = t_level
+        counters: dict[str, dict[str, float]] = {}
+        for i in range(n_per_level):
+            request_id = f"{run_id}-{level}-{i}"
+            category = categories[i % len(categories)]
+            tokens = rng.randint(16, 256)
+            base_decode = _lognormal(rng, BASE_DECODE_MEDIAN / (1 + (level or 0) / 32), DECODE_SIGMA)
+            targets = list(arms) if paired else [arms[i % len(arms)]]
+            start = t_level + timedelta(microseconds=rng.randint(0, 2_000_000))
+            for arm in targets:
+                if arm is baseline:
+                    decode = base_decode
+                elif paired:
+                    decode = base_decode * arm.true_speedup(level) * math.exp(rng.gauss(0.0, PAIR_SIGMA))
+                else:
+                    decode = _lognormal(
+                        rng,
+                        BASE_DECODE_MEDIAN / (1 + (level or 0) / 32) * arm.true_speedup(level),
+                        DECODE_SIGMA,
+                    )
+                ttft = _lognormal(rng, 0.05 * (1 + (level or 0) / 8), 0.5)
+                e2e = ttft + (tokens - 1) / decode
+                status = "ok" if rng.random() > 0.01 else "timeout"
+                same = rng.random() < arm.identical_p
+                comparable = arm is not baseline and paired and status == "ok"
+                drafts = (
+                    math.ceil(tokens / (1 + arm.acceptance_rate * arm.k)) if arm.spec_method != "none" else 0
+                )
+                accepted = round(drafts * arm.k * arm.acceptance_rate)
+                if arm.spec_method != "none" and status == "ok":
+                    c = counters.setdefault(arm.name, dict.fromkeys(SPEC_COUNTERS, 0.0))
+                    c[SPEC_COUNTERS[0]] += drafts
+                    c[SPEC_COUNTERS[1]] += drafts * arm.k
+                    c[SPEC_COUNTERS[2]] += accepted
+                end = start + timedelta(seconds=e2e)
+                level_end = max(level_end, end)
+                spans.append(
+                    SpanRecord(
+                        run_id=run_id,
+                        request_id=request_id,
+                        arm=arm.name,
+                        arm_role=arm.role,
+                        backend_url=f"http://127.0.0.1:90{len(arm.name):02d}",
+                        spec_method=arm.spec_method,
+                        num_speculative_tokens=arm.k if arm.spec_method != "none" else None,
+                        source="replay" if level is not None else "live",
+                        routed_as=("primary" if arm is baseline else "shadow") if paired else "split",
+                        category=category,
+                        concurrency_level=level,
+                        endpoint="chat",
+                        model="m",
+                        stream=True,
+                        temperature=0.0,
+                        max_tokens=256,
+                        prompt_tokens=100,
+                        t_start=start,
+                        t_start_ns=(start - EPOCH) // timedelta(microseconds=1) * 1000,
+                        ttft_s=ttft if status == "ok" else None,
+                        e2e_s=e2e,
+                        decode_tok_s=decode if status == "ok" else None,
+                        completion_tokens=tokens if status == "ok" else None,
+                        finish_reason="stop" if status == "ok" else None,
+                        output_sha256=f"out-{request_id}"
+                        if (same or arm is baseline)
+                        else f"diff-{arm.name}",
+                        output_text=(
+                            f"text of {request_id}" if same or arm is baseline else f"other {arm.name}"
+                        )
+                        if capture_text
+                        else None,
+                        num_drafts=drafts if arm.spec_method != "none" else None,
+                        draft_tokens=drafts * arm.k if arm.spec_method != "none" else None,
+                        accepted_tokens=accepted if arm.spec_method != "none" else None,
+                        acceptance_length=(1 + accepted / drafts) if drafts else None,
+                        spec_source="vllm_request_metrics" if arm.spec_method != "none" else "none",
+                        identical=(same if comparable else None),
+                        first_divergence=None if (same or not comparable) else rng.randint(0, tokens - 1),
+                        divergence_margin=(
+                            None
+                            if (same or not comparable or not margins)
+                            else rng.choice([0.05, 0.2, 2.5, 4.0])
+                        ),
+                        status=status,
+                    )
+                )
+        # before/after scrapes of the level, split over two engines; with restart_engine, that engine
+        # restarted during the level: its counter went back to zero, so "after" is below "before".
+        window = f"c={level}" if level is not None else None
+        for arm_name, c in counters.items():
+            for cname, total in c.items():
+                share0 = math.floor(total * 0.6)
+                for engine, part in (("0", share0), ("1", total - share0)):
+                    labels = json.dumps({"engine": engine, "model_name": "m"}, sort_keys=True)
+                    restarted = engine == restart_engine
+                    before = 10.0**9 if restarted else 1000.0 + (level or 0)
+                    after = part if restarted else before + part
+                    phases = (
+                        ("periodic", "periodic")
+                        if window is None
+                        else (f"{window}:before", f"{window}:after")
+                    )
+                    metrics.append((run_id, arm_name, t_level, phases[0], cname, labels, before))
+                    metrics.append((run_id, arm_name, level_end, phases[1], cname, labels, after))
+        t_level = level_end + timedelta(seconds=1)
+    stacks = {
+        a.name: {"version": "0.33.0", "spec_method": a.spec_method, "description": f"{a.name} arm"}
+        for a in arms
+    }
+    run_row = (
+        run_id,
+        name,
+        "replay-paired" if paired else "replay-split",
+        "replay" if levels and levels[0] is not None else "live",
+        T0,
+        t_level,
+        json.dumps({"experiment": {"name": name}}),
+        json.dumps(stacks),
+        "testhost",
+        "0.1.0",
+    )
+    return SyntheticRun(run_id, name, spans, metrics, run_row)
+
+
+def write_db(path: str | Path, runs: Iterable[SyntheticRun]) -> Path:
+    """Write synthetic runs into a (new or existing) span store file."""
+    path = Path(path)
+    with duckdb.connect(str(path)) as conn:
+        schema.migrate(conn)
+        placeholders = ", ".join("?" * len(COLUMNS))
+        for run in runs:
+            conn.executemany(f"INSERT INTO requests VALUES ({placeholders})", [s.as_row() for s in run.spans])
+            if run.metrics:
+                conn.executemany("INSERT INTO backend_metrics VALUES (?, ?, ?, ?, ?, ?, ?)", run.metrics)
+            conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", run.run_row)
+    return path
+
+
+def generate_sql(
+    path: str | Path,
+    n_rows: int,
+    *,
+    levels: Sequence[int] = (1, 4, 16, 64),
+    arms: Sequence[tuple[str, str, float]] = (
+        ("baseline", "baseline", 1.0),
+        ("eagle3", "candidate", 1.6),
+        ("ngram", "candidate", 1.2),
+        ("replica", "candidate", 1.0),
+    ),
+    run_id: str = "bench",
+) -> Path:
+    """About ``n_rows`` spans of one paired replay run, generated inside DuckDB.
+
+    Each request goes to every arm; arm a's decode tok/s is the baseline's times its speedup and a
+    lognormal noise. Deterministic (hash-based pseudo-random numbers).
+    """
+    path = Path(path)
+    n_requests = n_rows // (len(arms) * len(levels))
+    with duckdb.connect(str(path)) as conn:
+        schema.migrate(conn)
+        conn.execute("CREATE TEMP TABLE arm_spec(arm_idx INTEGER, arm VARCHAR, role VARCHAR, speedup DOUBLE)")
+        conn.executemany(
+            "INSERT INTO arm_spec VALUES (?, ?, ?, ?)", [(i, a, r, s) for i, (a, r, s) in enumerate(arms)]
+        )
+        conn.execute("CREATE TEMP TABLE level_spec(level_idx INTEGER, level INTEGER)")
+        conn.executemany("INSERT INTO level_spec VALUES (?, ?)", list(enumerate(levels)))
+        # u(k, salt): a uniform (0,1) number from a hash; z: a standard normal by Box-Muller
+        conn.execute(f"""
+        INSERT INTO requests BY NAME
+        WITH req AS (
+            SELECT l.level, l.level_idx, g.i,
+                   (hash(g.i, l.level, 1) % 1000000 + 0.5) / 1000000 AS u1,
+                   (hash(g.i, l.level, 2) % 1000000 + 0.5) / 1000000 AS u2,
+                   (hash(g.i, l.level, 3) % 1000000 + 0.5) / 1000000 AS u3,
+                   16 + hash(g.i, l.level, 4) % 240 AS tokens
+            FROM level_spec l, generate_series(0, {n_requests - 1}) AS g(i)
+        ), calls AS (
+            SELECT r.*, a.*,
+                   sqrt(-2 * ln(r.u1)) * cos(2 * pi() * r.u2) AS z_base,
+                   sqrt(-2 * ln((hash(r.i, r.level, a.arm_idx, 5) % 1000000 + 0.5) / 1000000))
+                       * cos(2 * pi() * r.u3) AS z_arm
+            FROM req r, arm_spec a
+        )
+        SELECT '{run_id}' AS run_id,
+               'q' || level || '-' || i AS request_id,
+               arm, role AS arm_role, 'http://127.0.0.1:9000' AS backend_url,
+               CASE WHEN arm = 'baseline' OR arm = 'replica' THEN 'none' ELSE arm END AS spec_method,
+               'replay' AS source, 'replay' AS routed_as,
+               CASE WHEN i % 3 = 0 THEN 'code' ELSE 'chat' END AS category,
+               level AS concurrency_level, 'chat' AS endpoint, true AS stream, 0.0 AS temperature,
+               TIMESTAMPTZ '2026-11-29 09:00:00+00'
+                   + to_microseconds(CAST(level_idx * 3600e6 + i * 1000 AS BIGINT))
+                   AS t_start,
+               0.05 * exp(0.5 * z_arm) AS ttft_s,
+               {BASE_DECODE_MEDIAN} / (1 + level / 32) * speedup * exp({DECODE_SIGMA} * z_base
+                   + CASE WHEN arm = 'baseline' THEN 0 ELSE {PAIR_SIGMA} * z_arm END) AS decode_tok_s,
+               tokens AS completion_tokens,
+               0.05 + tokens / 80.0 AS e2e_s,
+               'out-' || i AS output_sha256,
+               CASE WHEN arm = 'baseline' THEN NULL
+                    ELSE hash(i, level, arm_idx, 6) % 1000 <> 0 END AS identical,
+               CASE WHEN arm IN ('eagle3', 'ngram') THEN 1 + 2 * u3 END AS acceptance_length,
+               'ok' AS status
+        FROM calls
+        """)
+    return path
