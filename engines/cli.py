@@ -140,7 +140,7 @@ def experiment_label(exp: Experiment) -> str:
 @click.option("--sim-profile", default=None, metavar="NAME",
               help="--engine sim: the simulator's cost profile.")
 @click.option("--sim-time-scale", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
-              help="--engine sim: run the simulated clock X times slower (<1: faster) than real time.")
+              help="--engine sim: run the simulated engine clock X times faster than the profile's.")
 @click.option("--sim-seed", type=int, default=None, metavar="N", help="--engine sim: random seed.")
 @click.option("--stack/--no-stack", "capture", default=True, show_default=True,
               help="Record each arm's stack (engine version, GPUs and driver, installed packages).")
