@@ -27,7 +27,8 @@ h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 32px; border-bottom: 1
 h3 { font-size: 15px; margin-top: 22px; }
 table { border-collapse: collapse; margin: 8px 0; font-size: 12px; }
 th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: right; white-space: nowrap; }
-th { background: #f4f4f4; white-space: normal; max-width: 110px; vertical-align: bottom; } td.l, th.l { text-align: left; }
+th { background: #f4f4f4; white-space: normal; max-width: 110px; vertical-align: bottom; }
+td.l, th.l { text-align: left; }
 td.WIN { background: #d9f2d9; font-weight: 600; } td.LOSS { background: #f8d7d7; font-weight: 600; }
 td.NCG { background: #fff3cd; }
 .charts { display: flex; flex-wrap: wrap; gap: 12px; }
