@@ -1,0 +1,483 @@
+"""The replay runner: drive replay items against the arms and record one span per upstream call.
+
+Replay calls every arm through :func:`~specproxy.proxy.upstream.call_arm`, the function the proxy
+uses, so a replayed call's span is measured exactly like a live one; it then adds what only replay
+knows (``source = replay``, ``routed_as``, ``concurrency_level``, ``category``) and, in paired mode,
+greedy identity against the baseline's output of the same ``request_id``.
+
+    paired   every item goes to every arm at the same time, each arm with its own concurrency
+             slots; spans share request_id across arms (routed_as = "replay")
+    split    each item goes to one arm, chosen by weight with a seeded draw (routed_as = "split")
+
+Load (:class:`LoadPlan`): a closed-loop sweep over concurrency levels (each a labelled phase: a
+short unrecorded warm-up, a /metrics scrape, the measured calls, a scrape), an open-loop Poisson rate,
+or the recorded timestamps with a speed-up. Before anything runs, every arm's ``/v1/models`` is asked
+for its served model (an unreachable arm fails the run, naming its URL) and ``/version`` with it; both
+land in the run's ``stacks_json``.
+
+``run_replay(settings, items)`` returns a :class:`ReplayResult`; a :class:`ReplayError` carries a
+sentence for the user. Setting ``stop`` (the CLI does on Ctrl-C) ends the run cleanly: no new calls,
+calls in flight are cancelled and recorded as ``client_cancelled``, the spans so far are flushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import random
+import re
+import secrets
+import signal
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+
+from specproxy.config import Arm, Experiment
+from specproxy.record import SpanRecord
+
+from .app import arm_stacks, experiment_json
+from .formats import ReplayItem
+from .identity import NOT_COMPARABLE, compare, is_comparable
+from .loadgen import LoadStats, closed_loop, open_loop, poisson_offsets, timed_offsets
+from .progress import ReplayProgress
+from .scrape import MetricsScraper
+from .sink import SpanSink
+from .upstream import CallResult, UpstreamState, UpstreamTimeout, call_arm, new_record
+
+ReplayMode = Literal["paired", "split"]
+WARMUP_MAX_TOKENS = 16
+
+
+class ReplayError(Exception):
+    """A replay that cannot start or go on; the message is meant for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """How items are sent. ``kind``: closed (a sweep over ``levels``), rate (Poisson) or timed."""
+
+    kind: Literal["closed", "rate", "timed"] = "closed"
+    levels: tuple[int, ...] = (1, 4, 16, 64)
+    rate_per_s: float | None = None
+    speedup: float = 1.0
+    # Closed loop: per level; rate/timed: the whole run. None: until the items run out.
+    duration_s: float | None = None
+    # Closed loop: calls per arm before each level that are not recorded; None = one per slot.
+    warmup: int | None = None
+    # Closed loop: how many items each level sends (cycling the list); None = every item once.
+    items_per_level: Callable[[int], int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySettings:
+    arms: tuple[Arm, ...]
+    db_path: Path
+    run_name: str = "replay"
+    mode: ReplayMode = "paired"
+    load: LoadPlan = LoadPlan()
+    temperature: float | None = 0.0  # None: as recorded
+    max_tokens: int | None = None  # None: as recorded, else DEFAULT_MAX_TOKENS
+    default_max_tokens: int = 256
+    seed: int = 0
+    model: str | None = None
+    experiment: Experiment | None = None
+    through_proxy: bool = False
+    timeout: UpstreamTimeout = UpstreamTimeout()
+    capture_output: bool = False
+    show_progress: bool = True
+
+
+@dataclass(slots=True)
+class ArmTotals:
+    ok: int = 0
+    errors: int = 0
+    completion_tokens: int = 0
+    mismatches: int = 0
+    compared: int = 0
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    run_id: str
+    db_path: Path
+    phases: list[str] = field(default_factory=list)
+    per_arm: dict[str, ArmTotals] = field(default_factory=dict)
+    spans_written: int = 0
+    spans_dropped: int = 0
+    interrupted: bool = False
+    lag_p99_s: float | None = None
+
+
+# -- stack and reachability ----------------------------------------------------------------------
+
+
+async def probe_arms(session: aiohttp.ClientSession, exp: Experiment) -> tuple[str, dict[str, list[str]]]:
+    """Each arm's stack (the proxy's ``arm_stacks``: /version, /v1/models, description) and its served
+    models; ReplayError naming the URL of an arm whose /v1/models does not answer."""
+    stacks = await arm_stacks(session, exp, timeout_s=10.0)
+    parsed = json.loads(stacks)
+    served: dict[str, list[str]] = {}
+    for arm in exp.arms:
+        info = parsed[arm.name]
+        error = info.get("errors", {}).get("models")
+        if error:
+            raise ReplayError(f"arm {arm.name!r} at {arm.url} is not reachable (GET /v1/models: {error}); "
+                              "start it or fix its url")
+        data = info["models"].get("data") if isinstance(info["models"], dict) else None
+        served[arm.name] = [m["id"] for m in data or ()
+                            if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    return stacks, served
+
+
+# -- paired identity -----------------------------------------------------------------------------
+
+
+class PairJoiner:
+    """Holds candidates' spans until the baseline of the same request_id has answered, then compares.
+
+    A baseline output is kept only until every arm of its request has reported, so memory stays
+    proportional to the calls in flight, not to the run.
+    """
+
+    def __init__(self, n_arms: int, emit: Callable[[SpanRecord], None]) -> None:
+        self.n_arms = n_arms
+        self.emit = emit
+        self._baseline: dict[str, CallResult | None] = {}
+        self._waiting: dict[str, list[CallResult]] = {}
+        self._reported: dict[str, int] = {}
+
+    def add(self, result: CallResult, comparable: bool) -> None:
+        rid = result.record.request_id
+        self._reported[rid] = self._reported.get(rid, 0) + 1
+        if result.record.arm_role == "baseline":
+            self._baseline[rid] = result if comparable and result.ok else None
+            self.emit(result.record)
+            for cand in self._waiting.pop(rid, ()):
+                self._finish(cand, self._baseline[rid])
+        elif rid in self._baseline:
+            self._finish(result, self._baseline[rid] if comparable else None)
+        else:
+            self._waiting.setdefault(rid, []).append(result)
+        if self._reported[rid] >= self.n_arms:
+            self._baseline.pop(rid, None)
+            self._reported.pop(rid, None)
+
+    def _finish(self, cand: CallResult, base: CallResult | None) -> None:
+        ident = compare(base.tap, cand.tap) if base is not None and cand.ok else NOT_COMPARABLE
+        cand.record.identical, cand.record.first_divergence, cand.record.divergence_margin = ident
+        self.emit(cand.record)
+
+    def flush(self) -> None:
+        """Emit candidates whose baseline never reported (it was cancelled): not comparable."""
+        for rid, cands in self._waiting.items():
+            for cand in cands:
+                self._finish(cand, None)
+            self._reported.pop(rid, None)
+        self._waiting.clear()
+
+
+# -- the runner ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Call:
+    """One item of one phase, ready to send: the request id and the body every arm gets."""
+
+    request_id: str
+    item: ReplayItem
+    body: dict[str, Any]
+    concurrency_level: int | None
+
+
+_SAFE_ID = re.compile(r"[^A-Za-z0-9_.:-]+")
+
+
+class ReplayRunner:
+    session: aiohttp.ClientSession
+    scraper: MetricsScraper
+
+    def __init__(self, settings: ReplaySettings, items: Sequence[ReplayItem],
+                 stop: asyncio.Event | None = None) -> None:
+        if not settings.arms:
+            raise ReplayError("no arms to replay against")
+        if not items:
+            raise ReplayError("no items to replay")
+        self.s = settings
+        self.items = list(items)
+        self.stop = stop or asyncio.Event()
+        self.run_id = f"replay-{secrets.token_hex(6)}"
+        self.result = ReplayResult(run_id=self.run_id, db_path=settings.db_path,
+                                   per_arm={a.name: ArmTotals() for a in settings.arms})
+        self.state = UpstreamState()
+        self.models: dict[str, str | None] = {}
+        self.baseline = next((a for a in settings.arms if a.role == "baseline"), None)
+        if settings.mode == "paired" and len(settings.arms) > 1 and self.baseline is None:
+            raise ReplayError("paired mode needs a baseline arm (role = \"baseline\")")
+        self.progress = ReplayProgress([a.name for a in settings.arms], enabled=settings.show_progress)
+        self._rng = random.Random(settings.seed)
+        self._sink: SpanSink | None = None
+        self._recording = True
+
+    # bodies and ids
+
+    def _body(self, item: ReplayItem, arm_model: str | None, warmup: bool) -> dict[str, Any]:
+        body = dict(item.body)
+        if self.s.temperature is not None:
+            body["temperature"] = self.s.temperature
+        if self.s.max_tokens is not None:
+            body["max_tokens"] = self.s.max_tokens
+            body.pop("max_completion_tokens", None)
+        elif "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = self.s.default_max_tokens
+        if warmup:
+            body["max_tokens"] = min(int(body.get("max_tokens") or WARMUP_MAX_TOKENS), WARMUP_MAX_TOKENS)
+            body.pop("max_completion_tokens", None)
+        if arm_model is not None:
+            body["model"] = arm_model
+        body["stream"] = True
+        return body
+
+    def _calls(self, tag: str, items: Sequence[ReplayItem], level: int | None) -> list[_Call]:
+        short = self.run_id.removeprefix("replay-")[:6]
+        return [
+            _Call(f"{short}-{tag}-{i:05d}-{_SAFE_ID.sub('_', it.item_id)[:48]}", it,
+                  self._body(it, None, warmup=False), level)
+            for i, it in enumerate(items)
+        ]
+
+    def _model_for(self, arm: Arm) -> str | None:
+        return self.models.get(arm.name)
+
+    # one call
+
+    async def _send(self, arm: Arm, call: _Call, *, routed_as: str, joiner: PairJoiner | None) -> None:
+        body = dict(call.body)
+        model = self._model_for(arm)
+        if model is not None:
+            body["model"] = model
+        record = new_record(
+            self.run_id, call.request_id, arm, body, endpoint=call.item.endpoint, routed_as=routed_as,
+            source="replay", category=call.item.category, concurrency_level=call.concurrency_level,
+        )
+        try:
+            result = await call_arm(self.session, arm, body, endpoint=call.item.endpoint, record=record,
+                                    timeout=self.s.timeout, capture_output=self.s.capture_output,
+                                    state=self.state)
+        except asyncio.CancelledError:
+            # Stopped by the user mid-call: keep the span (status client_cancelled), never the output.
+            if self._recording:
+                self._emit(record)
+            raise
+        if not self._recording:
+            return
+        totals = self.result.per_arm[arm.name]
+        if result.ok:
+            totals.ok += 1
+            totals.completion_tokens += record.completion_tokens or 0
+        else:
+            totals.errors += 1
+        self.progress.record(arm.name, record.completion_tokens, result.ok)
+        if joiner is not None:
+            joiner.add(result, is_comparable(body))
+        else:
+            self._emit(record)
+
+    async def _send_split(self, assigned: tuple[Arm, _Call]) -> None:
+        await self._send(assigned[0], assigned[1], routed_as="split", joiner=None)
+
+    async def _warm(self, arm: Arm, item: ReplayItem) -> None:
+        body = self._body(item, self._model_for(arm), warmup=True)
+        record = new_record(self.run_id, "warmup", arm, body, endpoint=item.endpoint, routed_as="replay",
+                            source="replay", category=item.category)
+        await call_arm(self.session, arm, body, endpoint=item.endpoint, record=record,
+                       timeout=self.s.timeout, state=self.state)
+
+    def _emit(self, record: SpanRecord) -> None:
+        assert self._sink is not None
+        if record.identical is False:
+            self.result.per_arm[record.arm].mismatches += 1
+        if record.identical is not None:
+            self.result.per_arm[record.arm].compared += 1
+        if self._sink.emit(record):
+            self.result.spans_written += 1
+        else:
+            self.result.spans_dropped += 1
+
+    # phases
+
+    def _split_arm(self) -> Arm:
+        arms = [a for a in self.s.arms if a.weight > 0] or list(self.s.arms)
+        return self._rng.choices(arms, weights=[a.weight or 1.0 for a in arms])[0]
+
+    async def _phase(self, label: str, calls: list[_Call],
+                     drive: Callable[[Sequence[Any], Callable[[Any], Awaitable[None]]], Awaitable[LoadStats]]
+                     ) -> list[LoadStats]:
+        """Run one measured phase: scrape, send every call as ``drive`` schedules it, scrape again."""
+        await self.scraper.scrape_once(f"{label}:before")
+        self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
+        self.result.phases.append(label)
+        stats: list[LoadStats] = []
+        try:
+            if self.s.mode == "paired":
+                joiner = PairJoiner(len(self.s.arms), self._emit) if len(self.s.arms) > 1 else None
+                try:
+                    stats = list(await asyncio.gather(*(
+                        drive(calls, functools.partial(self._send, arm, routed_as="replay", joiner=joiner))
+                        for arm in self.s.arms
+                    )))
+                finally:
+                    if joiner is not None:
+                        joiner.flush()
+            else:
+                assigned = [(self._split_arm(), c) for c in calls]
+                stats = [await drive(assigned, self._send_split)]
+        finally:
+            self.progress.end_phase()
+            await self.scraper.scrape_once(f"{label}:after")
+        return stats
+
+    def _level_items(self, level: int) -> list[ReplayItem]:
+        plan = self.s.load
+        n = plan.items_per_level(level) if plan.items_per_level is not None else len(self.items)
+        return [self.items[i % len(self.items)] for i in range(n)]
+
+    async def _closed_sweep(self) -> None:
+        plan = self.s.load
+        for level in plan.levels:
+            if self.stop.is_set():
+                break
+            items = self._level_items(level)
+            n_warm = level if plan.warmup is None else plan.warmup
+            if n_warm > 0:
+                warm_items = [items[i % len(items)] for i in range(n_warm)]
+                await asyncio.gather(*(
+                    closed_loop(warm_items, level, functools.partial(self._warm, arm), stop=self.stop)
+                    for arm in self.s.arms
+                ))
+            if self.stop.is_set():
+                break
+            calls = self._calls(f"c{level}", items, level)
+
+            def drive(seq: Sequence[Any], send: Callable[[Any], Awaitable[None]],
+                      level: int = level) -> Awaitable[LoadStats]:
+                return closed_loop(seq, level, send, deadline_s=plan.duration_s, stop=self.stop)
+
+            await self._phase(f"c={level}", calls, drive)
+
+    async def _open(self) -> None:
+        plan = self.s.load
+        if plan.kind == "rate":
+            assert plan.rate_per_s is not None
+            items = self.items
+            offsets = poisson_offsets(len(items), plan.rate_per_s, self.s.seed)
+            label = f"rate={plan.rate_per_s:g}"
+        else:
+            missing = next((it for it in self.items if it.arrival_s is None), None)
+            if missing is not None:
+                raise ReplayError(f"{missing.where}: --timed needs arrival times, and this record has none")
+            items = sorted(self.items, key=lambda it: it.arrival_s or 0.0)
+            offsets = timed_offsets([it.arrival_s or 0.0 for it in items], plan.speedup)
+            label = f"timed x{plan.speedup:g}"
+        calls = self._calls(plan.kind, items, None)
+        schedule = dict(zip((c.request_id for c in calls), offsets, strict=True))
+
+        def drive(seq: Sequence[Any], send: Callable[[Any], Awaitable[None]]) -> Awaitable[LoadStats]:
+            def rid(x: Any) -> str:
+                return str(x[1].request_id if isinstance(x, tuple) else x.request_id)
+            return open_loop(seq, [schedule[rid(x)] for x in seq], send,
+                             deadline_s=plan.duration_s, stop=self.stop)
+
+        stats = await self._phase(label, calls, drive)
+        lags = sorted(lag for s in stats for lag in s.lag_s)
+        if lags:
+            self.result.lag_p99_s = lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+
+    async def run(self) -> ReplayResult:
+        connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=False)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            self.session = session
+            exp = self.s.experiment or Experiment(name=self.s.run_name, arms=self.s.arms)
+            stacks, served = await probe_arms(session, exp)
+            for arm in self.s.arms:
+                self.models[arm.name] = self._pick_model(served[arm.name])
+            sink = self._sink = SpanSink(self.s.db_path)
+            sink.start()
+            try:
+                sink.begin_run(
+                    self.run_id, name=self.s.run_name,
+                    mode=f"replay-{self.s.mode}", source="replay",
+                    config_json=experiment_json(exp), stacks_json=stacks,
+                )
+                # Replay scrapes only around phases (scrape_once); the interval bounds each scrape's timeout.
+                self.scraper = MetricsScraper(self.s.arms, sink, session, run_id=self.run_id, interval_s=5.0)
+                with self.progress:
+                    work = asyncio.ensure_future(
+                        self._closed_sweep() if self.s.load.kind == "closed" else self._open()
+                    )
+                    stopper = asyncio.ensure_future(self.stop.wait())
+                    try:
+                        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                        if not work.done():
+                            # Stop asked: give the loops a moment to notice, then cancel what is in flight.
+                            self.result.interrupted = True
+                            work.cancel()
+                        try:
+                            await work
+                        except asyncio.CancelledError:
+                            if not self.stop.is_set():
+                                raise
+                    finally:
+                        stopper.cancel()
+                        work.cancel()
+                self.result.interrupted = self.result.interrupted or self.stop.is_set()
+            finally:
+                self._recording = False
+                sink.end_run(self.run_id)
+                sink.close()
+        return self.result
+
+    def _pick_model(self, served: list[str]) -> str | None:
+        wanted = self.s.model or (self.s.experiment.model if self.s.experiment else None)
+        if wanted and (not served or wanted in served):
+            return wanted
+        return served[0] if served else wanted
+
+
+async def run_replay(settings: ReplaySettings, items: Sequence[ReplayItem],
+                     stop: asyncio.Event | None = None) -> ReplayResult:
+    """Replay ``items`` against ``settings.arms``; see the module docstring."""
+    return await ReplayRunner(settings, items, stop).run()
+
+
+@contextmanager
+def stop_on_sigint(stop: asyncio.Event) -> Iterator[None]:
+    """While inside, Ctrl-C (SIGINT) sets ``stop`` instead of raising KeyboardInterrupt."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    """``"1,4,16,64"`` → (1, 4, 16, 64); ValueError with a sentence otherwise."""
+    try:
+        levels = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ValueError(f"concurrency must be a comma-separated list of integers, got {text!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise ValueError(f"concurrency levels must be integers ≥ 1, got {text!r}")
+    return levels
+

@@ -1,0 +1,178 @@
+"""`specproxy replay LOGS`: the click layer over :mod:`specproxy.proxy.replay`; it parses and calls."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+
+from specproxy.config import Arm, ConfigError, Experiment, load_experiment
+
+from .formats import FORMATS, FormatError, ItemSet, read_items
+from .replay import (
+    LoadPlan,
+    ReplayError,
+    ReplayResult,
+    ReplaySettings,
+    parse_levels,
+    run_replay,
+    stop_on_sigint,
+)
+from .sink import SpanSinkError
+
+T = TypeVar("T")
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop where it is installed (it is on Linux and macOS), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+async def replay_until_stopped(settings: ReplaySettings, items: ItemSet) -> ReplayResult:
+    """Replay with Ctrl-C (and SIGTERM) turned into a clean stop that keeps the spans measured so far."""
+    stop = asyncio.Event()
+    with stop_on_sigint(stop):
+        return await run_replay(settings, items.items, stop)
+
+
+def print_summary(result: ReplayResult, items: ItemSet | None, console: Console) -> None:
+    """What the run did, per arm, and where its spans are."""
+    for arm, t in result.per_arm.items():
+        ident = f"  identical {t.compared - t.mismatches}/{t.compared}" if t.compared else ""
+        console.print(
+            f"  {arm:<14} ok {t.ok:>6}  errors {t.errors:>4}  tokens {t.completion_tokens:>8}{ident}",
+            highlight=False,
+        )
+    if items is not None and items.skipped:
+        console.print(f"skipped {items.skipped} bad record(s); first: {items.first_skip}", highlight=False)
+    if result.lag_p99_s is not None:
+        console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms", highlight=False)
+    dropped = f" ({result.spans_dropped} dropped: the writer fell behind)" if result.spans_dropped else ""
+    console.print(f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}",
+                  highlight=False)
+
+
+@click.command("replay")
+@click.argument("logs", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Experiment file: replay directly against its arms.")
+@click.option("--target", metavar="URL", help="Replay through a running specproxy (or any OpenAI-compatible "
+              "server) at URL instead of the arms of --config.")
+@click.option("--format", "fmt", default="auto", show_default=True, type=click.Choice(["auto", *FORMATS]),
+              help="Input format; auto detects it from the first record.")
+@click.option("--concurrency", default="1,4,16,64", show_default=True, metavar="LIST",
+              help="Closed loop: the concurrency levels of the sweep, one phase each.")
+@click.option("--rate", type=float, metavar="R", help="Open loop: Poisson arrivals at R requests/s.")
+@click.option("--timed", is_flag=True, help="Open loop at the log's recorded timestamps.")
+@click.option("--speedup", type=float, default=1.0, show_default=True, metavar="X",
+              help="With --timed: replay X times faster than recorded.")
+@click.option("--mode", type=click.Choice(["paired", "split"]), default="paired", show_default=True,
+              help="paired: every item to every arm at once; split: each item to one arm by weight.")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="Temperature sent with every request (0 keeps outputs comparable for identity).")
+@click.option("--keep-temperature", is_flag=True, help="Send each record's own temperature instead.")
+@click.option("--max-tokens", type=click.IntRange(min=1), metavar="N",
+              help="Override every request's max_tokens (default: as recorded, else 256).")
+@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Replay only the first N items.")
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="Stop sending after S seconds (per level in a closed-loop sweep).")
+@click.option("--warmup", type=click.IntRange(min=0), metavar="N",
+              help="Closed loop: unrecorded calls per arm before each level (default: one per slot).")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Span store (default: the experiment's db, else specproxy.duckdb).")
+@click.option("--run-name", default=None, help="Name of the run in the span store (default: the log's name).")
+@click.option("--model", default=None, help="Model name to send (default: each arm's first served model).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed for Poisson arrivals, split assignment and synthesized prompts.")
+@click.option("--on-error", type=click.Choice(["stop", "skip"]), default="stop", show_default=True,
+              help="A bad input record: stop with file:line, or skip it and count it.")
+@click.option("--capture-output", is_flag=True, help="Store each response's text in the span store.")
+@click.option("--no-progress", is_flag=True, help="No live progress display.")
+def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, concurrency: str,
+           rate: float | None, timed: bool, speedup: float, mode: str, temperature: float,
+           keep_temperature: bool, max_tokens: int | None, limit: int | None, duration: float | None,
+           warmup: int | None, db_path: Path | None, run_name: str | None, model: str | None, seed: int,
+           on_error: str, capture_output: bool, no_progress: bool) -> None:
+    """Drive a traffic log against the arms and write one span per upstream call.
+
+    LOGS is a specproxy capture file or a public trace (OpenAI Batch JSONL, vLLM bench custom JSONL,
+    Spec-Bench question.jsonl, ShareGPT JSON, Mooncake JSONL, Azure or BurstGPT CSV).
+
+    \b
+    Examples:
+      specproxy replay capture.jsonl --config exp.toml --concurrency 1,4,16,64
+      specproxy replay question.jsonl --config exp.toml --rate 5 --duration 120
+      specproxy replay mooncake.jsonl --target http://127.0.0.1:8000 --timed --speedup 10
+    """
+    console = Console(stderr=True)
+    if (config_path is None) == (target is None):
+        raise click.UsageError("give exactly one of --config exp.toml (the arms) or --target URL (a proxy)")
+    if rate is not None and timed:
+        raise click.UsageError("--rate and --timed are two different load shapes; choose one")
+    if rate is not None and rate <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--rate")
+    try:
+        levels = parse_levels(concurrency)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--concurrency") from None
+    experiment: Experiment | None = None
+    if config_path is not None:
+        try:
+            experiment = load_experiment(config_path)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+        arms = experiment.arms
+    else:
+        assert target is not None
+        if not target.startswith(("http://", "https://")):
+            raise click.BadParameter(f"must start with http:// or https://, got {target!r}",
+                                     param_hint="--target")
+        if mode == "split":
+            raise click.UsageError(
+                "--mode split needs the arms of --config; a --target proxy splits by itself"
+            )
+        arms = (Arm(name="target", url=target.rstrip("/"), role="baseline"),)
+    try:
+        items = read_items(logs, fmt, on_error="skip" if on_error == "skip" else "stop", limit=limit,
+                           seed=seed)
+    except FormatError as exc:
+        raise click.ClickException(str(exc)) from None
+    load = LoadPlan(
+        kind="rate" if rate is not None else "timed" if timed else "closed",
+        levels=levels, rate_per_s=rate, speedup=speedup, duration_s=duration, warmup=warmup,
+    )
+    settings = ReplaySettings(
+        arms=tuple(arms),
+        db_path=db_path or Path(experiment.db if experiment else "specproxy.duckdb"),
+        run_name=run_name or logs.stem,
+        mode="split" if mode == "split" else "paired",
+        load=load,
+        temperature=None if keep_temperature else temperature,
+        max_tokens=max_tokens,
+        seed=seed,
+        model=model,
+        experiment=experiment,
+        through_proxy=target is not None,
+        capture_output=capture_output,
+        show_progress=not no_progress,
+    )
+    console.print(f"replaying {len(items.items)} {items.format} items from {logs} against "
+                  f"{', '.join(a.name for a in arms)} ({mode})", highlight=False)
+    try:
+        result = run_async(replay_until_stopped(settings, items))
+    except (ReplayError, SpanSinkError) as exc:
+        raise click.ClickException(str(exc)) from None
+    print_summary(result, items, console)
+    if result.interrupted:
+        console.print("interrupted: the spans measured so far are kept", highlight=False)
+        sys.exit(130)

@@ -1,0 +1,325 @@
+"""`specproxy lab`: the standard speculative-decoding evaluation in one command.
+
+Without ``--config`` it starts four simulated vLLM arms (``specproxy sim`` subprocesses, one per arm,
+so both cores work) on free local ports — the lab's four configurations:
+
+    baseline     no speculation
+    ngram        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, ...}
+    draft_model  {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct", ...}
+    eagle3       {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", ...}
+
+then replays the built-in mixed workload (:mod:`specproxy.workload`) in paired mode at temperature 0
+over a closed-loop concurrency sweep, prints the analysis table and a per-category speedup table, and
+writes the DuckDB span store and report.html into ``--out``. With ``--config`` it replays against the
+experiment's (running) arms instead.
+
+Time. The simulators run on the profile's own clock by default (``--time-scale 1``): measured here, four
+simulators and the client at c=64 use well under one of the two cores, so the client never falls behind
+and the figures are the profile's. ``--time-scale X`` runs every simulator X times faster; every arm is
+scaled alike, so ratios between arms (what the verdicts use) are kept as long as the client keeps up,
+while absolute tok/s are multiplied by X and times divided by it (the lab says so under its tables).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from specproxy.config import Arm, ConfigError, Experiment, load_experiment
+from specproxy.proxy.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
+from specproxy.proxy.replay import LoadPlan, ReplayError, ReplaySettings, parse_levels
+from specproxy.proxy.replay_cli import print_summary, replay_until_stopped, run_async
+from specproxy.proxy.sink import SpanSinkError
+from specproxy.workload import mixed_workload
+
+LAB_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+DEFAULT_PROFILE = "h100-llama3.1-8b"
+
+# The lab's four configurations: (arm name, vLLM --speculative-config or None).
+LAB_ARMS: tuple[tuple[str, dict[str, Any] | None], ...] = (
+    ("baseline", None),
+    ("ngram", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+               "prompt_lookup_max": 5}),
+    ("draft_model", {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct",
+                     "num_speculative_tokens": 4}),
+    ("eagle3", {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+                "num_speculative_tokens": 3}),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LabPlan:
+    """How big a lab run is; ``quick`` is tuned to finish in under 2 minutes on 2 cores."""
+
+    levels: tuple[int, ...]
+    min_items_per_level: int
+    waves_per_level: int  # items per level ≥ waves × concurrency, so each level reaches steady state
+    time_scale: float
+    max_tokens_scale: float
+
+    def items_per_level(self, level: int) -> int:
+        return max(self.min_items_per_level, self.waves_per_level * level)
+
+
+QUICK = LabPlan(levels=(1, 4, 16, 64), min_items_per_level=20, waves_per_level=2, time_scale=1.0,
+                max_tokens_scale=0.5)
+FULL = LabPlan(levels=(1, 2, 4, 8, 16, 32, 64), min_items_per_level=40, waves_per_level=3, time_scale=1.0,
+               max_tokens_scale=1.0)
+
+
+# -- simulated arms ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SimProcess:
+    arm: Arm
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sim_command(port: int, spec: dict[str, Any] | None, profile: str, time_scale: float,
+                 seed: int) -> list[str]:
+    cmd = [sys.executable, "-m", "specproxy", "sim", "--host", "127.0.0.1", "--port", str(port),
+           "--model", LAB_MODEL, "--profile", profile, "--time-scale", f"{time_scale:g}", "--seed", str(seed),
+           "--per-request-spec-decode-metrics", "summary"]
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd
+
+
+def _wait_healthy(sim: SimProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sim.proc.poll() is not None:
+            tail = sim.log_path.read_text(errors="replace")[-2000:]
+            raise click.ClickException(
+                f"the simulator for arm {sim.arm.name!r} exited with {sim.proc.returncode}:\n{tail}"
+            )
+        try:
+            with urllib.request.urlopen(f"{sim.arm.url}/health", timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise click.ClickException(f"the simulator for arm {sim.arm.name!r} at {sim.arm.url} did not become "
+                               f"healthy within {timeout_s:.0f} s (log: {sim.log_path})")
+
+
+@contextlib.contextmanager
+def simulated_arms(out: Path, profile: str, time_scale: float, seed: int) -> Iterator[tuple[Arm, ...]]:
+    """Start one `specproxy sim` per lab arm; stop them all on the way out, whatever happened."""
+    sims: list[SimProcess] = []
+    try:
+        for name, spec in LAB_ARMS:
+            port = _free_port()
+            arm = Arm(name=name, url=f"http://127.0.0.1:{port}",
+                      role="baseline" if spec is None else "candidate", speculative=spec or {},
+                      description=f"specproxy sim, profile {profile}, time scale {time_scale:g}")
+            log_path = out / f"sim-{name}.log"
+            with log_path.open("wb") as log:
+                proc = subprocess.Popen(_sim_command(port, spec, profile, time_scale, seed),
+                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            sims.append(SimProcess(arm, proc, log_path))
+        for sim in sims:
+            _wait_healthy(sim, timeout_s=60.0)
+        yield tuple(s.arm for s in sims)
+    finally:
+        for sim in sims:
+            if sim.proc.poll() is None:
+                sim.proc.terminate()
+        for sim in sims:
+            try:
+                sim.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                sim.proc.kill()
+                sim.proc.wait()
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+CategoryRow = tuple[str, int, str, float, int, int, int]
+
+CATEGORY_SPEEDUP_SQL = """
+WITH pairs AS (
+    SELECT c.arm, c.concurrency_level AS level, c.category,
+           c.decode_tok_s / b.decode_tok_s AS ratio, c.identical
+    FROM requests c JOIN requests b
+      ON b.run_id = c.run_id AND b.request_id = c.request_id AND b.arm_role = 'baseline'
+    WHERE c.run_id = ? AND c.arm_role <> 'baseline' AND c.status = 'ok' AND b.status = 'ok'
+      AND c.decode_tok_s > 0 AND b.decode_tok_s > 0
+)
+SELECT arm, level, category, median(ratio) AS speedup, count(*) AS n,
+       sum(CASE WHEN identical THEN 1 ELSE 0 END) AS same, count(identical) AS compared
+FROM pairs GROUP BY ALL ORDER BY arm, level, category
+"""
+
+
+def category_speedups(db_path: Path, run_id: str) -> list[CategoryRow]:
+    """Per candidate, level and category: the median paired decode-speed ratio over the baseline."""
+    import duckdb
+
+    with duckdb.connect(str(db_path), read_only=True) as conn:
+        rows = conn.execute(CATEGORY_SPEEDUP_SQL, [run_id]).fetchall()
+    return [(str(a), int(lv), str(cat), float(s), int(n), int(same), int(cmp_))
+            for a, lv, cat, s, n, same, cmp_ in rows]
+
+
+def print_category_table(rows: Sequence[CategoryRow], console: Console) -> None:
+    from rich.table import Table
+
+    if not rows:
+        return
+    levels = sorted({r[1] for r in rows})
+    cats = sorted({r[2] for r in rows})
+    table = Table(title="Per-user decode speedup over baseline (median of paired ratios), by category",
+                  title_justify="left")
+    table.add_column("arm")
+    table.add_column("category")
+    for lv in levels:
+        table.add_column(f"c={lv}", justify="right")
+    by_key = {(a, lv, cat): s for a, lv, cat, s, *_ in rows}
+    for arm in sorted({r[0] for r in rows}):
+        for cat in cats:
+            cells = []
+            for lv in levels:
+                s = by_key.get((arm, lv, cat))
+                cells.append("–" if s is None else
+                             f"[green]{s:.2f}x[/green]" if s >= 1.05 else
+                             f"[red]{s:.2f}x[/red]" if s < 0.95 else f"{s:.2f}x")
+            table.add_row(arm, cat, *cells)
+    console.print(table)
+    same = sum(r[5] for r in rows)
+    compared = sum(r[6] for r in rows)
+    if compared:
+        console.print(f"identical outputs: {same}/{compared} candidate calls match the baseline",
+                      highlight=False)
+
+
+def analysis_outputs(db_path: Path, out: Path, run: str, console: Console) -> Path | None:
+    """The analyze table on stdout and report.html in ``out``; None when analysis is not available."""
+    try:
+        from specproxy.analysis import StoreError, analyze_text, write_report
+    except ImportError:
+        console.print("(specproxy.analysis is not available in this build: no verdict table or report)")
+        return None
+    try:
+        click.echo(analyze_text([db_path], run=run, fmt="table"))
+        return write_report([db_path], out / "report.html", run=run)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayItem]:
+    if workload is None:
+        n = max(plan.items_per_level(c) for c in plan.levels)
+        return mixed_workload(n, seed=seed, max_tokens_scale=plan.max_tokens_scale)
+    try:
+        return read_items(workload, "auto", seed=seed).items
+    except FormatError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command("lab")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Experiment file with running arms (default: start four simulated arms).")
+@click.option("--workload", type=click.Path(dir_okay=False, path_type=Path),
+              help=f"A traffic log to use instead of the built-in mixed workload ({', '.join(FORMATS)}).")
+@click.option("--concurrency", metavar="LIST", help="Concurrency levels of the sweep "
+              "(default 1,2,4,8,16,32,64; with --quick 1,4,16,64).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("lab-out"),
+              show_default=True, help="Folder for the span store, report.html and the simulators' logs.")
+@click.option("--quick", is_flag=True, help="A smaller run: under 2 minutes on a 2-core machine.")
+@click.option("--profile", default=DEFAULT_PROFILE, show_default=True,
+              help="Simulator cost profile (hardware × model), e.g. h200-llama3.1-8b.")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Simulated arms run this many times faster than the profile's clock (default 1); "
+                   "ratios between arms are kept, absolute tok/s are multiplied by it.")
+@click.option("--items", type=click.IntRange(min=1), default=None,
+              help="At least this many requests per arm and level (default 40; 20 with --quick).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the workload and simulators.")
+@click.option("--no-progress", is_flag=True, help="No live progress display.")
+def lab(config_path: Path | None, workload: Path | None, concurrency: str | None, out: Path, quick: bool,
+        profile: str, time_scale: float | None, items: int | None, seed: int, no_progress: bool) -> None:
+    """The whole evaluation in one command: four speculative configs, a concurrency sweep, a verdict.
+
+    \b
+    Examples:
+      specproxy lab --quick                      # simulated arms, about 2 minutes
+      specproxy lab --profile h200-llama3.1-8b   # the full sweep on another cost profile
+      specproxy lab --config exp.toml --workload capture.jsonl --concurrency 1,8,32
+    """
+    console = Console(stderr=True)
+    plan = QUICK if quick else FULL
+    try:
+        levels = parse_levels(concurrency) if concurrency else plan.levels
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--concurrency") from None
+    plan = LabPlan(levels=levels, min_items_per_level=items or plan.min_items_per_level,
+                   waves_per_level=plan.waves_per_level, time_scale=time_scale or plan.time_scale,
+                   max_tokens_scale=plan.max_tokens_scale)
+    experiment: Experiment | None = None
+    if config_path is not None:
+        try:
+            experiment = load_experiment(config_path)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+    out.mkdir(parents=True, exist_ok=True)
+    db_path = out / "specproxy.duckdb"
+    lab_items = _lab_items(workload, plan, seed)
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if experiment is None:
+            console.print(f"starting 4 simulated arms ({profile}, time scale {plan.time_scale:g}) ...",
+                          highlight=False)
+            arms = stack.enter_context(simulated_arms(out, profile, plan.time_scale, seed))
+        else:
+            arms = experiment.arms
+        settings = ReplaySettings(
+            arms=arms, db_path=db_path, run_name="lab-quick" if quick else "lab", mode="paired",
+            load=LoadPlan(kind="closed", levels=plan.levels, items_per_level=plan.items_per_level),
+            temperature=0.0, seed=seed, model=None if experiment else LAB_MODEL, experiment=experiment,
+            show_progress=not no_progress,
+        )
+        n_calls = sum(plan.items_per_level(c) for c in plan.levels)
+        console.print(f"sweep {','.join(map(str, plan.levels))} in paired mode, {n_calls} requests per arm",
+                      highlight=False)
+        try:
+            result = run_async(replay_until_stopped(settings, ItemSet("lab", lab_items)))
+        except (ReplayError, SpanSinkError) as exc:
+            raise click.ClickException(str(exc)) from None
+    print_summary(result, None, console)
+    console.print(f"measured in {time.monotonic() - t0:.0f} s", highlight=False)
+    if experiment is None and plan.time_scale != 1:
+        console.print(f"note: the simulated arms ran {plan.time_scale:g}x faster than the {profile} clock: "
+                      f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
+                      highlight=False)
+    report = analysis_outputs(db_path, out, result.run_id, console)
+    print_category_table(category_speedups(db_path, result.run_id), Console())
+    console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)
+    if result.interrupted:
+        sys.exit(130)
