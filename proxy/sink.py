@@ -251,6 +251,11 @@ class SpanSink:
             self._provider.add_span_processor(self._otlp)
 
     @property
+    def tracer_provider(self) -> TracerProvider:
+        """The sink's own provider (add a span processor to see the spans elsewhere too)."""
+        return self._provider
+
+    @property
     def otlp_enabled(self) -> bool:
         return self._otlp is not None
 
@@ -453,8 +458,13 @@ class SpanSink:
                 exporter.export(spans)
                 self._written += len(spans)
             except Exception:
-                self._failed += len(spans)
-                log.exception("could not write %d spans to %s", len(spans), self.db_path)
+                if len(spans) == 1:
+                    self._failed += 1
+                    log.exception("could not write 1 spans to %s", self.db_path)
+                else:
+                    # One malformed span must not lose its whole batch: write them one by one.
+                    for span in spans:
+                        self._write(exporter, cursor, [span], [])
         if rows and cursor is not None:
             try:
                 _insert_backend_metrics(cursor, rows)

@@ -1,0 +1,383 @@
+"""The span sink: OTel spans into real DuckDB files, the bounded queue, shutdown, OTLP, the file lock."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from specproxy import schema
+from specproxy.proxy import otel
+from specproxy.proxy.sink import BackendMetricRow, SpanSink, SpanSinkError, SpanStoreLocked
+from specproxy.record import COLUMNS, SpanRecord
+
+T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
+T0_NS = 1_772_366_400_123_456_789  # 2026-03-01T12:00:00.123456789Z
+
+
+def full_record(i: int = 0, **overrides: Any) -> SpanRecord:
+    """A record with every column set (so a round trip checks every column)."""
+    fields: dict[str, Any] = dict(
+        run_id="run-1", request_id=f"req-{i}", arm="eagle3", arm_role="candidate",
+        backend_url="http://127.0.0.1:8002", spec_method="eagle3", num_speculative_tokens=3,
+        source="replay", routed_as="shadow", category="code", concurrency_level=16, inflight_at_start=5,
+        endpoint="chat", model="meta-llama/Llama-3.1-8B-Instruct", stream=True, temperature=0.0,
+        max_tokens=256, seed=1234567890123, prompt_sha256="a" * 64, prompt_tokens=321,
+        t_start=T0, t_start_ns=T0_NS + i, ttft_s=0.0213, e2e_s=1.875, decode_tok_s=97.25, chunks=70,
+        completion_tokens=256, finish_reason="length", output_sha256="b" * 64, output_text="héllo ✓",
+        num_drafts=60, draft_tokens=180, accepted_tokens=130, acceptance_length=3.1666,
+        spec_source="vllm_request_metrics", identical=False, first_divergence=17, divergence_margin=0.03125,
+        status="ok", http_status=200, error=None,
+    )
+    fields.update(overrides)
+    return SpanRecord(**fields)
+
+
+def minimal_record(i: int, run_id: str = "run-1") -> SpanRecord:
+    return SpanRecord(run_id=run_id, request_id=f"req-{i}", arm="baseline", arm_role="baseline",
+                      backend_url="http://127.0.0.1:8001")
+
+
+def read(path: Path, sql: str) -> list[tuple[Any, ...]]:
+    with duckdb.connect(str(path), read_only=True) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def count(path: Path, table: str = "requests") -> int:
+    return int(read(path, f"SELECT count(*) FROM {table}")[0][0])
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "spans.duckdb"
+
+
+@pytest.fixture
+def sink(db: Path) -> Iterator[SpanSink]:
+    s = SpanSink(db, flush_interval_s=0.05)
+    s.start()
+    yield s
+    s.close()
+
+
+def test_schema_is_created_on_first_use(db: Path) -> None:
+    assert not db.exists()
+    with SpanSink(db):
+        pass
+    tables = {r[0] for r in read(db, "SELECT table_name FROM information_schema.tables")}
+    assert {"requests", "runs", "backend_metrics", "schema_version"} <= tables
+    assert read(db, "SELECT max(version) FROM schema_version")[0][0] == schema.SCHEMA_VERSION
+    # A second sink on the same file finds the schema current and adds nothing.
+    with SpanSink(db):
+        pass
+    assert read(db, "SELECT count(*) FROM schema_version")[0][0] == schema.SCHEMA_VERSION
+
+
+def test_every_column_round_trips_through_otel_and_duckdb(db: Path) -> None:
+    record = full_record()
+    with SpanSink(db) as sink:
+        assert sink.emit(record)
+    assert len(record.trace_id) == 32 and len(record.span_id) == 16 and int(record.trace_id, 16) != 0
+    columns = [r[0] for r in read(db, "DESCRIBE requests")]
+    row = dict(zip(columns, read(db, "SELECT * FROM requests")[0], strict=True))
+    for name in COLUMNS:
+        assert row[name] == getattr(record, name), name
+    assert row["t_start_ns"] == T0_NS  # nanoseconds survive: the OTel span starts at the record's ns
+
+
+def test_t_start_alone_sets_the_start_and_none_fields_stay_null(db: Path) -> None:
+    record = minimal_record(0)
+    record.t_start = T0
+    with SpanSink(db) as sink:
+        sink.emit(record)
+        sink.emit(minimal_record(1))  # no start at all: now
+    rows = read(db, "SELECT request_id, t_start, t_start_ns, model, stream, ttft_s, identical, status "
+                    "FROM requests ORDER BY request_id")
+    assert rows[0] == ("req-0", T0, T0_NS // 1000 * 1000, None, False, None, None, "ok")
+    assert abs((rows[1][1] - datetime.now(UTC)).total_seconds()) < 60
+
+
+def test_otel_spans_carry_genai_names(db: Path) -> None:
+    seen = InMemorySpanExporter()
+    with SpanSink(db) as sink:
+        sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
+        sink.emit(full_record(0))
+        sink.emit(full_record(1, status="upstream_error", error="connection reset", http_status=None,
+                              endpoint="completions"))
+    ok, failed = sorted(seen.get_finished_spans(), key=lambda s: s.start_time or 0)
+    assert ok.name == "chat meta-llama/Llama-3.1-8B-Instruct"
+    assert ok.kind is SpanKind.CLIENT
+    attrs = ok.attributes or {}
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.request.model"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert attrs["gen_ai.request.temperature"] == 0.0
+    assert attrs["gen_ai.request.max_tokens"] == 256
+    assert attrs["gen_ai.usage.input_tokens"] == 321
+    assert attrs["gen_ai.usage.output_tokens"] == 256
+    assert attrs["gen_ai.response.finish_reasons"] == ("length",)
+    assert attrs["specproxy.arm"] == "eagle3" and attrs["specproxy.accepted_tokens"] == 130
+    assert ok.start_time == T0_NS and ok.end_time == T0_NS + 1_875_000_000
+    assert ok.status.status_code is StatusCode.UNSET
+    assert failed.name == "text_completion meta-llama/Llama-3.1-8B-Instruct"
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.status.description == "connection reset"
+    assert "http.response.status_code" not in (failed.attributes or {})  # None values are left out
+    assert read(db, "SELECT error FROM requests WHERE status = 'upstream_error'") == [("connection reset",)]
+
+
+def test_spans_from_many_threads_and_tasks_all_land(db: Path) -> None:
+    threads, per_thread, tasks = 8, 400, 200
+    sink = SpanSink(db, batch_size=256, flush_interval_s=0.02)
+    sink.start()
+
+    def worker(t: int) -> None:
+        for i in range(per_thread):
+            assert sink.emit(minimal_record(t * 10_000 + i))
+
+    async def from_the_loop() -> None:
+        async def one(i: int) -> None:
+            await asyncio.sleep(0)
+            assert sink.emit(minimal_record(1_000_000 + i))
+
+        await asyncio.gather(*(one(i) for i in range(tasks)))
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    asyncio.run(from_the_loop())
+    for th in pool:
+        th.join()
+    sink.close()
+    total = threads * per_thread + tasks
+    assert sink.dropped == 0 and sink.written == total
+    assert read(db, "SELECT count(*), count(DISTINCT request_id), count(DISTINCT span_id) FROM requests") == [
+        (total, total, total)
+    ]
+
+
+def test_close_writes_every_accepted_span(db: Path) -> None:
+    # A flush interval far beyond the test: nothing is written until close() drains the queue.
+    sink = SpanSink(db, batch_size=1_000_000, flush_interval_s=3600)
+    sink.start()
+    n = 5000
+    assert all(sink.emit(minimal_record(i)) for i in range(n))
+    assert sink.queue_depth == n and sink.written == 0
+    sink.close()
+    assert sink.written == n and sink.queue_depth == 0
+    assert count(db) == n
+
+
+class _StalledExporter(otel.DuckDBSpanExporter):
+    """The real exporter, held up until the test lets it go (a disk that stopped answering)."""
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    def export(self, spans: Any) -> Any:
+        type(self).entered.set()
+        assert type(self).release.wait(30)
+        return super().export(spans)
+
+
+def test_full_queue_drops_and_counts_without_blocking(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("specproxy.proxy.sink.DuckDBSpanExporter", _StalledExporter)
+    _StalledExporter.release.clear()
+    _StalledExporter.entered.clear()
+    capacity, batch, n = 1000, 100, 6000
+    sink = SpanSink(db, queue_size=capacity, batch_size=batch, flush_interval_s=0.01)
+    sink.start()
+    sink.emit(minimal_record(0))
+    assert _StalledExporter.entered.wait(10)  # the writer now sits in export() with one span
+    accepted = 1
+    slowest = 0.0
+    for i in range(1, n):
+        t = time.perf_counter()
+        accepted += sink.emit(minimal_record(i))
+        slowest = max(slowest, time.perf_counter() - t)
+    assert accepted == 1 + capacity  # the one being written plus a full queue
+    assert sink.dropped == n - accepted
+    assert sink.queue_depth == capacity
+    assert slowest < 0.5, f"emit() took {slowest:.3f}s while the writer was stalled"
+    # Backend metric rows have their own bound and are dropped the same way, not blocked.
+    rows = [BackendMetricRow("run-1", "a", T0, "periodic", "vllm:x", "{}", 1.0)] * (capacity + 1)
+    assert not sink.emit_backend_metrics(rows) and sink.dropped_metric_rows == capacity + 1
+    _StalledExporter.release.set()
+    sink.close()
+    assert sink.written == accepted == count(db)
+
+
+def test_emit_after_close_is_dropped_and_counted(db: Path) -> None:
+    sink = SpanSink(db)
+    sink.start()
+    sink.close()
+    assert not sink.emit(minimal_record(0))
+    assert sink.dropped == 1
+    sink.close()  # idempotent
+
+
+def test_runs_and_backend_metrics_rows(sink: SpanSink, db: Path) -> None:
+    sink.begin_run("run-1", name="llama8b-spec", mode="shadow", source="live",
+                   config_json='{"name": "llama8b-spec"}', stacks_json='{"baseline": {}}')
+    with pytest.raises(SpanSinkError, match="already in"):
+        sink.begin_run("run-1", name="again", mode="shadow", source="live", config_json="{}",
+                       stacks_json="{}")
+    rows = [
+        BackendMetricRow("run-1", "eagle3", T0, "c=16:before", "vllm:spec_decode_num_drafts_total",
+                         '{"engine":"0","model_name":"m"}', 812.0),
+        BackendMetricRow("run-1", "eagle3", T0, "c=16:before", "vllm:num_requests_running",
+                         '{"engine":"1","model_name":"m"}', 3.0),
+    ]
+    assert sink.emit_backend_metrics(rows)
+    sink.end_run("run-1")
+    sink.close()
+    (run,) = read(db, "SELECT run_id, name, mode, source, started_at, ended_at, config_json, "
+                      "specproxy_version FROM runs")
+    assert run[:4] == ("run-1", "llama8b-spec", "shadow", "live")
+    assert run[4] <= run[5] and run[6] == '{"name": "llama8b-spec"}' and run[7]
+    got = read(db, "SELECT run_id, arm, scraped_at, phase, name, labels_json, value FROM backend_metrics "
+                   "ORDER BY name")
+    assert got == sorted((tuple(r) for r in rows), key=lambda r: r[4])
+
+
+def test_sdk_disabled_by_environment_still_fills_the_store(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    record = full_record()
+    with SpanSink(db) as sink:
+        assert not sink.otlp_enabled
+        assert sink.emit(record)
+    assert read(db, "SELECT trace_id, t_start_ns, model, finish_reason FROM requests") == [
+        (record.trace_id, T0_NS, record.model, "length")
+    ]
+
+
+def test_a_file_locked_by_another_process_is_a_clear_error(db: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('ready', flush=True); sys.stdin.read()",
+         str(db)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        sink = SpanSink(db)
+        with pytest.raises(SpanStoreLocked) as info:
+            sink.start()
+        message = str(info.value)
+        assert str(db) in message and f"process {holder.pid}" in message and "one writer" in message
+        sink.close()
+    finally:
+        holder.communicate("", timeout=20)
+
+
+def test_a_file_that_is_not_duckdb_is_a_clear_error(tmp_path: Path) -> None:
+    bogus = tmp_path / "notes.duckdb"
+    bogus.write_text("this is not a database\n" * 100)
+    with pytest.raises(SpanSinkError, match="cannot open the span store"):
+        SpanSink(bogus).start()
+
+
+def test_otlp_endpoint_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    # conftest sets OTEL_TRACES_EXPORTER=none: off unless configured explicitly.
+    assert otel.otlp_exporter(None) is None
+    assert otel.otlp_exporter("http://127.0.0.1:4318") is not None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    assert otel.otlp_exporter(None) is None  # OTEL_TRACES_EXPORTER=none wins over an endpoint
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER")
+    assert otel.otlp_exporter(None) is not None
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    assert otel.otlp_exporter(None) is None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    assert otel.otlp_exporter(None) is not None
+
+
+class _Collector:
+    """A tiny OTLP/HTTP receiver on 127.0.0.1: decodes each protobuf POST to /v1/traces."""
+
+    def __init__(self) -> None:
+        self.spans: list[Any] = []
+        self.content_types: list[str] = []
+
+    async def receive(self, request: web.Request) -> web.Response:
+        self.content_types.append(request.content_type)
+        message = ExportTraceServiceRequest()
+        message.ParseFromString(await request.read())
+        for resource_spans in message.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                self.spans.extend(scope_spans.spans)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+
+@pytest.mark.parametrize("configured_by", ["argument", "environment"])
+async def test_otlp_export_reaches_a_collector(
+    db: Path, aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch, configured_by: str
+) -> None:
+    collector = _Collector()
+    app = web.Application()
+    app.router.add_post("/v1/traces", collector.receive)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    base = f"http://127.0.0.1:{server.port}"
+    if configured_by == "environment":
+        monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", base)
+        sink = SpanSink(db)
+    else:
+        sink = SpanSink(db, otlp_endpoint=base)
+    assert sink.otlp_enabled
+    await asyncio.to_thread(sink.start)
+    records = [full_record(i) for i in range(3)]
+    assert all(sink.emit(r) for r in records)
+    await asyncio.to_thread(sink.close)  # flushes the OTLP batch processor while the loop serves the POST
+    assert collector.content_types and set(collector.content_types) == {"application/x-protobuf"}
+    assert sorted(s.span_id.hex() for s in collector.spans) == sorted(r.span_id for r in records)
+    span = collector.spans[0]
+    attrs = {kv.key: kv.value for kv in span.attributes}
+    assert attrs["gen_ai.request.model"].string_value == "meta-llama/Llama-3.1-8B-Instruct"
+    assert attrs["gen_ai.usage.output_tokens"].int_value == 256
+    assert span.start_time_unix_nano in {T0_NS, T0_NS + 1, T0_NS + 2}
+    assert count(db) == 3  # OTLP is in addition to the span store
+
+
+def test_a_failing_write_is_logged_and_counted_not_fatal(
+    db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with SpanSink(db, flush_interval_s=0.02) as sink:
+        # The record type allows anything; a required column the store cannot take fails its batch.
+        bad = minimal_record(0)
+        bad.prompt_tokens = "many"  # type: ignore[assignment]
+        with caplog.at_level(logging.ERROR, logger="specproxy.proxy.sink"):
+            for i in range(1, 4):
+                sink.emit(minimal_record(i))
+            sink.emit(bad)  # in the same batch as good spans: only it is lost
+            assert sink.flush(10)
+    assert sink.failed == 1 and sink.written == 3
+    assert "could not write 1 spans" in caplog.text
+    assert count(db) == 3
+
+
+def test_readable_spans_from_elsewhere_get_rows(db: Path) -> None:
+    # The exporter is a plain OTel SpanExporter: spans it did not make itself still become rows.
+    conn = duckdb.connect(str(db))
+    schema.migrate(conn)
+    exporter = otel.DuckDBSpanExporter(conn)
+    exporter.export([ReadableSpan(name="other", attributes={"gen_ai.request.model": "m"}, start_time=T0_NS)])
+    assert conn.execute("SELECT model, run_id, status, t_start_ns FROM requests").fetchall() == [
+        ("m", "", "", T0_NS)
+    ]
+    conn.close()
