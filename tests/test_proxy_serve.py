@@ -1,0 +1,115 @@
+"""`specproxy serve` as a real subprocess: SIGTERM under load loses no span; --workers; user mistakes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from pathlib import Path
+
+import aiohttp
+import duckdb
+from click.testing import CliRunner
+
+from specproxy.cli import main
+from tests.backends import BackendConfig, running_backend
+from tests.support import free_port, start_cli, stop, wait_http
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> str:
+    out = stop(proc)
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return out
+
+
+def _write_config(path: Path, base_url: str, cand_url: str | None, db: Path) -> Path:
+    text = f'[experiment]\nname = "serve-test"\nmode = "shadow"\ndb = "{db}"\nshutdown_grace_s = 10\n\n'
+    text += f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{base_url}"\n'
+    if cand_url:
+        text += f'\n[[arms]]\nname = "cand"\nurl = "{cand_url}"\n'
+        text += 'speculative = { method = "ngram", num_speculative_tokens = 3 }\n'
+    path.write_text(text)
+    return path
+
+
+async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_path: Path) -> None:
+    db = tmp_path / "spans.duckdb"
+    n = 24
+    async with running_backend(BackendConfig(itl_s=0.02, tokens=30)) as base, \
+            running_backend(BackendConfig(itl_s=0.02, tokens=30, tokens_per_chunk=3)) as cand:
+        cfg = _write_config(tmp_path / "exp.toml", base.url, cand.url, db)
+        port = free_port()
+        proc = start_cli(["serve", "--config", str(cfg), "--port", str(port)])
+        try:
+            await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", 30.0, proc)
+            async with aiohttp.ClientSession() as s:
+
+                async def one(i: int) -> bytes:
+                    body = {"model": "m", "prompt": f"p{i}", "stream": True, "temperature": 0}
+                    async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                        assert r.status == 200
+                        return await r.read()
+
+                tasks = [asyncio.create_task(one(i)) for i in range(n)]
+                for _ in range(200):  # every request (and its shadow) is in flight
+                    if base.stats.active == n and cand.stats.active == n:
+                        break
+                    await asyncio.sleep(0.01)
+                assert base.stats.active == n
+                proc.send_signal(signal.SIGTERM)
+                bodies = await asyncio.gather(*tasks)
+            assert all(b.endswith(b"data: [DONE]\n\n") for b in bodies)  # graceful: all finished
+            code = await asyncio.to_thread(proc.wait, 30)
+        finally:
+            out = _stop(proc)
+    assert code == 0, out
+    assert f"{2 * n} spans written, 0 dropped" in out
+    with duckdb.connect(str(db), read_only=True) as con:
+        rows = con.execute("SELECT arm, status, count(*), count(DISTINCT request_id) FROM requests "
+                           "GROUP BY ALL ORDER BY arm").fetchall()
+        run = con.execute("SELECT name, mode, ended_at IS NOT NULL FROM runs").fetchall()
+    assert rows == [("base", "ok", n, n), ("cand", "ok", n, n)]
+    assert run == [("serve-test", "shadow", True)]
+
+
+async def test_workers_share_the_port_and_write_one_store_each(tmp_path: Path) -> None:
+    db = tmp_path / "spans.duckdb"
+    async with running_backend(BackendConfig(tokens=3)) as base:
+        cfg = _write_config(tmp_path / "exp.toml", base.url, None, db)
+        port = free_port()
+        proc = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--workers", "2",
+                          "--run-id", "shared-run"])
+        try:
+            await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", 40.0, proc)
+            # Each request on its own connection, so the kernel spreads them over the workers.
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                for i in range(30):
+                    body = {"model": "m", "prompt": f"p{i}"}
+                    async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                        assert r.status == 200
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+        finally:
+            out = _stop(proc)
+    assert code == 0, out
+    total = 0
+    for i in (0, 1):
+        with duckdb.connect(str(tmp_path / f"spans.w{i}.duckdb"), read_only=True) as con:
+            total += con.execute("SELECT count(*) FROM requests WHERE run_id = 'shared-run'").fetchone()[0]  # type: ignore[index]
+            assert con.execute("SELECT run_id FROM runs").fetchall() == [("shared-run",)]
+    assert total == 30
+    assert not db.exists()
+
+
+def test_config_mistakes_are_sentences_not_tracebacks(tmp_path: Path) -> None:
+    runner = CliRunner()
+    missing = runner.invoke(main, ["serve", "--config", str(tmp_path / "nope.toml")])
+    assert missing.exit_code == 1 and "cannot read the experiment file" in missing.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[arms]]\nname = "a"\nurl = "ftp://x"\nrole = "baseline"\n')
+    result = runner.invoke(main, ["serve", "--config", str(bad)])
+    assert result.exit_code == 1 and "arms[0].url: must start with http://" in result.output
+    assert "Traceback" not in result.output
+    helped = runner.invoke(main, ["serve", "--help"])
+    assert helped.exit_code == 0 and "--workers" in helped.output and "--capture" in helped.output
