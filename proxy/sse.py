@@ -315,21 +315,30 @@ class CompletionTap:
 
         Only when tokens were counted exactly (token ids or continuous usage). The first token chunk
         comes from prefill, not from a verified draft, so it is left out. Each later chunk of n tokens
-        counts as one step with n − 1 accepted drafts; drafts = steps × k when k is known.
-        Approximate: ``--stream-interval`` or a lagging server merges steps (overestimates), the last
-        step can be cut by max_tokens or a stop string (underestimates).
+        counts as one step with n − 1 accepted drafts; drafts = steps × k when k is known. A chunk of
+        more than k + 1 tokens holds several steps (``--stream-interval``, or a server whose HTTP side
+        lagged behind its engine): it counts as ceil(n / (k + 1)) steps, the fewest that could give it.
+        Approximate: merged steps still overestimate acceptance, and the last step can be cut by
+        max_tokens or a stop string (underestimates).
         """
         if self.count_source == "chunks":
             return None
-        steps = [n for n in self.tokens_per_chunk[1:] if n > 0]
+        per_step = k + 1 if k else None
+        steps = 0
+        accepted = 0
+        for n in self.tokens_per_chunk[1:]:
+            if n <= 0:
+                continue
+            s = -(-n // per_step) if per_step else 1
+            steps += s
+            accepted += n - s
         if not steps:
             return None
-        accepted = sum(n - 1 for n in steps)
         return SpecStats(
-            num_drafts=len(steps),
-            draft_tokens=len(steps) * k if k else None,
+            num_drafts=steps,
+            draft_tokens=steps * k if k else None,
             accepted_tokens=accepted,
-            acceptance_length=1.0 + accepted / len(steps),
+            acceptance_length=1.0 + accepted / steps,
         )
 
     def spec_from_metrics(self) -> SpecStats | None:
