@@ -1,0 +1,251 @@
+"""deploy/ checked offline, as CI can: YAML parses, the compose files validate against the Compose
+Specification's JSON schema, manifests against the Kubernetes schemas, the dashboard loads and asks
+for metrics that exist, the Dockerfile parses into a slim, non-root image with a healthcheck — and
+the arms in the deploy files are exactly what `specproxy engines plan` renders for
+deploy/experiment.toml."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+from prometheus_client.parser import text_string_to_metric_families
+
+from specproxy.config import load_experiment, parse_experiment
+from specproxy.engines.render import compose_document, render_k8s
+from specproxy.engines.sim.metrics import EngineMetrics
+from specproxy.engines.validate import check_experiment
+from specproxy.proxy.metrics import ProxyMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+COMPOSE_FILES = {"vllm": DEPLOY / "docker-compose.yml", "sim": DEPLOY / "docker-compose.sim.yml"}
+K8S_VERSIONS = ("1.29", "1.33")
+
+
+def _yaml_docs(path: Path) -> list[Any]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _experiment() -> Any:
+    return load_experiment(DEPLOY / "experiment.toml")
+
+
+@pytest.fixture(scope="module")
+def compose_schema() -> jsonschema.protocols.Validator:
+    # check-jsonschema vendors the Compose Specification's schema (compose-spec/compose-spec).
+    vendored = importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
+    schema = json.loads((vendored / "compose-spec.json").read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def test_every_yaml_file_parses() -> None:
+    files = sorted(DEPLOY.rglob("*.y*ml"))
+    assert len(files) >= 8
+    for path in files:
+        assert _yaml_docs(path), f"{path} is empty"
+
+
+def test_the_deploy_experiment_is_launchable() -> None:
+    exp = _experiment()
+    assert [a.name for a in exp.arms] == ["baseline", "ngram", "eagle3"]
+    assert exp.mode == "shadow"
+    assert [f for f in check_experiment(exp, local=False) if f.level == "error"] == []
+
+
+@pytest.mark.parametrize("variant", sorted(COMPOSE_FILES))
+def test_compose_file_is_valid_compose(variant: str, compose_schema: jsonschema.protocols.Validator) -> None:
+    doc = yaml.safe_load(COMPOSE_FILES[variant].read_text())
+    errors = sorted(compose_schema.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
+    # Files mounted from the repository exist next to the compose file.
+    for name, svc in doc["services"].items():
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (COMPOSE_FILES[variant].parent / source).exists(), f"{name}: {source} is missing"
+        for dep in svc.get("depends_on", {}):
+            assert dep in doc["services"], f"{name} depends on unknown service {dep}"
+
+
+def test_the_schema_check_catches_mistakes(compose_schema: jsonschema.protocols.Validator) -> None:
+    doc = yaml.safe_load(COMPOSE_FILES["vllm"].read_text())
+    doc["services"]["arm-ngram"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] = "gpu"
+    doc["services"]["specproxy"]["restart_policy"] = "always"
+    assert len(list(compose_schema.iter_errors(doc))) >= 2
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sim"])
+def test_compose_arms_are_the_engines_plan(engine: str) -> None:
+    committed = yaml.safe_load(COMPOSE_FILES[engine].read_text())
+    rendered = compose_document(_experiment(), engine=engine)  # type: ignore[arg-type]
+    for name, service in rendered["services"].items():
+        if name == "specproxy":
+            assert committed["services"][name]["command"] == service["command"]
+            continue
+        assert committed["services"][name] == service, f"{name} differs from `engines plan --format compose`"
+    assert committed["configs"] == rendered["configs"]
+
+
+def test_vllm_compose_stack() -> None:
+    doc = yaml.safe_load(COMPOSE_FILES["vllm"].read_text())
+    services = doc["services"]
+    assert {"arm-baseline", "arm-ngram", "arm-eagle3", "specproxy", "otel-collector", "prometheus",
+            "grafana"} <= set(services)
+    gpu_ids = []
+    for arm in ("arm-baseline", "arm-ngram", "arm-eagle3"):
+        svc = services[arm]
+        assert svc["image"].startswith("vllm/vllm-openai:")
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        gpu_ids += device["device_ids"]
+    assert sorted(gpu_ids) == ["0", "1", "2"]
+    spec = {a: json.loads(services[f"arm-{a}"]["command"][services[f"arm-{a}"]["command"].index(
+        "--speculative-config") + 1])["method"] for a in ("ngram", "eagle3")}
+    assert spec == {"ngram": "ngram", "eagle3": "eagle3"}
+    inner = parse_experiment(tomllib.loads(doc["configs"]["experiment"]["content"]))
+    assert inner.mode == "shadow"
+    assert services["specproxy"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+
+
+def test_sim_compose_needs_no_gpu() -> None:
+    doc = yaml.safe_load(COMPOSE_FILES["sim"].read_text())
+    for name, svc in doc["services"].items():
+        assert "deploy" not in svc, f"{name} reserves a device"
+        assert "vllm/vllm-openai" not in svc.get("image", "")
+    assert doc["services"]["arm-eagle3"]["command"][0] == "sim"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_k8s_manifests_validate(version: str) -> None:
+    kinds = []
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in _yaml_docs(path):
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{path.name}: {doc['kind']} {doc['metadata']['name']}: {exc.message}")
+            kinds.append((doc["kind"], doc["metadata"]["name"]))
+    for arm in ("baseline", "ngram", "eagle3"):
+        assert ("Deployment", f"arm-{arm}") in kinds and ("Service", f"arm-{arm}") in kinds
+    for kind in ("ConfigMap", "HorizontalPodAutoscaler", "PodDisruptionBudget"):
+        assert any(k == kind for k, _ in kinds), kind
+    assert ("Deployment", "specproxy") in kinds and ("Deployment", "otel-collector") in kinds
+
+
+def test_the_k8s_check_catches_mistakes() -> None:
+    doc = next(d for d in _yaml_docs(DEPLOY / "k8s" / "specproxy.yaml") if d["kind"] == "Deployment")
+    doc["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+def test_k8s_specproxy_yaml_is_the_engines_plan() -> None:
+    assert (DEPLOY / "k8s" / "specproxy.yaml").read_text() == render_k8s(_experiment())
+
+
+def test_k8s_gpu_requests_and_proxy_shape() -> None:
+    docs = _yaml_docs(DEPLOY / "k8s" / "specproxy.yaml")
+    arms = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("arm-")]
+    assert len(arms) == 3
+    for d in arms:
+        limits = d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "1"
+    proxy = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "specproxy")
+    pod = proxy["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    assert pod["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
+    hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "specproxy" and hpa["spec"]["minReplicas"] >= 2
+    pdb = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"] == proxy["spec"]["selector"]["matchLabels"]
+
+
+def test_otel_collector_config() -> None:
+    config = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())
+    kinds = ("receivers", "processors", "exporters", "connectors")
+    defined = {kind: set(config.get(kind, {})) for kind in kinds}
+    for name, pipeline in config["service"]["pipelines"].items():
+        for kind in ("receivers", "processors", "exporters"):
+            for component in pipeline.get(kind, []):
+                known = defined[kind] | defined["connectors"]
+                assert component in known, f"{name}: {component} is not defined"
+    cm = next(d for d in _yaml_docs(DEPLOY / "k8s" / "otel-collector.yaml") if d["kind"] == "ConfigMap")
+    assert cm["data"]["config.yaml"] == (DEPLOY / "otel-collector.yaml").read_text()
+
+
+def test_prometheus_scrapes_every_arm_under_its_name() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    arm_targets = {c["labels"]["arm"]: c["targets"][0] for c in jobs["arms"]["static_configs"]}
+    exp = _experiment()
+    compose = yaml.safe_load(COMPOSE_FILES["vllm"].read_text())
+    for arm in exp.arms:
+        host, port = arm_targets[arm.name].split(":")
+        assert host in compose["services"] and port in compose["services"][host]["expose"]
+    assert jobs["specproxy"]["static_configs"][0]["targets"] == ["specproxy:8000"]
+
+
+def _series_names(text: str) -> set[str]:
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        if family.type == "counter":
+            names |= {f"{family.name}_total", f"{family.name}_created"}
+        elif family.type == "histogram":
+            names |= {f"{family.name}_bucket", f"{family.name}_sum", f"{family.name}_count"}
+        else:
+            names.add(family.name)
+    return names
+
+
+def test_dashboard_loads_and_asks_for_metrics_that_exist() -> None:
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "specproxy.json").read_text())
+    assert dash["uid"] == "specproxy"
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    titles = " ".join(p["title"] for p in dash["panels"]).lower()
+    for topic in ("ttft", "decode tok/s", "acceptance rate", "identity mismatches", "shadow drops"):
+        assert topic in titles, topic
+    proxy = ProxyMetrics({}, {"baseline": "http://b"}, lambda: (0, 0, 0)).render().decode()
+    engine = EngineMetrics("m", 3)
+    known = _series_names(proxy) | _series_names(engine.render(engine.registry()).decode())
+    used = {m for e in exprs for m in re.findall(r"\b(specproxy_[a-z_]+|vllm:[a-z_]+)", e)}
+    assert used and used <= known, f"unknown series: {sorted(used - known)}"
+    # Provisioning: the data source the panels name, and the folder the provider reads.
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    ds = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())
+    uids = {p["datasource"]["uid"] for p in dash["panels"] if "datasource" in p}
+    assert uids == {ds["datasources"][0]["uid"]}
+    provider = yaml.safe_load((provisioning / "dashboards" / "specproxy.yaml").read_text())
+    mounts = yaml.safe_load(COMPOSE_FILES["vllm"].read_text())["services"]["grafana"]["volumes"]
+    assert f"./grafana/dashboards:{provider['providers'][0]['options']['path']}:ro" in mounts
+
+
+def test_dockerfile_is_slim_non_root_with_a_healthcheck() -> None:
+    parser = DockerfileParser(str(DEPLOY / "Dockerfile"))
+    instructions = [(i["instruction"], i["value"]) for i in parser.structure]
+    froms = [v for k, v in instructions if k == "FROM"]
+    assert froms and all("-slim" in f for f in froms)
+    final = instructions[max(i for i, (k, _) in enumerate(instructions) if k == "FROM"):]
+    users = [v for k, v in final if k == "USER"]
+    assert users and not users[-1].startswith(("root", "0"))
+    assert any(k == "HEALTHCHECK" and "/health" in v for k, v in instructions) or any(
+        k == "ENV" and "/health" in v for k, v in final)
+    assert any(k == "HEALTHCHECK" for k, _ in final)
+    assert json.loads(next(v for k, v in final if k == "ENTRYPOINT")) == ["specproxy"]
+    for k, v in instructions:
+        if k == "COPY" and not v.startswith("--"):
+            source = v.split()[0]
+            assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+    assert (DEPLOY / "Dockerfile.dockerignore").exists()
