@@ -154,8 +154,9 @@ def _health_probe_cmd(port: int) -> list[str]:
             f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=5)"]
 
 
-def proxy_args(port: int = PROXY_PORT) -> list[str]:
-    return ["serve", "--config", CONFIG_MOUNT, "--host", "0.0.0.0", "--port", str(port)]
+def proxy_args(port: int = PROXY_PORT, db: str | None = None) -> list[str]:
+    args = ["serve", "--config", CONFIG_MOUNT, "--host", "0.0.0.0", "--port", str(port)]
+    return args + ["--db", db] if db else args
 
 
 def compose_document(exp: Experiment, *, engine: Engine = "vllm") -> dict[str, Any]:
@@ -311,11 +312,12 @@ def k8s_documents(
                     "containers": [{
                         "name": "specproxy",
                         "image": SPECPROXY_IMAGE,
-                        "args": proxy_args(),
+                        # One span store per replica (DuckDB allows one writer per file), side by
+                        # side on a shared volume: `specproxy analyze /data/*.duckdb` reads the union.
+                        "args": proxy_args(db=f"{DATA_DIR}/$(POD_NAME).duckdb"),
                         "ports": [{"name": "http", "containerPort": PROXY_PORT}],
                         "env": [
-                            # Spans of every replica go to one collector; each replica also keeps its own
-                            # DuckDB file, named by pod so the files can be gathered side by side.
+                            # Spans of every replica also go over OTLP to one collector.
                             {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel-collector:4318"},
                             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                             {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "service.instance.id=$(POD_NAME)"},
@@ -334,12 +336,18 @@ def k8s_documents(
                     }],
                     "volumes": [
                         {"name": "experiment", "configMap": {"name": config_name}},
-                        {"name": "data", "emptyDir": {}},
+                        {"name": "data", "persistentVolumeClaim": {"claimName": "specproxy-spans"}},
                         {"name": "tmp", "emptyDir": {}},
                     ],
                 },
             },
         },
+    })
+    docs.append({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "specproxy-spans", "labels": proxy_labels, **meta_ns},
+        # Every replica writes its own file here, so the claim must be mountable by many pods.
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}},
     })
     docs.append({
         "apiVersion": "v1", "kind": "Service",
