@@ -338,8 +338,9 @@ class EngineCore:
         touched: list[Sequence] = []
         lookup = self.method in LOOKUP_METHODS
         spec_on = self.spec is not None
+        any_finished = False
         for seq, tokens, is_prefill in plan.items:
-            if seq.aborted or seq.finished:
+            if seq.aborted or seq.finish_reason is not None:
                 continue
             truth = seq.truth
             truth.steps += 1
@@ -391,7 +392,8 @@ class EngineCore:
             else:
                 m.itl.observe(now - seq.last_emit)
             seq.last_emit = now
-            if spec_on and not seq.finished:
+            finished = seq.finish_reason is not None
+            if spec_on and not finished:
                 if lookup:
                     proposer = seq.proposer
                     assert proposer is not None
@@ -399,11 +401,12 @@ class EngineCore:
                     seq.drafts = (
                         proposer.propose(self.k) if isinstance(proposer, NgramIndex) else proposer.propose()
                     )
-            if seq.finished:
+            if finished:
                 self._finish(seq, seq.finish_reason or "stop", now)
+                any_finished = True
             touched.append(seq)
-        if any(s.finished for s in self.running):
-            self.running = [s for s in self.running if not s.finished]
+        if any_finished:
+            self.running = [s for s in self.running if s.finish_reason is None]
         m.running = len(self.running)
         m.kv_usage = min(1.0, sum(s.prompt_len + s.n_out for s in self.running) / KV_CAPACITY_TOKENS)
         return touched
