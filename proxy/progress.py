@@ -28,6 +28,10 @@ class ArmProgress:
     done: int = 0
     errors: int = 0
     tokens: int = 0
+    last_done: float | None = None  # monotonic time of the latest finished call
+
+    def tok_s(self, t0: float, until: float) -> float:
+        return self.tokens / max(until - t0, 1e-9)
 
 
 class ReplayProgress:
@@ -62,6 +66,7 @@ class ReplayProgress:
     def record(self, arm: str, completion_tokens: int | None, ok: bool) -> None:
         p = self.per_arm[arm]
         p.done += 1
+        p.last_done = time.monotonic()
         p.tokens += completion_tokens or 0
         if not ok:
             p.errors += 1
@@ -69,15 +74,17 @@ class ReplayProgress:
     def end_phase(self) -> None:
         if not self.enabled or self._live is not None:
             return
-        elapsed = max(time.monotonic() - self._t0, 1e-9)
         for arm, p in self.per_arm.items():
+            # Up to the arm's last call: a fast arm's rate does not decay while slower arms finish.
+            rate = p.tok_s(self._t0, p.last_done or self._t0)
             self.console.print(
-                f"{self.label:>8}  {arm:<14} done {p.done:>5}  {p.tokens / elapsed:>9.1f} tok/s  "
+                f"{self.label:>8}  {arm:<14} done {p.done:>5}  {rate:>9.1f} tok/s  "
                 f"errors {p.errors}", highlight=False,
             )
 
     def __rich__(self) -> Table:
-        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        now = time.monotonic()
+        elapsed = now - self._t0
         table = Table(title=f"replay {self.label}  {elapsed:5.1f} s", title_justify="left")
         table.add_column("arm")
         table.add_column("done", justify="right")
@@ -85,6 +92,8 @@ class ReplayProgress:
         table.add_column("errors", justify="right")
         total = f"/{self.calls_per_arm}" if self.calls_per_arm is not None else ""
         for arm, p in self.per_arm.items():
-            table.add_row(arm, f"{p.done}{total}", f"{p.tokens / elapsed:.1f}",
+            finished = self.calls_per_arm is not None and p.done >= self.calls_per_arm
+            rate = p.tok_s(self._t0, (p.last_done or now) if finished else now)
+            table.add_row(arm, f"{p.done}{total}", f"{rate:.1f}",
                           f"[red]{p.errors}[/red]" if p.errors else "0")
         return table
