@@ -251,3 +251,14 @@ def test_experiment_toml_round_trips(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("arm", "service"), [("baseline", "arm-baseline"), ("Eagle_3.v2", "arm-eagle-3-v2")])
 def test_service_names_are_dns_labels(arm: str, service: str) -> None:
     assert service_name(arm) == service
+
+
+def test_readme_shows_the_real_plan_of_the_deploy_experiment() -> None:
+    root = Path(__file__).resolve().parent.parent
+    readme = root / "README.md"
+    section = readme.read_text().split("<!-- section: engines -->")[1].split("<!-- /section: engines -->")[0]
+    result = _run("engines", "plan", str(root / "deploy" / "experiment.toml"))
+    assert result.exit_code == 0 and result.stderr == ""
+    assert f"```bash\n{result.stdout}```" in section
+    for command in ("up", "status", "down"):
+        assert f"specproxy engines {command} deploy/experiment.toml" in section
