@@ -239,5 +239,6 @@ def down(experiment: Path, grace: float) -> None:
         return
     for r in results:
         verb = {"SIGTERM": "stopped", "SIGKILL": f"killed (still running {grace:g} s after SIGTERM)",
+                "orphans": "had exited; its leftover worker processes were stopped",
                 "not running": "was not running"}[r.how]
         click.echo(f"{r.arm} (pid {r.pid}) {verb}")

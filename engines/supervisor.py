@@ -339,7 +339,7 @@ def _wait_healthy(
 class StopResult:
     arm: str
     pid: int
-    how: str  # "SIGTERM", "SIGKILL" or "not running"
+    how: str  # "SIGTERM", "SIGKILL", "orphans" (leader gone, its workers stopped) or "not running"
 
 
 def stop_arms(
@@ -357,6 +357,12 @@ def stop_arms(
             targets.append(arm)
             _signal_group(arm.pid, signal.SIGTERM)
             results[arm.arm] = "SIGTERM"
+        elif not _alive(arm.pid) and _group_members(arm.pid):
+            # The API server died but workers of its group live on (holding GPU memory). The group id
+            # is the dead leader's pid, which no other process can own while the group exists.
+            targets.append(arm)
+            _signal_group(arm.pid, signal.SIGTERM)
+            results[arm.arm] = "orphans"
         else:
             results[arm.arm] = "not running"
     deadline = time.monotonic() + grace_s
@@ -369,7 +375,8 @@ def stop_arms(
             time.sleep(0.1)
     for arm in targets:
         _signal_group(arm.pid, signal.SIGKILL)
-        results[arm.arm] = "SIGKILL"
+        if results[arm.arm] == "SIGTERM":
+            results[arm.arm] = "SIGKILL"
     for arm in arms:
         if arm.arm in popens:
             try:

@@ -244,3 +244,30 @@ def test_status_reports_an_arm_that_died(tmp_path: Path, fake_vllm: Path, cleanu
     assert recorded_stacks(load_experiment(path)) == {}
     down = _cli("engines", "down", str(path))
     assert "was not running" in down.stdout
+
+
+def test_down_stops_the_workers_of_an_engine_that_died(
+    tmp_path: Path, fake_vllm: Path, cleanup: list[Path]
+) -> None:
+    worker_pid_file = tmp_path / "worker.pid"
+    path = _experiment(tmp_path, [
+        {"name": "baseline", "port": free_port(),
+         "engine": f'{{ gpus = [0], env = {{ FAKE_VLLM_WORKER_PID = "{worker_pid_file}" }} }}'},
+    ])
+    cleanup.append(path)
+    assert _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--no-stack").returncode == 0
+    state = read_state(load_experiment(path))
+    assert state is not None
+    # The API server dies alone (as after a crash); its worker keeps running in the group.
+    os.kill(state.arms[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _alive(state.arms[0].pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = int(worker_pid_file.read_text())
+    assert _alive(worker)
+    down = _cli("engines", "down", str(path))
+    assert "had exited; its leftover worker processes were stopped" in down.stdout
+    deadline = time.monotonic() + 5
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker)
