@@ -247,13 +247,15 @@ def start_arms(
                 f"engines of experiment {exp.name!r} are already running: {names}; "
                 f"stop them with `specproxy engines down` first"
             )
+    # Absolute, so `status` and `down` from another directory find the logs.
+    log_dir = log_dir.resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     state = EngineState(experiment=exp.name, config_path=exp.source_path, engine=engine, created_at=_now())
     popens: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for launch in launches:
             log_path = log_dir / f"{exp.name}-{launch.arm}.log"
-            proc = _spawn(launch, log_path, cwd=state_dir(exp).parent)
+            proc = _spawn(launch, log_path)
             popens[launch.arm] = proc
             state.arms.append(ArmProcess(
                 arm=launch.arm, pid=proc.pid, port=launch.port, url=launch.base_url,
@@ -277,7 +279,7 @@ def start_arms(
         raise
 
 
-def _spawn(launch: ArmLaunch, log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
+def _spawn(launch: ArmLaunch, log_path: Path) -> subprocess.Popen[bytes]:
     log: IO[bytes]
     with open(log_path, "wb") as log:
         log.write(f"# specproxy engines: {launch.shell_line()}\n".encode())
@@ -289,7 +291,6 @@ def _spawn(launch: ArmLaunch, log_path: Path, cwd: Path) -> subprocess.Popen[byt
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **launch.env},
-                cwd=cwd,
                 # Own session and process group: survives this command, and `down` can signal the
                 # engine together with the worker processes it forks.
                 start_new_session=True,
