@@ -83,10 +83,17 @@ def test_ngram_index_finds_earliest_longest_match() -> None:
 def test_acceptance_formula_fixed_alpha() -> None:
     chat = chat_workload(16)
     for alpha in (0.8, 0.5):
-        spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": "x", "num_speculative_tokens": 4,
-                                            "synthetic_acceptance_rate": alpha})
-        result = run_closed_loop(SimConfig(speculative=spec), chat, concurrency=8, num_requests=32,
-                                 max_tokens=300, ignore_eos=True)
+        spec = SpeculativeConfig.from_dict(
+            {
+                "method": "draft_model",
+                "model": "x",
+                "num_speculative_tokens": 4,
+                "synthetic_acceptance_rate": alpha,
+            }
+        )
+        result = run_closed_loop(
+            SimConfig(speculative=spec), chat, concurrency=8, num_requests=32, max_tokens=300, ignore_eos=True
+        )
         expected = (1 - alpha**5) / (1 - alpha)
         assert result.acceptance_length == pytest.approx(expected, rel=0.02)
 

@@ -233,10 +233,14 @@ class TargetText:
         "_last_copy_end",
         "_flip",
         "_key",
+        "_prompt",
+        "_category",
     )
 
     def __init__(self, key: int, prompt: Prompt, category: str, *, flip: bool = False) -> None:
         self._key = key
+        self._prompt = prompt
+        self._category = category
         self.ids: list[int] = []
         self.pieces: list[str] = []
         self._rng = random.Random(key)
@@ -262,14 +266,6 @@ class TargetText:
                 ids.append(EOS_ID)
                 pieces.append("")
                 continue
-            if pos == self.tie_at and self._flip:
-                # The near-tie flips: emit the runner-up, and from here the stream is a different one.
-                tid, piece = self.runner_up(pos)
-                ids.append(tid)
-                pieces.append(piece)
-                self._rng = rng = random.Random(self._key ^ 0x5DEECE66D)
-                self._seg_left = 0
-                continue
             if self._seg_left <= 0:
                 self._start_segment(rng)
             self._seg_left -= 1
@@ -279,6 +275,9 @@ class TargetText:
                 self._copy_pos += 1
                 if self._copy_pos >= len(src_ids):
                     self._seg_left = 0
+                if pos == self.tie_at and self._flip:
+                    self._flip_last(pos)
+                    rng = self._rng
                 continue
             r = rng.random()
             if r < 0.07 and pieces and pieces[-1] not in (",", "."):
@@ -291,6 +290,9 @@ class TargetText:
                 index = _ZIPF[int(rng.random() * 65536)]
                 ids.append(_VOCAB_BASE_ID + index)
                 pieces.append(" " + VOCAB[index])
+            if pos == self.tie_at and self._flip:
+                self._flip_last(pos)
+                rng = self._rng
 
     def _start_segment(self, rng: random.Random) -> None:
         style = self._style
@@ -311,10 +313,26 @@ class TargetText:
             self._copy_pos = -1
             self._seg_left = 1 + int(rng.expovariate(1.0 / style.novel_mean))
 
-    def runner_up(self, pos: int) -> tuple[int, str]:
+    def _flip_last(self, pos: int) -> None:
+        # The near-tie flips: the runner-up replaces the greedy token, and from here the stream differs.
+        tid, piece = self.runner_up(pos, self.ids[pos])
+        self.ids[pos] = tid
+        self.pieces[pos] = piece
+        self._rng = random.Random(self._key ^ 0x5DEECE66D)
+        self._seg_left = 0
+        self._copy_pos = -1
+
+    def runner_up(self, pos: int, greedy_id: int) -> tuple[int, str]:
         """The second-best token at `pos`: a word that differs from the greedy one."""
         index = (self._key + pos * 7919) % 512
+        if _VOCAB_BASE_ID + index == greedy_id:
+            index = (index + 1) % 512
         return _VOCAB_BASE_ID + index, " " + VOCAB[index]
+
+    def _unflipped_at_tie(self) -> tuple[int, str]:
+        clean = TargetText(self._key, self._prompt, self._category)
+        clean.ensure(self.tie_at + 1)
+        return clean.ids[self.tie_at], clean.pieces[self.tie_at]
 
     def logprobs(self, pos: int, top: int) -> tuple[float, list[tuple[int, str, float]]]:
         """(chosen logprob, [(id, piece, logprob) of the top `top` alternatives, best first]).
@@ -326,9 +344,11 @@ class TargetText:
         chosen = -rng.random() * 1.2 if pos != self.tie_at else -0.68
         second = chosen - (0.02 if pos == self.tie_at else 0.4 + rng.random() * 2.0)
         alternatives = [(self.ids[pos], self.pieces[pos], chosen)]
-        ru_id, ru_piece = self.runner_up(pos)
-        if ru_id == self.ids[pos]:
-            ru_id, ru_piece = _VOCAB_BASE_ID + 600 + pos % 100, " " + VOCAB[600 + pos % 100]
+        if self._flip and pos == self.tie_at:
+            # This server took the runner-up; the greedy token of the lossless servers is the other one.
+            ru_id, ru_piece = self._unflipped_at_tie()
+        else:
+            ru_id, ru_piece = self.runner_up(pos, self.ids[pos])
         alternatives.append((ru_id, ru_piece, second))
         lp = second
         for j in range(2, top):
