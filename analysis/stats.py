@@ -7,10 +7,12 @@ Definitions used everywhere in analysis (and by the tests' independent checks):
   requests when the level is paired, else over each arm's own calls;
 - intervals are percentile bootstrap intervals of the log ratio.
 
-Large levels are resampled from a uniform subsample of m ≤ ``max_sample`` units (m-out-of-n bootstrap):
-the resampled log ratios' deviations from the subsample's own estimate are scaled by sqrt(m / n) and
-added to the full-data estimate, which for m = n is exactly the plain percentile interval. This keeps
-an analysis of millions of spans to a few million numbers per level.
+The interval is the full-data estimate plus the percentiles of the resampled log ratios' deviations
+from their own mean (a percentile interval re-centred on the estimate: the bootstrap distribution of a
+median is off-centre, and without this paired intervals over-cover, 99 % for a nominal 95 % at 120
+pairs). Large levels are resampled from a uniform subsample of m ≤ ``max_sample`` units (m-out-of-n
+bootstrap), the deviations scaled by sqrt(m / n). This keeps an analysis of millions of spans to a few
+million numbers per level.
 """
 
 from __future__ import annotations
@@ -70,14 +72,13 @@ def paired_median_ratio(
     m = len(cand)
     if m < 2 or point <= 0 or not math.isfinite(point):
         return Interval(point, None, None)
-    sub = math.log(float(np.median(cand)) / float(np.median(base)))
     scale = math.sqrt(m / n_total)
     out = np.empty(iterations)
     for start in range(0, iterations, _SLICE):
         k = min(_SLICE, iterations - start)
         idx = rng.integers(0, m, size=(k, m))
         out[start : start + k] = np.log(_resample_medians(cand, idx) / _resample_medians(base, idx))
-    lo, hi = _percentiles(math.log(point) + scale * (out - sub), confidence)
+    lo, hi = _percentiles(math.log(point) + scale * (out - out.mean()), confidence)
     return Interval(point, lo, hi)
 
 
@@ -98,12 +99,11 @@ def unpaired_median_ratio(
     deviations = np.zeros(iterations)
     for values, n, sign in ((cand, n_cand, 1.0), (base, n_base, -1.0)):
         m = len(values)
-        sub = math.log(float(np.median(values)))
         logs = np.empty(iterations)
         for start in range(0, iterations, _SLICE):
             k = min(_SLICE, iterations - start)
             logs[start : start + k] = np.log(_resample_medians(values, rng.integers(0, m, size=(k, m))))
-        deviations += sign * math.sqrt(m / n) * (logs - sub)
+        deviations += sign * math.sqrt(m / n) * (logs - logs.mean())
     lo, hi = _percentiles(math.log(point) + deviations, confidence)
     return Interval(point, lo, hi)
 
@@ -136,20 +136,16 @@ def throughput_ratio(
         out: FloatArray = np.log(tokens[idx].sum(axis=1) / e2e[idx].sum(axis=1))
         return out
 
-    def whole(tokens: FloatArray, e2e: FloatArray) -> float:
-        return math.log(float(tokens.sum()) / float(e2e.sum()))
-
     deviations = np.empty(iterations)
     if paired:
         m = len(cand_tokens)
-        sub = whole(cand_tokens, cand_e2e) - whole(base_tokens, base_e2e)
         for start in range(0, iterations, _SLICE):
             k = min(_SLICE, iterations - start)
             idx = rng.integers(0, m, size=(k, m))
             deviations[start : start + k] = rate(cand_tokens, cand_e2e, idx) - rate(
                 base_tokens, base_e2e, idx
             )
-        deviations = math.sqrt(m / n_cand) * (deviations - sub)
+        deviations = math.sqrt(m / n_cand) * (deviations - deviations.mean())
     else:
         deviations[:] = 0.0
         for tokens, e2e, n, sign in (
@@ -157,12 +153,11 @@ def throughput_ratio(
             (base_tokens, base_e2e, n_base, -1.0),
         ):
             m = len(tokens)
-            sub = whole(tokens, e2e)
             logs = np.empty(iterations)
             for start in range(0, iterations, _SLICE):
                 k = min(_SLICE, iterations - start)
                 logs[start : start + k] = rate(tokens, e2e, rng.integers(0, m, size=(k, m)))
-            deviations += sign * math.sqrt(m / n) * (logs - sub)
+            deviations += sign * math.sqrt(m / n) * (logs - logs.mean())
     lo, hi = _percentiles(math.log(point) + deviations, confidence)
     return Interval(point, lo, hi)
 

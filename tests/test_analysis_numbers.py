@@ -1,0 +1,197 @@
+"""Every number of the verdict table against an independent computation from the synthetic spans.
+
+The synthetic run is built in Python (tests/spanfactory.py); the expected figures are computed here
+from those records with plain Python and numpy (percentiles: numpy's linear interpolation, the
+definition analysis uses), then compared with `analyze --format json` (full precision) and with the
+printed table (to the last printed digit).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from specproxy.record import SpanRecord
+from tests.spanfactory import ArmSpec, SyntheticRun, make_run, write_db
+
+ARMS = [
+    ArmSpec("baseline", "baseline", "none"),
+    ArmSpec("eagle3", speedup=1.5, speedup_by_level={16: 0.9}, identical_p=0.995, acceptance_rate=0.7),
+    ArmSpec("ngram", spec_method="ngram", speedup=1.1, identical_p=0.95, acceptance_rate=0.4, k=4),
+    ArmSpec("replica", spec_method="none", identical_p=0.99),
+]
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SyntheticRun]:
+    run = make_run(ARMS, levels=(1, 4, 16), n_per_level=150, seed=7, restart_engine="1")
+    path = write_db(tmp_path_factory.mktemp("numbers") / "spans.duckdb", [run])
+    return path, run
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def expected_figures(run: SyntheticRun) -> dict[tuple[str, str], dict[str, Any]]:
+    """The table's figures per (arm, level), computed from the records alone."""
+    groups: dict[tuple[str, str], list[SpanRecord]] = defaultdict(list)
+    for s in run.spans:
+        groups[(s.arm, str(s.concurrency_level))].append(s)
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for key, spans in groups.items():
+        ok = [s for s in spans if s.status == "ok"]
+        starts = [s.t_start_ns / 1e9 for s in spans if s.status != "dropped"]  # type: ignore[operator]
+        ends = [s.t_start_ns / 1e9 + (s.e2e_s or 0.0) for s in spans if s.status != "dropped"]  # type: ignore[operator]
+        tokens = sum(s.completion_tokens or 0 for s in ok)
+        decode = [s.decode_tok_s for s in ok if s.decode_tok_s is not None]
+        ttft = [s.ttft_s for s in ok if s.ttft_s is not None]
+        drafts = [s.num_drafts for s in ok if s.num_drafts is not None]
+        accepted = [s.accepted_tokens for s in ok if s.accepted_tokens is not None]
+        draft_tokens = [s.draft_tokens for s in ok if s.draft_tokens is not None]
+        out[key] = {
+            "calls": len(spans), "ok": len(ok), "completion_tokens": tokens,
+            "agg_tok_s": tokens / (max(ends) - min(starts)),
+            "p50_decode_tok_s": float(np.quantile(decode, 0.5)),
+            "p50_ttft_s": float(np.quantile(ttft, 0.5)),
+            "p95_ttft_s": float(np.quantile(ttft, 0.95)),
+            "req_acceptance_rate": sum(accepted) / sum(draft_tokens) if draft_tokens else None,
+            "req_acceptance_length": 1 + sum(accepted) / sum(drafts) if drafts else None,
+        }
+    # /metrics: per arm and level, each series' after - before, or after alone when it went down
+    series: dict[tuple[str, str, str, str], list[tuple[Any, float]]] = defaultdict(list)
+    for run_id, arm, at, phase, name, labels, value in run.metrics:
+        assert run_id == run.run_id
+        series[(arm, phase.split(":")[0], name, labels)].append((at, value))
+    totals: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for (arm, window, name, _), points in series.items():
+        (_, before), (_, after) = sorted(points, key=lambda p: p[0])
+        totals[(arm, window.removeprefix("c="))][name] += after - before if after >= before else after
+    for key, fig in out.items():
+        t = totals.get(key)
+        fig["acceptance_rate"] = (
+            t["vllm:spec_decode_num_accepted_tokens_total"] / t["vllm:spec_decode_num_draft_tokens_total"]
+            if t else None)
+        fig["acceptance_length"] = (
+            1 + t["vllm:spec_decode_num_accepted_tokens_total"] / t["vllm:spec_decode_num_drafts_total"]
+            if t else None)
+    # identity and paired decode speedup: each candidate call beside the baseline call of its request
+    base = {s.request_id: s for s in run.spans if s.arm == "baseline"}
+    for key, fig in out.items():
+        arm, level = key
+        if arm == "baseline":
+            fig.update(compared=0, identical=0, decode_speedup=None)
+            continue
+        calls = [s for s in run.spans if s.arm == arm and str(s.concurrency_level) == level]
+        compared = [s for s in calls if s.identical is not None]
+        fig["compared"] = len(compared)
+        fig["identical"] = sum(1 for s in compared if s.identical)
+        pairs = [
+            (s.decode_tok_s, base[s.request_id].decode_tok_s) for s in calls
+            if s.status == "ok" and base[s.request_id].status == "ok"
+            and s.decode_tok_s and base[s.request_id].decode_tok_s
+        ]
+        c, b = zip(*pairs, strict=True)
+        fig["decode_speedup"] = float(np.quantile(c, 0.5)) / float(np.quantile(b, 0.5))
+        fig["throughput_ratio"] = fig["agg_tok_s"] / out[("baseline", level)]["agg_tok_s"]
+    return out
+
+
+def test_json_figures_match_an_independent_computation(synthetic: tuple[Path, SyntheticRun]) -> None:
+    path, run = synthetic
+    result = _cli("analyze", str(path), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    (got_run,) = doc["runs"]
+    expected = expected_figures(run)
+    assert {(r["arm"], r["level"]) for r in got_run["rows"]} == set(expected)
+    for row in got_run["rows"]:
+        exp = expected[(row["arm"], row["level"])]
+        for name in ("calls", "ok", "completion_tokens", "compared", "identical"):
+            assert row[name] == exp[name], (row["arm"], row["level"], name)
+        for name in ("agg_tok_s", "p50_decode_tok_s", "p50_ttft_s", "p95_ttft_s", "acceptance_rate",
+                     "acceptance_length", "req_acceptance_rate", "req_acceptance_length"):
+            if exp[name] is None:
+                assert row[name] is None, name
+            else:
+                assert row[name] == pytest.approx(exp[name], rel=1e-9), (row["arm"], row["level"], name)
+        if exp["decode_speedup"] is not None:
+            assert row["paired"] is True
+            assert row["decode_speedup"]["point"] == pytest.approx(exp["decode_speedup"], rel=1e-9)
+            assert row["throughput_speedup"]["point"] == pytest.approx(exp["throughput_ratio"], rel=1e-9)
+            iv = row["decode_speedup"]
+            assert iv["low"] < iv["point"] < iv["high"]
+
+
+def _fmt(value: float | None, digits: int, scale: float = 1.0, suffix: str = "") -> str:
+    return "—" if value is None else f"{value * scale:.{digits}f}{suffix}"
+
+
+def test_printed_table_matches_to_the_last_digit(synthetic: tuple[Path, SyntheticRun]) -> None:
+    path, run = synthetic
+    result = _cli("analyze", str(path))
+    assert result.returncode == 0, result.stderr
+    expected = expected_figures(run)
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("level"))
+    checked = 0
+    for line in lines[header + 2:]:
+        if not line.startswith("c="):
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        level, arm = cells[0].removeprefix("c="), cells[1]
+        exp = expected[(arm, level)]
+        assert cells[2] == f"{exp['ok']}/{exp['calls']}"
+        assert cells[3] == _fmt(exp["agg_tok_s"], 1)
+        assert cells[4] == _fmt(exp["p50_decode_tok_s"], 1)
+        assert cells[5] == _fmt(exp["p50_ttft_s"], 1, 1000)
+        assert cells[6] == _fmt(exp["p95_ttft_s"], 1, 1000)
+        assert cells[7] == _fmt(exp["acceptance_rate"], 1, 100, "%")
+        assert cells[8] == _fmt(exp["acceptance_length"], 2)
+        assert cells[9] == _fmt(exp["req_acceptance_length"], 2)
+        assert cells[10] == (f"{exp['identical']}/{exp['compared']}" if exp["compared"] else "—")
+        if exp["decode_speedup"] is not None:
+            assert cells[11].startswith(f"{exp['decode_speedup']:.2f}x [")
+            assert cells[12].startswith(f"{exp['throughput_ratio']:.2f}x [")
+        checked += 1
+    assert checked == len(expected) == 12
+
+
+def test_verdicts_follow_the_rules(synthetic: tuple[Path, SyntheticRun]) -> None:
+    path, _ = synthetic
+    doc = json.loads(_cli("analyze", str(path), "--format", "json").stdout)
+    rows = doc["runs"][0]["rows"]
+    peak = {r["arm"]: r for r in rows if r["level"] == "16"}
+    for r in rows:
+        if r["role"] == "baseline":
+            assert r["verdict"] is None
+            continue
+        d, t = r["decode_speedup"], peak[r["arm"]]["throughput_speedup"]
+        rate = r["identical"] / r["compared"]
+        if d["high"] < 1 or t["high"] < 1 or rate < 0.99:
+            assert r["verdict"] == "LOSS", r
+        elif d["low"] > 1.05:
+            assert r["verdict"] == "WIN", r
+        else:
+            assert r["verdict"] == "NO CLEAR GAIN", r
+    eagle = {r["level"]: r for r in rows if r["arm"] == "eagle3"}
+    # the true speedup is 1.5 at c=1 and c=4 and 0.9 at c=16: the interval must say so
+    assert eagle["1"]["decode_speedup"]["low"] > 1.3 and eagle["16"]["decode_speedup"]["high"] < 1.0
+    arms = {a["arm"]: a for a in doc["runs"][0]["arms"]}
+    assert arms["eagle3"]["crossover"]["pays_up_to"] == 4
+    assert arms["eagle3"]["crossover"]["first_not_paying"] == 16
+    assert 4 < arms["eagle3"]["crossover"]["estimate"] < 16
+    # the replica (no speculation) is the noise floor; it is counted from the spans' own verdicts
+    replica = [r for r in rows if r["arm"] == "replica"]
+    assert doc["runs"][0]["noise_compared"] == sum(r["compared"] for r in replica)
+    assert doc["runs"][0]["noise_mismatched"] == sum(r["compared"] - r["identical"] for r in replica)
