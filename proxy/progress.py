@@ -37,7 +37,7 @@ class ArmProgress:
 class ReplayProgress:
     def __init__(self, arms: list[str], console: Console | None = None, *, enabled: bool = True) -> None:
         self.arms = arms
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, soft_wrap=True)
         self.enabled = enabled
         self.label = ""
         self.calls_per_arm: int | None = None

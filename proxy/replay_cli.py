@@ -114,7 +114,7 @@ def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, c
       specproxy replay question.jsonl --config exp.toml --rate 5 --duration 120
       specproxy replay mooncake.jsonl --target http://127.0.0.1:8000 --timed --speedup 10
     """
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     if (config_path is None) == (target is None):
         raise click.UsageError("give exactly one of --config exp.toml (the arms) or --target URL (a proxy)")
     if rate is not None and timed:

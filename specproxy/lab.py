@@ -270,7 +270,7 @@ def lab(config_path: Path | None, workload: Path | None, concurrency: str | None
       specproxy lab --profile h200-llama3.1-8b   # the full sweep on another cost profile
       specproxy lab --config exp.toml --workload capture.jsonl --concurrency 1,8,32
     """
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     plan = QUICK if quick else FULL
     try:
         levels = parse_levels(concurrency) if concurrency else plan.levels

@@ -1,0 +1,142 @@
+"""`specproxy replay` as a subprocess: real backends on 127.0.0.1, errors as sentences, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import pytest
+from click.testing import CliRunner, Result
+
+from specproxy.cli import main
+from tests.support import free_port, start_cli, stop, wait_http
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specproxy", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_in_process(*args: str) -> Result:
+    """The command in-process (click's runner): for errors found before any network or subprocess."""
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.fixture
+def backend_url() -> Iterator[str]:
+    """A vLLM-shaped test backend in its own process (8 tokens, 5 ms apart)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.backends", "--port", str(port), "--ttft-ms", "2",
+                             "--itl-ms", "5", "--tokens", "8"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=None)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def write_custom(path: Path, n: int, bad_line: int | None = None) -> Path:
+    lines = [json.dumps({"prompt": f"question number {i}", "output_tokens": 4}) for i in range(n)]
+    if bad_line is not None:
+        lines[bad_line - 1] = '{"prompt": 42}'
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_replay_through_target_writes_spans(tmp_path: Path, backend_url: str) -> None:
+    log = write_custom(tmp_path / "log.jsonl", 12, bad_line=5)
+    db = tmp_path / "out.duckdb"
+    res = run_cli("replay", str(log), "--target", backend_url, "--concurrency", "1,3", "--db", str(db),
+                  "--on-error", "skip", "--no-progress", "--run-name", "cli")
+    assert res.returncode == 0, res.stderr
+    assert f"skipped 1 bad record(s); first: {log}:5: prompt: expected a non-empty string" in res.stderr
+    assert "target" in res.stderr and "22 spans" in res.stderr
+    with duckdb.connect(str(db), read_only=True) as conn:
+        got = conn.execute("SELECT concurrency_level, count(*), min(status), max(status), min(temperature) "
+                           "FROM requests GROUP BY 1 ORDER BY 1").fetchall()
+        assert got == [(1, 11, "ok", "ok", 0.0), (3, 11, "ok", "ok", 0.0)]
+        assert conn.execute("SELECT name, mode FROM runs").fetchall() == [("cli", "replay-paired")]
+
+
+def test_bad_line_stops_with_file_and_line(tmp_path: Path) -> None:
+    log = write_custom(tmp_path / "log.jsonl", 6, bad_line=3)
+    res = run_in_process("replay", str(log), "--target", "http://127.0.0.1:9")
+    assert res.exit_code == 1
+    assert f"Error: {log}:3: prompt: expected a non-empty string" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_empty_file_names_the_formats(tmp_path: Path) -> None:
+    log = tmp_path / "empty.jsonl"
+    log.write_text("")
+    res = run_in_process("replay", str(log), "--target", "http://127.0.0.1:9")
+    assert res.exit_code == 1 and "the file is empty" in res.stderr
+    assert "mooncake" in res.stderr and "sharegpt" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_unreachable_arm_names_its_url(tmp_path: Path, backend_url: str) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = tmp_path / "exp.toml"
+    cfg.write_text(f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{backend_url}"\n\n'
+                   f'[[arms]]\nname = "eagle3"\nurl = "{dead}"\n')
+    res = run_cli("replay", str(write_custom(tmp_path / "l.jsonl", 2)), "--config", str(cfg),
+                  "--db", str(tmp_path / "x.duckdb"))
+    assert res.returncode == 1
+    assert f"arm 'eagle3' at {dead} is not reachable" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give exactly one of --config"),
+    (["--target", "http://x", "--rate", "2", "--timed"], "choose one"),
+    (["--target", "http://x", "--concurrency", "0"], "integers ≥ 1"),
+    (["--target", "ftp://x"], "must start with http://"),
+    (["--target", "http://x", "--mode", "split"], "--mode split needs the arms"),
+])
+def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    res = run_in_process("replay", str(write_custom(tmp_path / "l.jsonl", 1)), *args)
+    assert res.exit_code == 2 and message in res.stderr
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_spans(tmp_path: Path, backend_url: str) -> None:
+    log = write_custom(tmp_path / "log.jsonl", 5000)
+    db = tmp_path / "out.duckdb"
+    proc = start_cli(["replay", str(log), "--target", backend_url, "--concurrency", "4", "--db", str(db),
+                      "--no-progress"])
+    try:
+        deadline = time.monotonic() + 30
+        # wait until the run is under way (the run row exists once the sink started)
+        while time.monotonic() < deadline and not db.exists():
+            time.sleep(0.1)
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    finally:
+        out = stop(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert proc.returncode == 130, out
+    assert "interrupted: the spans measured so far are kept" in out and "Traceback" not in out
+    with duckdb.connect(str(db), read_only=True) as conn:
+        ok, other = conn.execute("SELECT count(*) FILTER (status = 'ok'), count(*) FILTER (status <> 'ok') "
+                                 "FROM requests").fetchone()  # type: ignore[misc]
+        assert 4 <= ok < 5000 and other <= 4
+        assert conn.execute("SELECT ended_at IS NOT NULL FROM runs").fetchall() == [(True,)]
+
+
+def test_help_lists_every_option() -> None:
+    res = run_in_process("replay", "--help")
+    assert res.exit_code == 0
+    for opt in ("--config", "--target", "--format", "--concurrency", "--rate", "--timed", "--speedup",
+                "--mode", "--temperature", "--max-tokens", "--limit", "--duration", "--db", "--run-name",
+                "--seed", "--on-error"):
+        assert opt in res.stdout
