@@ -1,4 +1,4 @@
-"""The engine model: identical greedy text across arms, real n-gram search, the acceptance formula, load shape."""
+"""The engine model: identical greedy text across arms, real n-gram search, the formula, load shape."""
 
 from __future__ import annotations
 

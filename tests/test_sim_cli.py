@@ -1,0 +1,109 @@
+"""`specproxy sim` as others launch it: a subprocess that prints where it listens, and clear flag errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from tests.support import free_port, start_cli, stop, wait_http
+
+
+def test_sim_subprocess_serves_and_stops() -> None:
+    port = free_port()
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    proc = start_cli(
+        [
+            "sim",
+            "--port",
+            str(port),
+            "--speculative-config",
+            json.dumps(spec),
+            "--time-scale",
+            "50",
+            "--served-model-name",
+            "llama",
+        ]
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        body = json.dumps(
+            {"model": "llama", "prompt": "The plan", "max_tokens": 5, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] == 5
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/sim/stats", timeout=5) as resp:
+            stats = json.loads(resp.read())
+        assert stats["method"] == "ngram" and stats["num_speculative_tokens"] == 4
+    finally:
+        out = stop(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert f"listening on http://127.0.0.1:{port}" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--speculative-config", "{bad"], "not valid JSON"),
+        (
+            ["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'],
+            "unknown speculative method",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6, '
+                '"prompt_lookup_max": 3}',
+            ],
+            "prompt_lookup_min=6 must be <= prompt_lookup_max=3",
+        ),
+        (["--profile", "no-such-gpu"], "no cost profile 'no-such-gpu'"),
+        (["--method", "eagle3", "--lossy-rate", "2"], "--lossy-rate must lie in [0, 1]"),
+        (["--num-speculative-tokens", "3"], "needs --method"),
+    ],
+)
+def test_bad_flags_exit_with_a_sentence(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "specproxy", "sim", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_every_option() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "specproxy", "sim", "--help"], capture_output=True, text=True, timeout=30
+    )
+    for flag in (
+        "--method",
+        "--num-speculative-tokens",
+        "--speculative-config",
+        "--host",
+        "--port",
+        "--model",
+        "--served-model-name",
+        "--profile",
+        "--time-scale",
+        "--seed",
+        "--per-request-spec-decode-metrics",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--lossy-rate",
+        "--error-rate",
+        "--stall-ms",
+        "--drop-rate",
+        "--max-concurrency",
+    ):
+        assert flag in result.stdout
