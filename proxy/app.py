@@ -10,9 +10,9 @@ Endpoints::
     GET  /metrics                                the proxy's Prometheus metrics (specproxy.proxy.metrics)
 
 Long-lived resources are made and closed in ``cleanup_ctx`` (in this order, closed in reverse): the
-span sink (DuckDB writer thread; the run's row with each arm's stack), the metrics scraper, the client
-sessions (one for calls that serve clients, one for copies, so a slow shadow arm cannot take
-connections the client path needs) with the shadow dispatcher, and the capture writer. At shutdown the
+span sink (DuckDB writer thread; the run's row with each arm's stack), the client sessions (one for
+calls that serve clients, one for copies, so a slow shadow arm cannot take connections the client
+path needs) with the shadow dispatcher, the metrics scraper, and the capture writer. At shutdown the
 server first stops accepting and lets in-flight requests finish (``shutdown_grace_s``), then copies
 still running get the rest of the grace period, then the sink writes every accepted span and closes.
 
@@ -49,6 +49,7 @@ from .identity import is_comparable
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ProxyMetrics
 from .routing import ArmRouter
+from .scrape import MetricsScraper
 from .shadow import IdentityPair, ShadowDispatcher
 from .sink import SpanSink
 from .sse import Endpoint
@@ -374,6 +375,7 @@ def create_app(settings: ProxySettings) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.cleanup_ctx.append(_span_store)
     app.cleanup_ctx.append(_sessions)
+    app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(_capture)
     app.on_shutdown.append(_mark_shutdown)
     return app
@@ -422,6 +424,25 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
         await st.dispatcher.close(grace)
         await session.close()
         await shadow_session.close()
+
+
+async def _scraper(app: web.Application) -> AsyncIterator[None]:
+    """Each arm's /metrics into backend_metrics every scrape_interval_s, and once more at shutdown."""
+    st = app[STATE]
+    if not st.settings.scrape_metrics:
+        yield
+        return
+    exp = st.settings.experiment
+    async with aiohttp.ClientSession() as session:
+        scraper = MetricsScraper(exp.arms, st.sink, session, run_id=st.run_id,
+                                 interval_s=exp.scrape_interval_s)
+        task = asyncio.create_task(scraper.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await scraper.scrape_once("periodic")  # the run's last counters, for deltas over the run
 
 
 async def _capture(app: web.Application) -> AsyncIterator[None]:

@@ -69,7 +69,10 @@ async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_pa
         rows = con.execute("SELECT arm, status, count(*), count(DISTINCT request_id) FROM requests "
                            "GROUP BY ALL ORDER BY arm").fetchall()
         run = con.execute("SELECT name, mode, ended_at IS NOT NULL FROM runs").fetchall()
+        scraped = con.execute("SELECT DISTINCT arm, name FROM backend_metrics ORDER BY arm").fetchall()
     assert rows == [("base", "ok", n, n), ("cand", "ok", n, n)]
+    # The arms' /metrics were scraped (at least once, at shutdown).
+    assert scraped == [("base", "vllm:num_requests_running"), ("cand", "vllm:num_requests_running")]
     assert run == [("serve-test", "shadow", True)]
 
 

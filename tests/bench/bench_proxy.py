@@ -1,0 +1,254 @@
+"""What the proxy costs: direct vs specproxy split vs specproxy shadow, side by side in one run.
+
+    .venv/bin/python tests/bench/bench_proxy.py [--duration 20] [--levels 1,64,256]
+    .venv/bin/python tests/bench/bench_proxy.py --memory-soak 300     # memory over a 5-minute run
+
+Backend: tests/backends.py in its own process (TTFT 20 ms, 10 ms between tokens, 64 tokens, one token
+per chunk). Three targets, each measured for ``--duration`` seconds per concurrency level, in turn:
+
+- ``direct``: the load generator talks to the backend;
+- ``bare``: a bare aiohttp passthrough (forwards bytes, no parsing, no spans): the floor any Python
+  relay costs on this machine, for scale;
+- ``split``: through ``specproxy serve`` in split mode (two arms, both the same backend, weights 1:1);
+- ``shadow``: through ``specproxy serve`` in shadow mode, the baseline on that backend and one candidate
+  on a second backend process (so the machine also serves the mirrored copy: the real cost of a shadow
+  on a shared box).
+
+The load generator is closed-loop (``c`` requests always in flight, streaming chat completions) and
+counts tokens as content chunks. It prints per target and level: p50/p99 TTFT, relayed tokens/s, and
+the proxy-added p50 TTFT and throughput as % of direct; then the proxies' RSS before/after. Targets
+(issue 2): added p50 TTFT ≤ 1 ms at c=1 and ≤ 5 ms at c=64; throughput ≥ 90 % of direct at c=64 and
+256; memory flat. Load generator, backends and proxy share this machine's cores: numbers are noisy,
+compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.support import free_port, wait_http  # noqa: E402
+
+BODY_TEMPLATE = {"model": "m", "stream": True, "temperature": 0, "max_tokens": 64}
+
+
+@dataclass
+class CaseResult:
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    requests: int = 0
+    errors: int = 0
+    duration: float = 0.0
+
+    def p(self, q: float) -> float:
+        if not self.ttfts:
+            return float("nan")
+        xs = sorted(self.ttfts)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.duration if self.duration else 0.0
+
+
+async def run_load(url: str, concurrency: int, duration: float) -> CaseResult:
+    """Closed loop: ``concurrency`` workers, each sending streaming requests back to back."""
+    res = CaseResult()
+    connector = aiohttp.TCPConnector(limit=0)
+    deadline = time.perf_counter() + duration
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+        async def worker(w: int) -> None:
+            i = 0
+            while time.perf_counter() < deadline:
+                i += 1
+                body = {**BODY_TEMPLATE, "messages": [{"role": "user", "content": f"w{w} r{i} hello"}]}
+                t0 = time.perf_counter()
+                first: float | None = None
+                chunks = 0
+                try:
+                    async with s.post(url + "/v1/chat/completions", json=body) as r:
+                        if r.status != 200:
+                            res.errors += 1
+                            await r.read()
+                            continue
+                        async for data in r.content.iter_any():
+                            n = data.count(b'"content":"') - data.count(b'"content":""')
+                            if n and first is None:
+                                first = time.perf_counter()
+                            chunks += n
+                except (aiohttp.ClientError, TimeoutError):
+                    res.errors += 1
+                    continue
+                if first is not None:
+                    res.ttfts.append(first - t0)
+                res.tokens += chunks
+                res.requests += 1
+
+        t_start = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        res.duration = time.perf_counter() - t_start
+    return res
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def start(argv: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def backend(port: int) -> subprocess.Popen[bytes]:
+    return start([sys.executable, "-m", "tests.backends", "--port", str(port), "--ttft-ms", "20",
+                  "--itl-ms", "10", "--tokens", "64"])
+
+
+BARE_PASSTHROUGH = """
+import sys, aiohttp, uvloop
+from aiohttp import web
+upstream, port = sys.argv[1], int(sys.argv[2])
+async def ctx(app):
+    app["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    yield
+    await app["s"].close()
+async def handle(request):
+    body = await request.read()
+    async with request.app["s"].post(upstream + request.path, data=body,
+                                     headers={"Content-Type": "application/json"}) as up:
+        resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
+        await resp.prepare(request)
+        async for data in up.content.iter_any():
+            await resp.write(data)
+        await resp.write_eof()
+        return resp
+async def health(request):
+    return web.Response(text="ok")
+app = web.Application()
+app.cleanup_ctx.append(ctx)
+app.router.add_post("/v1/chat/completions", handle)
+app.router.add_get("/health", health)
+uvloop.install()
+web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+"""
+
+
+def bare(upstream: str, port: int) -> subprocess.Popen[bytes]:
+    """A bare aiohttp passthrough (no parsing, no spans): the floor a Python relay costs here."""
+    return start([sys.executable, "-c", BARE_PASSTHROUGH, upstream, str(port)])
+
+
+def proxy(config: Path, port: int, db: Path) -> subprocess.Popen[bytes]:
+    return start([sys.executable, "-m", "specproxy", "serve", "--config", str(config), "--port", str(port),
+                  "--db", str(db), "--log-level", "warning", "--no-scrape"])
+
+
+def write_config(path: Path, mode: str, base: str, other: str) -> Path:
+    weight = "weight = 1\n" if mode == "split" else ""
+    path.write_text(
+        f'[experiment]\nname = "bench-{mode}"\nmode = "{mode}"\nspan_queue_size = 1000000\n\n'
+        f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{base}"\n{weight}\n'
+        f'[[arms]]\nname = "cand"\nurl = "{other}"\nmax_shadow_inflight = 1024\n{weight}'
+    )
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds per target and level")
+    ap.add_argument("--levels", default="1,64,256", help="concurrency levels")
+    ap.add_argument("--memory-soak", type=float, default=0.0,
+                    help="instead: run the shadow proxy at c=64 this many seconds, printing its RSS")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    b1, b2, p_split, p_shadow, p_bare = (free_port() for _ in range(5))
+    procs = [backend(b1), backend(b2)]
+    base, cand = f"http://127.0.0.1:{b1}", f"http://127.0.0.1:{b2}"
+    try:
+        for b in (base, cand):
+            wait_http(b + "/health", 20)
+        split_cfg = write_config(tmp / "split.toml", "split", base, base)
+        shadow_cfg = write_config(tmp / "shadow.toml", "shadow", base, cand)
+        split_proc = proxy(split_cfg, p_split, tmp / "split.duckdb")
+        shadow_proc = proxy(shadow_cfg, p_shadow, tmp / "shadow.duckdb")
+        procs += [split_proc, shadow_proc, bare(base, p_bare)]
+        targets = {"direct": base, "bare": f"http://127.0.0.1:{p_bare}", "split": f"http://127.0.0.1:{p_split}",
+                   "shadow": f"http://127.0.0.1:{p_shadow}"}
+        for url in targets.values():
+            wait_http(url + "/health", 30)
+        asyncio.run(run_load(targets["split"], 4, 1.0))  # warm up connections and code paths
+        asyncio.run(run_load(targets["shadow"], 4, 1.0))
+
+        if args.memory_soak:
+            soak(targets["shadow"], shadow_proc.pid, args.memory_soak)
+            return
+
+        rss0 = {"split": rss_mb(split_proc.pid), "shadow": rss_mb(shadow_proc.pid)}
+        print(f"backend: TTFT 20 ms, 10 ms/token, 64 tokens; {args.duration:.0f} s per target and level; "
+              f"{os.cpu_count()} cores shared by all processes\n")
+        header = (f"{'c':>4} {'target':<7} {'reqs':>6} {'err':>4} {'p50 TTFT ms':>12} {'p99 TTFT ms':>12} "
+                  f"{'added p50 ms':>13} {'tok/s':>9} {'% direct':>9}")
+        print(header)
+        print("-" * len(header))
+        for c in levels:
+            results = {name: asyncio.run(run_load(url, c, args.duration)) for name, url in targets.items()}
+            d = results["direct"]
+            for name, r in results.items():
+                added = (r.p(0.5) - d.p(0.5)) * 1000 if name != "direct" else 0.0
+                pct = 100 * r.tok_s / d.tok_s if d.tok_s else float("nan")
+                print(f"{c:>4} {name:<7} {r.requests:>6} {r.errors:>4} {r.p(0.5) * 1000:>12.2f} "
+                      f"{r.p(0.99) * 1000:>12.2f} {added:>13.2f} {r.tok_s:>9.0f} {pct:>8.1f}%")
+        rss1 = {"split": rss_mb(split_proc.pid), "shadow": rss_mb(shadow_proc.pid)}
+        print()
+        for name in rss0:
+            print(f"{name} proxy RSS: {rss0[name]:.0f} MB before, {rss1[name]:.0f} MB after")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def soak(url: str, pid: int, seconds: float) -> None:
+    """RSS of the shadow proxy every tenth of the run, at c=64."""
+    step = seconds / 10
+    print(f"memory soak: shadow proxy at c=64 for {seconds:.0f} s")
+    print(f"{'t s':>6} {'RSS MB':>8} {'tok/s':>8}")
+    print(f"{0:>6.0f} {rss_mb(pid):>8.1f} {'':>8}")
+    samples = []
+    for i in range(10):
+        r = asyncio.run(run_load(url, 64, step))
+        samples.append(rss_mb(pid))
+        print(f"{(i + 1) * step:>6.0f} {samples[-1]:>8.1f} {r.tok_s:>8.0f}")
+    half = len(samples) // 2
+    print(f"\nRSS median, first half: {statistics.median(samples[:half]):.1f} MB; "
+          f"second half: {statistics.median(samples[half:]):.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
