@@ -1,0 +1,52 @@
+"""The README's `serve` walkthrough works: its experiment file, its request and its SQL query."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import aiohttp
+import duckdb
+import orjson
+
+from tests.backends import BackendConfig, running_backend
+from tests.test_proxy_app import running_proxy
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _section() -> str:
+    text = README.read_text()
+    return text[text.index("<!-- section: serve -->"):text.index("<!-- /section: serve -->")]
+
+
+def _find(pattern: str, text: str) -> str:
+    match = re.search(pattern, text, re.S)
+    assert match, f"README serve section no longer has {pattern!r}"
+    return match.group(1)
+
+
+async def test_readme_shadow_walkthrough(tmp_path: Path) -> None:
+    section = _section()
+    toml_text = _find(r"cat > shadow.toml <<'EOF'\n(.*?)\nEOF", section)
+    curl = _find(r"(curl -s localhost:8000/v1/chat/completions.*?)\n\n", section)
+    body = orjson.loads(shlex.split(curl.replace("\\\n", " "))[-1])
+    sql = _find(r'specproxy sql shadow.duckdb "(.*?)"', section)
+
+    doc = tomllib.loads(toml_text)
+    assert doc["experiment"]["mode"] == "shadow" and [a["name"] for a in doc["arms"]] == ["baseline", "ngram"]
+    async with running_backend(BackendConfig(tokens=64)) as b1, \
+            running_backend(BackendConfig(tokens=64, tokens_per_chunk=3)) as b2:
+        arms = [{**doc["arms"][0], "url": b1.url}, {**doc["arms"][1], "url": b2.url}]
+        async with running_proxy(tmp_path, arms, **doc["experiment"]) as p, aiohttp.ClientSession() as s:
+            async with s.post(p.url + "/v1/chat/completions", json=body,
+                              headers={"X-Specproxy-Category": "code"}) as r:
+                assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+    with duckdb.connect(str(p.db), read_only=True) as con:
+        rows = con.execute(sql).fetchall()
+    assert [(r[0], r[1], r[2], r[5], r[7], r[8]) for r in rows] == [
+        ("baseline", "primary", "ok", 64, "none", None),
+        ("ngram", "shadow", "ok", 64, "stream_shape", True),
+    ]
