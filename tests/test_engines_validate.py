@@ -29,7 +29,8 @@ def _exp(*arms: dict[str, Any], model: str | None = MODEL) -> Experiment:
     listed[0].setdefault("role", "baseline")
     for i, a in enumerate(listed):
         a.setdefault("name", f"arm{i}")
-        a.setdefault("url", f"http://127.0.0.1:{18001 + i}")
+        # Free ports: checks with local=True also look at whether the port is taken.
+        a.setdefault("url", f"http://127.0.0.1:{free_port()}")
     return parse_experiment({"experiment": experiment, "arms": listed})
 
 
