@@ -195,8 +195,8 @@ def print_category_table(rows: Sequence[CategoryRow], console: Console) -> None:
     if not rows:
         return
     levels = sorted({r[1] for r in rows})
-    table = Table(title="Per-user decode speedup over baseline (median of paired ratios), by category",
-                  title_justify="left")
+    console.print("Per-user decode speedup over baseline by category (median of paired per-request ratios)")
+    table = Table()
     table.add_column("arm")
     table.add_column("category")
     for lv in levels:
@@ -258,10 +258,13 @@ def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayIt
                    "ratios between arms are kept, absolute tok/s are multiplied by it.")
 @click.option("--items", type=click.IntRange(min=1), default=None,
               help="At least this many requests per arm and level (default 40; 20 with --quick).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Cap every answer at N tokens (default: the workload's own lengths).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the workload and simulators.")
 @click.option("--no-progress", is_flag=True, help="No live progress display.")
 def lab(config_path: Path | None, workload: Path | None, concurrency: str | None, out: Path, quick: bool,
-        profile: str, time_scale: float | None, items: int | None, seed: int, no_progress: bool) -> None:
+        profile: str, time_scale: float | None, items: int | None, max_tokens: int | None, seed: int,
+        no_progress: bool) -> None:
     """The whole evaluation in one command: four speculative configs, a concurrency sweep, a verdict.
 
     \b
@@ -299,7 +302,8 @@ def lab(config_path: Path | None, workload: Path | None, concurrency: str | None
         settings = ReplaySettings(
             arms=arms, db_path=db_path, run_name="lab-quick" if quick else "lab", mode="paired",
             load=LoadPlan(kind="closed", levels=plan.levels, items_per_level=plan.items_per_level),
-            temperature=0.0, seed=seed, model=None if experiment else LAB_MODEL, experiment=experiment,
+            temperature=0.0, max_tokens=max_tokens, seed=seed, model=None if experiment else LAB_MODEL,
+            experiment=experiment,
             show_progress=not no_progress,
         )
         n_calls = sum(plan.items_per_level(c) for c in plan.levels)

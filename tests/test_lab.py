@@ -1,0 +1,131 @@
+"""`specproxy lab` as a subprocess: simulated arms started and stopped, the verdict table, report.html."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from specproxy.lab import category_speedups
+from tests.support import free_port, wait_http
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lab(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specproxy", "lab", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def verdicts(stdout: str) -> dict[tuple[str, str], str]:
+    """(level, arm) → verdict from the analyze table's rows."""
+    out = {}
+    for line in stdout.splitlines():
+        m = re.match(r"^(c=\d+)\s+(\w+)\s+\d+/\d+\s.*\s(WIN|LOSS|NO CLEAR GAIN|baseline)\s*$", line)
+        if m:
+            out[(m.group(1), m.group(2))] = m.group(3)
+    return out
+
+
+def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
+    out = tmp_path / "lab"
+    t0 = time.monotonic()
+    res = lab("--quick", "--concurrency", "1,4", "--items", "5", "--out", str(out), timeout=110)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert time.monotonic() - t0 < 100
+    table = verdicts(res.stdout)
+    assert set(table) == {(lv, arm) for lv in ("c=1", "c=4")
+                          for arm in ("baseline", "ngram", "draft_model", "eagle3")}
+    assert table[("c=1", "baseline")] == "baseline"
+    assert "Per-user decode speedup over baseline" in res.stdout
+    assert (out / "report.html").stat().st_size > 1000
+    db = out / "specproxy.duckdb"
+    with duckdb.connect(str(db), read_only=True) as conn:
+        rows = conn.execute("SELECT arm, concurrency_level, count(*), count(*) FILTER (status = 'ok'), "
+                            "count(*) FILTER (identical) FROM requests GROUP BY ALL ORDER BY ALL").fetchall()
+        run_id, stacks = conn.execute("SELECT run_id, stacks_json FROM runs").fetchone()  # type: ignore[misc]
+        phases = {p for (p,) in conn.execute("SELECT DISTINCT phase FROM backend_metrics").fetchall()}
+    # 5 items at c=1, 2 waves of 4 at c=4; every candidate output identical to the baseline's
+    expected = []
+    for arm in ("baseline", "draft_model", "eagle3", "ngram"):
+        cand = arm != "baseline"
+        expected += [(arm, 1, 5, 5, 5 if cand else 0), (arm, 4, 8, 8, 8 if cand else 0)]
+    assert rows == expected
+    assert json.loads(stacks)["eagle3"]["speculative"]["method"] == "eagle3"
+    assert {"c=1:before", "c=1:after", "c=4:before", "c=4:after"} <= phases
+    assert {r[0] for r in category_speedups(db, run_id)} == {"ngram", "draft_model", "eagle3"}
+    # the simulators were stopped
+    assert "sim-eagle3.log" in {p.name for p in out.iterdir()}
+
+
+def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
+    ports = [free_port(), free_port()]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.backends", "--port", str(p), "--ttft-ms", "1",
+                               "--itl-ms", "2", "--tokens", "6", *extra], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for p, extra in zip(ports, ([], ["--tokens-per-chunk", "3"]), strict=True)]
+    try:
+        for p in ports:
+            wait_http(f"http://127.0.0.1:{p}/health")
+        cfg = tmp_path / "exp.toml"
+        cfg.write_text(f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://127.0.0.1:{ports[0]}"\n\n'
+                       f'[[arms]]\nname = "fast"\nurl = "http://127.0.0.1:{ports[1]}"\n'
+                       'speculative = { method = "ngram", num_speculative_tokens = 2 }\n')
+        work = tmp_path / "question.jsonl"
+        questions = [{"question_id": i, "category": "writing", "turns": [f"q{i}"]} for i in range(6)]
+        work.write_text("".join(json.dumps(q) + "\n" for q in questions))
+        res = lab("--config", str(cfg), "--workload", str(work), "--concurrency", "2", "--items", "6",
+                  "--max-tokens", "6", "--out", str(tmp_path / "o"), timeout=60)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert verdicts(res.stdout)[("c=2", "base")] == "baseline"
+        assert re.search(r"│ fast\s+│ writing\s+│\s+[0-9.]+x │", res.stdout), res.stdout
+        with duckdb.connect(str(tmp_path / "o" / "specproxy.duckdb"), read_only=True) as conn:
+            got = conn.execute("SELECT arm, count(*), max(completion_tokens), min(category) FROM requests "
+                               "GROUP BY ALL ORDER BY ALL").fetchall()
+        assert got == [("base", 6, 6, "writing"), ("fast", 6, 6, "writing")]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_lab_errors_are_sentences(tmp_path: Path) -> None:
+    bad = tmp_path / "w.jsonl"
+    bad.write_text("")
+    res = lab("--workload", str(bad), "--out", str(tmp_path / "o"), timeout=30)
+    assert res.returncode == 1 and "the file is empty" in res.stderr and "Traceback" not in res.stderr
+    cfg = tmp_path / "exp.toml"
+    cfg.write_text(f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://127.0.0.1:{free_port()}"\n')
+    res = lab("--config", str(cfg), "--out", str(tmp_path / "o"), timeout=30)
+    assert res.returncode == 1 and "is not reachable" in res.stderr and "engines up" in res.stderr
+
+
+@pytest.mark.slow
+def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
+    """The README's first command: under 2 minutes, and the published shape of the results."""
+    out = tmp_path / "lab"
+    t0 = time.monotonic()
+    res = lab("--quick", "--out", str(out), timeout=180)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert elapsed < 120, f"lab --quick took {elapsed:.0f} s"
+    table = verdicts(res.stdout)
+    # EAGLE3 wins broadly at low concurrency
+    assert table[("c=1", "eagle3")] == "WIN" and table[("c=4", "eagle3")] == "WIN"
+    db = out / "specproxy.duckdb"
+    with duckdb.connect(str(db), read_only=True) as conn:
+        run_id = conn.execute("SELECT run_id FROM runs").fetchone()[0]  # type: ignore[index]
+        same, compared = conn.execute("SELECT count(*) FILTER (identical), count(identical) FROM requests "
+                                      "WHERE arm_role <> 'baseline'").fetchone()  # type: ignore[misc]
+    assert compared > 0 and same == compared  # outputs identical
+    speedup = {(a, lv, c): s for a, lv, c, s, _ in category_speedups(db, run_id)}
+    # n-gram wins on summarization at low concurrency and loses at the highest
+    assert speedup[("ngram", 1, "summarization")] > 1.2
+    assert speedup[("ngram", 256, "summarization")] < 1.0
+    assert (out / "report.html").exists()
