@@ -16,19 +16,18 @@ import click
 
 from specproxy.config import ConfigError, Experiment, load_experiment
 
-from .plan import ENGINES, Engine, PlanError, SimOptions, plan_experiment
+from .plan import ENGINES, ArmLaunch, Engine, PlanError, SimOptions, plan_experiment
 from .render import FORMATS, render_compose, render_k8s, render_shell
 from .stack import capture_stack, gpu_inventory, installed_packages
 from .supervisor import (
     EngineError,
-    EngineStartError,
     experiment_status,
     start_arms,
     state_dir,
     state_path,
     stop_experiment,
 )
-from .validate import check_experiment, engine_python
+from .validate import Finding, check_experiment, engine_python
 
 _EXPERIMENT = click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 
@@ -50,7 +49,7 @@ _VLLM_BIN = click.option("--vllm-bin", default="vllm", show_default=True, metava
                          help="The vllm executable to run (another virtualenv's, for example).")
 
 
-def _report_findings(findings: list[Any], *, fatal: bool) -> None:
+def _report_findings(findings: list[Finding], *, fatal: bool) -> None:
     for f in findings:
         if f.level == "warning" or not fatal:
             click.echo(str(f), err=True)
@@ -169,15 +168,13 @@ def up(experiment: Path, engine: Engine, arms: tuple[str, ...], vllm_bin: str, h
         gpus = gpu_inventory()
         packages = installed_packages(python)
 
-        def stack_of(launch: Any) -> dict[str, Any]:
+        def stack_of(launch: ArmLaunch) -> dict[str, Any]:
             return capture_stack(launch, python=python, gpus=gpus, packages=packages)
 
     try:
         state = start_arms(exp, launches, log_dir=logs, health_timeout_s=health_timeout, engine=engine,
                            report=lambda msg: click.echo(msg, err=True), stack_of=stack_of)
-    except EngineStartError as exc:
-        raise click.ClickException(str(exc)) from exc
-    except EngineError as exc:
+    except EngineError as exc:  # EngineStartError carries the failing arm's log tail in its message
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
         raise click.ClickException("interrupted: the arms started here were stopped") from None
