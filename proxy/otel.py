@@ -20,7 +20,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from operator import itemgetter
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -161,77 +161,96 @@ def epoch_us_to_timestamptz(column: str) -> str:
     return f"timezone('UTC', make_timestamp(\"{column}\"))"
 
 
+# A span as a plain row: the attribute fields in ATTRIBUTE_FIELDS order, then trace_id, span_id (hex)
+# and the start in epoch ns. This is what the sink's queue holds (a tuple of ~45 values, some 0.5 KB,
+# where a finished OTel span with its attribute dict is several KB), made while the span is fresh.
+ROW_FIELDS: tuple[str, ...] = (*(name for name, _ in ATTRIBUTE_FIELDS), "trace_id", "span_id", "t_start_ns")
+_ROW_KEYS = tuple(key for _, key in ATTRIBUTE_FIELDS)
+_FINISH_INDEX = ROW_FIELDS.index("finish_reason")
+_INDEX = {name: i for i, name in enumerate(ROW_FIELDS)}
+
+
+def span_row(span: ReadableSpan) -> tuple[Any, ...]:
+    """The ``requests`` row of a finished span, in :data:`ROW_FIELDS` order (None where absent)."""
+    row = list(map(_attribute_dict(span).get, _ROW_KEYS))
+    reasons = row[_FINISH_INDEX]
+    if isinstance(reasons, (tuple, list)):
+        row[_FINISH_INDEX] = str(reasons[0]) if reasons else None
+    context = span.context
+    if context is not None:
+        row += (format(context.trace_id, "032x"), format(context.span_id, "016x"), span.start_time or 0)
+    else:
+        row += ("", "", span.start_time or 0)
+    return tuple(row)
+
+
 class DuckDBSpanExporter(SpanExporter):
     """Writes finished spans as rows of ``requests``, one columnar INSERT per :meth:`export` call.
 
-    Owns no connection: it is given one (and must be called from the thread that uses it). Spans that
-    did not come from :class:`SpanSink` (no ``specproxy.run_id`` attribute) still get a row; required
-    columns they lack are filled with ``""`` so the insert never fails for the whole batch.
+    ``export(spans)`` is ``write_rows([span_row(s) for s in spans])``; the sink runs the two halves on
+    different threads (rows are made in the span processor's ``on_end``, written by the writer thread).
+    Owns no connection: it is given one, and must be called from the thread that uses it. A row that
+    lacks a NOT NULL column (a span that did not come from :class:`SpanSink`) gets ``""`` there.
     """
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
         described = conn.execute("DESCRIBE requests").fetchall()
-        self._types: dict[str, str] = {str(r[0]): str(r[1]) for r in described}
-        self._not_null = {str(r[0]) for r in described if r[2] == "NO"}
-        self._fields = [(n, k) for n, k in ATTRIBUTE_FIELDS if n in self._types]
+        types: dict[str, str] = {str(r[0]): str(r[1]) for r in described}
+        not_null = {str(r[0]) for r in described if r[2] == "NO"}
+        # (row index, column, numpy kind or None for objects, NOT NULL?) for each row field in the table
+        self._plan = [
+            (i, name, _NUMPY_KIND.get(types[name]), name in not_null)
+            for i, name in enumerate(ROW_FIELDS)
+            if name in types and name not in ("t_start_ns",)
+        ]
         self.rows_written = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if not spans:
-            return SpanExportResult.SUCCESS
-        insert_columns(self._conn, "requests", *self._columns(spans))
-        self.rows_written += len(spans)
+        self.write_rows([span_row(s) for s in spans])
         return SpanExportResult.SUCCESS
 
-    def _columns(self, spans: Sequence[ReadableSpan]) -> tuple[dict[str, Column], dict[str, str]]:
-        # Transposing spans into columns is the writer's hot loop. Spans with the same attribute keys
-        # (in a batch there are a handful of such shapes: baseline vs candidate, ok vs error, ...) are
-        # transposed together with itemgetter + zip, both in C; a per-cell dict.get loop is 5x slower.
-        groups: dict[tuple[str, ...], tuple[list[ReadableSpan], list[Mapping[str, Any]]]] = {}
-        for span in spans:
-            d = _attribute_dict(span)
-            group = groups.get(tuple(d))
-            if group is None:
-                groups[tuple(d)] = ([span], [d])
-            else:
-                group[0].append(span)
-                group[1].append(d)
-        values: dict[str, list[Any]] = {name: [] for name, _ in self._fields}
-        ordered: list[ReadableSpan] = []
-        for keys, (members, dicts) in groups.items():
-            ordered.extend(members)
-            transposed: dict[str, tuple[Any, ...]] = {}
-            if len(keys) == 1:
-                transposed[keys[0]] = tuple(d[keys[0]] for d in dicts)
-            elif keys:
-                transposed = dict(zip(keys, zip(*map(itemgetter(*keys), dicts), strict=True), strict=True))
-            nulls = [None] * len(members)
-            for name, key in self._fields:
-                values[name].extend(transposed.get(key, nulls))
+    def write_rows(self, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Insert rows made by :func:`span_row`, in one statement. Raises on a value the column rejects."""
+        if not rows:
+            return
+        # One C-level pass makes an (n, fields) object matrix; its columns are then converted whole.
+        # (fromiter over the chained rows, unlike np.array(rows), never mistakes a value for a dimension.)
+        width = len(ROW_FIELDS)
+        if any(len(row) != width for row in rows):
+            raise ValueError(f"span rows must have {width} values, as span_row() makes them")
+        matrix = np.fromiter(chain.from_iterable(rows), dtype=object, count=len(rows) * width)
+        matrix = matrix.reshape(len(rows), width)
         columns: dict[str, Column] = {}
-        for name, key in self._fields:
-            column = values[name]
-            if key == _FINISH_REASONS:
-                column = [v[0] if isinstance(v, (tuple, list)) and v else v for v in column]
-            if name in self._not_null and None in column:
-                column = ["" if v is None else v for v in column]
-            columns[name] = column_array(column, self._types[name])
-        contexts = [s.context for s in ordered]
-        columns["trace_id"] = (np.array([format(c.trace_id, "032x") if c else "" for c in contexts],
-                                        dtype=object), None)
-        columns["span_id"] = (np.array([format(c.span_id, "016x") if c else "" for c in contexts],
-                                       dtype=object), None)
-        starts = np.array([s.start_time or 0 for s in ordered], dtype=np.int64)
+        for index, name, kind, required in self._plan:
+            columns[name] = _convert(matrix[:, index], kind, "" if required else None)
+        starts = matrix[:, _INDEX["t_start_ns"]].astype(np.int64)
         columns["t_start_ns"] = (starts, None)
         columns["_t_start_us"] = (starts // 1000, None)
-        return columns, {"t_start": epoch_us_to_timestamptz("_t_start_us")}
+        insert_columns(self._conn, "requests", columns, {"t_start": epoch_us_to_timestamptz("_t_start_us")})
+        self.rows_written += len(rows)
 
     def shutdown(self) -> None:
         """Nothing to release: the connection belongs to whoever gave it."""
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
+
+
+def _convert(column: np.ndarray[Any, Any], kind: Any, null_fill: str | None) -> Column:
+    """An object column of the row matrix as a DuckDB-scannable array plus null mask."""
+    nulls: np.ndarray[Any, Any] = column == None  # noqa: E711 (elementwise, not an identity test)
+    has_nulls = bool(nulls.any())
+    if kind is None:  # DuckDB reads None in an object column as NULL
+        values = np.ascontiguousarray(column)
+        if has_nulls and null_fill is not None:
+            values = values.copy()
+            values[nulls] = null_fill
+        return values, None
+    if has_nulls:
+        column = column.copy()
+        column[nulls] = 0
+    return column.astype(kind), nulls if has_nulls else None
 
 
 def otlp_exporter(endpoint: str | None) -> SpanExporter | None:

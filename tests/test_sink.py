@@ -189,10 +189,10 @@ class _StalledExporter(otel.DuckDBSpanExporter):
     release = threading.Event()
     entered = threading.Event()
 
-    def export(self, spans: Any) -> Any:
+    def write_rows(self, rows: Any) -> None:
         type(self).entered.set()
         assert type(self).release.wait(30)
-        return super().export(spans)
+        super().write_rows(rows)
 
 
 def test_full_queue_drops_and_counts_without_blocking(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,7 +203,7 @@ def test_full_queue_drops_and_counts_without_blocking(db: Path, monkeypatch: pyt
     sink = SpanSink(db, queue_size=capacity, batch_size=batch, flush_interval_s=0.01)
     sink.start()
     sink.emit(minimal_record(0))
-    assert _StalledExporter.entered.wait(10)  # the writer now sits in export() with one span
+    assert _StalledExporter.entered.wait(10)  # the writer now sits in write_rows() with one span
     accepted = 1
     slowest = 0.0
     for i in range(1, n):

@@ -4,9 +4,12 @@
 
 Target (issue 4): ≥ 100k span rows/s from the exporter thread into DuckDB. Measured side by side:
 
-- ``writer``: the DuckDB exporter alone, on finished OTel spans already in memory (what the writer
-  thread does per batch: spans → numpy columns → one INSERT);
-- ``writer, row by row``: the same rows through ``executemany`` (why the exporter writes columns);
+- ``writer thread``: ``DuckDBSpanExporter.write_rows`` on queued rows, exactly what the sink's writer
+  thread does per batch (rows → numpy columns → one INSERT ... SELECT);
+- ``exporter.export(spans)``: the plain OTel ``SpanExporter`` path on one thread, finished spans →
+  rows → file (the sink splits it: ``span_row`` runs in the span processor's ``on_end``);
+- ``span_row`` alone: that on_end share, on spans already finished (cold in cache, so an upper bound);
+- ``executemany``: the same rows inserted row by row (why the writer inserts columns);
 - ``emit → file``: ``SpanSink.emit()`` from one thread, then ``close()``: OTel span creation, the
   queue, the writer, until every row is in the file;
 - ``emit only``: the caller's cost of ``emit()`` (what the proxy's event loop pays per upstream call).
@@ -27,9 +30,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from specproxy import schema
-from specproxy.proxy.otel import DuckDBSpanExporter
+from specproxy.proxy.otel import DuckDBSpanExporter, span_row
 from specproxy.proxy.sink import SpanSink
 from specproxy.record import COLUMNS, SpanRecord
 
@@ -60,32 +66,47 @@ def fresh_db(tmp: Path, name: str) -> Path:
     return path
 
 
-def finished_spans(n: int) -> list:  # type: ignore[type-arg]
+def finished_spans(n: int) -> list[ReadableSpan]:
     """n finished OTel spans, made through a SpanSink's own TracerProvider (no file)."""
     sink = SpanSink(None, queue_size=n + 1, batch_size=n + 1, flush_interval_s=3600)
+    seen = InMemorySpanExporter()
+    sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
     t0 = time.time_ns()
     for i in range(n):
         sink.emit(make_record(i, t0))
-    spans, _ = sink._pending.take(n)  # the spans exactly as the writer thread receives them
     sink.close()
-    return spans
+    return list(seen.get_finished_spans())
 
 
-def bench_writer(tmp: Path, spans: list, batch: int) -> float:  # type: ignore[type-arg]
+def bench_span_row(spans: list[ReadableSpan]) -> tuple[float, float]:
+    t, cpu = time.perf_counter(), time.process_time()
+    for s in spans:
+        span_row(s)
+    return len(spans) / (time.perf_counter() - t), len(spans) / (time.process_time() - cpu)
+
+
+def bench_writer(tmp: Path, spans: list[ReadableSpan], batch: int, rows: bool) -> tuple[float, float]:
+    """(rows/s by the wall clock, rows per CPU-second of the whole process, DuckDB's threads included).
+
+    rows=True: write_rows on ready rows (the writer thread); False: export(spans) (span → row too)."""
     path = fresh_db(tmp, "writer")
     conn = duckdb.connect(str(path))
     schema.migrate(conn)
     exporter = DuckDBSpanExporter(conn)
-    t = time.perf_counter()
+    ready = [span_row(s) for s in spans] if rows else []
+    t, cpu = time.perf_counter(), time.process_time()
     for k in range(0, len(spans), batch):
-        exporter.export(spans[k : k + batch])
-    dt = time.perf_counter() - t
+        if rows:
+            exporter.write_rows(ready[k : k + batch])
+        else:
+            exporter.export(spans[k : k + batch])
+    dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == len(spans)  # type: ignore[index]
     conn.close()
-    return len(spans) / dt
+    return len(spans) / dt, len(spans) / dcpu
 
 
-def bench_executemany(tmp: Path, n: int) -> float:
+def bench_executemany(tmp: Path, n: int) -> tuple[float, float]:
     path = fresh_db(tmp, "rows")
     conn = duckdb.connect(str(path))
     schema.migrate(conn)
@@ -94,33 +115,35 @@ def bench_executemany(tmp: Path, n: int) -> float:
     for r in rows:
         r.t_start = datetime.fromtimestamp((r.t_start_ns or 0) / 1e9, UTC)
     marks = ", ".join("?" for _ in COLUMNS)
-    t = time.perf_counter()
     sql = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({marks})"
+    t, cpu = time.perf_counter(), time.process_time()
     conn.executemany(sql, [r.as_row() for r in rows])
-    dt = time.perf_counter() - t
+    dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     conn.close()
-    return n / dt
+    return n / dt, n / dcpu
 
 
-def bench_end_to_end(tmp: Path, n: int, batch: int) -> tuple[float, float]:
-    """(rows/s from the first emit until close() returned, emit() calls/s as the caller sees it)."""
+def bench_end_to_end(tmp: Path, n: int, batch: int) -> tuple[float, float, float, float]:
+    """Rows/s from the first emit until close() returned (wall, per CPU-second), and emit() calls/s as
+    the caller sees them (wall, per CPU-second of the emitting thread)."""
     path = fresh_db(tmp, "e2e")
     t0 = time.time_ns()
     records = [make_record(i, t0) for i in range(n)]
     sink = SpanSink(path, queue_size=n, batch_size=batch)
     sink.start()
-    t = time.perf_counter()
+    t, cpu, tcpu = time.perf_counter(), time.process_time(), time.thread_time()
     for r in records:
         sink.emit(r)
-    t_emitted = time.perf_counter() - t
+    t_emitted, tcpu_emitted = time.perf_counter() - t, time.thread_time() - tcpu
     sink.close()
-    dt = time.perf_counter() - t
+    dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     assert sink.written == n and sink.dropped == 0, (sink.written, sink.dropped)
-    return n / dt, n / t_emitted
+    return n / dt, n / dcpu, n / t_emitted, n / tcpu_emitted
 
 
-def median_of(repeats: int, fn: Callable[[], float]) -> float:
-    return statistics.median(fn() for _ in range(repeats))
+def medians(repeats: int, fn: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
+    runs = [fn() for _ in range(repeats)]
+    return tuple(statistics.median(r[i] for r in runs) for i in range(len(runs[0])))
 
 
 def main() -> None:
@@ -133,24 +156,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         spans = finished_spans(n)
-        writer = median_of(args.repeats, lambda: bench_writer(tmp, spans, args.batch))
-        writer_big = median_of(args.repeats, lambda: bench_writer(tmp, spans, 65536))
-        rows = median_of(1, lambda: bench_executemany(tmp, min(n, 2_000)))
-        e2e = [bench_end_to_end(tmp, n, args.batch) for _ in range(args.repeats)]
-    e2e_rate = statistics.median(x[0] for x in e2e)
-    emit_rate = statistics.median(x[1] for x in e2e)
-    print(f"span ingest, {n} spans per measurement, median of {args.repeats}; "
-          f"python {sys.version.split()[0]}, duckdb {duckdb.__version__}, {os.cpu_count()} cpus")
-    print(f"{'path':<44}{'rows/s':>12}{'vs 100k target':>16}")
-    for label, rate in [
-        (f"writer: exporter, batches of {args.batch}", writer),
-        ("writer: exporter, batches of 65536", writer_big),
-        ("writer: executemany row by row (2k rows)", rows),
-        (f"emit → file (1 thread, batches of {args.batch})", e2e_rate),
-        ("emit() calls alone (caller's cost)", emit_rate),
+        writer = medians(args.repeats, lambda: bench_writer(tmp, spans, args.batch, True))
+        writer_big = medians(args.repeats, lambda: bench_writer(tmp, spans, 65536, True))
+        export = medians(args.repeats, lambda: bench_writer(tmp, spans, args.batch, False))
+        to_rows = medians(args.repeats, lambda: bench_span_row(spans))
+        rows = medians(1, lambda: bench_executemany(tmp, min(n, 2_000)))
+        e2e = medians(args.repeats, lambda: bench_end_to_end(tmp, n, args.batch))
+    load = os.getloadavg()[0]
+    print(f"span ingest, {n} spans per measurement, median of {args.repeats}; python "
+          f"{sys.version.split()[0]}, duckdb {duckdb.__version__}, {os.cpu_count()} cpus, load {load:.1f}")
+    print(f"{'path':<46}{'rows/s':>10}{'rows/cpu-s':>12}{'vs 100k (wall, cpu)':>22}")
+    for label, (wall, cpu) in [
+        (f"writer thread: write_rows, batches of {args.batch}", writer),
+        ("writer thread: write_rows, batches of 65536", writer_big),
+        (f"exporter.export(spans), batches of {args.batch}", export),
+        ("span_row alone (on_end's share)", to_rows),
+        ("executemany, row by row (2k rows)", rows),
+        (f"emit → file (1 thread, batches of {args.batch})", e2e[:2]),
+        ("emit() calls alone (the caller's thread)", e2e[2:]),
     ]:
-        print(f"{label:<44}{rate:>12,.0f}{rate / 100_000:>15.2f}x")
-    print(f"emit() costs the caller {1e6 / emit_rate:.1f} µs per span")
+        print(f"{label:<46}{wall:>10,.0f}{cpu:>12,.0f}{wall / 1e5:>14.2f}x{cpu / 1e5:>7.2f}x")
+    print(f"emit() costs the caller {1e6 / e2e[3]:.1f} µs of CPU per span ({1e6 / e2e[2]:.1f} µs wall)")
+    print("rows/cpu-s: rows per CPU-second of the process (all threads), what a dedicated core would give;")
+    print("rows/s: by the wall clock on this machine as loaded now.")
 
 
 if __name__ == "__main__":
