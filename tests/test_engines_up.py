@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 
 from specproxy.config import load_experiment
+from specproxy.engines.plan import ArmLaunch
+from specproxy.engines.stack import capture_stack, gpu_inventory
 from specproxy.engines.supervisor import read_state, recorded_stacks, state_path
 from tests.support import free_port
 
@@ -271,3 +273,25 @@ def test_down_stops_the_workers_of_an_engine_that_died(
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(worker)
+
+
+def test_stack_reads_gpus_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # nvidia-smi's answer to stack.py's query, as captured on an H200 host.
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n"
+                   "echo '0, GPU-122ef966-d249-165e-83be-8b5eb3f4e8b9, NVIDIA H200, 580.159.04, 143771'\n"
+                   "echo '1, GPU-0b7c2a1e-0000-0000-0000-000000000001, NVIDIA H200, 580.159.04, 143771'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+    inventory = gpu_inventory()
+    assert inventory is not None and [g["index"] for g in inventory] == [0, 1]
+    assert inventory[0] == {"index": 0, "uuid": "GPU-122ef966-d249-165e-83be-8b5eb3f4e8b9",
+                            "name": "NVIDIA H200", "driver_version": "580.159.04", "memory_total_mib": 143771}
+    launch = ArmLaunch(arm="eagle3", engine="vllm", argv=("vllm", "serve", MODEL), port=free_port(),
+                       gpus=(1,))
+    stack = capture_stack(launch, packages=["click==8.1.7"])
+    assert [g["index"] for g in stack["gpus"]] == [1]
+    assert stack["driver_version"] == "580.159.04"
+    assert stack["server_version"] is None  # nothing listens: recorded as unknown, not an error
+    assert stack["packages"] == ["click==8.1.7"]
