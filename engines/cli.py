@@ -181,7 +181,8 @@ def up(experiment: Path, engine: Engine, arms: tuple[str, ...], vllm_bin: str, h
     for a in state.arms:
         version = (a.stack or {}).get("server_version") or (a.stack or {}).get("vllm_version") or "?"
         click.echo(f"{a.arm}\t{a.url}\tpid {a.pid}\tversion {version}\tlog {a.log}")
-    click.echo(f"state: {state_path(exp)}  (stop with: specproxy engines down {experiment})", err=True)
+    click.echo(f"state: {state_path(exp)}\nnext: specproxy serve --config {experiment}   "
+               f"(stop the arms with: specproxy engines down {experiment})", err=True)
 
 
 @engines.command()
