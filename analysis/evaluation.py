@@ -124,7 +124,12 @@ def list_runs(store: SpanStore) -> list[dict[str, Any]]:
                coalesce(any_value(u.source), any_value(r.source)) AS source,
                coalesce(any_value(u.started_at), min(r.t_start)) AS started_at,
                any_value(u.stacks_json) AS stacks_json, count(*) AS spans
-        FROM requests r LEFT JOIN runs u ON u.run_id = r.run_id
+        FROM requests r
+        LEFT JOIN (  -- each worker file of a run may hold its runs row: one per run_id
+            SELECT run_id, any_value(name) AS name, any_value(mode) AS mode, any_value(source) AS source,
+                   min(started_at) AS started_at, any_value(stacks_json) AS stacks_json
+            FROM runs GROUP BY run_id
+        ) u ON u.run_id = r.run_id
         GROUP BY r.run_id ORDER BY started_at, r.run_id
     """)
 

@@ -219,6 +219,7 @@ def make_run(
 def write_db(path: str | Path, runs: Iterable[SyntheticRun]) -> Path:
     """Write synthetic runs into a (new or existing) span store file."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with duckdb.connect(str(path)) as conn:
         schema.migrate(conn)
         placeholders = ", ".join("?" * len(COLUMNS))

@@ -43,6 +43,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.fixture(scope="module")
+def analyzed_json(synthetic: tuple[Path, SyntheticRun]) -> dict[str, Any]:
+    result = _cli("analyze", str(synthetic[0]), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    doc: dict[str, Any] = json.loads(result.stdout)
+    return doc
+
+
 def expected_figures(run: SyntheticRun) -> dict[tuple[str, str], dict[str, Any]]:
     """The table's figures per (arm, level), computed from the records alone."""
     groups: dict[tuple[str, str], list[SpanRecord]] = defaultdict(list)
@@ -60,7 +68,9 @@ def expected_figures(run: SyntheticRun) -> dict[tuple[str, str], dict[str, Any]]
         accepted = [s.accepted_tokens for s in ok if s.accepted_tokens is not None]
         draft_tokens = [s.draft_tokens for s in ok if s.draft_tokens is not None]
         out[key] = {
-            "calls": len(spans), "ok": len(ok), "completion_tokens": tokens,
+            "calls": len(spans),
+            "ok": len(ok),
+            "completion_tokens": tokens,
             "agg_tok_s": tokens / (max(ends) - min(starts)),
             "p50_decode_tok_s": float(np.quantile(decode, 0.5)),
             "p50_ttft_s": float(np.quantile(ttft, 0.5)),
@@ -81,10 +91,14 @@ def expected_figures(run: SyntheticRun) -> dict[tuple[str, str], dict[str, Any]]
         t = totals.get(key)
         fig["acceptance_rate"] = (
             t["vllm:spec_decode_num_accepted_tokens_total"] / t["vllm:spec_decode_num_draft_tokens_total"]
-            if t else None)
+            if t
+            else None
+        )
         fig["acceptance_length"] = (
             1 + t["vllm:spec_decode_num_accepted_tokens_total"] / t["vllm:spec_decode_num_drafts_total"]
-            if t else None)
+            if t
+            else None
+        )
     # identity and paired decode speedup: each candidate call beside the baseline call of its request
     base = {s.request_id: s for s in run.spans if s.arm == "baseline"}
     for key, fig in out.items():
@@ -97,9 +111,12 @@ def expected_figures(run: SyntheticRun) -> dict[tuple[str, str], dict[str, Any]]
         fig["compared"] = len(compared)
         fig["identical"] = sum(1 for s in compared if s.identical)
         pairs = [
-            (s.decode_tok_s, base[s.request_id].decode_tok_s) for s in calls
-            if s.status == "ok" and base[s.request_id].status == "ok"
-            and s.decode_tok_s and base[s.request_id].decode_tok_s
+            (s.decode_tok_s, base[s.request_id].decode_tok_s)
+            for s in calls
+            if s.status == "ok"
+            and base[s.request_id].status == "ok"
+            and s.decode_tok_s
+            and base[s.request_id].decode_tok_s
         ]
         c, b = zip(*pairs, strict=True)
         fig["decode_speedup"] = float(np.quantile(c, 0.5)) / float(np.quantile(b, 0.5))
@@ -107,20 +124,27 @@ def expected_figures(run: SyntheticRun) -> dict[tuple[str, str], dict[str, Any]]
     return out
 
 
-def test_json_figures_match_an_independent_computation(synthetic: tuple[Path, SyntheticRun]) -> None:
-    path, run = synthetic
-    result = _cli("analyze", str(path), "--format", "json")
-    assert result.returncode == 0, result.stderr
-    doc = json.loads(result.stdout)
-    (got_run,) = doc["runs"]
+def test_json_figures_match_an_independent_computation(
+    synthetic: tuple[Path, SyntheticRun], analyzed_json: dict[str, Any]
+) -> None:
+    _, run = synthetic
+    (got_run,) = analyzed_json["runs"]
     expected = expected_figures(run)
     assert {(r["arm"], r["level"]) for r in got_run["rows"]} == set(expected)
     for row in got_run["rows"]:
         exp = expected[(row["arm"], row["level"])]
         for name in ("calls", "ok", "completion_tokens", "compared", "identical"):
             assert row[name] == exp[name], (row["arm"], row["level"], name)
-        for name in ("agg_tok_s", "p50_decode_tok_s", "p50_ttft_s", "p95_ttft_s", "acceptance_rate",
-                     "acceptance_length", "req_acceptance_rate", "req_acceptance_length"):
+        for name in (
+            "agg_tok_s",
+            "p50_decode_tok_s",
+            "p50_ttft_s",
+            "p95_ttft_s",
+            "acceptance_rate",
+            "acceptance_length",
+            "req_acceptance_rate",
+            "req_acceptance_length",
+        ):
             if exp[name] is None:
                 assert row[name] is None, name
             else:
@@ -145,7 +169,7 @@ def test_printed_table_matches_to_the_last_digit(synthetic: tuple[Path, Syntheti
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("level"))
     checked = 0
-    for line in lines[header + 2:]:
+    for line in lines[header + 2 :]:
         if not line.startswith("c="):
             break
         cells = re.split(r"\s{2,}", line.strip())
@@ -167,9 +191,8 @@ def test_printed_table_matches_to_the_last_digit(synthetic: tuple[Path, Syntheti
     assert checked == len(expected) == 12
 
 
-def test_verdicts_follow_the_rules(synthetic: tuple[Path, SyntheticRun]) -> None:
-    path, _ = synthetic
-    doc = json.loads(_cli("analyze", str(path), "--format", "json").stdout)
+def test_verdicts_follow_the_rules(analyzed_json: dict[str, Any]) -> None:
+    doc = analyzed_json
     rows = doc["runs"][0]["rows"]
     peak = {r["arm"]: r for r in rows if r["level"] == "16"}
     for r in rows:
