@@ -179,6 +179,11 @@ class SimProcess:
             result: dict[str, Any] = json.loads(resp.read())
             return result
 
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the simulator process has used (Linux /proc)."""
+        fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -276,6 +281,8 @@ def http_rows(profiles: list[str], streams: int, seconds: float) -> list[Row]:
     decode: dict[str, float] = {}
     ratio8: dict[str, float] = {}
     lag: dict[str, float] = {}
+    duty: dict[str, float] = {}
+    load: dict[str, float] = {}
     for p in profiles:
         sim = SimProcess(p, None)
         try:
@@ -291,8 +298,13 @@ def http_rows(profiles: list[str], streams: int, seconds: float) -> list[Row]:
         ratio8[p] = spec8 / base8
         sim = SimProcess(p, None, "--max-num-seqs", str(streams))
         try:
+            cpu0 = sim.cpu_s()
             asyncio.run(_capacity(sim.url, streams, seconds))
-            lag[p] = sim.stats()["clock_lag_ratio"]
+            stats = sim.stats()
+            lag[p] = stats["clock_lag_ratio"]
+            # CPU the simulator spent per modelled second: below 1 it could keep its clock given one core.
+            duty[p] = (sim.cpu_s() - cpu0) / stats["ideal_busy_wall_s"]
+            load[p] = os.getloadavg()[0]
         finally:
             sim.stop()
     return [
@@ -310,6 +322,8 @@ def http_rows(profiles: list[str], streams: int, seconds: float) -> list[Row]:
             ratio8,
         ),
         Row(f"HTTP (4) {streams} streams, real time: clock lag", "<= 5%", lambda v: v <= 0.05, lag, "{:.1%}"),
+        Row(f"HTTP (4) {streams} streams: sim CPU s / modelled s", "< 1 (info)", None, duty, "{:.2f}"),
+        Row("HTTP (4) machine load average (1 min)", f"<= {os.cpu_count()} (info)", None, load, "{:.1f}"),
     ]
 
 
