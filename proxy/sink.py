@@ -63,7 +63,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from specproxy import schema
+from specproxy import __version__, schema
 from specproxy.proxy.otel import (
     DuckDBSpanExporter,
     column_array,
@@ -233,6 +233,7 @@ class SpanSink:
         self._runs_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._busy = False  # the writer holds rows it took but has not written yet (flush() waits)
         self._closed = False
 
         resource = Resource.create(
@@ -279,6 +280,11 @@ class SpanSink:
         return self._written
 
     @property
+    def metric_rows_written(self) -> int:
+        """backend_metrics rows written to the DuckDB file."""
+        return self._metric_rows_written
+
+    @property
     def failed(self) -> int:
         """Span rows the writer could not write (the error was logged)."""
         return self._failed
@@ -304,8 +310,6 @@ class SpanSink:
         if self._conn is None:
             self._require_started()
             return
-        from specproxy import __version__
-
         with self._runs_lock:
             cur = self._conn.cursor()
             try:
@@ -402,7 +406,7 @@ class SpanSink:
         return True
 
     def close(self, timeout: float | None = None) -> None:
-        """Write every accepted span and metric row, stop the writer, flush OTLP, close the file.
+        """Write every accepted span and metric row, stop the writer, close the file, flush OTLP.
 
         With a ``timeout`` that passes first, the spans not yet written are reported in the log and the
         file is left to the (daemon) writer thread. Idempotent.
@@ -420,14 +424,13 @@ class SpanSink:
                     timeout or 0.0, self._pending.depth, self.db_path,
                 )
                 return
-        if self._otlp is not None:
-            self._otlp.force_flush(int((timeout or 30.0) * 1000))
-        self._provider.shutdown()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-    _busy = False  # the writer is inside a write (flush() waits for it)
+        # After the file is released: an unreachable collector retries for up to its timeout (10 s).
+        if self._otlp is not None:
+            self._otlp.force_flush(int((timeout or 30.0) * 1000))
+        self._provider.shutdown()
 
     def _run_writer(self) -> None:
         cursor = self._conn.cursor() if self._conn is not None else None
