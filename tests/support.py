@@ -56,4 +56,8 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> str:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+    if proc.stdout is None:
+        return ""
+    # Close the pipe: an unclosed one is a ResourceWarning, and warnings fail tests here.
+    with proc.stdout:
+        return proc.stdout.read().decode(errors="replace")
