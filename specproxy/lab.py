@@ -50,6 +50,8 @@ from specproxy.workload import mixed_workload
 
 LAB_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_PROFILE = "h100-llama3.1-8b"
+# Above this share of busy time behind its clock, a simulator's figures are flagged as distorted.
+MAX_CLOCK_LAG = 0.05
 
 # The lab's four configurations: (arm name, vLLM --speculative-config or None).
 LAB_ARMS: tuple[tuple[str, dict[str, Any] | None], ...] = (
@@ -158,6 +160,19 @@ def simulated_arms(out: Path, profile: str, time_scale: float, seed: int) -> Ite
             except subprocess.TimeoutExpired:
                 sim.proc.kill()
                 sim.proc.wait()
+
+
+def sim_clock_lag(arms: Sequence[Arm]) -> dict[str, float]:
+    """Each simulator's ``clock_lag_ratio`` (how far its real clock fell behind the profile's while
+    busy): above a few percent the machine could not keep up and the measured times are stretched."""
+    lag: dict[str, float] = {}
+    for arm in arms:
+        try:
+            with urllib.request.urlopen(f"{arm.url}/sim/stats", timeout=5.0) as resp:
+                lag[arm.name] = float(json.loads(resp.read())["clock_lag_ratio"])
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            continue
+    return lag
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -311,6 +326,7 @@ def lab(config_path: Path | None, workload: Path | None, concurrency: str | None
                       highlight=False)
         try:
             result = run_async(replay_until_stopped(settings, ItemSet("lab", lab_items)))
+            lag = sim_clock_lag(arms) if experiment is None else {}
         except ReplayError as exc:
             hint = f" (`specproxy engines up {config_path}` starts the arms)" if config_path else ""
             raise click.ClickException(f"{exc}{hint}") from None
@@ -322,6 +338,13 @@ def lab(config_path: Path | None, workload: Path | None, concurrency: str | None
         console.print(f"note: the simulated arms ran {plan.time_scale:g}x faster than the {profile} clock: "
                       f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
                       highlight=False)
+    if lag:
+        console.print("simulator clock lag (share of busy time behind the profile's clock): "
+                      + ", ".join(f"{a} {v:.1%}" for a, v in lag.items()), highlight=False)
+        if max(lag.values()) > MAX_CLOCK_LAG:
+            console.print(f"[yellow]warning: a simulator fell more than {MAX_CLOCK_LAG:.0%} behind its clock "
+                          "(the machine was busy): its times are stretched and the ratios less certain; "
+                          "rerun on a quieter machine or with --time-scale 0.5[/yellow]")
     report = analysis_outputs(db_path, out, result.run_id, console)
     print_category_table(category_speedups(db_path, result.run_id), Console(width=120))
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)
