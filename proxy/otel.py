@@ -168,6 +168,7 @@ ROW_FIELDS: tuple[str, ...] = (*(name for name, _ in ATTRIBUTE_FIELDS), "trace_i
 _ROW_KEYS = tuple(key for _, key in ATTRIBUTE_FIELDS)
 _FINISH_INDEX = ROW_FIELDS.index("finish_reason")
 _INDEX = {name: i for i, name in enumerate(ROW_FIELDS)}
+_SLICE = 2048  # rows per C call when building a batch (a few ms of GIL at most)
 
 
 def span_row(span: ReadableSpan) -> tuple[Any, ...]:
@@ -214,13 +215,17 @@ class DuckDBSpanExporter(SpanExporter):
         """Insert rows made by :func:`span_row`, in one statement. Raises on a value the column rejects."""
         if not rows:
             return
-        # One C-level pass makes an (n, fields) object matrix; its columns are then converted whole.
-        # (fromiter over the chained rows, unlike np.array(rows), never mistakes a value for a dimension.)
+        # C-level passes make an (n, fields) object matrix; its columns are then converted whole.
+        # fromiter over the chained rows, unlike np.array(rows), never mistakes a value for a dimension.
+        # It runs in slices: one C call holds the GIL throughout, and the proxy's event loop shares it.
         width = len(ROW_FIELDS)
         if any(len(row) != width for row in rows):
             raise ValueError(f"span rows must have {width} values, as span_row() makes them")
-        matrix = np.fromiter(chain.from_iterable(rows), dtype=object, count=len(rows) * width)
-        matrix = matrix.reshape(len(rows), width)
+        matrix = np.empty((len(rows), width), dtype=object)
+        for k in range(0, len(rows), _SLICE):
+            part = rows[k : k + _SLICE]
+            flat = np.fromiter(chain.from_iterable(part), dtype=object, count=len(part) * width)
+            matrix[k : k + len(part)] = flat.reshape(len(part), width)
         columns: dict[str, Column] = {}
         for index, name, kind, required in self._plan:
             columns[name] = _convert(matrix[:, index], kind, "" if required else None)

@@ -10,6 +10,8 @@ Target (issue 4): ≥ 100k span rows/s from the exporter thread into DuckDB. Mea
   rows → file (the sink splits it: ``span_row`` runs in the span processor's ``on_end``);
 - ``span_row`` alone: that on_end share, on spans already finished (cold in cache, so an upper bound);
 - ``executemany``: the same rows inserted row by row (why the writer inserts columns);
+- the wake-up lag of a thread sleeping 1 ms at a time beside the writer (what the proxy's event loop
+  feels from the GIL the writer holds), against the same thread alone;
 - ``emit → file``: ``SpanSink.emit()`` from one thread, then ``close()``: OTel span creation, the
   queue, the writer, until every row is in the file;
 - ``emit only``: the caller's cost of ``emit()`` (what the proxy's event loop pays per upstream call).
@@ -24,6 +26,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -106,6 +109,47 @@ def bench_writer(tmp: Path, spans: list[ReadableSpan], batch: int, rows: bool) -
     return len(spans) / dt, len(spans) / dcpu
 
 
+def sleeper_lags(stop: threading.Event) -> list[float]:
+    """How late a thread that sleeps 1 ms at a time wakes up (what an event loop feels), until stop."""
+    lags: list[float] = []
+    while not stop.is_set():
+        t = time.perf_counter()
+        time.sleep(0.001)
+        lags.append(time.perf_counter() - t - 0.001)
+    return lags
+
+
+def bench_loop_lag(tmp: Path, spans: list[ReadableSpan], batch: int) -> tuple[float, float, float, float]:
+    """(p99, max) wake-up lag of a 1 ms sleeper beside the writer thread, then alone for as long, in ms."""
+    path = fresh_db(tmp, "lag")
+    conn = duckdb.connect(str(path))
+    schema.migrate(conn)
+    exporter = DuckDBSpanExporter(conn)
+    ready = [span_row(s) for s in spans]
+    stop = threading.Event()
+
+    def write() -> None:
+        for k in range(0, len(ready), batch):
+            exporter.write_rows(ready[k : k + batch])
+        stop.set()
+
+    writer = threading.Thread(target=write)
+    t = time.perf_counter()
+    writer.start()
+    beside = sleeper_lags(stop)
+    writer.join()
+    conn.close()
+    quiet = threading.Event()
+    threading.Timer(time.perf_counter() - t, quiet.set).start()
+    alone = sleeper_lags(quiet)
+
+    def p99_max(lags: list[float]) -> tuple[float, float]:
+        ordered = sorted(lags)
+        return ordered[int(0.99 * (len(ordered) - 1))] * 1e3, ordered[-1] * 1e3
+
+    return (*p99_max(beside), *p99_max(alone))
+
+
 def bench_executemany(tmp: Path, n: int) -> tuple[float, float]:
     path = fresh_db(tmp, "rows")
     conn = duckdb.connect(str(path))
@@ -161,6 +205,7 @@ def main() -> None:
         export = medians(args.repeats, lambda: bench_writer(tmp, spans, args.batch, False))
         to_rows = medians(args.repeats, lambda: bench_span_row(spans))
         rows = medians(1, lambda: bench_executemany(tmp, min(n, 2_000)))
+        lag = medians(args.repeats, lambda: bench_loop_lag(tmp, spans, args.batch))
         e2e = medians(args.repeats, lambda: bench_end_to_end(tmp, n, args.batch))
     load = os.getloadavg()[0]
     print(f"span ingest, {n} spans per measurement, median of {args.repeats}; python "
@@ -177,6 +222,8 @@ def main() -> None:
     ]:
         print(f"{label:<46}{wall:>10,.0f}{cpu:>12,.0f}{wall / 1e5:>14.2f}x{cpu / 1e5:>7.2f}x")
     print(f"emit() costs the caller {1e6 / e2e[3]:.1f} µs of CPU per span ({1e6 / e2e[2]:.1f} µs wall)")
+    print(f"a 1 ms sleeper (an event loop) beside the writer at full speed wakes late by p99 "
+          f"{lag[0]:.1f} ms, max {lag[1]:.1f} ms; alone: p99 {lag[2]:.1f} ms, max {lag[3]:.1f} ms")
     print("rows/cpu-s: rows per CPU-second of the process (all threads), what a dedicated core would give;")
     print("rows/s: by the wall clock on this machine as loaded now.")
 
