@@ -94,7 +94,7 @@ async def test_drop_rate_cuts_the_stream() -> None:
 
 
 async def test_stall_ms_pauses_mid_stream() -> None:
-    async with running_sim(SimConfig(time_scale=50, faults=Faults(stall_ms=300))) as sim:
+    async with running_sim(SimConfig(time_scale=5, faults=Faults(stall_ms=300))) as sim:
         async with (
             aiohttp.ClientSession() as session,
             session.post(

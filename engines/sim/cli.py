@@ -143,7 +143,7 @@ def build_config(
     type=float,
     default=0.0,
     show_default=True,
-    help="Pause every response this long mid-stream (after the second chunk).",
+    help="Pause every response this long mid-stream (after its first chunk).",
 )
 @click.option(
     "--drop-rate",

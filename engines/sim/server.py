@@ -595,29 +595,34 @@ async def _stream(
             end = seq.n_out
             if end <= sent and not seq.finished:
                 continue
-            if seq.finished and end <= sent and sent > 0:
-                # Finished with nothing new (e.g. aborted): vLLM still sends the finish chunk.
-                pass
             data = b""
             if sent == 0 and req.chat:
                 data += shaper.first_chunk()
+            # A finished request with nothing new (aborted, stop string) still gets its finish chunk.
             data += shaper.delta_chunk(sent, end, first=sent == 0)
             sent = end
             chunks += 1
+            tail = b""
             if seq.finished:
-                if req.include_usage:
-                    data += shaper.usage_chunk()
-                data += b"data: [DONE]\n\n"
-            await resp.write(data)
+                tail = (shaper.usage_chunk() if req.include_usage else b"") + b"data: [DONE]\n\n"
+            cut = drop_after is not None and chunks >= drop_after
+            pause = bool(stall_s) and chunks == 1
+            if cut or pause:
+                # Faults strike mid-stream: after this chunk, before the end of the stream.
+                await resp.write(data)
+                if cut:
+                    state.engine.abort(seq)
+                    if request.transport is not None:
+                        request.transport.close()
+                    return resp
+                await asyncio.sleep(stall_s)
+                if not tail:
+                    continue  # what the engine produced meanwhile goes out as one merged chunk
+                await resp.write(tail)
+            else:
+                await resp.write(data + tail)
             if seq.finished:
                 break
-            if drop_after is not None and chunks >= drop_after:
-                state.engine.abort(seq)
-                if request.transport is not None:
-                    request.transport.close()
-                return resp
-            if stall_s and chunks == 2:
-                await asyncio.sleep(stall_s)
     except (ConnectionResetError, asyncio.CancelledError):
         state.engine.abort(seq)
         raise
