@@ -7,7 +7,6 @@ bootstrapped in numpy from each level's pairs (or calls), subsampled in SQL for 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +36,7 @@ class Settings:
     confidence: float = 0.95
     bootstrap_iterations: int = 1000
     bootstrap_seed: int = 0
-    bootstrap_max_sample: int = 4000
+    bootstrap_max_sample: int = 2000
 
 
 @dataclass
@@ -197,11 +196,11 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
                 req_acceptance_length=r["req_acceptance_length"],
             )
         )
-    _fill_identity(store, run_id, rows, settings)
     by_key = {(row.arm, row.level): row for row in rows}
     numeric = sorted({row.concurrency_level for row in rows if row.concurrency_level is not None})
     peak_level = str(numeric[-1]) if numeric else "live"
-    _fill_speedups(store, run_id, baseline, rows, by_key, settings)
+    noise_compared, noise_mismatched = _fill_comparisons(store, run_id, baseline, rows, settings)
+    _fill_unpaired(store, run_id, baseline, rows, settings)
 
     arms: list[ArmOutcome] = []
     for arm in sorted({row.arm for row in rows}, key=lambda a: (a != baseline, a)):
@@ -240,11 +239,6 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
                 gross=sum(r.gross for r in arm_rows),
             )
         )
-    noise = store.query(
-        "SELECT count(identical) AS n, count(*) FILTER (WHERE NOT identical) AS bad FROM pairs "
-        "WHERE run_id = ? AND kind IN ('replica', 'repeat')",
-        [run_id],
-    )[0]
     try:
         stacks = json.loads(info["stacks_json"]) if info.get("stacks_json") else {}
     except ValueError:
@@ -260,234 +254,180 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
         peak_level=peak_level,
         rows=rows,
         arms=arms,
-        noise_compared=int(noise["n"]),
-        noise_mismatched=int(noise["bad"]),
+        noise_compared=noise_compared,
+        noise_mismatched=noise_mismatched,
         stacks=stacks if isinstance(stacks, dict) else {},
         notes=notes,
     )
 
 
-def _fill_identity(store: SpanStore, run_id: str, rows: list[LevelRow], settings: Settings) -> None:
+def _fill_comparisons(
+    store: SpanStore, run_id: str, baseline: str, rows: list[LevelRow], settings: Settings
+) -> tuple[int, int]:
+    """Identity counts, paired speedups and their intervals, in one pass over ``pairs``.
+
+    The same pass returns, per group, a uniform subsample (hash of request_id, keep-probability from
+    the level's call count) of the pairs for the bootstrap. Returns the noise floor (compared,
+    mismatched) of the baseline-vs-baseline comparisons. Levels without enough pairs are analysed
+    unpaired (:func:`_fill_unpaired`).
+    """
     by_key = {(row.arm, row.level): row for row in rows}
-    for r in store.query(
-        """
-        SELECT arm, level, count(identical) AS compared, count(*) FILTER (WHERE identical) AS identical,
-               count(*) FILTER (WHERE NOT identical AND divergence_margin <= ?) AS near_tie,
-               count(*) FILTER (WHERE NOT identical AND divergence_margin > ?) AS gross,
-               count(*) FILTER (WHERE NOT identical AND divergence_margin IS NULL) AS margin_unknown
-        FROM pairs WHERE run_id = ? GROUP BY arm, level
-    """,
-        [settings.near_tie_margin, settings.near_tie_margin, run_id],
-    ):
-        row = by_key.get((r["arm"], r["level"]))
-        if row is not None:
-            row.compared, row.identical = int(r["compared"]), int(r["identical"])
-            row.near_tie, row.gross, row.margin_unknown = (
-                int(r["near_tie"]),
-                int(r["gross"]),
-                int(r["margin_unknown"]),
-            )
-
-
-def _fill_speedups(
-    store: SpanStore,
-    run_id: str,
-    baseline: str,
-    rows: list[LevelRow],
-    by_key: dict[tuple[str, str], LevelRow],
-    settings: Settings,
-) -> None:
-    """Point estimates over all calls (SQL), intervals from a bootstrap on (subsampled) arrays."""
-    conn = store.conn
-    # Paired point estimates and pair counts per candidate arm and level.
-    paired_stats = {
-        (r["arm"], r["level"]): r
-        for r in store.query(
-            """
-            SELECT arm, level,
-                   count(*) FILTER (WHERE decode_tok_s > 0 AND baseline_decode_tok_s > 0) AS n_decode,
-                   quantile_cont(decode_tok_s, 0.5)
-                       FILTER (WHERE decode_tok_s > 0 AND baseline_decode_tok_s > 0)
-                       AS c_med,
-                   quantile_cont(baseline_decode_tok_s, 0.5)
-                       FILTER (WHERE decode_tok_s > 0 AND baseline_decode_tok_s > 0) AS b_med,
-                   count(*) FILTER (WHERE completion_tokens IS NOT NULL
-                                    AND baseline_completion_tokens IS NOT NULL
-                                    AND e2e_s > 0 AND baseline_e2e_s > 0) AS n_thr
-            FROM pairs
-            WHERE run_id = ? AND kind <> 'repeat' AND baseline_arm = ? AND status = 'ok'
-                  AND baseline_status = 'ok'
-            GROUP BY arm, level
+    m, seed = settings.bootstrap_max_sample, settings.bootstrap_seed
+    keep = [(row.arm, row.level, min(1.0, m / max(row.ok, 1))) for row in rows]
+    store.conn.execute("CREATE OR REPLACE TEMP TABLE keep_pairs (arm VARCHAR, level VARCHAR, p DOUBLE)")
+    store.conn.executemany("INSERT INTO keep_pairs VALUES (?, ?, ?)", keep)
+    both_ok = "q.status = 'ok' AND q.baseline_status = 'ok' AND q.kind <> 'repeat' AND q.baseline_arm = $base"
+    dec_ok = "q.decode_tok_s > 0 AND q.baseline_decode_tok_s > 0"
+    groups = store.query(
+        f"""
+        SELECT q.arm, q.level, q.kind,
+               count(q.identical) AS compared,
+               count(*) FILTER (WHERE q.identical) AS identical,
+               count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin <= $margin) AS near_tie,
+               count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin > $margin) AS gross,
+               count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin IS NULL) AS margin_unknown,
+               count(*) FILTER (WHERE {both_ok} AND {dec_ok}) AS n_decode,
+               quantile_cont(q.decode_tok_s, 0.5) FILTER (WHERE {both_ok} AND {dec_ok}) AS c_med,
+               quantile_cont(q.baseline_decode_tok_s, 0.5) FILTER (WHERE {both_ok} AND {dec_ok}) AS b_med,
+               count(*) FILTER (WHERE {both_ok} AND q.completion_tokens IS NOT NULL
+                                AND q.baseline_completion_tokens IS NOT NULL
+                                AND q.e2e_s > 0 AND q.baseline_e2e_s > 0) AS n_thr,
+               list([q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
+                     q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s])
+                   FILTER (WHERE {both_ok} AND (coalesce(k.p, 1) >= 1
+                           OR hash(q.request_id, $seed) % 1000000007 < k.p * 1000000007)) AS sample
+        FROM pairs q LEFT JOIN keep_pairs k ON k.arm = q.arm AND k.level = q.level
+        WHERE q.run_id = $run
+        GROUP BY q.arm, q.level, q.kind
         """,
-            [run_id, baseline],
-        )
-    }
-    unpaired_counts = {
-        (r["arm"], r["level"]): r
-        for r in store.query(
-            """
-            SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
-                   count(*) FILTER (WHERE decode_tok_s > 0) AS n_decode,
-                   count(*) FILTER (WHERE completion_tokens IS NOT NULL AND e2e_s > 0) AS n_thr
-            FROM requests WHERE run_id = ? AND status = 'ok' GROUP BY ALL
-        """,
-            [run_id],
-        )
-    }
-    plan: list[tuple[LevelRow, LevelRow, bool]] = []
-    for row in rows:
-        base = by_key.get((baseline, row.level))
-        if row.arm == baseline or base is None:
+        {"margin": settings.near_tie_margin, "seed": seed, "run": run_id, "base": baseline},
+    )
+    noise_compared = noise_mismatched = 0
+    for g in groups:
+        if g["kind"] in ("replica", "repeat"):
+            noise_compared += int(g["compared"])
+            noise_mismatched += int(g["compared"]) - int(g["identical"])
+        row = by_key.get((g["arm"], g["level"]))
+        if row is None:
             continue
-        stats = paired_stats.get((row.arm, row.level))
-        n_cand = int(unpaired_counts.get((row.arm, row.level), {}).get("n_decode", 0))
-        paired = bool(stats) and stats is not None and stats["n_decode"] >= max(2, PAIRED_MIN_SHARE * n_cand)
-        row.paired = paired
-        row.pairs = int(stats["n_decode"]) if stats else 0
-        plan.append((row, base, paired))
-    if not plan:
-        return
-    m = settings.bootstrap_max_sample
-    # Subsample keep-probabilities: pairs by (arm, level) of the candidate, calls by (arm, level).
-    conn.execute("CREATE OR REPLACE TEMP TABLE boot_paired(arm VARCHAR, level VARCHAR, p DOUBLE)")
-    conn.execute("CREATE OR REPLACE TEMP TABLE boot_calls(arm VARCHAR, level VARCHAR, p DOUBLE)")
-    paired_p: list[tuple[str, str, float]] = []
-    calls_p: dict[tuple[str, str], float] = {}
-    for row, base, paired in plan:
-        if paired:
-            st = paired_stats[(row.arm, row.level)]
-            n = max(int(st["n_decode"]), int(st["n_thr"]), 1)
-            paired_p.append((row.arm, row.level, min(1.0, m / n)))
-        else:
-            for arm in (row.arm, base.arm):
-                c = unpaired_counts.get((arm, row.level), {})
-                n = max(int(c.get("n_decode", 0)), int(c.get("n_thr", 0)), 1)
-                calls_p[(arm, row.level)] = min(1.0, m / n)
-    if paired_p:
-        conn.executemany("INSERT INTO boot_paired VALUES (?, ?, ?)", paired_p)
-    if calls_p:
-        conn.executemany(
-            "INSERT INTO boot_calls VALUES (?, ?, ?)", [(a, lv, p) for (a, lv), p in calls_p.items()]
-        )
-    seed = settings.bootstrap_seed
-    paired_data = (
-        conn.execute(
-            """
-        SELECT q.arm, q.level, q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
-               q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s
-        FROM pairs q JOIN boot_paired b ON q.arm = b.arm AND q.level = b.level
-        WHERE q.run_id = ? AND q.kind <> 'repeat' AND q.baseline_arm = ? AND q.status = 'ok'
-              AND q.baseline_status = 'ok'
-              AND (b.p >= 1 OR (hash(q.request_id, ?) % 1000000007) < b.p * 1000000007)
-    """,
-            [run_id, baseline, seed],
-        ).fetchnumpy()
-        if paired_p
-        else None
-    )
-    calls_data = (
-        conn.execute(
-            """
-        SELECT r.arm, coalesce(CAST(r.concurrency_level AS VARCHAR), 'live') AS level, r.decode_tok_s,
-               r.completion_tokens, r.e2e_s
-        FROM requests r JOIN boot_calls b
-             ON r.arm = b.arm AND coalesce(CAST(r.concurrency_level AS VARCHAR), 'live') = b.level
-        WHERE r.run_id = ? AND r.status = 'ok'
-              AND (b.p >= 1 OR (hash(r.request_id, r.span_id, ?) % 1000000007) < b.p * 1000000007)
-    """,
-            [run_id, seed],
-        ).fetchnumpy()
-        if calls_p
-        else None
-    )
-
-    for row, base, paired in plan:
-        decode_point = None
-        thr_point = row.agg_tok_s / base.agg_tok_s if row.agg_tok_s and base.agg_tok_s else None
+        row.compared += int(g["compared"])
+        row.identical += int(g["identical"])
+        row.near_tie += int(g["near_tie"])
+        row.gross += int(g["gross"])
+        row.margin_unknown += int(g["margin_unknown"])
+        base = by_key.get((baseline, g["level"]))
+        if g["kind"] == "repeat" or base is None:
+            continue
+        n_decode = int(g["n_decode"])
+        row.pairs = n_decode
+        row.paired = n_decode >= max(2, PAIRED_MIN_SHARE * row.ok)
+        if not row.paired:
+            continue
+        sample = np.array(g["sample"] or [], dtype=np.float64).reshape(-1, 6)
         rng = rng_for(seed, run_id, row.arm, row.level)
-        if paired and paired_data is not None:
-            st = paired_stats[(row.arm, row.level)]
-            sel = (paired_data["arm"] == row.arm) & (paired_data["level"] == row.level)
-            c_dec = _floats(paired_data["decode_tok_s"][sel])
-            b_dec = _floats(paired_data["baseline_decode_tok_s"][sel])
-            ok = (c_dec > 0) & (b_dec > 0)
-            if st["c_med"] and st["b_med"]:
-                decode_point = st["c_med"] / st["b_med"]
-                row.decode_speedup = paired_median_ratio(
-                    c_dec[ok],
-                    b_dec[ok],
-                    point=decode_point,
-                    n_total=int(st["n_decode"]),
-                    iterations=settings.bootstrap_iterations,
-                    rng=rng,
-                    confidence=settings.confidence,
-                )
-            c_tok = _floats(paired_data["completion_tokens"][sel])
-            b_tok = _floats(paired_data["baseline_completion_tokens"][sel])
-            c_e2e = _floats(paired_data["e2e_s"][sel])
-            b_e2e = _floats(paired_data["baseline_e2e_s"][sel])
-            ok = np.isfinite(c_tok) & np.isfinite(b_tok) & (c_e2e > 0) & (b_e2e > 0)
-            if thr_point is not None:
-                row.throughput_speedup = throughput_ratio(
-                    c_tok[ok],
-                    c_e2e[ok],
-                    b_tok[ok],
-                    b_e2e[ok],
-                    point=thr_point,
-                    n_cand=int(st["n_thr"]),
-                    n_base=int(st["n_thr"]),
-                    paired=True,
-                    iterations=settings.bootstrap_iterations,
-                    rng=rng,
-                    confidence=settings.confidence,
-                )
-        elif calls_data is not None:
-            c_sel = (calls_data["arm"] == row.arm) & (calls_data["level"] == row.level)
-            b_sel = (calls_data["arm"] == base.arm) & (calls_data["level"] == row.level)
-            c_n = unpaired_counts.get((row.arm, row.level), {})
-            b_n = unpaired_counts.get((base.arm, row.level), {})
-            c_dec = _floats(calls_data["decode_tok_s"][c_sel])
-            b_dec = _floats(calls_data["decode_tok_s"][b_sel])
-            if row.p50_decode_tok_s and base.p50_decode_tok_s:
-                decode_point = row.p50_decode_tok_s / base.p50_decode_tok_s
-                row.decode_speedup = unpaired_median_ratio(
-                    c_dec[c_dec > 0],
-                    b_dec[b_dec > 0],
-                    point=decode_point,
-                    n_cand=int(c_n.get("n_decode", 0)),
-                    n_base=int(b_n.get("n_decode", 0)),
-                    iterations=settings.bootstrap_iterations,
-                    rng=rng,
-                    confidence=settings.confidence,
-                )
-            if thr_point is not None:
-                c_tok, c_e2e = (
-                    _floats(calls_data["completion_tokens"][c_sel]),
-                    _floats(calls_data["e2e_s"][c_sel]),
-                )
-                b_tok, b_e2e = (
-                    _floats(calls_data["completion_tokens"][b_sel]),
-                    _floats(calls_data["e2e_s"][b_sel]),
-                )
-                c_ok = np.isfinite(c_tok) & (c_e2e > 0)
-                b_ok = np.isfinite(b_tok) & (b_e2e > 0)
-                row.throughput_speedup = throughput_ratio(
-                    c_tok[c_ok],
-                    c_e2e[c_ok],
-                    b_tok[b_ok],
-                    b_e2e[b_ok],
-                    point=thr_point,
-                    n_cand=max(int(c_n.get("n_thr", 0)), 1),
-                    n_base=max(int(b_n.get("n_thr", 0)), 1),
-                    paired=False,
-                    iterations=settings.bootstrap_iterations,
-                    rng=rng,
-                    confidence=settings.confidence,
-                )
+        if g["c_med"] and g["b_med"]:
+            dec = sample[(sample[:, 0] > 0) & (sample[:, 1] > 0)]
+            row.decode_speedup = paired_median_ratio(
+                dec[:, 0],
+                dec[:, 1],
+                point=g["c_med"] / g["b_med"],
+                n_total=n_decode,
+                iterations=settings.bootstrap_iterations,
+                rng=rng,
+                confidence=settings.confidence,
+            )
+        if row.agg_tok_s and base.agg_tok_s:
+            thr = sample[
+                np.isfinite(sample[:, 2])
+                & np.isfinite(sample[:, 3])
+                & (sample[:, 4] > 0)
+                & (sample[:, 5] > 0)
+            ]
+            row.throughput_speedup = throughput_ratio(
+                thr[:, 2],
+                thr[:, 4],
+                thr[:, 3],
+                thr[:, 5],
+                point=row.agg_tok_s / base.agg_tok_s,
+                n_cand=max(int(g["n_thr"]), 1),
+                n_base=max(int(g["n_thr"]), 1),
+                paired=True,
+                iterations=settings.bootstrap_iterations,
+                rng=rng,
+                confidence=settings.confidence,
+            )
+    for row in rows:
+        if row.arm != baseline and row.paired is None and (baseline, row.level) in by_key:
+            row.paired = False
+    return noise_compared, noise_mismatched
 
 
-def _floats(values: Any) -> np.ndarray[Any, np.dtype[np.float64]]:
-    """A numpy float array from a fetchnumpy column (masked NULLs become NaN)."""
-    if isinstance(values, np.ma.MaskedArray):
-        return np.asarray(np.ma.filled(values.astype(np.float64), math.nan), dtype=np.float64)
-    return np.asarray(values, dtype=np.float64)
+def _fill_unpaired(
+    store: SpanStore, run_id: str, baseline: str, rows: list[LevelRow], settings: Settings
+) -> None:
+    """Speedups of levels without (enough) pairs: each arm's own calls, resampled independently."""
+    by_key = {(row.arm, row.level): row for row in rows}
+    todo = [row for row in rows if row.paired is False]
+    if not todo:
+        return
+    needed = {(r.arm, r.level) for r in todo} | {(baseline, r.level) for r in todo}
+    m, seed = settings.bootstrap_max_sample, settings.bootstrap_seed
+    store.conn.execute("CREATE OR REPLACE TEMP TABLE keep_calls (arm VARCHAR, level VARCHAR, p DOUBLE)")
+    store.conn.executemany(
+        "INSERT INTO keep_calls VALUES (?, ?, ?)",
+        [(arm, level, min(1.0, m / max(by_key[(arm, level)].ok, 1))) for arm, level in needed],
+    )
+    groups = {
+        (g["arm"], g["level"]): g
+        for g in store.query(
+            """
+            SELECT k.arm, k.level,
+                   count(*) FILTER (WHERE r.decode_tok_s > 0) AS n_decode,
+                   count(*) FILTER (WHERE r.completion_tokens IS NOT NULL AND r.e2e_s > 0) AS n_thr,
+                   list([r.decode_tok_s, r.completion_tokens, r.e2e_s])
+                       FILTER (WHERE k.p >= 1 OR hash(r.request_id, r.span_id, $seed) % 1000000007
+                                                  < k.p * 1000000007) AS sample
+            FROM requests r
+            JOIN keep_calls k
+              ON k.arm = r.arm AND k.level = coalesce(CAST(r.concurrency_level AS VARCHAR), 'live')
+            WHERE r.run_id = $run AND r.status = 'ok'
+            GROUP BY k.arm, k.level
+            """,
+            {"seed": seed, "run": run_id},
+        )
+    }
+    for row in todo:
+        base = by_key[(baseline, row.level)]
+        c, b = groups.get((row.arm, row.level)), groups.get((baseline, row.level))
+        if c is None or b is None:
+            continue
+        cs = np.array(c["sample"] or [], dtype=np.float64).reshape(-1, 3)
+        bs = np.array(b["sample"] or [], dtype=np.float64).reshape(-1, 3)
+        rng = rng_for(seed, run_id, row.arm, row.level)
+        if row.p50_decode_tok_s and base.p50_decode_tok_s:
+            row.decode_speedup = unpaired_median_ratio(
+                cs[cs[:, 0] > 0, 0],
+                bs[bs[:, 0] > 0, 0],
+                point=row.p50_decode_tok_s / base.p50_decode_tok_s,
+                n_cand=int(c["n_decode"]),
+                n_base=int(b["n_decode"]),
+                iterations=settings.bootstrap_iterations,
+                rng=rng,
+                confidence=settings.confidence,
+            )
+        if row.agg_tok_s and base.agg_tok_s:
+            c_ok = np.isfinite(cs[:, 1]) & (cs[:, 2] > 0)
+            b_ok = np.isfinite(bs[:, 1]) & (bs[:, 2] > 0)
+            row.throughput_speedup = throughput_ratio(
+                cs[c_ok, 1],
+                cs[c_ok, 2],
+                bs[b_ok, 1],
+                bs[b_ok, 2],
+                point=row.agg_tok_s / base.agg_tok_s,
+                n_cand=max(int(c["n_thr"]), 1),
+                n_base=max(int(b["n_thr"]), 1),
+                paired=False,
+                iterations=settings.bootstrap_iterations,
+                rng=rng,
+                confidence=settings.confidence,
+            )

@@ -85,9 +85,9 @@ class SpanStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def query(self, sql: str, params: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    def query(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Rows as dicts (column name → value)."""
-        cur = self.conn.execute(sql, params or [])
+        cur = self.conn.execute(sql, params if params is not None else [])
         names = [d[0] for d in cur.description or []]
         return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
