@@ -212,3 +212,24 @@ async def test_category_header_and_raw_sse(sim: RunningSim) -> None:
     assert all(e.startswith(b"data: ") for e in events)
     json.loads(events[0][6:])
     assert truth["category"] == "code_edit"
+
+
+async def test_n_choices_when_sampling(client: openai.AsyncOpenAI) -> None:
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0.7, n=3, max_tokens=10, seed=3
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert len({c.message.content for c in resp.choices}) == 3
+    assert resp.usage is not None and resp.usage.completion_tokens == 30
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0.7, n=3, max_tokens=10, seed=3, stream=True
+    )
+    texts = ["", "", ""]
+    finishes = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == [c.message.content for c in resp.choices]
+    assert finishes == {0: "length", 1: "length", 2: "length"}

@@ -97,6 +97,7 @@ class ParsedRequest:
     include_stop_str: bool
     greedy: bool
     seed: int | None
+    n: int = 1
 
 
 # -- request parsing -----------------------------------------------------------------------------
@@ -164,12 +165,8 @@ def parse_request(state: SimState, request: web.Request, body: Any, chat: bool) 
     n = _int_field(body, "n", 1)
     if n is not None and n < 1:
         raise BadRequest(f"n must be at least 1, got {n}.", param="n")
-    if n is not None and n > 1:
-        if greedy:
-            raise BadRequest(f"n must be 1 when using greedy sampling, got {n}.", param="n")
-        raise BadRequest(
-            f"n > 1 is not supported by the simulator (got {n}); send n separate requests.", param="n"
-        )
+    if n is not None and n > 1 and greedy:
+        raise BadRequest(f"n must be 1 when using greedy sampling, got {n}.", param="n")
     max_tokens = _int_field(body, "max_completion_tokens", None) if chat else None
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", None)
@@ -263,23 +260,25 @@ def parse_request(state: SimState, request: web.Request, body: Any, chat: bool) 
         include_stop_str=bool(body.get("include_stop_str_in_output", False)),
         greedy=greedy,
         seed=seed,
+        n=n or 1,
     )
 
 
 # -- response shaping ----------------------------------------------------------------------------
 class ResponseShaper:
-    """Builds vLLM's JSON for one request: stream chunks or the whole response."""
+    """Builds vLLM's JSON for one request (one sequence per choice): stream chunks or the whole response."""
 
-    def __init__(self, state: SimState, req: ParsedRequest, seq: Sequence) -> None:
+    def __init__(self, state: SimState, req: ParsedRequest, seqs: list[Sequence]) -> None:
         self.req = req
-        self.seq = seq
+        self.seqs = seqs
         self.state = state
         prefix = "chatcmpl-" if req.chat else "cmpl-"
         self.id = prefix + req.base_id
         self.created = int(time.time())
         self.model = state.config.served_name
-        self.prompt_tokens = seq.prompt_len
-        self.text_offset = 0
+        self.prompt_tokens = seqs[0].prompt_len
+        self.prompt_ids = list(seqs[0].spec.prompt.token_ids)
+        self.text_offsets = [0] * len(seqs)
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
         return {
@@ -288,8 +287,8 @@ class ResponseShaper:
             "completion_tokens": completion_tokens,
         }
 
-    def _chat_logprobs(self, start: int, end: int) -> dict[str, Any]:
-        target = self.seq.target
+    def _chat_logprobs(self, i: int, start: int, end: int) -> dict[str, Any]:
+        target = self.seqs[i].target
         top = self.req.logprobs or 0
         content = []
         for pos in range(start, end):
@@ -307,8 +306,8 @@ class ResponseShaper:
             )
         return {"content": content}
 
-    def _completion_logprobs(self, start: int, end: int) -> dict[str, Any]:
-        target = self.seq.target
+    def _completion_logprobs(self, i: int, start: int, end: int) -> dict[str, Any]:
+        target = self.seqs[i].target
         top = self.req.logprobs or 0
         tokens, token_lps, tops, offsets = [], [], [], []
         for pos in range(start, end):
@@ -317,15 +316,16 @@ class ResponseShaper:
             tokens.append(piece)
             token_lps.append(chosen)
             tops.append({p: lp for _, p, lp in alts[: max(top, 1)]} if top else None)
-            offsets.append(self.text_offset)
-            self.text_offset += len(piece)
+            offsets.append(self.text_offsets[i])
+            self.text_offsets[i] += len(piece)
         return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
 
     def _metrics(self, streaming: bool) -> dict[str, Any] | None:
         level = self.state.config.per_request_spec_decode_metrics
-        if level == "none" or self.state.config.speculative is None:
+        # vLLM reports per-request speculation only for single-sequence requests.
+        if level == "none" or self.state.config.speculative is None or len(self.seqs) != 1:
             return None
-        spec = self.seq.truth.spec_decoding_metrics(detailed=level == "detailed")
+        spec = self.seqs[0].truth.spec_decoding_metrics(detailed=level == "detailed")
         if streaming:
             return {"speculative_decoding": spec}
         return {
@@ -337,8 +337,8 @@ class ResponseShaper:
             "speculative_decoding": spec,
         }
 
-    def first_chunk(self) -> bytes:
-        """Chat only: the role chunk vLLM sends when the first output arrives."""
+    def first_chunk(self, i: int) -> bytes:
+        """Chat only: the role chunk vLLM sends for each choice when the first output arrives."""
         chunk: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk",
@@ -346,30 +346,30 @@ class ResponseShaper:
             "model": self.model,
             "choices": [
                 {
-                    "index": 0,
+                    "index": i,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }
             ],
-            "prompt_token_ids": list(self.seq.spec.prompt.token_ids) if self.req.return_token_ids else None,
+            "prompt_token_ids": self.prompt_ids if self.req.return_token_ids else None,
             "prompt_text": None,
         }
         if self.req.continuous_usage:
             chunk["usage"] = self.usage(0)
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
-    def delta_chunk(self, start: int, end: int, first: bool) -> bytes:
-        seq, req = self.seq, self.req
+    def delta_chunk(self, i: int, start: int, end: int) -> bytes:
+        seq, req = self.seqs[i], self.req
         done = seq.finished and end >= seq.n_out
         text = seq.output_text(start, end)
         token_ids = seq.output_ids(start, end) if req.return_token_ids else None
         finish = seq.finish_reason if done else None
         chunk: dict[str, Any]
         if req.chat:
-            logprobs = self._chat_logprobs(start, end) if req.logprobs is not None else None
+            logprobs = self._chat_logprobs(i, start, end) if req.logprobs is not None else None
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": i,
                 "delta": {"content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish,
@@ -386,17 +386,17 @@ class ResponseShaper:
                 "kv_transfer_params": None,
             }
         else:
-            logprobs = self._completion_logprobs(start, end) if req.logprobs is not None else None
+            logprobs = self._completion_logprobs(i, start, end) if req.logprobs is not None else None
             choice = {
-                "index": 0,
+                "index": i,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": finish,
                 "stop_reason": seq.stop_reason if done else None,
                 "token_ids": token_ids,
             }
-            if first:
-                choice["prompt_token_ids"] = list(seq.spec.prompt.token_ids) if req.return_token_ids else None
+            if start == 0:
+                choice["prompt_token_ids"] = self.prompt_ids if req.return_token_ids else None
             chunk = {
                 "id": self.id,
                 "object": "text_completion",
@@ -416,50 +416,63 @@ class ResponseShaper:
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": self.usage(self.seq.n_out),
+            "usage": self.usage(sum(s.n_out for s in self.seqs)),
         }
         metrics = self._metrics(streaming=True)
         if metrics is not None:
             chunk["metrics"] = metrics
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
+    def _chat_choice(self, i: int) -> dict[str, Any]:
+        seq, req = self.seqs[i], self.req
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": seq.output_text(),
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": [],
+            "reasoning": None,
+        }
+        return {
+            "index": i,
+            "message": message,
+            "logprobs": self._chat_logprobs(i, 0, seq.n_out) if req.logprobs is not None else None,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.stop_reason,
+            "token_ids": seq.output_ids() if req.return_token_ids else None,
+        }
+
+    def _completion_choice(self, i: int) -> dict[str, Any]:
+        seq, req = self.seqs[i], self.req
+        return {
+            "index": i,
+            "text": seq.output_text(),
+            "logprobs": self._completion_logprobs(i, 0, seq.n_out) if req.logprobs is not None else None,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.stop_reason,
+            "token_ids": seq.output_ids() if req.return_token_ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
+        }
+
     def full_response(self) -> dict[str, Any]:
-        seq, req = self.seq, self.req
-        n = seq.n_out
-        token_ids = seq.output_ids() if req.return_token_ids else None
-        prompt_ids = list(seq.spec.prompt.token_ids) if req.return_token_ids else None
+        req = self.req
+        usage = {**self.usage(sum(s.n_out for s in self.seqs)), "prompt_tokens_details": None}
         body: dict[str, Any]
         if req.chat:
-            message: dict[str, Any] = {
-                "role": "assistant",
-                "content": seq.output_text(),
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-                "tool_calls": [],
-                "reasoning": None,
-            }
             body = {
                 "id": self.id,
                 "object": "chat.completion",
                 "created": self.created,
                 "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": message,
-                        "logprobs": self._chat_logprobs(0, n) if req.logprobs is not None else None,
-                        "finish_reason": seq.finish_reason,
-                        "stop_reason": seq.stop_reason,
-                        "token_ids": token_ids,
-                    }
-                ],
+                "choices": [self._chat_choice(i) for i in range(len(self.seqs))],
                 "service_tier": None,
                 "system_fingerprint": None,
-                "usage": {**self.usage(n), "prompt_tokens_details": None},
+                "usage": usage,
                 "prompt_logprobs": None,
-                "prompt_token_ids": prompt_ids,
+                "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
                 "kv_transfer_params": None,
             }
         else:
@@ -468,21 +481,10 @@ class ResponseShaper:
                 "object": "text_completion",
                 "created": self.created,
                 "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": seq.output_text(),
-                        "logprobs": self._completion_logprobs(0, n) if req.logprobs is not None else None,
-                        "finish_reason": seq.finish_reason,
-                        "stop_reason": seq.stop_reason,
-                        "token_ids": token_ids,
-                        "prompt_logprobs": None,
-                        "prompt_token_ids": prompt_ids,
-                    }
-                ],
+                "choices": [self._completion_choice(i) for i in range(len(self.seqs))],
                 "service_tier": None,
                 "system_fingerprint": None,
-                "usage": {**self.usage(n), "prompt_tokens_details": None},
+                "usage": usage,
                 "kv_transfer_params": None,
             }
         metrics = self._metrics(streaming=False)
@@ -530,43 +532,50 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if faults.drop_rate and state.fault_rng.random() < faults.drop_rate:
         drop_after = state.fault_rng.randint(1, 4)
     salt = "" if req.greedy else f"seed={req.seed}" if req.seed is not None else uuid.uuid4().hex
-    key = request_key(config.model, req.prompt.text, salt)
-    lossy = bool(faults.lossy_rate) and random.Random(key ^ 0x10557).random() < faults.lossy_rate
-    spec = RequestSpec(
-        request_id=req.base_id,
-        prompt=req.prompt,
-        category=req.category,
-        key=key,
-        max_tokens=req.max_tokens,
-        min_tokens=req.min_tokens,
-        ignore_eos=req.ignore_eos,
-        stop=req.stop,
-        include_stop_str_in_output=req.include_stop_str,
-        lossy=lossy,
-    )
+    specs = []
+    for i in range(req.n):
+        # Choices of one sampled request differ from each other (vLLM's n > 1 needs sampling).
+        key = request_key(config.model, req.prompt.text, salt if i == 0 else f"{salt}#{i}")
+        lossy = bool(faults.lossy_rate) and random.Random(key ^ 0x10557).random() < faults.lossy_rate
+        specs.append(
+            RequestSpec(
+                request_id=req.base_id if req.n == 1 else f"{req.base_id}-{i}",
+                prompt=req.prompt,
+                category=req.category,
+                key=key,
+                max_tokens=req.max_tokens,
+                min_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos,
+                stop=req.stop,
+                include_stop_str_in_output=req.include_stop_str,
+                lossy=lossy,
+            )
+        )
     headers = {"X-Request-Id": req.base_id}
     if state.gate is not None:
         await state.gate.acquire()
     try:
-        seq = state.engine.submit(spec)
         waiter = _Waiter(asyncio.get_running_loop())
-        seq.listener = waiter
+        seqs = [state.engine.submit(spec) for spec in specs]
+        for seq in seqs:
+            seq.listener = waiter
         try:
             if req.stream:
-                return await _stream(request, state, req, seq, waiter, headers, drop_after)
-            while not seq.finished:
+                return await _stream(request, state, req, seqs, waiter, headers, drop_after)
+            while not all(seq.finished for seq in seqs):
                 await waiter.wait()
             if drop_after is not None and request.transport is not None:
                 request.transport.close()
             if faults.stall_ms:
                 await asyncio.sleep(faults.stall_ms / 1000)
-            shaper = ResponseShaper(state, req, seq)
+            shaper = ResponseShaper(state, req, seqs)
             return web.Response(
                 body=orjson.dumps(shaper.full_response()), content_type="application/json", headers=headers
             )
         finally:
-            if not seq.finished:
-                state.engine.abort(seq)
+            for seq in seqs:
+                if not seq.finished:
+                    state.engine.abort(seq)
     finally:
         if state.gate is not None:
             state.gate.release()
@@ -576,7 +585,7 @@ async def _stream(
     request: web.Request,
     state: SimState,
     req: ParsedRequest,
-    seq: Sequence,
+    seqs: list[Sequence],
     waiter: _Waiter,
     headers: dict[str, str],
     drop_after: int | None,
@@ -585,25 +594,31 @@ async def _stream(
         headers={**headers, "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
-    shaper = ResponseShaper(state, req, seq)
+    shaper = ResponseShaper(state, req, seqs)
     stall_s = state.config.faults.stall_ms / 1000
-    sent = 0
+    sent = [0] * len(seqs)
+    done = [False] * len(seqs)
     chunks = 0
     try:
         while True:
             await waiter.wait()
-            end = seq.n_out
-            if end <= sent and not seq.finished:
-                continue
             data = b""
-            if sent == 0 and req.chat:
-                data += shaper.first_chunk()
-            # A finished request with nothing new (aborted, stop string) still gets its finish chunk.
-            data += shaper.delta_chunk(sent, end, first=sent == 0)
-            sent = end
+            for i, seq in enumerate(seqs):
+                end = seq.n_out
+                if done[i] or (end <= sent[i] and not seq.finished):
+                    continue
+                if sent[i] == 0 and req.chat:
+                    data += shaper.first_chunk(i)
+                # A finished sequence with nothing new (aborted, stop string) still gets its finish chunk.
+                data += shaper.delta_chunk(i, sent[i], end)
+                sent[i] = end
+                done[i] = seq.finished
+            if not data:
+                continue
             chunks += 1
+            finished = all(done)
             tail = b""
-            if seq.finished:
+            if finished:
                 tail = (shaper.usage_chunk() if req.include_usage else b"") + b"data: [DONE]\n\n"
             cut = drop_after is not None and chunks >= drop_after
             pause = bool(stall_s) and chunks == 1
@@ -611,7 +626,8 @@ async def _stream(
                 # Faults strike mid-stream: after this chunk, before the end of the stream.
                 await resp.write(data)
                 if cut:
-                    state.engine.abort(seq)
+                    for seq in seqs:
+                        state.engine.abort(seq)
                     if request.transport is not None:
                         request.transport.close()
                     return resp
@@ -621,10 +637,11 @@ async def _stream(
                 await resp.write(tail)
             else:
                 await resp.write(data + tail)
-            if seq.finished:
+            if finished:
                 break
     except (ConnectionResetError, asyncio.CancelledError):
-        state.engine.abort(seq)
+        for seq in seqs:
+            state.engine.abort(seq)
         raise
     await resp.write_eof()
     return resp
