@@ -233,3 +233,20 @@ async def test_n_choices_when_sampling(client: openai.AsyncOpenAI) -> None:
                 finishes[choice.index] = choice.finish_reason
     assert texts == [c.message.content for c in resp.choices]
     assert finishes == {0: "length", 1: "length", 2: "length"}
+
+
+async def test_malformed_fields_are_400_not_500(sim: RunningSim) -> None:
+    bad_bodies = [
+        {"messages": QUESTION, "stop": 5},
+        {"messages": "hello"},
+        {"messages": QUESTION, "max_tokens": "ten"},
+        {"messages": QUESTION, "temperature": -1},
+        {"messages": QUESTION, "logprobs": True, "top_logprobs": 50},
+        {"messages": QUESTION, "min_tokens": 9, "max_tokens": 3},
+    ]
+    async with aiohttp.ClientSession() as session:
+        for body in bad_bodies:
+            async with session.post(sim.url + "/v1/chat/completions", json=body) as r:
+                payload = await r.json()
+                assert r.status == 400, body
+                assert payload["error"]["type"] == "BadRequestError" and payload["error"]["message"]

@@ -14,6 +14,7 @@ drafts, draft tokens, accepted tokens of one request), `GET /sim/requests`, and 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 import uuid
@@ -37,6 +38,8 @@ from specproxy.engines.sim.text import (
     infer_category,
     request_key,
 )
+
+log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
 CATEGORY_HEADER = "X-Specproxy-Category"
@@ -202,7 +205,12 @@ def parse_request(state: SimState, request: web.Request, body: Any, chat: bool) 
     if not isinstance(stream_options, dict):
         raise BadRequest("stream_options must be an object.", param="stream_options")
     stop_raw = body.get("stop") or []
-    stop = (stop_raw,) if isinstance(stop_raw, str) else tuple(str(s) for s in stop_raw if s)
+    if isinstance(stop_raw, str):
+        stop: tuple[str, ...] = (stop_raw,)
+    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
+        stop = tuple(s for s in stop_raw if s)
+    else:
+        raise BadRequest("stop must be a string or a list of strings.", param="stop")
     seed = _int_field(body, "seed", None)
     logprobs: int | None = None
     if chat:
@@ -763,13 +771,28 @@ def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
+@web.middleware
+async def _internal_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unexpected exception becomes vLLM's 500 JSON, never aiohttp's text page."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException:
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        log.exception("simulator error on %s", request.path)
+        return error_response(f"Internal simulator error: {exc!r}", 500, "InternalServerError")
+
+
 def create_sim_app(config: SimConfig, profile: CostProfile | None = None) -> web.Application:
     """The simulator as an aiohttp application (the engine starts and stops with the app)."""
     profile = profile or load_profile(config.profile)
     method = config.method
     if method is not None and not profile.supports(method):
         raise SimConfigError(f"cost profile '{profile.name}' has no drafter cost for method '{method}'")
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_internal_errors])
     engine = SimEngine(config, profile)
     gate = asyncio.Semaphore(config.faults.max_concurrency) if config.faults.max_concurrency else None
     app[STATE] = SimState(
