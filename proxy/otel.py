@@ -244,14 +244,13 @@ class DuckDBSpanExporter(SpanExporter):
 
 def _convert(column: np.ndarray[Any, Any], kind: Any, null_fill: str | None) -> Column:
     """An object column of the row matrix as a DuckDB-scannable array plus null mask."""
-    nulls: np.ndarray[Any, Any] = column == None  # noqa: E711 (elementwise, not an identity test)
-    has_nulls = bool(nulls.any())
-    if kind is None:  # DuckDB reads None in an object column as NULL
+    if kind is None:  # DuckDB reads None in an object column as NULL; only NOT NULL columns need a look
         values = np.ascontiguousarray(column)
-        if has_nulls and null_fill is not None:
-            values = values.copy()
-            values[nulls] = null_fill
+        if null_fill is not None:
+            values[values == None] = null_fill  # noqa: E711 (elementwise, not an identity test)
         return values, None
+    nulls: np.ndarray[Any, Any] = column == None  # noqa: E711
+    has_nulls = bool(nulls.any())
     if has_nulls:
         column = column.copy()
         column[nulls] = 0
@@ -270,20 +269,19 @@ def otlp_exporter(endpoint: str | None) -> SpanExporter | None:
     Headers, timeout, compression and certificates come from the standard ``OTEL_EXPORTER_OTLP_*``
     variables, read by the exporter itself. Only the http/protobuf protocol is supported.
     """
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
+    url: str | None = None
     if endpoint:
         url = endpoint.rstrip("/")
         if not url.endswith("/v1/traces"):
             url += "/v1/traces"
-        return OTLPSpanExporter(endpoint=url)
-    chosen = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    env_endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    wanted = "otlp" in {c.strip() for c in chosen.split(",")} if chosen else bool(env_endpoint)
-    if not wanted:
-        return None
+    else:
+        chosen = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+        env_endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        wanted = "otlp" in {c.strip() for c in chosen.split(",")} if chosen else bool(env_endpoint)
+        if not wanted:
+            return None
     protocol = (
         os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -291,4 +289,7 @@ def otlp_exporter(endpoint: str | None) -> SpanExporter | None:
     )
     if protocol and protocol != "http/protobuf":
         log.warning("OTLP protocol %r is not supported; exporting spans with http/protobuf instead", protocol)
-    return OTLPSpanExporter()
+    # Imported only when wanted: it pulls in `requests` and protobuf (~0.1 s at start-up).
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=url) if url else OTLPSpanExporter()

@@ -381,3 +381,15 @@ def test_readable_spans_from_elsewhere_get_rows(db: Path) -> None:
         ("m", "", "", T0_NS)
     ]
     conn.close()
+
+
+def test_readme_spans_example_runs(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("<!-- section: spans -->")[1].split("<!-- /section: spans -->")[0]
+    blocks = [block.split("```")[0] for block in section.split("```python\n")[1:]]
+    example = next(block for block in blocks if "SpanSink(" in block)
+    done = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "baseline" in done.stdout and "0.66" in done.stdout
+    assert count(tmp_path / "spans.duckdb") == 1
