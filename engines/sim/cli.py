@@ -239,7 +239,7 @@ async def _serve(config: SimConfig, profile_name: str, host: str, port: int) -> 
             described = f"{spec.method} k={spec.num_speculative_tokens}" if spec else "no speculation"
             click.echo(
                 f"specproxy sim: model {config.served_name}, {described}, profile {profile_name}, "
-                f"time scale {config.time_scale:g}"
+                f"time scale {config.time_scale:g} (engine clock {config.time_scale:g}x the profile's speed)"
             )
             click.echo(f"specproxy sim listening on {sim.url}")
             sys.stdout.flush()
