@@ -299,7 +299,7 @@ class SpanSink:
         if self._thread is not None:
             raise SpanSinkError("this span sink is already started")
         if self.db_path is not None:
-            self._conn = _open_store(self.db_path)
+            self._conn = open_store(self.db_path)
         self._thread = threading.Thread(target=self._run_writer, name="specproxy-span-writer", daemon=True)
         self._thread.start()
 
@@ -508,8 +508,11 @@ def _insert_backend_metrics(conn: Any, rows: Sequence[BackendMetricRow]) -> None
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 
 
-def _open_store(path: Path) -> Any:
-    """Open (or create) the DuckDB file for writing and migrate it; DuckDB's errors become sentences."""
+def open_store(path: Path) -> Any:
+    """Open (or create) a span store for writing, with the sink's settings, and migrate its schema.
+
+    DuckDB's errors become :class:`SpanSinkError` / :class:`SpanStoreLocked` with a sentence.
+    """
     try:
         conn = duckdb.connect(str(path))
     except duckdb.IOException as exc:
@@ -544,6 +547,7 @@ def _open_store(path: Path) -> Any:
 __all__ = [
     "BackendMetricRow",
     "SpanSink",
+    "open_store",
     "SpanSinkError",
     "SpanStoreLocked",
 ]

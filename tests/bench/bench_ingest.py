@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from specproxy import schema
 from specproxy.proxy.otel import DuckDBSpanExporter, span_row
-from specproxy.proxy.sink import SpanSink, _open_store
+from specproxy.proxy.sink import SpanSink, open_store
 from specproxy.record import COLUMNS, SpanRecord
 
 
@@ -93,7 +93,7 @@ def bench_writer(tmp: Path, spans: list[ReadableSpan], batch: int, rows: bool) -
 
     rows=True: write_rows on ready rows (the writer thread); False: export(spans) (span → row too)."""
     path = fresh_db(tmp, "writer")
-    conn = _open_store(path)  # with the sink's settings
+    conn = open_store(path)  # with the sink's settings
     exporter = DuckDBSpanExporter(conn)
     ready = [span_row(s) for s in spans] if rows else []
     t, cpu = time.perf_counter(), time.process_time()
@@ -121,7 +121,7 @@ def sleeper_lags(stop: threading.Event) -> list[float]:
 def bench_loop_lag(tmp: Path, spans: list[ReadableSpan], batch: int) -> tuple[float, float, float, float]:
     """(p99, max) wake-up lag of a 1 ms sleeper beside the writer thread, then alone for as long, in ms."""
     path = fresh_db(tmp, "lag")
-    conn = _open_store(path)
+    conn = open_store(path)
     exporter = DuckDBSpanExporter(conn)
     ready = [span_row(s) for s in spans]
     stop = threading.Event()
