@@ -241,11 +241,12 @@ class MetricsScraper:
                 if resp.status != 200:
                     return self._failed(arm, scraped_at, f"GET {url} answered HTTP {resp.status}")
                 text = await resp.text(errors="replace")
-            snapshot = parse_metrics(arm.name, text, scraped_at)
         except (aiohttp.ClientError, TimeoutError) as exc:
             return self._failed(arm, scraped_at, f"GET {url} failed: {exc.__class__.__name__} {exc}".strip())
-        except ValueError as exc:  # prometheus_client's parser on text that is not the exposition format
-            return self._failed(arm, scraped_at, f"{url} is not Prometheus text: {exc}")
+        try:
+            snapshot = parse_metrics(arm.name, text, scraped_at)
+        except Exception as exc:  # the parser raises ValueError on most garbage, but not only that
+            return self._failed(arm, scraped_at, f"{url} is not Prometheus text: {exc!r}")
         if arm.name in self._failing:
             self._failing.discard(arm.name)
             log.info("arm %s: %s answers again", arm.name, url)
