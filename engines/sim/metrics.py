@@ -85,7 +85,7 @@ LATENCY_BUCKETS = (
 )
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_TOKENS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-FINISHED_REASONS = ("stop", "length", "abort", "error")
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 class Histogram:
