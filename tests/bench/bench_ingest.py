@@ -33,12 +33,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import SpanKind
 
 from specproxy import schema
-from specproxy.proxy.otel import DuckDBSpanExporter, span_row
+from specproxy.proxy.otel import DuckDBSpanExporter, record_attributes, span_name, span_row
 from specproxy.proxy.sink import SpanSink, open_store
 from specproxy.record import COLUMNS, SpanRecord
 
@@ -183,6 +185,42 @@ def bench_end_to_end(tmp: Path, n: int, batch: int) -> tuple[float, float, float
     return n / dt, n / dcpu, n / t_emitted, n / tcpu_emitted
 
 
+def emit_breakdown(n: int) -> list[tuple[str, float]]:
+    """Where emit()'s time goes, µs of CPU per span, each step timed alone on the same records."""
+    t0 = time.time_ns()
+    records = [make_record(i, t0) for i in range(n)]
+    provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)  # no processors: SDK cost only
+    tracer = provider.get_tracer("bench")
+
+    def per_span(fn: Callable[[], object]) -> float:
+        cpu = time.thread_time()
+        fn()
+        return (time.thread_time() - cpu) / n * 1e6
+
+    attrs = [record_attributes(r) for r in records]
+
+    def otel_spans(keep: list[ReadableSpan] | None) -> None:
+        for r, a in zip(records, attrs, strict=True):
+            start = r.t_start_ns or 0
+            span = tracer.start_span(span_name(r), kind=SpanKind.CLIENT, attributes=a, start_time=start)
+            span.end(end_time=start + 1000)
+            if keep is not None:
+                keep.append(span)  # type: ignore[arg-type]
+
+    made: list[ReadableSpan] = []
+    otel_spans(made)
+    steps = [
+        ("record → attributes (record_attributes)", per_span(lambda: list(map(record_attributes, records)))),
+        ("OTel SDK: start_span + end (attribute validation)", per_span(lambda: otel_spans(None))),
+        ("finished span → row (span_row, in on_end)", per_span(lambda: [span_row(s) for s in made])),
+    ]
+    sink = SpanSink(None, queue_size=n + 1, batch_size=n + 1, flush_interval_s=3600)
+    steps.append(("the whole emit()", per_span(lambda: [sink.emit(r) for r in records])))
+    sink.close()
+    provider.shutdown()
+    return steps
+
+
 def medians(repeats: int, fn: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
     runs = [fn() for _ in range(repeats)]
     return tuple(statistics.median(r[i] for r in runs) for i in range(len(runs[0])))
@@ -205,6 +243,7 @@ def main() -> None:
         rows = medians(1, lambda: bench_executemany(tmp, min(n, 2_000)))
         lag = medians(args.repeats, lambda: bench_loop_lag(tmp, spans, args.batch))
         e2e = medians(args.repeats, lambda: bench_end_to_end(tmp, n, args.batch))
+        breakdown = emit_breakdown(min(n, 50_000))
     load = os.getloadavg()[0]
     print(f"span ingest, {n} spans per measurement, median of {args.repeats}; python "
           f"{sys.version.split()[0]}, duckdb {duckdb.__version__}, {os.cpu_count()} cpus, load {load:.1f}")
@@ -222,6 +261,9 @@ def main() -> None:
     print(f"emit() costs the caller {1e6 / e2e[3]:.1f} µs of CPU per span ({1e6 / e2e[2]:.1f} µs wall)")
     print(f"a 1 ms sleeper (an event loop) beside the writer at full speed wakes late by p99 "
           f"{lag[0]:.1f} ms, max {lag[1]:.1f} ms; alone: p99 {lag[2]:.1f} ms, max {lag[3]:.1f} ms")
+    print("where emit()'s time goes (µs of CPU per span, each step alone):")
+    for label, us in breakdown:
+        print(f"  {label:<52}{us:>8.1f}")
     print("rows/cpu-s: rows per CPU-second of the process (all threads), what a dedicated core would give;")
     print("rows/s: by the wall clock on this machine as loaded now.")
 
