@@ -132,3 +132,25 @@ async def test_suffix_learns_across_requests() -> None:
                 truth = await resp.json()
             rates.append(truth["accepted_tokens"] / max(1, truth["completion_tokens"]))
     assert rates[1] > rates[0] + 0.3  # the second time, the first answer is in the suffix cache
+
+
+async def test_prefix_caching_skips_seen_prompt_blocks() -> None:
+    prompt = ARTICLE * 4  # ~260 words: several 16-token blocks
+    for enabled in (True, False):
+        config = SimConfig(time_scale=5, enable_prefix_caching=enabled)
+        async with running_sim(config) as sim, aiohttp.ClientSession() as session:
+            truths = []
+            for i in range(2):
+                body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 4}
+                async with session.post(
+                    sim.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": f"pc{i}"}
+                ) as resp:
+                    assert resp.status == 200
+                async with session.get(f"{sim.url}/sim/requests/pc{i}") as resp:
+                    truths.append(await resp.json())
+        first, second = truths
+        assert first["cached_prompt_tokens"] == 0
+        if enabled:
+            assert second["cached_prompt_tokens"] >= first["prompt_tokens"] - 16
+        else:
+            assert second["cached_prompt_tokens"] == 0

@@ -69,6 +69,8 @@ async def test_spec_counters_equal_ground_truth() -> None:
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     assert _value(samples, "vllm:generation_tokens_total") == sum(t["completion_tokens"] for t in truths)  # type: ignore[misc]
     assert _value(samples, "vllm:prompt_tokens_total") == sum(t["prompt_tokens"] for t in truths)  # type: ignore[misc]
+    assert _value(samples, "vllm:prefix_cache_hits_total") == sum(t["cached_prompt_tokens"] for t in truths)  # type: ignore[misc]
+    assert _value(samples, "vllm:prefix_cache_queries_total") == sum(t["prompt_tokens"] for t in truths)  # type: ignore[misc]
     assert _value(samples, "vllm:request_success_total", finished_reason="length") == 6
     assert _value(samples, "vllm:e2e_request_latency_seconds_count") == 6
     assert _value(samples, "vllm:time_to_first_token_seconds_count") == 6

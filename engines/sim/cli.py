@@ -25,6 +25,7 @@ def build_config(
     max_num_seqs: int | None,
     max_num_batched_tokens: int | None,
     faults: Faults,
+    enable_prefix_caching: bool = True,
 ) -> SimConfig:
     """Flags -> SimConfig; `--method/--num-speculative-tokens` are shorthands for the JSON."""
     spec: SpeculativeConfig | None = None
@@ -62,6 +63,7 @@ def build_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         faults=faults,
+        enable_prefix_caching=enable_prefix_caching,
     )
 
 
@@ -153,6 +155,12 @@ def build_config(
     help="Share of requests whose connection is cut mid-stream.",
 )
 @click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Like vLLM: reuse the KV of prompt prefixes (16-token blocks) seen before.",
+)
+@click.option(
     "--max-concurrency",
     type=int,
     default=None,
@@ -176,6 +184,7 @@ def sim(
     error_rate: float,
     stall_ms: float,
     drop_rate: float,
+    enable_prefix_caching: bool,
     max_concurrency: int | None,
 ) -> None:
     """A vLLM-shaped simulated backend with speculative decoding.
@@ -206,6 +215,7 @@ def sim(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             faults=faults,
+            enable_prefix_caching=enable_prefix_caching,
         )
         cost = load_profile(config.profile)
     except (SimConfigError, ProfileError) as exc:

@@ -147,6 +147,8 @@ class SimConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int = 131072
+    # vLLM V1 caches prompt prefixes by default (--enable-prefix-caching).
+    enable_prefix_caching: bool = True
     faults: Faults = field(default_factory=Faults)
     # Finished requests kept for GET /sim/requests (oldest dropped first).
     keep_finished: int = 100_000

@@ -23,6 +23,7 @@ from typing import Any
 from specproxy.engines.profiles import CostProfile
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.metrics import EngineMetrics
+from specproxy.engines.sim.prefix_cache import PrefixCache
 from specproxy.engines.sim.proposers import (
     NgramIndex,
     SuffixCache,
@@ -63,6 +64,7 @@ class SeqTruth:
     method: str | None
     num_speculative_tokens: int
     prompt_tokens: int
+    cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     steps: int = 0
     decode_steps: int = 0
@@ -88,6 +90,7 @@ class SeqTruth:
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "steps": self.steps,
             "decode_steps": self.decode_steps,
@@ -146,6 +149,7 @@ class Sequence:
         "rates",
         "last_emit",
         "_text_tail",
+        "block_hashes",
     )
 
     def __init__(
@@ -174,6 +178,7 @@ class Sequence:
         self.rates = rates
         self.last_emit = 0.0
         self._text_tail = ""
+        self.block_hashes: list[int] = []
 
     @property
     def finished(self) -> bool:
@@ -218,6 +223,7 @@ class EngineCore:
         self.metrics = EngineMetrics(config.served_name, self.k if self.spec else None)
         self.truths: OrderedDict[str, SeqTruth] = OrderedDict()
         self.suffix_cache = SuffixCache()
+        self.prefix_cache = PrefixCache(KV_CAPACITY_TOKENS) if config.enable_prefix_caching else None
         self.steps = 0
         self.busy_time_s = 0.0
 
@@ -311,12 +317,19 @@ class EngineCore:
             seq.truth.scheduled = now
             self.metrics.queue.observe(now - seq.truth.arrival)
             self.running.append(seq)
-            chunk = min(seq.prompt_len, budget)
+            self.metrics.prompt_tokens += seq.prompt_len  # cached or computed, as vLLM counts them
+            if self.prefix_cache is not None:
+                seq.block_hashes = PrefixCache.block_hashes(seq.spec.prompt.token_ids)
+                seq.computed = self.prefix_cache.cached_tokens(seq.block_hashes, seq.prompt_len)
+                seq.truth.cached_prompt_tokens = seq.computed
+                self.metrics.prefix_cache_queries += seq.prompt_len
+                self.metrics.prefix_cache_hits += seq.computed
+            chunk = min(seq.prompt_len - seq.computed, budget)
             items.append((seq, chunk, True))
             budget -= chunk
             batched += chunk
             prefill += chunk
-            kv += chunk
+            kv += seq.computed + chunk
         self.metrics.waiting = len(self.waiting)
         self.metrics.running = len(self.running)
         if not items:
@@ -334,7 +347,6 @@ class EngineCore:
         self.busy_time_s += plan.duration_s
         m = self.metrics
         m.iteration_tokens.observe(plan.batched_tokens)
-        m.prompt_tokens += plan.prefill_tokens
         touched: list[Sequence] = []
         lookup = self.method in LOOKUP_METHODS
         spec_on = self.spec is not None
@@ -348,6 +360,8 @@ class EngineCore:
                 seq.computed += tokens
                 if seq.computed < seq.prompt_len:
                     continue
+                if self.prefix_cache is not None:
+                    self.prefix_cache.insert(seq.block_hashes)
                 emitted = 1  # the step that completes prefill samples the first token
             else:
                 truth.decode_steps += 1

@@ -131,6 +131,8 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.success = dict.fromkeys(FINISHED_REASONS, 0)
         self.spec_drafts = 0
         self.spec_draft_tokens = 0
@@ -185,6 +187,16 @@ class _Collector(Collector):
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage)
         yield counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", m.preemptions
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            m.prefix_cache_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            m.prefix_cache_hits,
         )
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens)
