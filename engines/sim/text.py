@@ -273,7 +273,8 @@ class TargetText:
         self._src_ids = prompt.content_ids
         self._src_pieces = prompt.content_pieces
         mean = style.length_mean + style.length_of_prompt * len(prompt.content_ids)
-        self.eos_at = max(8, int(self._rng.gauss(mean, mean * 0.35)))
+        # Natural answer length: at least half the category's mean, so short max_tokens always bind.
+        self.eos_at = max(int(mean * 0.5), int(self._rng.gauss(mean, mean * 0.35)))
         self.tie_at = self._rng.randint(1, max(1, min(self.eos_at - 1, 200)))
         self._flip = flip
         self._seg_left = 0
