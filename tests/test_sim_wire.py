@@ -250,3 +250,21 @@ async def test_malformed_fields_are_400_not_500(sim: RunningSim) -> None:
                 payload = await r.json()
                 assert r.status == 400, body
                 assert payload["error"]["type"] == "BadRequestError" and payload["error"]["message"]
+
+
+async def test_stream_interval_batches_tokens(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=41,
+        stream=True,
+        extra_body={"stream_interval": 10, "return_token_ids": True},
+    )
+    sizes = [
+        len(c.choices[0].model_extra["token_ids"])
+        async for c in stream  # type: ignore[index]
+        if c.choices and (c.choices[0].model_extra or {}).get("token_ids")
+    ]
+    assert sum(sizes) == 41 and len(sizes) <= 5
+    assert all(size >= 10 for size in sizes[1:-1])

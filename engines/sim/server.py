@@ -101,6 +101,7 @@ class ParsedRequest:
     greedy: bool
     seed: int | None
     n: int = 1
+    stream_interval: int = 1
 
 
 # -- request parsing -----------------------------------------------------------------------------
@@ -212,6 +213,11 @@ def parse_request(state: SimState, request: web.Request, body: Any, chat: bool) 
     else:
         raise BadRequest("stop must be a string or a list of strings.", param="stop")
     seed = _int_field(body, "seed", None)
+    stream_interval = _int_field(body, "stream_interval", None) or 1
+    if stream_interval < 1:
+        raise BadRequest(
+            f"stream_interval must be at least 1, got {stream_interval}.", param="stream_interval"
+        )
     logprobs: int | None = None
     if chat:
         top = _int_field(body, "top_logprobs", 0) or 0
@@ -269,6 +275,7 @@ def parse_request(state: SimState, request: web.Request, body: Any, chat: bool) 
         greedy=greedy,
         seed=seed,
         n=n or 1,
+        stream_interval=stream_interval,
     )
 
 
@@ -615,6 +622,8 @@ async def _stream(
                 end = seq.n_out
                 if done[i] or (end <= sent[i] and not seq.finished):
                     continue
+                if 0 < sent[i] and end - sent[i] < req.stream_interval and not seq.finished:
+                    continue  # stream_interval: batch tokens; the first and the last chunk go at once
                 if sent[i] == 0 and req.chat:
                     data += shaper.first_chunk(i)
                 # A finished sequence with nothing new (aborted, stop string) still gets its finish chunk.
