@@ -242,7 +242,6 @@ class EngineCore:
         )
         proposer: NgramIndex | SuffixProposer | None = None
         rates: tuple[float, ...] = ()
-        assert self.spec is not None or self.method is None
         if self.spec is not None:
             if self.method == "ngram":
                 proposer = NgramIndex(

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from specproxy.engines.profiles import CostProfile, load_profile
 from specproxy.engines.sim.config import SimConfig, SimConfigError
@@ -71,7 +72,7 @@ class SimState:
     config: SimConfig
     profile: CostProfile
     engine: SimEngine
-    registry: Any
+    registry: CollectorRegistry
     fault_rng: random.Random
     gate: asyncio.Semaphore | None
     created: int
