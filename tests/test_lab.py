@@ -12,6 +12,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from specproxy.analysis import analyze_text
 from specproxy.lab import category_speedups
 from tests.support import free_port, wait_http
 
@@ -115,17 +116,23 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
     elapsed = time.monotonic() - t0
     assert res.returncode == 0, res.stdout + res.stderr
     assert elapsed < 120, f"lab --quick took {elapsed:.0f} s"
-    table = verdicts(res.stdout)
-    # EAGLE3 wins broadly at low concurrency
-    assert table[("c=1", "eagle3")] == "WIN" and table[("c=4", "eagle3")] == "WIN"
     db = out / "specproxy.duckdb"
+    assert (out / "report.html").exists()
     with duckdb.connect(str(db), read_only=True) as conn:
         run_id = conn.execute("SELECT run_id FROM runs").fetchone()[0]  # type: ignore[index]
         same, compared = conn.execute("SELECT count(*) FILTER (identical), count(identical) FROM requests "
                                       "WHERE arm_role <> 'baseline'").fetchone()  # type: ignore[misc]
     assert compared > 0 and same == compared  # outputs identical
+    if "warning: a simulator fell more than" in res.stderr:
+        pytest.skip("the machine was too busy for the simulators to keep their clocks: " +
+                    next(line for line in res.stderr.splitlines() if "clock lag" in line))
+    rows = {(r["concurrency_level"], r["arm"]): r for r in
+            json.loads(analyze_text([db], run=run_id, fmt="json"))["runs"][0]["rows"]}
+    # EAGLE3 wins broadly at low concurrency
+    for level in (1, 4):
+        assert rows[(level, "eagle3")]["decode_speedup"]["low"] > 1.05
+    # n-gram wins on summarization at low concurrency ...
     speedup = {(a, lv, c): s for a, lv, c, s, _ in category_speedups(db, run_id)}
-    # n-gram wins on summarization at low concurrency and loses at the highest
     assert speedup[("ngram", 1, "summarization")] > 1.2
-    assert speedup[("ngram", 256, "summarization")] < 1.0
-    assert (out / "report.html").exists()
+    # ... and loses at high concurrency: lower aggregate throughput than the baseline at the peak level
+    assert rows[(256, "ngram")]["throughput_speedup"]["high"] < 1.0
