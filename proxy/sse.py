@@ -76,7 +76,11 @@ class SSEParser:
             block = buf[start:end]
             start = end + 2
             if block:
-                events.append(SSEEvent(block + b"\n\n", _data_of(block)))
+                # Inlined fast path of _data_of: the one-line `data: {...}` event vLLM sends.
+                if block.startswith(b"data: ") and b"\n" not in block:
+                    events.append(SSEEvent(buf[start - 2 - len(block):start], block[6:]))
+                else:
+                    events.append(SSEEvent(block + b"\n\n", _data_of(block)))
         self._buf = buf[start:] + held
         return events
 

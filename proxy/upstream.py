@@ -185,29 +185,45 @@ def _upstream_body(arm: Arm, body: dict[str, Any], *, with_extensions: bool) -> 
         opts = body.get("stream_options")
         client_opts = opts if isinstance(opts, dict) else {}
         strip.usage = not client_opts.get("include_usage")
-        strip.chunk_usage = not strip.usage and not client_opts.get("continuous_usage_stats")
-        out["stream_options"] = {**client_opts, "include_usage": True, "continuous_usage_stats": True}
+        # Per-chunk usage (tokens per chunk) only where the stream's shape is measured: arms with
+        # speculation. Other arms (the production baseline among them) only add the final usage
+        # chunk, so their chunks reach the client byte for byte and cost the server nothing extra.
+        continuous = arm.spec_method != "none" or bool(client_opts.get("continuous_usage_stats"))
+        strip.chunk_usage = continuous and not strip.usage and not client_opts.get("continuous_usage_stats")
+        out["stream_options"] = {**client_opts, "include_usage": True, "continuous_usage_stats": continuous}
     if arm.return_token_ids:
         strip.token_ids = not body.get("return_token_ids")
         out["return_token_ids"] = True
     return orjson.dumps(out), strip
 
 
-def _strip_chunk(obj: dict[str, Any], strip: _Strip) -> bool:
-    """Remove what the client did not ask for from one chunk; False means drop the whole event."""
+DROP, KEEP, CHANGED = 0, 1, 2
+
+
+def _strip_chunk(obj: dict[str, Any], strip: _Strip) -> int:
+    """Remove what the client did not ask for from one chunk: DROP the event, KEEP it as received, or
+    send it CHANGED (re-serialised)."""
     choices = obj.get("choices")
+    changed = False
     if strip.usage:
         if not choices and "usage" in obj:
-            return False
-        obj.pop("usage", None)
+            return DROP
+        changed = _pop(obj, "usage")
     elif strip.chunk_usage and choices:
-        obj.pop("usage", None)
+        changed = _pop(obj, "usage")
     if strip.token_ids:
-        obj.pop("prompt_token_ids", None)
+        changed = _pop(obj, "prompt_token_ids") or changed
         for c in choices or ():
-            c.pop("token_ids", None)
-            c.pop("prompt_token_ids", None)
-    return True
+            changed = _pop(c, "token_ids") or changed
+            changed = _pop(c, "prompt_token_ids") or changed
+    return CHANGED if changed else KEEP
+
+
+def _pop(d: dict[str, Any], key: str) -> bool:
+    if key in d:
+        del d[key]
+        return True
+    return False
 
 
 def _strip_body(body: bytes, strip: _Strip) -> bytes:
@@ -385,7 +401,11 @@ async def _read_stream(
                 obj = tap.feed_data(ev.data, now) if ev.data is not None else None
                 if obj is None:
                     out.append(ev.raw)
-                elif _strip_chunk(obj, strip):
+                    continue
+                action = _strip_chunk(obj, strip)
+                if action == KEEP:
+                    out.append(ev.raw)
+                elif action == CHANGED:
                     out.append(b"data: " + orjson.dumps(obj) + b"\n\n")
             if out and relay is not None:
                 await _relay_write(relay, b"".join(out))

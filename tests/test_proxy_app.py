@@ -127,7 +127,11 @@ async def test_client_gets_the_bytes_the_backend_would_have_sent(
             assert r.headers["Content-Type"] == "text/event-stream" and r.headers["X-Specproxy-Arm"] == "base"
             proxied = await r.read()
         # The proxy asked the backend for usage and token ids; the client sees only what it asked for.
-        assert base.stats.bodies[-1]["stream_options"]["continuous_usage_stats"] is True
+        assert base.stats.bodies[-1]["stream_options"]["include_usage"] is True
+        assert base.stats.bodies[-1]["return_token_ids"] is True
+        # Per-chunk usage only when the client asked: this arm has no speculation to measure.
+        client_continuous = bool(extra.get("stream_options", {}).get("continuous_usage_stats"))
+        assert base.stats.bodies[-1]["stream_options"]["continuous_usage_stats"] is client_continuous
         assert _normalise(proxied) == _normalise(direct)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -103,6 +104,24 @@ async def test_workers_share_the_port_and_write_one_store_each(tmp_path: Path) -
             assert con.execute("SELECT run_id FROM runs").fetchall() == [("shared-run",)]
     assert total == 30
     assert not db.exists()
+
+
+def test_a_span_store_held_by_another_process_is_a_sentence(tmp_path: Path) -> None:
+    db = tmp_path / "held.duckdb"
+    hold = ("import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); "
+            "time.sleep(9)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(db)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        cfg = _write_config(tmp_path / "exp.toml", f"http://127.0.0.1:{free_port()}", None, db)
+        result = CliRunner().invoke(main, ["serve", "--config", str(cfg), "--port", str(free_port())])
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+    assert result.exit_code == 1, result.output
+    assert str(db) in result.output and "Traceback" not in result.output
 
 
 def test_config_mistakes_are_sentences_not_tracebacks(tmp_path: Path) -> None:

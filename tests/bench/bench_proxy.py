@@ -15,8 +15,10 @@ per chunk). Three targets, each measured for ``--duration`` seconds per concurre
   on a shared box).
 
 The load generator is closed-loop (``c`` requests always in flight, streaming chat completions) and
-counts tokens as content chunks. It prints per target and level: p50/p99 TTFT, relayed tokens/s, and
-the proxy-added p50 TTFT and throughput as % of direct; then the proxies' RSS before/after. Targets
+counts tokens as content chunks. It prints per target and level: p50/p99 TTFT, relayed tokens/s, the
+proxy-added p50 TTFT and throughput as % of direct, and the relay process's CPU time per relayed token
+(the figure the shared machine disturbs least; shadow's includes reading the mirrored copy); then
+the proxies' RSS before/after. Targets
 (issue 2): added p50 TTFT ≤ 1 ms at c=1 and ≤ 5 ms at c=64; throughput ≥ 90 % of direct at c=64 and
 256; memory flat. Load generator, backends and proxy share this machine's cores: numbers are noisy,
 compare rows of one run.
@@ -102,6 +104,17 @@ async def run_load(url: str, concurrency: int, duration: float) -> CaseResult:
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         res.duration = time.perf_counter() - t_start
     return res
+
+
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds a process has used so far."""
+    if pid is None:
+        return float("nan")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float:
@@ -193,7 +206,9 @@ def main() -> None:
         shadow_cfg = write_config(tmp / "shadow.toml", "shadow", base, cand)
         split_proc = proxy(split_cfg, p_split, tmp / "split.duckdb")
         shadow_proc = proxy(shadow_cfg, p_shadow, tmp / "shadow.duckdb")
-        procs += [split_proc, shadow_proc, bare(base, p_bare)]
+        bare_proc = bare(base, p_bare)
+        procs += [split_proc, shadow_proc, bare_proc]
+        pids = {"direct": None, "bare": bare_proc.pid, "split": split_proc.pid, "shadow": shadow_proc.pid}
         targets = {"direct": base, "bare": f"http://127.0.0.1:{p_bare}", "split": f"http://127.0.0.1:{p_split}",
                    "shadow": f"http://127.0.0.1:{p_shadow}"}
         for url in targets.values():
@@ -209,17 +224,24 @@ def main() -> None:
         print(f"backend: TTFT 20 ms, 10 ms/token, 64 tokens; {args.duration:.0f} s per target and level; "
               f"{os.cpu_count()} cores shared by all processes\n")
         header = (f"{'c':>4} {'target':<7} {'reqs':>6} {'err':>4} {'p50 TTFT ms':>12} {'p99 TTFT ms':>12} "
-                  f"{'added p50 ms':>13} {'tok/s':>9} {'% direct':>9}")
+                  f"{'added p50 ms':>13} {'tok/s':>9} {'% direct':>9} {'relay CPU us/tok':>17}")
         print(header)
         print("-" * len(header))
         for c in levels:
-            results = {name: asyncio.run(run_load(url, c, args.duration)) for name, url in targets.items()}
+            results: dict[str, CaseResult] = {}
+            cpu: dict[str, float] = {}
+            for name, url in targets.items():
+                before = cpu_s(pids[name])
+                results[name] = asyncio.run(run_load(url, c, args.duration))
+                cpu[name] = cpu_s(pids[name]) - before
             d = results["direct"]
             for name, r in results.items():
                 added = (r.p(0.5) - d.p(0.5)) * 1000 if name != "direct" else 0.0
                 pct = 100 * r.tok_s / d.tok_s if d.tok_s else float("nan")
+                per_tok = 1e6 * cpu[name] / r.tokens if r.tokens else float("nan")
                 print(f"{c:>4} {name:<7} {r.requests:>6} {r.errors:>4} {r.p(0.5) * 1000:>12.2f} "
-                      f"{r.p(0.99) * 1000:>12.2f} {added:>13.2f} {r.tok_s:>9.0f} {pct:>8.1f}%")
+                      f"{r.p(0.99) * 1000:>12.2f} {added:>13.2f} {r.tok_s:>9.0f} {pct:>8.1f}% "
+                      f"{per_tok:>17.1f}")
         rss1 = {"split": rss_mb(split_proc.pid), "shadow": rss_mb(shadow_proc.pid)}
         print()
         for name in rss0:
