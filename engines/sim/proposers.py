@@ -108,8 +108,8 @@ class NgramIndex:
         for m in range(max(start, 1), len(self.tokens)):
             self._register(m)
 
-    def propose(self, k: int) -> list[int]:
-        """Longest n-gram (hi..lo) matching the suffix; the up-to-k tokens after its earliest occurrence."""
+    def longest_match(self) -> tuple[int, int] | None:
+        """(n, position after the earliest occurrence) of the longest n-gram (hi..lo) ending the tokens."""
         tokens = self.tokens
         size = len(tokens)
         for n in range(self._hi, self._lo - 1, -1):
@@ -117,8 +117,15 @@ class NgramIndex:
                 continue
             follow = self._maps[n].get(tuple(tokens[size - n :]))
             if follow is not None:
-                return tokens[follow : follow + k]
-        return []
+                return n, follow
+        return None
+
+    def propose(self, k: int) -> list[int]:
+        """The up-to-k tokens that followed the longest matching n-gram's earliest occurrence."""
+        match = self.longest_match()
+        if match is None:
+            return []
+        return self.tokens[match[1] : match[1] + k]
 
 
 class SuffixCache:
@@ -172,10 +179,13 @@ class SuffixProposer:
 
     def propose(self) -> list[int]:
         tokens = self._index.tokens
-        for n in range(8, 1, -1):
-            if len(tokens) < n:
-                continue
-            follow = self._index._maps[n].get(tuple(tokens[len(tokens) - n :]))
-            if follow is not None:
-                return tokens[follow : follow + min(self._k, 2 * n)]
-        return self._cache.propose(tokens, self._k)
+        own = self._index.longest_match()
+        # A match in earlier outputs is at least SuffixCache.NGRAM long; prefer whichever is longer.
+        if own is None or own[0] < SuffixCache.NGRAM:
+            shared = self._cache.propose(tokens, self._k)
+            if shared:
+                return shared
+        if own is None:
+            return []
+        n, follow = own
+        return tokens[follow : follow + min(self._k, 2 * n)]
