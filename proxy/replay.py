@@ -86,7 +86,6 @@ class ReplaySettings:
     seed: int = 0
     model: str | None = None
     experiment: Experiment | None = None
-    through_proxy: bool = False
     timeout: UpstreamTimeout = UpstreamTimeout()
     capture_output: bool = False
     show_progress: bool = True

@@ -162,7 +162,6 @@ def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, c
         seed=seed,
         model=model,
         experiment=experiment,
-        through_proxy=target is not None,
         capture_output=capture_output,
         show_progress=not no_progress,
     )

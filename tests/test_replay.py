@@ -119,6 +119,20 @@ async def test_poisson_rate_and_timed_runs(tmp_path: Path) -> None:
                 == [(True,)]
 
 
+async def test_duration_bounds_each_level_and_items_per_level_cycles(tmp_path: Path) -> None:
+    db = tmp_path / "d.duckdb"
+    async with running_backend(BackendConfig(itl_s=0.02)) as base:
+        settings = ReplaySettings(
+            arms=(Arm(name="b", url=base.url, role="baseline"),), db_path=db, show_progress=False,
+            load=LoadPlan(levels=(1, 2), warmup=0, duration_s=0.4, items_per_level=lambda c: 1000),
+        )
+        await run_replay(settings, items(3))
+    per_level = dict(rows(db, "SELECT concurrency_level, count(*) FROM requests GROUP BY 1"))
+    # 6 tokens at 20 ms each: about 0.1 s per call, so a 0.4 s level sends a handful, never 1000
+    assert 2 <= per_level[1] <= 8 and 4 <= per_level[2] <= 14
+    assert rows(db, "SELECT count(DISTINCT prompt_sha256) FROM requests") == [(3,)]
+
+
 async def test_timed_needs_timestamps(tmp_path: Path) -> None:
     async with running_backend() as base:
         settings = ReplaySettings(arms=(Arm(name="b", url=base.url, role="baseline"),),
