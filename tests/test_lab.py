@@ -11,8 +11,10 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from click.testing import CliRunner
 
 from specproxy.analysis import analyze_text
+from specproxy.cli import main
 from specproxy.lab import category_speedups
 from tests.support import free_port, wait_http
 
@@ -97,14 +99,16 @@ def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
 
 
 def test_lab_errors_are_sentences(tmp_path: Path) -> None:
+    runner = CliRunner()
     bad = tmp_path / "w.jsonl"
     bad.write_text("")
-    res = lab("--workload", str(bad), "--out", str(tmp_path / "o"), timeout=30)
-    assert res.returncode == 1 and "the file is empty" in res.stderr and "Traceback" not in res.stderr
+    res = runner.invoke(main, ["lab", "--workload", str(bad), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 1 and "the file is empty" in res.stderr and res.exception is not None
+    assert isinstance(res.exception, SystemExit)  # a ClickException, not a traceback
     cfg = tmp_path / "exp.toml"
     cfg.write_text(f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://127.0.0.1:{free_port()}"\n')
-    res = lab("--config", str(cfg), "--out", str(tmp_path / "o"), timeout=30)
-    assert res.returncode == 1 and "is not reachable" in res.stderr and "engines up" in res.stderr
+    res = runner.invoke(main, ["lab", "--config", str(cfg), "--out", str(tmp_path / "o"), "--no-progress"])
+    assert res.exit_code == 1 and "is not reachable" in res.stderr and "engines up" in res.stderr
 
 
 @pytest.mark.slow
