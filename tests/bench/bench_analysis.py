@@ -1,0 +1,85 @@
+"""Benchmark: `specproxy analyze` and `report` on millions of synthetic spans (issue 4's targets).
+
+    python tests/bench/bench_analysis.py [--rows 10000000] [--repeat 3] [--keep]
+
+Generates one paired replay run (4 arms × 4 concurrency levels) inside DuckDB (tests/spanfactory.py's
+``generate_sql``), then runs each command as a subprocess `--repeat` times and prints the median wall
+time and the peak RSS (the child's ru_maxrss from wait4). Targets: analyze ≤ 10 s, report ≤ 30 s,
+both within 2 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.spanfactory import generate_sql  # noqa: E402
+
+TARGETS = {"analyze": (10.0, 2048.0), "report": (30.0, 2048.0)}
+
+
+def measure(args: list[str]) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of one subprocess."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        raise SystemExit(f"{' '.join(args)} failed ({proc.returncode}): {err}")
+    if proc.stderr:
+        proc.stderr.close()
+    return wall, usage.ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=10_000_000, help="synthetic spans to generate")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each command (median reported)")
+    parser.add_argument("--keep", action="store_true", help="keep the generated file (printed) for reuse")
+    parser.add_argument("--db", type=Path, help="use this existing file instead of generating one")
+    opts = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="specproxy-bench-"))
+    db = opts.db
+    if db is None:
+        db = workdir / "bench.duckdb"
+        t0 = time.perf_counter()
+        generate_sql(db, opts.rows)
+        print(f"generated {opts.rows:,} spans in {time.perf_counter() - t0:.1f} s: {db}")
+    exe = [sys.executable, "-m", "specproxy"]
+    commands = {
+        "analyze": [*exe, "analyze", str(db)],
+        "report": [*exe, "report", str(db), "-o", str(workdir / "report.html")],
+    }
+    print(f"{'command':<10} {'median s':>9} {'runs s':>22} {'peak RSS MiB':>13} {'target':>18}  ok")
+    failed = False
+    for name, args in commands.items():
+        runs = [measure(args) for _ in range(opts.repeat)]
+        walls = [w for w, _ in runs]
+        rss = max(r for _, r in runs)
+        limit_s, limit_mib = TARGETS[name]
+        ok = statistics.median(walls) <= limit_s and rss <= limit_mib
+        failed |= not ok
+        print(
+            f"{name:<10} {statistics.median(walls):>9.2f} {', '.join(f'{w:.2f}' for w in walls):>22} "
+            f"{rss:>13.0f} {f'≤{limit_s:.0f} s, ≤{limit_mib:.0f} MiB':>18}  {'yes' if ok else 'NO'}"
+        )
+    if not opts.keep and opts.db is None:
+        for p in workdir.iterdir():
+            p.unlink()
+        workdir.rmdir()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
