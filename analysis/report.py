@@ -245,13 +245,10 @@ def _snippets(cand: str | None, base: str | None) -> tuple[str, str]:
 
 
 def _mismatches(store: SpanStore, ev: RunEvaluation, settings: Settings) -> str:
-    total = store.query("SELECT count(*) AS n FROM pairs WHERE run_id = ? AND NOT identical", [ev.run_id])[0][
-        "n"
-    ]
+    # totals from the evaluation (every comparison of the run, baseline repeats included): no extra pass
+    compared = sum(r.compared for r in ev.rows)
+    total = compared - sum(r.identical for r in ev.rows)
     if not total:
-        compared = store.query("SELECT count(identical) AS n FROM pairs WHERE run_id = ?", [ev.run_id])[0][
-            "n"
-        ]
         return f"<p>No mismatches among {compared} compared outputs.</p>"
     rows = store.query(
         f"""

@@ -21,13 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.spanfactory import generate_sql  # noqa: E402
+from tests.spanfactory import generate_sql
 
 TARGETS = {"analyze": (10.0, 2048.0), "report": (30.0, 2048.0)}
 
 
-def measure(args: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of one subprocess."""
+def measure(args: list[str]) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak RSS MiB) of one subprocess."""
     start = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -38,11 +38,13 @@ def measure(args: list[str]) -> tuple[float, float]:
         raise SystemExit(f"{' '.join(args)} failed ({proc.returncode}): {err}")
     if proc.stderr:
         proc.stderr.close()
-    return wall, usage.ru_maxrss / 1024.0  # Linux reports KiB
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024.0  # Linux reports KiB
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=10_000_000, help="synthetic spans to generate")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each command (median reported)")
     parser.add_argument("--keep", action="store_true", help="keep the generated file (printed) for reuse")
@@ -61,19 +63,22 @@ def main() -> None:
         "analyze": [*exe, "analyze", str(db)],
         "report": [*exe, "report", str(db), "-o", str(workdir / "report.html")],
     }
-    print(f"{'command':<10} {'median s':>9} {'runs s':>22} {'peak RSS MiB':>13} {'target':>18}  ok")
+    print(f"load average before: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} cores)")
+    print(f"{'command':<10} {'median s':>9} {'runs s':>22} {'CPU s':>7} {'peak RSS MiB':>13} {'target':>18}  ok")
     failed = False
     for name, args in commands.items():
         runs = [measure(args) for _ in range(opts.repeat)]
-        walls = [w for w, _ in runs]
-        rss = max(r for _, r in runs)
+        walls = [w for w, _, _ in runs]
+        cpu = statistics.median(c for _, c, _ in runs)
+        rss = max(r for _, _, r in runs)
         limit_s, limit_mib = TARGETS[name]
         ok = statistics.median(walls) <= limit_s and rss <= limit_mib
         failed |= not ok
         print(
             f"{name:<10} {statistics.median(walls):>9.2f} {', '.join(f'{w:.2f}' for w in walls):>22} "
-            f"{rss:>13.0f} {f'≤{limit_s:.0f} s, ≤{limit_mib:.0f} MiB':>18}  {'yes' if ok else 'NO'}"
+            f"{cpu:>7.1f} {rss:>13.0f} {f'≤{limit_s:.0f} s, ≤{limit_mib:.0f} MiB':>18}  {'yes' if ok else 'NO'}"
         )
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     if not opts.keep and opts.db is None:
         for p in workdir.iterdir():
             p.unlink()
