@@ -64,7 +64,8 @@ def main() -> None:
         "report": [*exe, "report", str(db), "-o", str(workdir / "report.html")],
     }
     print(f"load average before: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} cores)")
-    print(f"{'command':<10} {'median s':>9} {'runs s':>22} {'CPU s':>7} {'peak RSS MiB':>13} {'target':>18}  ok")
+    header = ("command", "median s", "runs s", "CPU s", "peak RSS MiB", "target")
+    print(f"{header[0]:<10} {header[1]:>9} {header[2]:>22} {header[3]:>7} {header[4]:>13} {header[5]:>18}  ok")
     failed = False
     for name, args in commands.items():
         runs = [measure(args) for _ in range(opts.repeat)]
@@ -76,7 +77,8 @@ def main() -> None:
         failed |= not ok
         print(
             f"{name:<10} {statistics.median(walls):>9.2f} {', '.join(f'{w:.2f}' for w in walls):>22} "
-            f"{cpu:>7.1f} {rss:>13.0f} {f'≤{limit_s:.0f} s, ≤{limit_mib:.0f} MiB':>18}  {'yes' if ok else 'NO'}"
+            f"{cpu:>7.1f} {rss:>13.0f} {f'≤{limit_s:.0f} s, ≤{limit_mib:.0f} MiB':>18}  "
+            f"{'yes' if ok else 'NO'}"
         )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     if not opts.keep and opts.db is None:
