@@ -65,7 +65,7 @@ def main() -> None:
     }
     print(f"load average before: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} cores)")
     header = ("command", "median s", "runs s", "CPU s", "peak RSS MiB", "target")
-    print(f"{header[0]:<10} {header[1]:>9} {header[2]:>22} {header[3]:>7} {header[4]:>13} {header[5]:>18}  ok")
+    print(f"{header[0]:<10} {header[1]:>9} {header[2]:>22} {header[3]:>7} {header[4]:>13} {header[5]:>18} ok")
     failed = False
     for name, args in commands.items():
         runs = [measure(args) for _ in range(opts.repeat)]
