@@ -154,3 +154,16 @@ async def test_prefix_caching_skips_seen_prompt_blocks() -> None:
             assert second["cached_prompt_tokens"] >= first["prompt_tokens"] - 16
         else:
             assert second["cached_prompt_tokens"] == 0
+
+
+def test_kv_capacity_queues_and_preempts_without_changing_outputs() -> None:
+    summ = summarization_workload(8)
+    roomy = run_closed_loop(SimConfig(), summ, concurrency=8, num_requests=8, max_tokens=300, ignore_eos=True)
+    # ~760-token prompts, 8 at once, in a 3,000-token cache: most wait, decoding ones get preempted.
+    tight_config = SimConfig(kv_cache_tokens=3000, enable_prefix_caching=False)
+    tight = run_closed_loop(
+        tight_config, summ, concurrency=8, num_requests=8, max_tokens=300, ignore_eos=True
+    )
+    assert tight.requests == roomy.requests == 8 and tight.output_tokens == roomy.output_tokens == 8 * 300
+    assert tight.preemptions > 0 and roomy.preemptions == 0
+    assert tight.duration_s > 1.5 * roomy.duration_s

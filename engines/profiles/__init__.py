@@ -81,6 +81,7 @@ class CostProfile:
     prefill: Prefill | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    kv_cache_tokens: int = 442_368
     fit: dict[str, Any] | None = None
     path: str = ""
 
@@ -162,6 +163,16 @@ def load_profile(name_or_path: str) -> CostProfile:
         raise ProfileError(f"cost profile {path} does not follow the profile format: {exc!r}") from exc
 
 
+def _default_kv_tokens(hardware: str) -> int:
+    """KV-cache tokens when a profile's limits do not say (optional `limits.kv_cache_tokens`).
+
+    vLLM's default 90 % of GPU memory, minus 16 GB of bf16 Llama-3.1-8B weights and ~2 GB of
+    activations, at 128 KiB of KV per token: H100 80 GB -> ~440k tokens, H200 141 GB -> ~890k.
+    """
+    gib = 141 if "H200" in hardware.upper() else 80
+    return int((gib * 0.9 - 18) * 2**30 / (128 * 1024))
+
+
 def _forward(raw: dict[str, Any]) -> Forward:
     return Forward(
         base_s=float(raw["base_s"]),
@@ -200,6 +211,9 @@ def _parse(raw: dict[str, Any], path: str) -> CostProfile:
         ),
         max_num_seqs=int(limits.get("max_num_seqs", 256)),
         max_num_batched_tokens=int(limits.get("max_num_batched_tokens", 8192)),
+        kv_cache_tokens=int(
+            limits.get("kv_cache_tokens") or _default_kv_tokens(str(raw.get("hardware", "")))
+        ),
         fit=raw.get("fit"),
         path=path,
     )

@@ -26,6 +26,7 @@ def build_config(
     max_num_batched_tokens: int | None,
     faults: Faults,
     enable_prefix_caching: bool = True,
+    kv_cache_tokens: int | None = None,
 ) -> SimConfig:
     """Flags -> SimConfig; `--method/--num-speculative-tokens` are shorthands for the JSON."""
     spec: SpeculativeConfig | None = None
@@ -64,6 +65,7 @@ def build_config(
         max_num_batched_tokens=max_num_batched_tokens,
         faults=faults,
         enable_prefix_caching=enable_prefix_caching,
+        kv_cache_tokens=kv_cache_tokens,
     )
 
 
@@ -155,6 +157,12 @@ def build_config(
     help="Share of requests whose connection is cut mid-stream.",
 )
 @click.option(
+    "--kv-cache-tokens",
+    type=int,
+    default=None,
+    help="KV-cache capacity in tokens (default: the profile's); past it requests wait or are preempted.",
+)
+@click.option(
     "--enable-prefix-caching/--no-enable-prefix-caching",
     default=True,
     show_default=True,
@@ -184,6 +192,7 @@ def sim(
     error_rate: float,
     stall_ms: float,
     drop_rate: float,
+    kv_cache_tokens: int | None,
     enable_prefix_caching: bool,
     max_concurrency: int | None,
 ) -> None:
@@ -216,6 +225,7 @@ def sim(
             max_num_batched_tokens=max_num_batched_tokens,
             faults=faults,
             enable_prefix_caching=enable_prefix_caching,
+            kv_cache_tokens=kv_cache_tokens,
         )
         cost = load_profile(config.profile)
     except (SimConfigError, ProfileError) as exc:

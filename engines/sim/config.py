@@ -149,6 +149,8 @@ class SimConfig:
     max_model_len: int = 131072
     # vLLM V1 caches prompt prefixes by default (--enable-prefix-caching).
     enable_prefix_caching: bool = True
+    # KV-cache capacity in tokens (None: the profile's); beyond it requests wait or are preempted.
+    kv_cache_tokens: int | None = None
     faults: Faults = field(default_factory=Faults)
     # Finished requests kept for GET /sim/requests (oldest dropped first).
     keep_finished: int = 100_000
@@ -158,7 +160,7 @@ class SimConfig:
             raise SimConfigError(f"--time-scale must be > 0, got {self.time_scale}")
         if self.per_request_spec_decode_metrics not in SPEC_METRICS_LEVELS:
             raise SimConfigError("--per-request-spec-decode-metrics must be one of none, summary, detailed")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise SimConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -33,9 +33,6 @@ from specproxy.engines.sim.proposers import (
 )
 from specproxy.engines.sim.text import EOS_ID, Prompt, TargetText
 
-# KV-cache capacity for the usage gauge (tokens): ~H100 80 GB minus 16 GB of bf16 Llama-3.1-8B weights,
-# at 128 KiB per token. The simulator does not preempt; the gauge only shows the load.
-KV_CAPACITY_TOKENS = 450_000
 LOOKUP_METHODS = ("ngram", "suffix")
 
 
@@ -65,6 +62,7 @@ class SeqTruth:
     num_speculative_tokens: int
     prompt_tokens: int
     cached_prompt_tokens: int = 0
+    preemptions: int = 0
     completion_tokens: int = 0
     steps: int = 0
     decode_steps: int = 0
@@ -91,6 +89,7 @@ class SeqTruth:
             "num_speculative_tokens": self.num_speculative_tokens,
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "preemptions": self.preemptions,
             "completion_tokens": self.completion_tokens,
             "steps": self.steps,
             "decode_steps": self.decode_steps,
@@ -150,6 +149,7 @@ class Sequence:
         "last_emit",
         "_text_tail",
         "block_hashes",
+        "prefill_len",
     )
 
     def __init__(
@@ -179,6 +179,8 @@ class Sequence:
         self.last_emit = 0.0
         self._text_tail = ""
         self.block_hashes: list[int] = []
+        # Tokens to (re)compute before decoding: the prompt, or prompt + output after a preemption.
+        self.prefill_len = self.prompt_len
 
     @property
     def finished(self) -> bool:
@@ -223,7 +225,8 @@ class EngineCore:
         self.metrics = EngineMetrics(config.served_name, self.k if self.spec else None)
         self.truths: OrderedDict[str, SeqTruth] = OrderedDict()
         self.suffix_cache = SuffixCache()
-        self.prefix_cache = PrefixCache(KV_CAPACITY_TOKENS) if config.enable_prefix_caching else None
+        self.kv_capacity = config.kv_cache_tokens or profile.kv_cache_tokens
+        self.prefix_cache = PrefixCache(self.kv_capacity) if config.enable_prefix_caching else None
         self.steps = 0
         self.busy_time_s = 0.0
 
@@ -285,11 +288,12 @@ class EngineCore:
                 if s.aborted:
                     self._finish(s, "abort", now)
             self.running = [s for s in self.running if not s.aborted]
+        used = self._preempt_to_fit(1 + self.k if self.spec is not None else 1)
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.computed < seq.prompt_len:
-                chunk = min(seq.prompt_len - seq.computed, budget)
+            if seq.computed < seq.prefill_len:
+                chunk = min(seq.prefill_len - seq.computed, budget)
                 items.append((seq, chunk, True))
                 budget -= chunk
                 batched += chunk
@@ -309,21 +313,30 @@ class EngineCore:
                 if n_drafts and not lookup:
                     drafting += 1
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
             if seq.aborted:
+                self.waiting.popleft()
                 self._finish(seq, "abort", now)
                 continue
-            seq.truth.scheduled = now
-            self.metrics.queue.observe(now - seq.truth.arrival)
+            if self.running and used + seq.prefill_len > self.kv_capacity:
+                break  # no KV blocks free for it yet (first come, first served, as vLLM)
+            self.waiting.popleft()
+            used += seq.prefill_len
             self.running.append(seq)
-            self.metrics.prompt_tokens += seq.prompt_len  # cached or computed, as vLLM counts them
+            first_time = seq.truth.scheduled is None
+            if first_time:
+                seq.truth.scheduled = now
+                self.metrics.queue.observe(now - seq.truth.arrival)
+                self.metrics.prompt_tokens += seq.prompt_len  # cached or computed, as vLLM counts them
             if self.prefix_cache is not None:
-                seq.block_hashes = PrefixCache.block_hashes(seq.spec.prompt.token_ids)
+                if not seq.block_hashes:
+                    seq.block_hashes = PrefixCache.block_hashes(seq.spec.prompt.token_ids)
                 seq.computed = self.prefix_cache.cached_tokens(seq.block_hashes, seq.prompt_len)
-                seq.truth.cached_prompt_tokens = seq.computed
                 self.metrics.prefix_cache_queries += seq.prompt_len
                 self.metrics.prefix_cache_hits += seq.computed
-            chunk = min(seq.prompt_len - seq.computed, budget)
+                if first_time:
+                    seq.truth.cached_prompt_tokens = seq.computed
+            chunk = min(seq.prefill_len - seq.computed, budget)
             items.append((seq, chunk, True))
             budget -= chunk
             batched += chunk
@@ -339,6 +352,28 @@ class EngineCore:
             batched, kv, prefill_tokens=prefill, method=self.method, drafting_requests=drafting, k=self.k
         )
         return StepPlan(items, batched, kv, prefill, drafting, duration)
+
+    def _preempt_to_fit(self, growth: int) -> int:
+        """Preempt the newest running requests until this step's KV fits; returns the KV tokens in use.
+
+        As vLLM's scheduler does (recompute mode): a preempted request goes back to the front of the
+        queue and later recomputes its prompt and output as a prefill before decoding on.
+        """
+        used = 0
+        for seq in self.running:
+            used += seq.prompt_len + seq.n_out + (growth if seq.computed >= seq.prefill_len else 0)
+        while used > self.kv_capacity and len(self.running) > 1:
+            victim = self.running.pop()
+            used -= (
+                victim.prompt_len + victim.n_out + (growth if victim.computed >= victim.prefill_len else 0)
+            )
+            victim.computed = 0
+            victim.prefill_len = victim.prompt_len + victim.n_out
+            victim.drafts = []
+            victim.truth.preemptions += 1
+            self.metrics.preemptions += 1
+            self.waiting.appendleft(victim)
+        return used
 
     def finish_step(self, plan: StepPlan, now: float) -> list[Sequence]:
         """Apply a step's outcome at time `now`; returns the sequences that got new output or finished."""
@@ -357,7 +392,7 @@ class EngineCore:
             truth.steps += 1
             if is_prefill:
                 seq.computed += tokens
-                if seq.computed < seq.prompt_len:
+                if seq.computed < seq.prefill_len:
                     continue
                 if self.prefix_cache is not None:
                     self.prefix_cache.insert(seq.block_hashes)
@@ -421,7 +456,7 @@ class EngineCore:
         if any_finished:
             self.running = [s for s in self.running if s.finish_reason is None]
         m.running = len(self.running)
-        m.kv_usage = min(1.0, sum(s.prompt_len + s.n_out for s in self.running) / KV_CAPACITY_TOKENS)
+        m.kv_usage = min(1.0, sum(s.prompt_len + s.n_out for s in self.running) / self.kv_capacity)
         return touched
 
     def _emit(self, seq: Sequence, count: int, now: float) -> None:
@@ -558,6 +593,7 @@ class SimEngine:
                 ideal = now
             plan = core.plan_step(now)
             if plan is None:
+                await asyncio.sleep(0.001)  # nothing schedulable right now (e.g. only aborted requests)
                 continue
             wall = plan.duration_s / self.time_scale
             ideal += wall

@@ -79,6 +79,7 @@ class LoadResult:
     num_drafts: int
     draft_tokens: int
     accepted_tokens: int
+    preemptions: int = 0
 
     @property
     def output_tok_s(self) -> float:
@@ -154,4 +155,5 @@ def run_closed_loop(
         num_drafts=m.spec_drafts,
         draft_tokens=m.spec_draft_tokens,
         accepted_tokens=m.spec_accepted,
+        preemptions=m.preemptions,
     )
