@@ -214,8 +214,8 @@ class ReplayRunner:
                                    per_arm={a.name: ArmTotals() for a in settings.arms})
         self.state = UpstreamState()
         self.models: dict[str, str | None] = {}
-        self.baseline = next((a for a in settings.arms if a.role == "baseline"), None)
-        if settings.mode == "paired" and len(settings.arms) > 1 and self.baseline is None:
+        has_baseline = any(a.role == "baseline" for a in settings.arms)
+        if settings.mode == "paired" and len(settings.arms) > 1 and not has_baseline:
             raise ReplayError("paired mode needs a baseline arm (role = \"baseline\")")
         self.progress = ReplayProgress([a.name for a in settings.arms], enabled=settings.show_progress)
         self._rng = random.Random(settings.seed)
@@ -224,7 +224,7 @@ class ReplayRunner:
 
     # bodies and ids
 
-    def _body(self, item: ReplayItem, arm_model: str | None, warmup: bool) -> dict[str, Any]:
+    def _body(self, item: ReplayItem, warmup: bool) -> dict[str, Any]:
         body = dict(item.body)
         if self.s.temperature is not None:
             body["temperature"] = self.s.temperature
@@ -236,8 +236,6 @@ class ReplayRunner:
         if warmup:
             body["max_tokens"] = min(int(body.get("max_tokens") or WARMUP_MAX_TOKENS), WARMUP_MAX_TOKENS)
             body.pop("max_completion_tokens", None)
-        if arm_model is not None:
-            body["model"] = arm_model
         body["stream"] = True
         return body
 
@@ -245,20 +243,19 @@ class ReplayRunner:
         short = self.run_id.removeprefix("replay-")[:6]
         return [
             _Call(f"{short}-{tag}-{i:05d}-{_SAFE_ID.sub('_', it.item_id)[:48]}", it,
-                  self._body(it, None, warmup=False), level)
+                  self._body(it, warmup=False), level)
             for i, it in enumerate(items)
         ]
 
-    def _model_for(self, arm: Arm) -> str | None:
-        return self.models.get(arm.name)
+    def _for_arm(self, arm: Arm, body: dict[str, Any]) -> dict[str, Any]:
+        """The body as this arm gets it: with the model name it serves."""
+        model = self.models.get(arm.name)
+        return body if model is None else {**body, "model": model}
 
     # one call
 
     async def _send(self, arm: Arm, call: _Call, *, routed_as: str, joiner: PairJoiner | None) -> None:
-        body = dict(call.body)
-        model = self._model_for(arm)
-        if model is not None:
-            body["model"] = model
+        body = self._for_arm(arm, call.body)
         record = new_record(
             self.run_id, call.request_id, arm, body, endpoint=call.item.endpoint, routed_as=routed_as,
             source="replay", category=call.item.category, concurrency_level=call.concurrency_level,
@@ -290,7 +287,7 @@ class ReplayRunner:
         await self._send(assigned[0], assigned[1], routed_as="split", joiner=None)
 
     async def _warm(self, arm: Arm, item: ReplayItem) -> None:
-        body = self._body(item, self._model_for(arm), warmup=True)
+        body = self._for_arm(arm, self._body(item, warmup=True))
         record = new_record(self.run_id, "warmup", arm, body, endpoint=item.endpoint, routed_as="replay",
                             source="replay", category=item.category)
         await call_arm(self.session, arm, body, endpoint=item.endpoint, record=record,
