@@ -230,7 +230,6 @@ class EngineCore:
         self.steps = 0
         self.busy_time_s = 0.0
 
-    # -- intake ---------------------------------------------------------------------------------
     def add(self, spec: RequestSpec, now: float) -> Sequence:
         truth = SeqTruth(
             request_id=spec.request_id,
@@ -277,7 +276,6 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    # -- one step -------------------------------------------------------------------------------
     def plan_step(self, now: float) -> StepPlan | None:
         budget = self.max_batched
         items: list[tuple[Sequence, int, bool]] = []

@@ -105,7 +105,6 @@ class ParsedRequest:
     stream_interval: int = 1
 
 
-# -- request parsing -----------------------------------------------------------------------------
 def _int_field(body: dict[str, Any], name: str, default: int | None) -> int | None:
     value = body.get(name, default)
     if value is None:
@@ -280,7 +279,6 @@ def parse_request(state: SimState, request: web.Request, body: Any, chat: bool) 
     )
 
 
-# -- response shaping ----------------------------------------------------------------------------
 class ResponseShaper:
     """Builds vLLM's JSON for one request (one sequence per choice): stream chunks or the whole response."""
 
@@ -509,7 +507,6 @@ class ResponseShaper:
         return body
 
 
-# -- handlers ------------------------------------------------------------------------------------
 class _Waiter:
     """Wakes the handler when the engine has news for its sequence (set from the engine loop)."""
 

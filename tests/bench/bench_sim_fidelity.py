@@ -139,7 +139,6 @@ def virtual_rows(profiles: list[str]) -> list[Row]:
     return rows
 
 
-# -- over HTTP -----------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
