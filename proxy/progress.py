@@ -1,8 +1,9 @@
 """Replay's live progress display: per arm, calls done of the phase, output tok/s and errors.
 
-On a terminal it is a rich ``Live`` table refreshed a few times a second; elsewhere (a pipe, a CI log)
-it prints one line per arm when each phase ends, so logs stay readable. Counting is a few integer
-additions per finished call; rendering happens on rich's refresh thread, off the event loop's path.
+On a terminal it is a rich ``Live`` table refreshed a few times a second; on a terminal and elsewhere
+(a pipe, a CI log) one line per arm is printed when each phase ends, so the history stays readable.
+Counting is a few integer additions per finished call; rendering happens on rich's refresh thread, off
+the event loop's path.
 
 Example::
 
@@ -72,7 +73,8 @@ class ReplayProgress:
             p.errors += 1
 
     def end_phase(self) -> None:
-        if not self.enabled or self._live is not None:
+        # One line per arm and phase; under a live display rich prints them above the table.
+        if not self.enabled:
             return
         for arm, p in self.per_arm.items():
             # Up to the arm's last call: a fast arm's rate does not decay while slower arms finish.
