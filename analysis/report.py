@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from html import escape
+from typing import Any
 
 from specproxy import __version__
 from specproxy.analysis.evaluation import RunEvaluation, Settings, level_sort_key
@@ -244,22 +245,56 @@ def _snippets(cand: str | None, base: str | None) -> tuple[str, str]:
     return cut(cand), cut(base)
 
 
+def _mismatch_rows(store: SpanStore, run_id: str, wanted: int) -> list[dict[str, Any]]:
+    """Up to ``wanted`` mismatches, gross ones first.
+
+    Candidate spans the proxy marked ``identical = false`` are found by a scan of ``requests`` (the
+    baseline's text fetched for just those); only when that finds fewer (mismatches seen by comparing
+    output hashes, baseline repeats) does it take the full pass over ``pairs``.
+    """
+    kind = "CASE WHEN coalesce(c.spec_method, 'none') IN ('none', '') THEN 'replica' ELSE 'candidate' END"
+    rows = store.query(
+        f"""
+        WITH c AS (
+            SELECT * FROM requests
+            WHERE run_id = $run AND arm_role <> 'baseline' AND identical = false
+            ORDER BY abs(divergence_margin) DESC NULLS LAST, arm, request_id
+            LIMIT {int(wanted)}
+        ), b AS (
+            SELECT request_id, arg_min(output_text, (status <> 'ok', t_start)) AS text
+            FROM requests
+            WHERE run_id = $run AND arm_role = 'baseline' AND request_id IN (SELECT request_id FROM c)
+            GROUP BY request_id
+        )
+        SELECT c.arm, {kind} AS kind, coalesce(CAST(c.concurrency_level AS VARCHAR), 'live') AS level,
+               c.request_id, c.category, c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
+               c.output_text, b.text AS baseline_output_text
+        FROM c LEFT JOIN b USING (request_id)
+        ORDER BY kind, c.arm, divergence_margin DESC NULLS LAST, c.request_id
+        """,
+        {"run": run_id},
+    )
+    if len(rows) >= wanted:
+        return rows
+    return store.query(
+        f"""
+        SELECT arm, kind, level, request_id, category, first_divergence, divergence_margin,
+               output_text, baseline_output_text
+        FROM pairs WHERE run_id = ? AND NOT identical
+        ORDER BY kind, arm, divergence_margin DESC NULLS LAST, request_id
+        LIMIT {int(wanted)}
+        """,
+        [run_id],
+    )
+
+
 def _mismatches(store: SpanStore, ev: RunEvaluation, settings: Settings) -> str:
     # totals from the evaluation (every comparison of the run, baseline repeats included): no extra pass
     compared = sum(r.compared for r in ev.rows)
     total = compared - sum(r.identical for r in ev.rows)
     if not total:
         return f"<p>No mismatches among {compared} compared outputs.</p>"
-    rows = store.query(
-        f"""
-        SELECT arm, kind, level, request_id, category, first_divergence, divergence_margin,
-               output_text, baseline_output_text
-        FROM pairs WHERE run_id = ? AND NOT identical
-        ORDER BY kind, arm, divergence_margin DESC NULLS LAST, request_id
-        LIMIT {MAX_MISMATCH_ROWS}
-    """,
-        [ev.run_id],
-    )
+    rows = _mismatch_rows(store, ev.run_id, min(total, MAX_MISMATCH_ROWS))
     head = [
         "arm",
         "kind",
