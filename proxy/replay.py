@@ -221,6 +221,7 @@ class ReplayRunner:
         self._rng = random.Random(settings.seed)
         self._sink: SpanSink | None = None
         self._recording = True
+        self._warmups = 0
 
     # bodies and ids
 
@@ -288,7 +289,9 @@ class ReplayRunner:
 
     async def _warm(self, arm: Arm, item: ReplayItem) -> None:
         body = self._for_arm(arm, self._body(item, warmup=True))
-        record = new_record(self.run_id, "warmup", arm, body, endpoint=item.endpoint, routed_as="replay",
+        self._warmups += 1
+        rid = f"{self.run_id.removeprefix('replay-')[:6]}-warmup-{self._warmups:05d}"
+        record = new_record(self.run_id, rid, arm, body, endpoint=item.endpoint, routed_as="replay",
                             source="replay", category=item.category)
         await call_arm(self.session, arm, body, endpoint=item.endpoint, record=record,
                        timeout=self.s.timeout, state=self.state)

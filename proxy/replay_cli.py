@@ -87,7 +87,8 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
 @click.option("--duration", type=click.FloatRange(min=0, min_open=True), metavar="S",
               help="Stop sending after S seconds (per level in a closed-loop sweep).")
 @click.option("--warmup", type=click.IntRange(min=0), metavar="N",
-              help="Closed loop: unrecorded calls per arm before each level (default: one per slot).")
+              help="Closed loop: unrecorded calls per arm before each level (default: one per slot; "
+                   "none with --target, where the proxy would record them).")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Span store (default: the experiment's db, else specproxy.duckdb).")
 @click.option("--run-name", default=None, help="Name of the run in the span store (default: the log's name).")
@@ -149,7 +150,8 @@ def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, c
         raise click.ClickException(str(exc)) from None
     load = LoadPlan(
         kind="rate" if rate is not None else "timed" if timed else "closed",
-        levels=levels, rate_per_s=rate, speedup=speedup, duration_s=duration, warmup=warmup,
+        levels=levels, rate_per_s=rate, speedup=speedup, duration_s=duration,
+        warmup=0 if warmup is None and target is not None else warmup,
     )
     settings = ReplaySettings(
         arms=tuple(arms),

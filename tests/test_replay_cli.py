@@ -140,3 +140,41 @@ def test_help_lists_every_option() -> None:
                 "--mode", "--temperature", "--max-tokens", "--limit", "--duration", "--db", "--run-name",
                 "--seed", "--on-error"):
         assert opt in res.stdout
+
+
+def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str) -> None:
+    """replay --target a real `specproxy serve` (shadow mode), then replay the capture it wrote."""
+    cfg = tmp_path / "exp.toml"
+    cfg.write_text(f'[experiment]\nmode = "shadow"\n\n[[arms]]\nname = "base"\nrole = "baseline"\n'
+                   f'url = "{backend_url}"\n\n[[arms]]\nname = "cand"\nurl = "{backend_url}"\n')
+    port = free_port()
+    proxy_db, client_db = tmp_path / "proxy.duckdb", tmp_path / "client.duckdb"
+    capture = tmp_path / "cap.jsonl"
+    serve = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--db", str(proxy_db),
+                       "--capture", str(capture)])
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=serve)
+        log = tmp_path / "question.jsonl"
+        log.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"q {i}"]}) + "\n"
+                               for i in range(6)))
+        res = run_cli("replay", str(log), "--target", f"http://127.0.0.1:{port}", "--concurrency", "2",
+                      "--max-tokens", "5", "--db", str(client_db), "--no-progress")
+        assert res.returncode == 0, res.stderr
+    finally:
+        out = stop(serve)
+        if serve.stdout is not None:
+            serve.stdout.close()
+    assert serve.returncode == 0, out
+    with duckdb.connect(str(client_db), read_only=True) as conn:
+        client_ids = {r for (r,) in conn.execute("SELECT request_id FROM requests").fetchall()}
+    with duckdb.connect(str(proxy_db), read_only=True) as conn:
+        proxy = conn.execute("SELECT arm, request_id, category FROM requests").fetchall()
+    assert len(client_ids) == 6
+    # the proxy's upstream spans carry replay's request ids and categories, one per arm (and no warm-up
+    # calls: through a proxy they are off unless asked for)
+    assert {(a, r, c) for a, r, c in proxy} == {(a, r, "qa") for a in ("base", "cand") for r in client_ids}
+    # the capture the proxy wrote is a replay log: detected, timed, sent to both arms
+    res = run_cli("replay", str(capture), "--config", str(cfg), "--timed", "--speedup", "10",
+                  "--db", str(tmp_path / "again.duckdb"), "--no-progress")
+    assert res.returncode == 0, res.stderr
+    assert "replaying 6 capture items" in res.stderr and "12 spans" in res.stderr
