@@ -28,36 +28,15 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from specproxy.engines.profiles import CostProfile, load_profile
+from specproxy.engines.sim.api_request import BadRequest, ParsedRequest, message_text, parse_request
+from specproxy.engines.sim.api_response import ResponseShaper
 from specproxy.engines.sim.config import SimConfig, SimConfigError
 from specproxy.engines.sim.engine import RequestSpec, Sequence, SimEngine
-from specproxy.engines.sim.text import (
-    CATEGORIES,
-    Prompt,
-    chat_prompt,
-    completion_prompt,
-    id_text,
-    infer_category,
-    request_key,
-)
+from specproxy.engines.sim.text import chat_prompt, completion_prompt, request_key
 
 log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
-CATEGORY_HEADER = "X-Specproxy-Category"
-MAX_TOP_LOGPROBS = 20
-
-
-class BadRequest(Exception):
-    """A request vLLM would answer with 400 (or `status`), in its error shape."""
-
-    def __init__(
-        self, message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.err_type = err_type
-        self.param = param
 
 
 def error_response(
@@ -79,432 +58,6 @@ class SimState:
 
 
 STATE = web.AppKey("sim_state", SimState)
-
-
-@dataclass
-class ParsedRequest:
-    """The fields of a chat or completions request the simulator acts on."""
-
-    chat: bool
-    base_id: str
-    prompt: Prompt
-    category: str
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    return_token_ids: bool
-    logprobs: int | None  # None: off; chat: top_logprobs count; completions: `logprobs`
-    max_tokens: int
-    min_tokens: int
-    ignore_eos: bool
-    stop: tuple[str, ...]
-    include_stop_str: bool
-    greedy: bool
-    seed: int | None
-    n: int = 1
-    stream_interval: int = 1
-
-
-def _int_field(body: dict[str, Any], name: str, default: int | None) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise BadRequest(f"{name} must be an integer, got {value!r}.", param=name)
-    return value
-
-
-def _message_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                parts.append(str(part.get("text", "")))
-        return "\n".join(parts)
-    raise BadRequest("message content must be a string or a list of content parts.", param="messages")
-
-
-def parse_request(state: SimState, request: web.Request, body: Any, chat: bool) -> ParsedRequest:
-    config = state.config
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object.")
-    model = body.get("model")
-    if model is not None and model not in (config.served_name, config.model):
-        raise BadRequest(
-            f"The model `{model}` does not exist.", status=404, err_type="NotFoundError", param="model"
-        )
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list of messages.", param="messages")
-        norm = []
-        for message in messages:
-            if not isinstance(message, dict) or "role" not in message:
-                raise BadRequest("each message must be an object with a 'role'.", param="messages")
-            norm.append({"role": str(message["role"]), "content": _message_text(message.get("content"))})
-        prompt = chat_prompt(norm)
-    else:
-        raw_prompt = body.get("prompt")
-        if isinstance(raw_prompt, list) and len(raw_prompt) == 1 and isinstance(raw_prompt[0], str):
-            raw_prompt = raw_prompt[0]
-        if isinstance(raw_prompt, list) and raw_prompt and all(isinstance(t, int) for t in raw_prompt):
-            raw_prompt = "".join(id_text(t) or f" <{t}>" for t in raw_prompt)
-        if not isinstance(raw_prompt, str):
-            raise BadRequest(
-                "prompt must be a string, a list with one string, or a list of token ids "
-                "(the simulator takes one prompt per request).",
-                param="prompt",
-            )
-        prompt = completion_prompt(raw_prompt)
-
-    temperature = body.get("temperature")
-    if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0):
-        raise BadRequest(f"temperature must be non-negative, got {temperature}.", param="temperature")
-    # Unset temperature means the model's generation config (Llama-3.1: 0.6), i.e. sampling, as in vLLM.
-    greedy = temperature is not None and float(temperature) < 1e-5
-    n = _int_field(body, "n", 1)
-    if n is not None and n < 1:
-        raise BadRequest(f"n must be at least 1, got {n}.", param="n")
-    if n is not None and n > 1 and greedy:
-        raise BadRequest(f"n must be 1 when using greedy sampling, got {n}.", param="n")
-    max_tokens = _int_field(body, "max_completion_tokens", None) if chat else None
-    if max_tokens is None:
-        max_tokens = _int_field(body, "max_tokens", None)
-    if max_tokens is not None and max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-    limit = config.max_model_len - len(prompt.token_ids)
-    if limit < 1:
-        raise BadRequest(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, your "
-            f"request has {len(prompt.token_ids)} input tokens.",
-            param="messages",
-        )
-    if max_tokens is None or max_tokens > limit:
-        if max_tokens is not None:
-            raise BadRequest(
-                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-                f"maximum context length is {config.max_model_len} tokens and your request has "
-                f"{len(prompt.token_ids)} input tokens.",
-                param="max_tokens",
-            )
-        max_tokens = limit
-    min_tokens = _int_field(body, "min_tokens", 0) or 0
-    if min_tokens < 0 or min_tokens > max_tokens:
-        raise BadRequest(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
-            param="min_tokens",
-        )
-    stream = bool(body.get("stream", False))
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not stream:
-        raise BadRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
-    stream_options = stream_options or {}
-    if not isinstance(stream_options, dict):
-        raise BadRequest("stream_options must be an object.", param="stream_options")
-    stop_raw = body.get("stop") or []
-    if isinstance(stop_raw, str):
-        stop: tuple[str, ...] = (stop_raw,)
-    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
-        stop = tuple(s for s in stop_raw if s)
-    else:
-        raise BadRequest("stop must be a string or a list of strings.", param="stop")
-    seed = _int_field(body, "seed", None)
-    stream_interval = _int_field(body, "stream_interval", None) or 1
-    if stream_interval < 1:
-        raise BadRequest(
-            f"stream_interval must be at least 1, got {stream_interval}.", param="stream_interval"
-        )
-    logprobs: int | None = None
-    if chat:
-        top = _int_field(body, "top_logprobs", 0) or 0
-        if top < 0 or top > MAX_TOP_LOGPROBS:
-            raise BadRequest(
-                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}.", param="top_logprobs"
-            )
-        if body.get("logprobs"):
-            logprobs = top
-        elif top:
-            raise BadRequest(
-                "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
-            )
-    else:
-        lp = _int_field(body, "logprobs", None)
-        if lp is not None:
-            if lp < 0 or lp > MAX_TOP_LOGPROBS:
-                raise BadRequest(
-                    f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}.", param="logprobs"
-                )
-            logprobs = lp
-    if config.speculative is not None:
-        if body.get("min_p"):
-            raise BadRequest("min_p is not supported with speculative decoding.", param="min_p")
-        if body.get("logit_bias"):
-            raise BadRequest("logit_bias is not supported with speculative decoding.", param="logit_bias")
-
-    base_id = request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
-    category = request.headers.get(CATEGORY_HEADER)
-    if category is None:
-        metadata = body.get("metadata")
-        if isinstance(metadata, dict) and isinstance(metadata.get("category"), str):
-            category = metadata["category"]
-        elif isinstance(body.get("specproxy_category"), str):
-            category = body["specproxy_category"]
-    if category not in CATEGORIES:
-        category = infer_category(prompt.text)
-    return ParsedRequest(
-        chat=chat,
-        base_id=str(base_id),
-        prompt=prompt,
-        category=category,
-        stream=stream,
-        include_usage=bool(stream_options.get("include_usage")),
-        continuous_usage=bool(
-            stream_options.get("include_usage") and stream_options.get("continuous_usage_stats")
-        ),
-        return_token_ids=bool(body.get("return_token_ids")),
-        logprobs=logprobs,
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        stop=stop,
-        include_stop_str=bool(body.get("include_stop_str_in_output", False)),
-        greedy=greedy,
-        seed=seed,
-        n=n or 1,
-        stream_interval=stream_interval,
-    )
-
-
-class ResponseShaper:
-    """Builds vLLM's JSON for one request (one sequence per choice): stream chunks or the whole response."""
-
-    def __init__(self, state: SimState, req: ParsedRequest, seqs: list[Sequence]) -> None:
-        self.req = req
-        self.seqs = seqs
-        self.state = state
-        prefix = "chatcmpl-" if req.chat else "cmpl-"
-        self.id = prefix + req.base_id
-        self.created = int(time.time())
-        self.model = state.config.served_name
-        self.prompt_tokens = seqs[0].prompt_len
-        self.prompt_ids = list(seqs[0].spec.prompt.token_ids)
-        self.text_offsets = [0] * len(seqs)
-
-    def usage(self, completion_tokens: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "total_tokens": self.prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens,
-        }
-
-    def _chat_logprobs(self, i: int, start: int, end: int) -> dict[str, Any]:
-        target = self.seqs[i].target
-        top = self.req.logprobs or 0
-        content = []
-        for pos in range(start, end):
-            chosen, alts = target.logprobs(pos, max(top, 1))
-            piece = target.pieces[pos]
-            content.append(
-                {
-                    "token": piece,
-                    "logprob": chosen,
-                    "bytes": list(piece.encode()),
-                    "top_logprobs": [
-                        {"token": p, "logprob": lp, "bytes": list(p.encode())} for _, p, lp in alts[:top]
-                    ],
-                }
-            )
-        return {"content": content}
-
-    def _completion_logprobs(self, i: int, start: int, end: int) -> dict[str, Any]:
-        target = self.seqs[i].target
-        top = self.req.logprobs or 0
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for pos in range(start, end):
-            chosen, alts = target.logprobs(pos, max(top, 1))
-            piece = target.pieces[pos]
-            tokens.append(piece)
-            token_lps.append(chosen)
-            tops.append({p: lp for _, p, lp in alts[: max(top, 1)]} if top else None)
-            offsets.append(self.text_offsets[i])
-            self.text_offsets[i] += len(piece)
-        return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
-
-    def _metrics(self, streaming: bool) -> dict[str, Any] | None:
-        level = self.state.config.per_request_spec_decode_metrics
-        # vLLM reports per-request speculation only for single-sequence requests.
-        if level == "none" or self.state.config.speculative is None or len(self.seqs) != 1:
-            return None
-        spec = self.seqs[0].truth.spec_decoding_metrics(detailed=level == "detailed")
-        if streaming:
-            return {"speculative_decoding": spec}
-        return {
-            "time_to_first_token_ms": None,
-            "generation_time_ms": None,
-            "queue_time_ms": None,
-            "mean_itl_ms": None,
-            "tokens_per_second": None,
-            "speculative_decoding": spec,
-        }
-
-    def first_chunk(self, i: int) -> bytes:
-        """Chat only: the role chunk vLLM sends for each choice when the first output arrives."""
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ],
-            "prompt_token_ids": self.prompt_ids if self.req.return_token_ids else None,
-            "prompt_text": None,
-        }
-        if self.req.continuous_usage:
-            chunk["usage"] = self.usage(0)
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    def delta_chunk(self, i: int, start: int, end: int) -> bytes:
-        seq, req = self.seqs[i], self.req
-        done = seq.finished and end >= seq.n_out
-        text = seq.output_text(start, end)
-        token_ids = seq.output_ids(start, end) if req.return_token_ids else None
-        finish = seq.finish_reason if done else None
-        chunk: dict[str, Any]
-        if req.chat:
-            logprobs = self._chat_logprobs(i, start, end) if req.logprobs is not None else None
-            choice: dict[str, Any] = {
-                "index": i,
-                "delta": {"content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-                "token_ids": token_ids,
-            }
-            if done:
-                choice["stop_reason"] = seq.stop_reason
-            chunk = {
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-                "kv_transfer_params": None,
-            }
-        else:
-            logprobs = self._completion_logprobs(i, start, end) if req.logprobs is not None else None
-            choice = {
-                "index": i,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-                "stop_reason": seq.stop_reason if done else None,
-                "token_ids": token_ids,
-            }
-            if start == 0:
-                choice["prompt_token_ids"] = self.prompt_ids if req.return_token_ids else None
-            chunk = {
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-                "kv_transfer_params": None,
-            }
-        if req.continuous_usage:
-            chunk["usage"] = self.usage(end)
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    def usage_chunk(self) -> bytes:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.req.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage(sum(s.n_out for s in self.seqs)),
-        }
-        metrics = self._metrics(streaming=True)
-        if metrics is not None:
-            chunk["metrics"] = metrics
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    def _chat_choice(self, i: int) -> dict[str, Any]:
-        seq, req = self.seqs[i], self.req
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": seq.output_text(),
-            "refusal": None,
-            "annotations": None,
-            "audio": None,
-            "function_call": None,
-            "tool_calls": [],
-            "reasoning": None,
-        }
-        return {
-            "index": i,
-            "message": message,
-            "logprobs": self._chat_logprobs(i, 0, seq.n_out) if req.logprobs is not None else None,
-            "finish_reason": seq.finish_reason,
-            "stop_reason": seq.stop_reason,
-            "token_ids": seq.output_ids() if req.return_token_ids else None,
-        }
-
-    def _completion_choice(self, i: int) -> dict[str, Any]:
-        seq, req = self.seqs[i], self.req
-        return {
-            "index": i,
-            "text": seq.output_text(),
-            "logprobs": self._completion_logprobs(i, 0, seq.n_out) if req.logprobs is not None else None,
-            "finish_reason": seq.finish_reason,
-            "stop_reason": seq.stop_reason,
-            "token_ids": seq.output_ids() if req.return_token_ids else None,
-            "prompt_logprobs": None,
-            "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
-        }
-
-    def full_response(self) -> dict[str, Any]:
-        req = self.req
-        usage = {**self.usage(sum(s.n_out for s in self.seqs)), "prompt_tokens_details": None}
-        body: dict[str, Any]
-        if req.chat:
-            body = {
-                "id": self.id,
-                "object": "chat.completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [self._chat_choice(i) for i in range(len(self.seqs))],
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": usage,
-                "prompt_logprobs": None,
-                "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
-                "kv_transfer_params": None,
-            }
-        else:
-            body = {
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [self._completion_choice(i) for i in range(len(self.seqs))],
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": usage,
-                "kv_transfer_params": None,
-            }
-        metrics = self._metrics(streaming=False)
-        if metrics is not None:
-            body["metrics"] = metrics
-        return body
 
 
 class _Waiter:
@@ -533,7 +86,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except orjson.JSONDecodeError as exc:
         return error_response(f"Invalid JSON body: {exc}")
     try:
-        req = parse_request(state, request, body, chat)
+        req = parse_request(config, request.headers, body, chat)
     except BadRequest as exc:
         return error_response(exc.message, exc.status, exc.err_type, exc.param)
     faults = config.faults
@@ -581,7 +134,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 request.transport.close()
             if faults.stall_ms:
                 await asyncio.sleep(faults.stall_ms / 1000)
-            shaper = ResponseShaper(state, req, seqs)
+            shaper = ResponseShaper(state.config, req, seqs)
             return web.Response(
                 body=orjson.dumps(shaper.full_response()), content_type="application/json", headers=headers
             )
@@ -607,7 +160,7 @@ async def _stream(
         headers={**headers, "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
-    shaper = ResponseShaper(state, req, seqs)
+    shaper = ResponseShaper(state.config, req, seqs)
     stall_s = state.config.faults.stall_ms / 1000
     sent = [0] * len(seqs)
     done = [False] * len(seqs)
@@ -729,7 +282,7 @@ async def tokenize_route(request: web.Request) -> web.Response:
     if isinstance(body, dict) and isinstance(body.get("messages"), list):
         ids = chat_prompt(
             [
-                {"role": str(m.get("role", "user")), "content": _message_text(m.get("content"))}
+                {"role": str(m.get("role", "user")), "content": message_text(m.get("content"))}
                 for m in body["messages"]
                 if isinstance(m, dict)
             ]

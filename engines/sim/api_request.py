@@ -1,0 +1,232 @@
+"""Chat and completions request bodies, validated the way vLLM 0.33 validates them."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from specproxy.engines.sim.config import SimConfig
+from specproxy.engines.sim.text import (
+    CATEGORIES,
+    Prompt,
+    chat_prompt,
+    completion_prompt,
+    id_text,
+    infer_category,
+)
+
+CATEGORY_HEADER = "X-Specproxy-Category"
+MAX_TOP_LOGPROBS = 20
+
+
+class BadRequest(Exception):
+    """A request vLLM would answer with 400 (or `status`), in its error shape."""
+
+    def __init__(
+        self, message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+        self.param = param
+
+
+@dataclass
+class ParsedRequest:
+    """The fields of a chat or completions request the simulator acts on."""
+
+    chat: bool
+    base_id: str
+    prompt: Prompt
+    category: str
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    logprobs: int | None  # None: off; chat: top_logprobs count; completions: `logprobs`
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    stop: tuple[str, ...]
+    include_stop_str: bool
+    greedy: bool
+    seed: int | None
+    n: int = 1
+    stream_interval: int = 1
+
+
+def _int_field(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"{name} must be an integer, got {value!r}.", param=name)
+    return value
+
+
+def message_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+        return "\n".join(parts)
+    raise BadRequest("message content must be a string or a list of content parts.", param="messages")
+
+
+def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat: bool) -> ParsedRequest:
+    """Validate a chat or completions body as vLLM does; raises `BadRequest` with vLLM's wording."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    model = body.get("model")
+    if model is not None and model not in (config.served_name, config.model):
+        raise BadRequest(
+            f"The model `{model}` does not exist.", status=404, err_type="NotFoundError", param="model"
+        )
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list of messages.", param="messages")
+        norm = []
+        for message in messages:
+            if not isinstance(message, dict) or "role" not in message:
+                raise BadRequest("each message must be an object with a 'role'.", param="messages")
+            norm.append({"role": str(message["role"]), "content": message_text(message.get("content"))})
+        prompt = chat_prompt(norm)
+    else:
+        raw_prompt = body.get("prompt")
+        if isinstance(raw_prompt, list) and len(raw_prompt) == 1 and isinstance(raw_prompt[0], str):
+            raw_prompt = raw_prompt[0]
+        if isinstance(raw_prompt, list) and raw_prompt and all(isinstance(t, int) for t in raw_prompt):
+            raw_prompt = "".join(id_text(t) or f" <{t}>" for t in raw_prompt)
+        if not isinstance(raw_prompt, str):
+            raise BadRequest(
+                "prompt must be a string, a list with one string, or a list of token ids "
+                "(the simulator takes one prompt per request).",
+                param="prompt",
+            )
+        prompt = completion_prompt(raw_prompt)
+
+    temperature = body.get("temperature")
+    if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0):
+        raise BadRequest(f"temperature must be non-negative, got {temperature}.", param="temperature")
+    # Unset temperature means the model's generation config (Llama-3.1: 0.6), i.e. sampling, as in vLLM.
+    greedy = temperature is not None and float(temperature) < 1e-5
+    n = _int_field(body, "n", 1)
+    if n is not None and n < 1:
+        raise BadRequest(f"n must be at least 1, got {n}.", param="n")
+    if n is not None and n > 1 and greedy:
+        raise BadRequest(f"n must be 1 when using greedy sampling, got {n}.", param="n")
+    max_tokens = _int_field(body, "max_completion_tokens", None) if chat else None
+    if max_tokens is None:
+        max_tokens = _int_field(body, "max_tokens", None)
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+    limit = config.max_model_len - len(prompt.token_ids)
+    if limit < 1:
+        raise BadRequest(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, your "
+            f"request has {len(prompt.token_ids)} input tokens.",
+            param="messages",
+        )
+    if max_tokens is None or max_tokens > limit:
+        if max_tokens is not None:
+            raise BadRequest(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                f"maximum context length is {config.max_model_len} tokens and your request has "
+                f"{len(prompt.token_ids)} input tokens.",
+                param="max_tokens",
+            )
+        max_tokens = limit
+    min_tokens = _int_field(body, "min_tokens", 0) or 0
+    if min_tokens < 0 or min_tokens > max_tokens:
+        raise BadRequest(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            param="min_tokens",
+        )
+    stream = bool(body.get("stream", False))
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise BadRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
+    stream_options = stream_options or {}
+    if not isinstance(stream_options, dict):
+        raise BadRequest("stream_options must be an object.", param="stream_options")
+    stop_raw = body.get("stop") or []
+    if isinstance(stop_raw, str):
+        stop: tuple[str, ...] = (stop_raw,)
+    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
+        stop = tuple(s for s in stop_raw if s)
+    else:
+        raise BadRequest("stop must be a string or a list of strings.", param="stop")
+    seed = _int_field(body, "seed", None)
+    stream_interval = _int_field(body, "stream_interval", None) or 1
+    if stream_interval < 1:
+        raise BadRequest(
+            f"stream_interval must be at least 1, got {stream_interval}.", param="stream_interval"
+        )
+    logprobs: int | None = None
+    if chat:
+        top = _int_field(body, "top_logprobs", 0) or 0
+        if top < 0 or top > MAX_TOP_LOGPROBS:
+            raise BadRequest(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}.", param="top_logprobs"
+            )
+        if body.get("logprobs"):
+            logprobs = top
+        elif top:
+            raise BadRequest(
+                "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
+            )
+    else:
+        lp = _int_field(body, "logprobs", None)
+        if lp is not None:
+            if lp < 0 or lp > MAX_TOP_LOGPROBS:
+                raise BadRequest(
+                    f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}.", param="logprobs"
+                )
+            logprobs = lp
+    if config.speculative is not None:
+        if body.get("min_p"):
+            raise BadRequest("min_p is not supported with speculative decoding.", param="min_p")
+        if body.get("logit_bias"):
+            raise BadRequest("logit_bias is not supported with speculative decoding.", param="logit_bias")
+
+    base_id = headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
+    category = headers.get(CATEGORY_HEADER)
+    if category is None:
+        metadata = body.get("metadata")
+        if isinstance(metadata, dict) and isinstance(metadata.get("category"), str):
+            category = metadata["category"]
+        elif isinstance(body.get("specproxy_category"), str):
+            category = body["specproxy_category"]
+    if category not in CATEGORIES:
+        category = infer_category(prompt.text)
+    return ParsedRequest(
+        chat=chat,
+        base_id=str(base_id),
+        prompt=prompt,
+        category=category,
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage")),
+        continuous_usage=bool(
+            stream_options.get("include_usage") and stream_options.get("continuous_usage_stats")
+        ),
+        return_token_ids=bool(body.get("return_token_ids")),
+        logprobs=logprobs,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        stop=stop,
+        include_stop_str=bool(body.get("include_stop_str_in_output", False)),
+        greedy=greedy,
+        seed=seed,
+        n=n or 1,
+        stream_interval=stream_interval,
+    )
