@@ -4,6 +4,7 @@ Modules, from the outside in:
 
 - `cli`: the `specproxy sim` click command (flags -> `SimConfig`, serve until SIGTERM).
 - `server`: vLLM 0.33's HTTP API over the engine; `create_sim_app(config)` and `running_sim(config)`.
+- `api_request`, `api_response`: request validation with vLLM's wording; vLLM's response and chunk JSON.
 - `engine`: `EngineCore` (continuous batching, step pricing, verification, ground truth) and
   `SimEngine` (the core on the asyncio clock, `--time-scale`).
 - `proposers`: n-gram and suffix lookups, per-method acceptance rates.
