@@ -15,18 +15,21 @@ shapes, and fits the simulator's cost profile (engines/calibrate_fit.py) to them
 - prefill chunks of one fresh prompt (causal attention, logits for the last token only);
 - a device-to-device copy, whose bandwidth sets the weight-read floor of a decode step.
 
-Every timed thing is captured once as a CUDA graph and replayed (a decode step is ~600 small
-kernels: eager launch overhead, not the GPU, would otherwise dominate, as calibration.md's eager
-probe showed), timed with CUDA events around each replay; the median of the replays is kept.
+Every timed thing is captured once as a CUDA graph and replayed (a decode step is several hundred
+small kernels: eager launch overhead, not the GPU, would otherwise dominate, as calibration.md's
+eager probe showed), timed with CUDA events around each replay; the median of the replays is kept.
 
-Attention: decode and verification use torch's fused SDPA with the 4 query heads of each KV head
-folded into the query length (the flash-decoding trick for GQA: the KV cache is read once per KV
-head, never expanded), with no mask: the q query tokens attend to all ctx+q keys, which costs the
-same as the causal mask within those q tokens to within q^2 of ctx*q. The SDPA backend is chosen
-by timing each available one on two decode shapes at start. Differences from a vLLM step that the
-profile inherits: no paged KV (one contiguous cache per request, every request the same length),
-torch's unfused RMSNorm/rotary/SiLU kernels where vLLM fuses them, no sampler, no scheduler (that
-is `step_overhead_s`, kept from the H100 fit).
+Kernels, chosen to be close to what vLLM runs: each layer's work outside attention (RMSNorm, QKV,
+rotary, residuals, SwiGLU) goes through torch.compile (Inductor fuses the elementwise work, as
+vLLM's compiled model does; GEMMs stay cuBLAS), checked against the eager functions at start and
+dropped for the whole run if compiling fails. Attention is torch's fused SDPA with the 4 query
+heads of each KV head folded into the query length (the GQA trick of flash-decoding: the KV cache
+is read once per KV head, never expanded), with no mask: the q new tokens attend to all ctx+q
+keys, the same cost as the causal mask among them to within q^2 of ctx*q. Its backend is chosen
+per batch class (flash splits a long KV across the GPU at small batch; cuDNN is faster at large
+batch) by graph-timed probes at start. Differences from a vLLM step that the profile inherits:
+no paged KV (one contiguous cache per request, all requests the same length), no sampler, no
+scheduler (that is `step_overhead_s`, kept from the H100 fit).
 
 torch is imported lazily: this module is importable (and its CPU path testable with `--tiny
 --device cpu`) without a GPU; specproxy does not depend on torch.
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -146,6 +150,50 @@ TINY_GRID = Grid(
 )
 
 
+def layer_functions(s: DecoderShape) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A Llama layer's work before attention (norm, QKV, rotary, GQA fold) and after it (unfold,
+    output projection, residual, norm, SwiGLU MLP, residual), as plain
+    torch functions that torch.compile can fuse the way vLLM's compiled model is fused.
+
+    pre(layer_in [T, d_in], ln1, wqkv, cos [n, hd/2], sin) -> (q folded [b, kv_heads, g*n, hd],
+    new K/V [b, 2*kv_heads, n, hd]); post(x [T, hidden], o, wo, ln2, wgu, wdown) -> x.
+    The g query heads that share a KV head are folded into the query length, so attention reads
+    each KV head once (the GQA trick of flash-decoding), and no mask is needed: the n new tokens
+    attend to all cached keys and to each other, which costs the same as the causal mask among
+    them to within n^2 of ctx*n.
+    """
+    import torch
+
+    f = torch.nn.functional
+    qh, kvh, hd = s.q_heads, s.kv_heads, s.head_dim
+    g, half = qh // kvh, hd // 2
+
+    def pre(layer_in: Any, ln1: Any, wqkv: Any, cos: Any, sin: Any) -> tuple[Any, Any]:
+        n = cos.shape[0]
+        b = layer_in.shape[0] // n
+        qkv = f.linear(f.rms_norm(layer_in, (layer_in.shape[-1],), ln1, 1e-5), wqkv)
+        qk = qkv[:, : (qh + kvh) * hd].reshape(b, n, qh + kvh, hd)
+        x1, x2 = qk[..., :half], qk[..., half:]
+        # cos/sin arrive as [n, hd/2]: the head axis is added here, a literal 1 that broadcasts
+        # even when sizes of 1 are not specialised by the compiler.
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        qf = qk[:, :, :qh].reshape(b, n, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, hd)
+        v = qkv[:, (qh + kvh) * hd :].reshape(b, n, kvh, hd)
+        kv_new = torch.cat((qk[:, :, qh:], v), dim=2).transpose(1, 2)
+        return qf, kv_new
+
+    def post(x: Any, o: Any, wo: Any, ln2: Any, wgu: Any, wdown: Any) -> Any:
+        b, m = o.shape[0], o.shape[2]
+        n = m // g
+        o = o.reshape(b, kvh, g, n, hd).permute(0, 3, 1, 2, 4).reshape(b * n, qh * hd)
+        x = x + f.linear(o, wo)
+        gate, up = f.linear(f.rms_norm(x, (x.shape[-1],), ln2, 1e-5), wgu).chunk(2, dim=-1)
+        return x + f.linear(f.silu(gate) * up, wdown)
+
+    return pre, post
+
+
 class Calibrator:
     """Holds the device, random weights and the KV-cache buffer; each `time_*` returns one Point.
 
@@ -153,7 +201,13 @@ class Calibrator:
     """
 
     def __init__(
-        self, device: str, target: DecoderShape, draft: DecoderShape, grid: Grid, tiny: bool
+        self,
+        device: str,
+        target: DecoderShape,
+        draft: DecoderShape,
+        grid: Grid,
+        tiny: bool,
+        fused: bool = True,
     ) -> None:
         import torch
 
@@ -165,21 +219,28 @@ class Calibrator:
         self.draft_shape = draft
         self.grid = grid
         self.tiny = tiny
+        self.fused = fused
+        self._compiled: dict[DecoderShape, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self.sm_count = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 8
+        )
+        self.max_first_compile_s = 120.0
         torch.manual_seed(0)
         self.target = self._decoder_weights(target)
         self.draft = self._decoder_weights(draft)
         self.eagles = {e.name: (e, self._eagle_weights(target, e)) for e in eagle_shapes(target, tiny)}
-        max_q = max(grid.query_tokens)
-        self.max_cache_tokens = max(b * (c + max_q) for b, _, c in grid.target_configs())
-        # One flat buffer per model, viewed as [B, kv_heads, ctx+q, head_dim] per layer for each
-        # configuration; filled with random values (never time on zeros).
-        self.target_cache = self._cache(target, self.max_cache_tokens)
-        self.draft_cache = self._cache(draft, self.max_cache_tokens)
+        configs = grid.target_configs()
+        max_q, max_k = max(grid.query_tokens), max(grid.draft_ks)
+        # One flat buffer per model, viewed per layer as [B, 2 x kv_heads, ctx+q, head_dim]
+        # (each request's K heads, then its V heads) for each configuration; random, never zeros.
+        target_tokens = max(b * (c + max_q) for b, _, c in configs)
+        self.target_cache = self._cache(target, target_tokens)
+        self.draft_cache = self._cache(draft, max(b * (c + 1) for b, _, c in configs))
         eagle_layer = DecoderShape(1, target.hidden, target.q_heads, target.kv_heads, target.head_dim, 1, 1)
-        eagle_tokens = max(b * (c + 2 * max(grid.draft_ks) + 1) for b, _, c in grid.target_configs())
-        self.eagle_cache = self._cache(eagle_layer, eagle_tokens)
-        self.sdpa_backends: list[Any] = []
-        self.sdpa_backend_name = "default"
+        self.eagle_cache = self._cache(eagle_layer, max(b * (c + 2 * max_k + 1) for b, _, c in configs))
+        # SDPA backends for batch x heads up to / over the multiprocessor count (empty: torch's own).
+        self.sdpa_small: list[Any] = []
+        self.sdpa_large: list[Any] = []
 
     # weights ------------------------------------------------------------------------------
     def _rand(self, *shape: int, std: float = 0.02) -> Any:
@@ -213,7 +274,7 @@ class Calibrator:
 
     def _cache(self, s: DecoderShape, tokens: int) -> Any:
         buf = self.torch.empty(
-            s.layers, 2, tokens * s.kv_heads * s.head_dim, device=self.device, dtype=self.dtype
+            s.layers, tokens * 2 * s.kv_heads * s.head_dim, device=self.device, dtype=self.dtype
         )
         return buf.normal_()
 
@@ -225,11 +286,7 @@ class Calibrator:
 
     # building blocks -----------------------------------------------------------------------
     def _rms_norm(self, x: Any, w: Any) -> Any:
-        f = self.torch.nn.functional
-        if hasattr(f, "rms_norm"):
-            return f.rms_norm(x, (x.shape[-1],), w, 1e-5)
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * self.torch.rsqrt(var + 1e-5)).to(x.dtype) * w
+        return self.torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5)
 
     def _rope_tables(self, s: DecoderShape, start: int, length: int) -> tuple[Any, Any]:
         torch = self.torch
@@ -237,33 +294,46 @@ class Calibrator:
         inv = 1.0 / (500000.0 ** (torch.arange(half, device=self.device, dtype=torch.float32) / half))
         pos = torch.arange(start, start + length, device=self.device, dtype=torch.float32)
         ang = torch.outer(pos, inv)
-        return ang.cos().to(self.dtype)[:, None, :], ang.sin().to(self.dtype)[:, None, :]
+        return ang.cos().to(self.dtype), ang.sin().to(self.dtype)
 
     def _rope(self, x: Any, cos: Any, sin: Any) -> Any:
-        # x: [B, q, heads, head_dim]; cos/sin: [q, 1, head_dim/2]
+        # x: [B, q, heads, head_dim]; cos/sin: [q, head_dim/2]
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
+        cos, sin = cos[:, None, :], sin[:, None, :]
         return self.torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def _sdpa(self, q: Any, k: Any, v: Any, causal: bool = False) -> Any:
+        """torch's fused attention with the backend chosen for this batch class (see
+        `choose_sdpa_backend`): batch x heads up to the multiprocessor count is "small"."""
         f = self.torch.nn.functional
-        if self.sdpa_backends:
+        small = q.shape[0] * q.shape[1] <= self.sm_count
+        backends = self.sdpa_small if small else self.sdpa_large
+        if backends:
             from torch.nn.attention import sdpa_kernel
 
-            with sdpa_kernel(self.sdpa_backends):
+            with sdpa_kernel(backends):
                 return f.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return f.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    def _attn_over_cache(self, s: DecoderShape, q: Any, k_all: Any, v_all: Any) -> Any:
-        """q: [B, n, q_heads, hd] attending (unmasked) to k_all/v_all [B, kv_heads, L, hd].
+    def _attend(self, s: DecoderShape, qf: Any, kvc: Any) -> Any:
+        """qf [b, kv_heads, g*n, hd] over the cache kvc [b, 2*kv_heads, L, hd] (each request's K
+        heads, then its V heads)."""
+        return self._sdpa(qf, kvc[:, : s.kv_heads], kvc[:, s.kv_heads :])
 
-        The group of query heads sharing one KV head is folded into the query length, so SDPA
-        reads each KV head once (no repeat of the cache)."""
-        b, n, _, hd = q.shape
-        g = s.q_heads // s.kv_heads
-        qf = q.view(b, n, s.kv_heads, g, hd).permute(0, 2, 3, 1, 4).reshape(b, s.kv_heads, g * n, hd)
-        o = self._sdpa(qf, k_all, v_all)
-        return o.view(b, s.kv_heads, g, n, hd).permute(0, 3, 1, 2, 4).reshape(b * n, s.q_heads * hd)
+    def _layer_fns(self, s: DecoderShape) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The layer's work before and after attention, compiled (fused) when `self.fused`; one
+        compiled pair per shape, dynamic in batch and tokens."""
+        if not self.fused:
+            return layer_functions(s)
+        if s not in self._compiled:
+            pre, post = layer_functions(s)
+            compile_ = self.torch.compile
+            self._compiled[s] = (
+                compile_(pre, dynamic=True, fullgraph=True),
+                compile_(post, dynamic=True, fullgraph=True),
+            )
+        return self._compiled[s]
 
     def _decoder_layer(
         self,
@@ -271,36 +341,22 @@ class Calibrator:
         w: dict[str, Any],
         x: Any,
         layer_in: Any,
-        b: int,
-        n: int,
-        k_cache: Any,
-        v_cache: Any,
-        ctx: int,
+        kvc: Any,
+        at: int,
         rope: tuple[Any, Any],
     ) -> Any:
-        """One pre-norm Llama layer over T = b*n tokens; writes the new K/V at ctx..ctx+n-1."""
-        f = self.torch.nn.functional
-        hd = s.head_dim
-        h = self._rms_norm(layer_in, w["ln1"])
-        qkv = f.linear(h, w["wqkv"])
-        qk = qkv[:, : (s.q_heads + s.kv_heads) * hd].view(b, n, s.q_heads + s.kv_heads, hd)
-        qk = self._rope(qk, *rope)
-        q, k = qk[:, :, : s.q_heads], qk[:, :, s.q_heads :]
-        v = qkv[:, (s.q_heads + s.kv_heads) * hd :].view(b, n, s.kv_heads, hd)
-        k_cache[:, :, ctx : ctx + n].copy_(k.transpose(1, 2))
-        v_cache[:, :, ctx : ctx + n].copy_(v.transpose(1, 2))
-        o = self._attn_over_cache(s, q, k_cache, v_cache)
-        x = x + f.linear(o, w["wo"])
-        h = self._rms_norm(x, w["ln2"])
-        gate, up = f.linear(h, w["wgu"]).chunk(2, dim=-1)
-        return x + f.linear(f.silu(gate) * up, w["wdown"])
+        """One pre-norm Llama layer over the tokens of layer_in (b requests x n, n = len(rope)),
+        writing their K/V into kvc at positions at..at+n-1 and attending over all of kvc."""
+        pre, post = self._layer_fns(s)
+        n = rope[0].shape[0]
+        qf, kv_new = pre(layer_in, w["ln1"], w["wqkv"], rope[0], rope[1])
+        kvc[:, :, at : at + n].copy_(kv_new)
+        o = self._attend(s, qf, kvc)
+        return post(x, o, w["wo"], w["ln2"], w["wgu"], w["wdown"])
 
-    def _cache_views(self, s: DecoderShape, buf: Any, layer: int, b: int, length: int) -> tuple[Any, Any]:
-        n = b * s.kv_heads * length * s.head_dim
-        return (
-            buf[layer, 0, :n].view(b, s.kv_heads, length, s.head_dim),
-            buf[layer, 1, :n].view(b, s.kv_heads, length, s.head_dim),
-        )
+    def _cache_view(self, s: DecoderShape, buf: Any, layer: int, b: int, length: int) -> Any:
+        n = b * 2 * s.kv_heads * length * s.head_dim
+        return buf[layer, :n].view(b, 2 * s.kv_heads, length, s.head_dim)
 
     # step builders: each returns a zero-argument function over static tensors -----------------
     def decoder_step(self, model: str, b: int, n: int, ctx: int) -> Callable[[], Any]:
@@ -313,13 +369,32 @@ class Calibrator:
         )
         tokens = torch.randint(0, s.vocab, (b * n,), device=self.device)
         rope = self._rope_tables(s, ctx, n)
-        caches = [self._cache_views(s, buf, i, b, ctx + n) for i in range(s.layers)]
+        length = ctx + n
+        caches = [self._cache_view(s, buf, i, b, length) for i in range(s.layers)]
 
         def step() -> Any:
             x = f.embedding(tokens, w["embed"])
             for i, lw in enumerate(w["layers"]):
-                x = self._decoder_layer(s, lw, x, x, b, n, caches[i][0], caches[i][1], ctx, rope)
+                x = self._decoder_layer(s, lw, x, x, caches[i], ctx, rope)
             return f.linear(self._rms_norm(x, w["norm"]), w["lm_head"]).argmax(-1)
+
+        return step
+
+    def gemm_only_step(self, b: int) -> Callable[[], Any]:
+        """Only the target's weight GEMMs for b tokens (every layer's four and the LM head): how
+        close the matrix kernels alone come to the weight-read floor."""
+        f = self.torch.nn.functional
+        s, w = self.target_shape, self.target
+        x = self._rand(b, s.hidden, std=1.0)
+        xm = self._rand(b, s.mlp, std=1.0)
+
+        def step() -> Any:
+            for lw in w["layers"]:
+                f.linear(x, lw["wqkv"])
+                f.linear(x, lw["wo"])
+                f.linear(x, lw["wgu"])
+                f.linear(xm, lw["wdown"])
+            return f.linear(x, w["lm_head"])
 
         return step
 
@@ -328,7 +403,8 @@ class Calibrator:
         verification scored, the next k-1 over b tokens each (chain drafting, as vLLM does).
 
         EAGLE3 applies its fc once, to the three target hidden states, and its layer attends over
-        [embedding; hidden]; EAGLE-1 applies its fc to [embedding; hidden] on every pass."""
+        [embedding; hidden]; EAGLE-1 applies its fc to [embedding; hidden] on every pass. Every pass
+        attends over the whole draft cache (ctx+2k+1 keys), a few more than its exact prefix."""
         torch, f = self.torch, self.torch.nn.functional
         s = self.target_shape
         e, w = self.eagles[name]
@@ -336,29 +412,29 @@ class Calibrator:
         n0 = k + 1
         hidden_in = self._rand(b * n0, (e.fc_inputs if fc_once else 1) * s.hidden, std=1.0)
         tokens = torch.randint(0, s.vocab, (b * n0,), device=self.device)
-        k_cache, v_cache = self._cache_views(s, self.eagle_cache, 0, b, ctx + n0 + k)
+        length = ctx + n0 + k
+        kvc = self._cache_view(s, self.eagle_cache, 0, b, length)
         ropes = [self._rope_tables(s, ctx, n0)] + [
             self._rope_tables(s, ctx + n0 + i, 1) for i in range(k - 1)
         ]
         embed = self.target["embed"]  # EAGLE heads share the target's embedding table
 
-        def one_pass(h_prev: Any, tok: Any, n: int, at: int, rope: tuple[Any, Any]) -> Any:
+        def one_pass(h_prev: Any, tok: Any, at: int, rope: tuple[Any, Any]) -> Any:
             emb = f.embedding(tok, embed)
             if fc_once:
                 x, layer_in = h_prev, torch.cat((emb, h_prev), dim=-1)
             else:
                 x = f.linear(torch.cat((emb, h_prev), dim=-1), w["fc"])
                 layer_in = x
-            kc, vc = k_cache[:, :, : at + n], v_cache[:, :, : at + n]
-            return self._decoder_layer(s, w["layer"], x, layer_in, b, n, kc, vc, at, rope)
+            return self._decoder_layer(s, w["layer"], x, layer_in, kvc, at, rope)
 
         def step() -> Any:
             h0 = f.linear(hidden_in, w["fc"]) if fc_once else hidden_in
-            last = one_pass(h0, tokens, n0, ctx, ropes[0]).view(b, n0, s.hidden)[:, -1]
+            last = one_pass(h0, tokens, ctx, ropes[0]).view(b, n0, s.hidden)[:, -1]
             tok = f.linear(self._rms_norm(last, w["norm"]), w["lm_head"]).argmax(-1)
             drafted = [tok]
             for i in range(k - 1):
-                last = one_pass(last, tok, 1, ctx + n0 + i, ropes[i + 1])
+                last = one_pass(last, tok, ctx + n0 + i, ropes[i + 1])
                 tok = f.linear(self._rms_norm(last, w["norm"]), w["lm_head"]).argmax(-1)
                 drafted.append(tok)
             return torch.stack(drafted, dim=1)
@@ -410,11 +486,11 @@ class Calibrator:
         torch = self.torch
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.inference_mode():
+        with torch.cuda.stream(side):
             step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph):
+        with torch.cuda.graph(graph):
             step()
         replay: Callable[[], Any] = graph.replay
         return replay
@@ -429,14 +505,15 @@ class Calibrator:
             end.synchronize()
             return float(start.elapsed_time(end)) / 1e3
         t0 = time.perf_counter()
-        with self.torch.inference_mode():
-            fn()
+        fn()
         return time.perf_counter() - t0
 
-    def measure(self, fn: Callable[[], Any], target_s: float = 0.3) -> tuple[float, float, float, int]:
+    def measure(
+        self, fn: Callable[[], Any], target_s: float = 0.3, graph: bool = True
+    ) -> tuple[float, float, float, int]:
         """Median, 20th and 80th percentile of repeated timed runs (after warm-up); the count
         adapts so each configuration takes about `target_s`, between 5 and 30 runs."""
-        replay = self._graphed(fn)
+        replay = self._graphed(fn) if graph else fn
         for _ in range(2):
             replay()
         first = self._time_once(replay)
@@ -444,51 +521,139 @@ class Calibrator:
         times = sorted(self._time_once(replay) for _ in range(reps))
         return _quantile(times, 0.5), _quantile(times, 0.2), _quantile(times, 0.8), reps
 
-    def choose_sdpa_backend(self, log: Callable[[str], None]) -> None:
-        """Time each fused SDPA backend on two folded-GQA decode shapes; keep the fastest that works."""
+    @contextmanager
+    def plain(self, default_sdpa: bool = False) -> Iterator[None]:
+        """Within: no torch.compile (and torch's own SDPA dispatch if asked)."""
+        saved = (self.fused, self.sdpa_small, self.sdpa_large)
+        self.fused = False
+        if default_sdpa:
+            self.sdpa_small, self.sdpa_large = [], []
+        try:
+            yield
+        finally:
+            self.fused, self.sdpa_small, self.sdpa_large = saved
+
+    def choose_sdpa_backend(self, log: Callable[[str], None]) -> dict[str, Any]:
+        """For small and for large batches, time each fused SDPA backend on decode/verify shapes
+        (folded GQA; one CUDA graph of 8 calls per shape, so launch overhead stays out) and keep
+        the fastest that runs them all. (A first run picked one backend for all batches from
+        eager timings, which launch overhead dominated: cuDNN's kernel then cost several ms a
+        step at batch 1 over 8k tokens, flash's about 30% more than cuDNN's at batch 256.)"""
+        report: dict[str, Any] = {}
         if not self.cuda:
-            return
+            return report
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        torch, f = self.torch, self.torch.nn.functional
+        f = self.torch.nn.functional
         s = self.target_shape
         g = s.q_heads // s.kv_heads
-        shapes = [(1, 8192, 1), (64, 2048, 4)]
-        results: dict[str, float] = {}
-        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
-            backend = getattr(SDPBackend, name, None)
-            if backend is None:
-                continue
-            total = 0.0
-            try:
-                for b, length, n in shapes:
-                    q = self._rand(b, s.kv_heads, g * n, s.head_dim, std=1.0)
-                    kv = self._rand(b, s.kv_heads, length, s.head_dim, std=1.0)
+        classes = {  # (batch, KV length, query tokens per request)
+            "small": [(1, 8192, 1), (1, 2048, 4), (4, 2048, 8), (8, 1024, 2)],
+            "large": [(32, 8192, 1), (64, 2048, 4), (256, 1024, 1), (256, 2048, 8)],
+        }
+        for cls, shapes in classes.items():
+            times: dict[str, float] = {}
+            for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+                backend = getattr(SDPBackend, name, None)
+                if backend is None:
+                    continue
+                total = 0.0
+                try:
+                    for b, length, n in shapes:
+                        q = self._rand(b, s.kv_heads, g * n, s.head_dim, std=1.0)
+                        kv = self._rand(b, 2 * s.kv_heads, length, s.head_dim, std=1.0)
 
-                    def run(q: Any = q, kv: Any = kv, backend: Any = backend) -> Any:
-                        with sdpa_kernel([backend]):
-                            return f.scaled_dot_product_attention(q, kv, kv)
+                        def run(q: Any = q, kv: Any = kv, backend: Any = backend) -> Any:
+                            keys, values = kv[:, : s.kv_heads], kv[:, s.kv_heads :]
+                            with sdpa_kernel([backend]):
+                                for _ in range(8):
+                                    out = f.scaled_dot_product_attention(q, keys, values)
+                            return out
 
-                    run()
-                    self._synchronize()
-                    total += sorted(self._time_once(run) for _ in range(10))[5]
-            except Exception as exc:  # a backend that does not support the shape: skip it
-                log(f"sdpa {name}: unavailable ({type(exc).__name__}: {str(exc)[:120]})")
-                continue
-            results[name] = total
-            log(f"sdpa {name}: {total * 1e3:.3f} ms on the probe shapes")
-        if results:
-            best = min(results, key=lambda k: results[k])
-            self.sdpa_backends = [getattr(SDPBackend, best)]
-            self.sdpa_backend_name = best
-        torch.cuda.empty_cache()
+                        total += self.measure(run, target_s=0.05)[0] / 8
+                except Exception as exc:  # a backend that does not support a shape: not a candidate
+                    log(f"sdpa {cls} {name}: unavailable ({type(exc).__name__}: {str(exc)[:120]})")
+                    continue
+                times[name] = total
+            log(f"sdpa, {cls} batches: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in times.items()))
+            if times:
+                best = min(times, key=lambda k: times[k])
+                setattr(self, f"sdpa_{cls}", [getattr(SDPBackend, best)])
+                report[cls] = {
+                    "chosen": best,
+                    "us_summed_over_probe_shapes": {k: round(v * 1e6, 1) for k, v in times.items()},
+                }
+        self.torch.cuda.empty_cache()
+        return report
+
+    def check_compiled(self, log: Callable[[str], None]) -> dict[str, Any]:
+        """Compile the target's layer functions and check them against the uncompiled ones on the
+        same fresh inputs; on any failure (or a compile slower than `max_first_compile_s`), fall
+        back to unfused layers for the whole run."""
+        report: dict[str, Any] = {"requested": self.fused}
+        if not self.fused:
+            return report
+        import torch._dynamo as dynamo
+        import torch.fx.experimental._config as fx_config
+
+        # Many (batch, tokens) shapes go through one compiled function: let it recompile (sizes
+        # of 1 get their own graphs), and do not tie sizes that happen to be equal (batch 2 with
+        # 2 tokens) to each other, which would recompile at the next shape. (Treating sizes of 1
+        # as general, `backed_size_oblivious`, gave wrong results in a CPU check: not used.)
+        for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, 512)
+        if hasattr(fx_config, "use_duck_shape"):
+            fx_config.use_duck_shape = False
+        started = time.monotonic()
+        s = self.target_shape
+        try:
+            b, n = 3, 2
+            w = self.target["layers"][0]
+            layer_in = self._rand(b * n, s.hidden, std=1.0)
+            cos, sin = self._rope_tables(s, 100, n)
+            pre, post = layer_functions(s)
+            cpre, cpost = self._layer_fns(s)
+            errs = []
+            for got, ref in zip(
+                cpre(layer_in, w["ln1"], w["wqkv"], cos, sin),
+                pre(layer_in, w["ln1"], w["wqkv"], cos, sin),
+                strict=True,
+            ):
+                errs.append(float((got.float() - ref.float()).norm() / ref.float().norm()))
+            o = self._rand(b, s.kv_heads, s.q_heads // s.kv_heads * n, s.head_dim, std=1.0)
+            args = (layer_in, o, w["wo"], w["ln2"], w["wgu"], w["wdown"])
+            got, ref = cpost(*args), post(*args)
+            errs.append(float((got.float() - ref.float()).norm() / ref.float().norm()))
+            self._synchronize()
+            report["rel_err"] = max(errs)
+            if not max(errs) < 3e-2:
+                raise ValueError(
+                    f"compiled layer differs from the eager one (relative error {max(errs):.2e})"
+                )
+            elapsed = time.monotonic() - started
+            log(f"torch.compile: first compile {elapsed:.1f} s, relative error vs eager {max(errs):.1e}")
+            if elapsed > self.max_first_compile_s:
+                raise TimeoutError(
+                    f"first compile took {elapsed:.0f} s, over {self.max_first_compile_s:.0f} s"
+                )
+        except Exception as exc:
+            log(f"torch.compile off: {type(exc).__name__}: {str(exc)[:300]}")
+            self.fused = False
+            report["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        report["enabled"] = self.fused
+        report["first_compile_s"] = round(time.monotonic() - started, 1)
+        return report
 
     def copy_point(self) -> Point:
-        """Device-to-device copy of `copy_bytes`, timed; bytes counted read plus written."""
+        """Device-to-device copy of `copy_bytes`, timed; bytes counted read plus written.
+
+        Timed eagerly: one copy takes milliseconds, and a copy captured in a CUDA graph runs on
+        the copy engines, slower than the copy kernel an eager cudaMemcpy uses."""
         n = self.grid.copy_bytes // 2
         src = self.torch.empty(n, device=self.device, dtype=self.torch.bfloat16).normal_()
         dst = self.torch.empty_like(src)
-        med, p20, p80, reps = self.measure(lambda: dst.copy_(src))
+        med, p20, p80, reps = self.measure(lambda: dst.copy_(src), graph=False)
         return Point("copy", 0, 0, 0, 0, 0, med, p20, p80, reps, bytes=2 * n * 2)
 
 
@@ -499,13 +664,31 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 def plan(cal: Calibrator) -> Iterator[tuple[str, Callable[[], Point]]]:
-    """Everything to time, most important first (a run cut short by its budget keeps the core)."""
+    """Everything to time, most important first (a run cut short by its budget keeps the core).
+
+    Besides the profile's kinds, a few diagnostic rows for the sanity check (ignored by the fit):
+    `target_gemm_only` (the weight GEMMs alone) and `target_unfused` (no torch.compile: what
+    eager kernels under CUDA graphs give)."""
     grid = cal.grid
 
-    def target(b: int, q: int, c: int) -> Callable[[], Point]:
+    def target(b: int, q: int, c: int, kind: str = "target") -> Callable[[], Point]:
         def run() -> Point:
             med, p20, p80, reps = cal.measure(cal.decoder_step("target", b, q, c))
-            return Point("target", b, q, c, b * q, b * (c + q), med, p20, p80, reps)
+            return Point(kind, b, q, c, b * q, b * (c + q), med, p20, p80, reps)
+
+        if kind == "target_unfused":
+
+            def plain_run() -> Point:
+                with cal.plain():
+                    return run()
+
+            return plain_run
+        return run
+
+    def gemm_only(b: int) -> Callable[[], Point]:
+        def run() -> Point:
+            med, p20, p80, reps = cal.measure(cal.gemm_only_step(b))
+            return Point("target_gemm_only", b, 1, 0, b, 0, med, p20, p80, reps)
 
         return run
 
@@ -532,6 +715,11 @@ def plan(cal: Calibrator) -> Iterator[tuple[str, Callable[[], Point]]]:
 
     yield "copy", cal.copy_point
     configs = grid.target_configs()
+    for b in (1, grid.batches[len(grid.batches) // 2]):
+        yield f"target_gemm_only B={b}", gemm_only(b)
+    diag_ctx = sorted({grid.contexts[0], grid.contexts[-1]})
+    for b, q, c in [(1, 1, diag_ctx[0]), (1, 1, diag_ctx[-1]), (grid.batches[-1], 1, diag_ctx[0])]:
+        yield f"target_unfused B={b} q={q} ctx={c}", target(b, q, c, "target_unfused")
     for b, q, c in configs:
         yield f"target B={b} q={q} ctx={c}", target(b, q, c)
     for chunk in grid.prefill_chunks:
@@ -555,8 +743,12 @@ def describe_stack(cal: Calibrator) -> dict[str, Any]:
         "cudnn": torch.backends.cudnn.version() if cal.cuda else None,
         "device": str(cal.device),
         "dtype": str(cal.dtype).removeprefix("torch."),
-        "sdpa_backend": cal.sdpa_backend_name,
+        "sdpa_backend": {
+            "small_batches": _backend_name(cal.sdpa_small),
+            "large_batches": _backend_name(cal.sdpa_large),
+        },
         "cuda_graphs": cal.cuda,
+        "torch_compile": cal.fused,
         "weight_bytes_read_per_step": cal.weight_bytes_read_per_step(),
         "target_shape": asdict(cal.target_shape),
         "draft_shape": asdict(cal.draft_shape),
@@ -583,6 +775,10 @@ def describe_stack(cal: Calibrator) -> dict[str, Any]:
     return stack
 
 
+def _backend_name(backends: list[Any]) -> str:
+    return str(backends[0]).rsplit(".", 1)[-1] if backends else "torch default"
+
+
 def _nvidia_smi(query: str) -> str | None:
     try:
         out = subprocess.run(
@@ -598,16 +794,42 @@ def _nvidia_smi(query: str) -> str | None:
 
 
 def run_calibration(
-    out: Path, name: str, device: str, tiny: bool, budget_s: float, log: Callable[[str], None]
+    out: Path,
+    name: str,
+    device: str,
+    tiny: bool,
+    budget_s: float,
+    log: Callable[[str], None],
+    fused: bool = True,
 ) -> dict[str, Any]:
     """Measure, append each point to NAME.points.csv as it is taken, then fit NAME.json."""
     started = time.monotonic()
+    import torch
+
+    # One grad mode for everything: compiled functions would otherwise recompile on the switch.
+    with torch.inference_mode():
+        return _run_calibration(out, name, device, tiny, budget_s, log, fused, started)
+
+
+def _run_calibration(
+    out: Path,
+    name: str,
+    device: str,
+    tiny: bool,
+    budget_s: float,
+    log: Callable[[str], None],
+    fused: bool,
+    started: float,
+) -> dict[str, Any]:
     grid = TINY_GRID if tiny else Grid()
     target, draft = (TINY_TARGET, TINY_DRAFT) if tiny else (LLAMA_3_1_8B, LLAMA_3_2_1B)
-    cal = Calibrator(device, target, draft, grid, tiny)
+    cal = Calibrator(device, target, draft, grid, tiny, fused=fused)
     log(f"weights and caches ready in {time.monotonic() - started:.1f} s")
-    cal.choose_sdpa_backend(log)
+    sdpa_report = cal.choose_sdpa_backend(log)
+    compile_report = cal.check_compiled(log)
     stack = describe_stack(cal)
+    stack["sdpa_probe"] = sdpa_report
+    stack["torch_compile_check"] = compile_report
     out.mkdir(parents=True, exist_ok=True)
     stack_path = out / f"{name}.stack.json"
     stack_path.write_text(json.dumps(stack, indent=2) + "\n")
@@ -628,22 +850,16 @@ def run_calibration(
                 if cal.cuda:
                     cal.torch.cuda.synchronize()
                     cal.torch.cuda.empty_cache()
-                if not cal.sdpa_backends:
-                    skipped.append(label)
-                    continue
-                # The chosen SDPA backend may refuse a shape: retry once with torch's own dispatch.
-                chosen = cal.sdpa_backends
-                cal.sdpa_backends = []
+                # Retry once the plainest way: eager kernels, torch's own SDPA dispatch.
                 try:
-                    point = take()
-                    log(f"{label}: retried with the default SDPA dispatch")
+                    with cal.plain(default_sdpa=True):
+                        point = take()
+                    log(f"{label}: retried without torch.compile and with torch's SDPA dispatch")
                     fallbacks.append(label)
                 except Exception as exc2:
                     log(f"{label}: FAILED again {type(exc2).__name__}: {str(exc2)[:300]}")
                     skipped.append(label)
                     continue
-                finally:
-                    cal.sdpa_backends = chosen
             writer.writerow(asdict(point))
             fh.flush()
             log(
@@ -653,7 +869,11 @@ def run_calibration(
     if skipped:
         log(f"skipped {len(skipped)} configurations (budget or failure): {', '.join(skipped[:20])}")
     stack["skipped"] = skipped
-    stack["sdpa_default_dispatch_for"] = fallbacks
+    stack["plain_fallback_for"] = fallbacks
+    if cal.fused:
+        from torch._dynamo.utils import counters
+
+        stack["torch_compile_check"]["graphs_compiled"] = int(counters["stats"]["unique_graphs"])
     stack["elapsed_s"] = round(time.monotonic() - started, 1)
     stack_path.write_text(json.dumps(stack, indent=2) + "\n")
     profile = build_profile(read_points(points_path), stack, name=name, date=stack["date"][:10])
@@ -686,11 +906,18 @@ def run_calibration(
     help="Stop taking new measurements after this many seconds and fit what was measured.",
 )
 @click.option(
+    "--compile/--no-compile",
+    "fused",
+    default=True,
+    show_default=True,
+    help="Fuse each layer's non-attention work with torch.compile, as vLLM's compiled model does.",
+)
+@click.option(
     "--refit",
     is_flag=True,
     help="Measure nothing: refit NAME.json from NAME.points.csv and NAME.stack.json in --out.",
 )
-def main(out: Path, name: str, device: str, tiny: bool, budget_s: float, refit: bool) -> None:
+def main(out: Path, name: str, device: str, tiny: bool, budget_s: float, fused: bool, refit: bool) -> None:
     """Time Llama-3.1-8B-shaped forward passes on this GPU and fit a simulator cost profile."""
 
     def log(msg: str) -> None:
@@ -702,9 +929,8 @@ def main(out: Path, name: str, device: str, tiny: bool, budget_s: float, refit: 
         if not points_path.exists() or not stack_path.exists():
             raise click.ClickException(f"--refit needs {points_path} and {stack_path}")
         stack = json.loads(stack_path.read_text())
-        profile = build_profile(
-            read_points(points_path), stack, name=name, date=str(stack.get("date", ""))[:10]
-        )
+        date = str(stack.get("date", ""))[:10]
+        profile = build_profile(read_points(points_path), stack, name=name, date=date)
         (out / f"{name}.json").write_text(json.dumps(profile, indent=2) + "\n")
     else:
         # Before torch initialises CUDA: large caches and many graph pools fragment less this way.
@@ -717,7 +943,7 @@ def main(out: Path, name: str, device: str, tiny: bool, budget_s: float, refit: 
             ) from exc
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise click.ClickException("no CUDA device is visible; use --device cpu --tiny for a dry run")
-        profile = run_calibration(out, name, device, tiny, budget_s, log)
+        profile = run_calibration(out, name, device, tiny, budget_s, log, fused=fused)
     log(json.dumps(profile, indent=2))
 
 

@@ -252,6 +252,51 @@ def fit_drafter(
 
 
 @dataclass(frozen=True)
+class ChainDrafterFit:
+    """`base_s + k * (per_step_s + per_step_kv_token_s * KV + per_spec_token_s * B)`.
+
+    A chain drafter runs k sequential passes, each paying a fixed latency and reading the draft
+    KV cache; the profile format's drafter has no term proportional to k alone, so at small
+    batch it cannot tell k=1 from k=5. This richer form is kept in the profile's `fit` section
+    for a simulator that wants it."""
+
+    base_s: float
+    per_step_s: float
+    per_step_kv_token_s: float
+    per_spec_token_s: float
+    r2: float
+    max_rel_err: float
+    n: int
+
+    def predict(self, batch: int, k: int, kv_tokens: float) -> float:
+        return self.base_s + k * (
+            self.per_step_s + self.per_step_kv_token_s * kv_tokens + self.per_spec_token_s * batch
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "base_s": self.base_s,
+            "per_step_s": self.per_step_s,
+            "per_step_kv_token_s": self.per_step_kv_token_s,
+            "per_spec_token_s": self.per_spec_token_s,
+            "r2": self.r2,
+            "max_rel_err": self.max_rel_err,
+        }
+
+
+def fit_chain_drafter(
+    batch: Sequence[int], k: Sequence[int], kv_tokens: Sequence[int], times: Sequence[float]
+) -> ChainDrafterFit:
+    b = np.asarray(batch, dtype=np.float64)
+    kk = np.asarray(k, dtype=np.float64)
+    kv = np.asarray(kv_tokens, dtype=np.float64)
+    x = np.column_stack([np.ones_like(b), kk, kk * kv, kk * b])
+    fit = fit_nonnegative_relative(x, np.asarray(times, dtype=np.float64))
+    base, per_step, per_step_kv, per_spec = fit.coef
+    return ChainDrafterFit(base, per_step, per_step_kv, per_spec, fit.r2, fit.max_rel_err, fit.n)
+
+
+@dataclass(frozen=True)
 class PrefillFit:
     """`base_s + per_token_s * T` for one prefill chunk of T tokens."""
 
@@ -312,6 +357,7 @@ def build_profile(
         f"r2={target.r2:.4f}, max_rel_err={target.max_rel_err:.3f}, knee at T={target.knee_batched_tokens}."
     ]
     eagle_fits: dict[str, DrafterFit] = {}
+    chain_fits: dict[str, dict[str, float]] = {}
     for kind in ("eagle3", "eagle"):
         pts = _of(points, kind)
         if len(pts) >= 3:
@@ -323,7 +369,19 @@ def build_profile(
             )
             eagle_fits[kind] = fit
             drafters[kind] = fit.as_profile()
-            fit_notes.append(f"{kind}: {fit.n} points, r2={fit.r2:.4f}, max_rel_err={fit.max_rel_err:.3f}.")
+            chain = fit_chain_drafter(
+                [p.batch for p in pts],
+                [p.query_tokens for p in pts],
+                [p.kv_tokens for p in pts],
+                [p.median_s for p in pts],
+            )
+            chain_fits[kind] = chain.as_dict()
+            fit_notes.append(
+                f"{kind}: {fit.n} points (B x k x context), r2={fit.r2:.4f}, "
+                f"max_rel_err={fit.max_rel_err:.3f} "
+                f"in the format's form; the chain form in fit.chain_drafters (k x per-pass cost) gives "
+                f"r2={chain.r2:.4f}, max_rel_err={chain.max_rel_err:.3f}."
+            )
     if "eagle" in eagle_fits:
         # Llama-3.1-8B has no MTP head; an MTP module has an EAGLE-1 head's shape (fc over
         # [embedding; hidden] + one decoder layer + the shared LM head), so it costs the same.
@@ -370,6 +428,8 @@ def build_profile(
         fit_notes.append(f"prefill: {pre.n} chunks, r2={pre.r2:.4f}, max_rel_err={pre.max_rel_err:.3f}.")
     fit_notes.extend(sanity_notes(points, target, stack))
     profile["fit"] = {"r2": target.r2, "max_rel_err": target.max_rel_err, "notes": " ".join(fit_notes)}
+    if chain_fits:
+        profile["fit"]["chain_drafters"] = chain_fits
     return profile
 
 
@@ -391,6 +451,22 @@ def sanity_notes(points: Sequence[Point], target: ForwardFit, stack: Mapping[str
             f"sanity: copy bandwidth {bw / 1e12:.2f} TB/s (read+write); weight-read floor "
             f"{float(weight_bytes) / 1e9:.2f} GB / that = {floor * 1e3:.2f} ms; batch-1 decode {parts}."
         )
+    gemm_b1 = [p for p in points if p.kind == "target_gemm_only" and p.batch == 1]
+    if bw and weight_bytes and gemm_b1:
+        floor = float(weight_bytes) / bw
+        notes.append(
+            f"the weight GEMMs alone at batch 1: {gemm_b1[0].median_s * 1e3:.2f} ms "
+            f"({gemm_b1[0].median_s / floor:.2f}x the floor); the rest of a step is attention and the "
+            f"small per-layer kernels (norms, rotary, SwiGLU, residuals, KV writes)."
+        )
+    unfused = {(p.batch, p.context): p for p in points if p.kind == "target_unfused" and p.query_tokens == 1}
+    fused = {(p.batch, p.context): p for p in points if p.kind == "target" and p.query_tokens == 1}
+    pairs = [(key, unfused[key], fused[key]) for key in sorted(unfused) if key in fused]
+    if pairs:
+        parts = ", ".join(
+            f"B={b} ctx {c}: {u.median_s * 1e3:.2f} -> {f.median_s * 1e3:.2f} ms" for (b, c), u, f in pairs
+        )
+        notes.append(f"unfused kernels vs the profile's compiled step: {parts}.")
     h100_1k = (
         H100_TARGET["base_s"] + H100_TARGET["per_kv_token_s"] * 1024 + H100_TARGET["per_batched_token_s"]
     )
