@@ -103,7 +103,7 @@ class ResponseShaper:
             "prompt_text": None,
         }
         if self.req.continuous_usage:
-            chunk["usage"] = self.usage(0)
+            chunk["usage"] = {**self.usage(0), "completion_tokens_details": None}
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def delta_chunk(self, i: int, start: int, end: int) -> bytes:
@@ -153,7 +153,10 @@ class ResponseShaper:
                 "kv_transfer_params": None,
             }
         if req.continuous_usage:
-            chunk["usage"] = self.usage(end)
+            usage = self.usage(end)
+            if req.chat:  # vLLM's chat path sets completion_tokens_details explicitly (null)
+                usage["completion_tokens_details"] = None
+            chunk["usage"] = usage
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def usage_chunk(self) -> bytes:
@@ -206,7 +209,11 @@ class ResponseShaper:
 
     def full_response(self) -> dict[str, Any]:
         req = self.req
-        usage = {**self.usage(sum(s.n_out for s in self.seqs)), "prompt_tokens_details": None}
+        usage = {
+            **self.usage(sum(s.n_out for s in self.seqs)),
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
         body: dict[str, Any]
         if req.chat:
             body = {
