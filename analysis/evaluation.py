@@ -22,8 +22,9 @@ from specproxy.analysis.stats import (
 from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.verdict import Crossover, Thresholds, crossover, level_verdict
 
-# Pairs must cover at least this share of a candidate level's calls for the level to be analysed paired
-# (a split run with a small verify fraction has a few pairs: those would not represent the level).
+# Pairs must cover at least this share of a candidate level's calls with a decode speed for the level to
+# be analysed paired (a split run with a small verify fraction has a few pairs: they would not represent
+# the level).
 PAIRED_MIN_SHARE = 0.5
 
 
@@ -51,6 +52,7 @@ class LevelRow:
     calls: int
     ok: int
     completion_tokens: int
+    decode_calls: int
     wall_s: float | None
     agg_tok_s: float | None
     p50_decode_tok_s: float | None
@@ -185,6 +187,7 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
                 calls=r["calls"],
                 ok=r["ok"],
                 completion_tokens=int(r["completion_tokens"]),
+                decode_calls=int(r["decode_calls"]),
                 wall_s=r["wall_s"],
                 agg_tok_s=r["agg_tok_s"],
                 p50_decode_tok_s=r["p50_decode_tok_s"],
@@ -320,7 +323,7 @@ def _fill_comparisons(
             continue
         n_decode = int(g["n_decode"])
         row.pairs = n_decode
-        row.paired = n_decode >= max(2, PAIRED_MIN_SHARE * row.ok)
+        row.paired = n_decode >= max(2, PAIRED_MIN_SHARE * row.decode_calls)
         if not row.paired:
             continue
         sample = np.array(g["sample"] or [], dtype=np.float64).reshape(-1, 6)
