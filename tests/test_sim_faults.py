@@ -123,3 +123,19 @@ async def test_max_concurrency_queues() -> None:
         first, second = sorted((truths["q0"], truths["q1"]), key=lambda t: t.arrival)
     # The second reached the engine only once the first had finished.
     assert first.finished is not None and second.arrival >= first.finished
+
+
+async def test_client_disconnect_aborts_the_request() -> None:
+    async with running_sim(SimConfig(time_scale=1)) as sim:
+        async with aiohttp.ClientSession() as session:
+            body = {**_body(PROMPTS[0], stream=True, max_tokens=500, ignore_eos=True), "request_id": "gone"}
+            async with session.post(sim.url + "/v1/chat/completions", json=body) as resp:
+                await resp.content.readline()
+                resp.close()
+        for _ in range(100):
+            truth = sim.engine.core.truths["gone"]
+            if truth.finish_reason is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert truth.finish_reason == "abort" and truth.completion_tokens < 500
+        assert not sim.engine.core.running
