@@ -270,7 +270,7 @@ def _mismatch_rows(store: SpanStore, run_id: str, wanted: int) -> list[dict[str,
                c.request_id, c.category, c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
                c.output_text, b.text AS baseline_output_text
         FROM c LEFT JOIN b USING (request_id)
-        ORDER BY kind, c.arm, divergence_margin DESC NULLS LAST, c.request_id
+        ORDER BY kind, c.arm, c.concurrency_level NULLS LAST, divergence_margin DESC NULLS LAST, c.request_id
         """,
         {"run": run_id},
     )
@@ -281,7 +281,7 @@ def _mismatch_rows(store: SpanStore, run_id: str, wanted: int) -> list[dict[str,
         SELECT arm, kind, level, request_id, category, first_divergence, divergence_margin,
                output_text, baseline_output_text
         FROM pairs WHERE run_id = ? AND NOT identical
-        ORDER BY kind, arm, divergence_margin DESC NULLS LAST, request_id
+        ORDER BY kind, arm, concurrency_level NULLS LAST, divergence_margin DESC NULLS LAST, request_id
         LIMIT {int(wanted)}
         """,
         [run_id],
