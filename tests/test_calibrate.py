@@ -26,12 +26,18 @@ from specproxy.engines.calibrate_fit import (
 from specproxy.engines.profiles import PROFILE_DIR, load_profile
 
 H200 = "h200-llama3.1-8b"
-STACK = {"gpu": "Test GPU", "torch": "0.0", "dtype": "bfloat16", "cuda_graphs": True,
-         "weight_bytes_read_per_step": 15_000_000_000}
+STACK = {
+    "gpu": "Test GPU",
+    "torch": "0.0",
+    "dtype": "bfloat16",
+    "cuda_graphs": True,
+    "weight_bytes_read_per_step": 15_000_000_000,
+}
 
 
-def forward_time(t: int, kv: int, base: float = 4.2e-3, per_kv: float = 3.0e-8, per_t: float = 2.4e-5,
-                 knee: int = 128) -> float:
+def forward_time(
+    t: int, kv: int, base: float = 4.2e-3, per_kv: float = 3.0e-8, per_t: float = 2.4e-5, knee: int = 128
+) -> float:
     return base + per_kv * kv + per_t * max(t - knee, 0)
 
 
@@ -85,8 +91,12 @@ def test_forward_fit_is_close_under_noise() -> None:
 def test_drafter_chain_and_prefill_fits_recover_parameters() -> None:
     pts = synthetic_points()
     ea = [p for p in pts if p.kind == "eagle3"]
-    d = fit_drafter([p.batch for p in ea], [p.query_tokens for p in ea], [p.kv_tokens for p in ea],
-                    [p.median_s for p in ea])
+    d = fit_drafter(
+        [p.batch for p in ea],
+        [p.query_tokens for p in ea],
+        [p.kv_tokens for p in ea],
+        [p.median_s for p in ea],
+    )
     assert (d.base_s, d.per_kv_token_s, d.per_spec_token_s) == pytest.approx((3.0e-4, 1e-9, 2e-6), rel=1e-6)
     pre = [p for p in pts if p.kind == "prefill"]
     pf = fit_prefill([p.batched_tokens for p in pre], [p.median_s for p in pre])
@@ -134,8 +144,12 @@ def test_profile_problems_names_each_departure() -> None:
     broken["target"]["knee_batched_tokens"] = 1.5
     broken["step_overhead_s"] = math.nan
     problems = "\n".join(profile_problems(broken))
-    for field in ("target.base_s", "drafters.eagle3.per_spec_token_s", "target.knee_batched_tokens",
-                  "step_overhead_s"):
+    for field in (
+        "target.base_s",
+        "drafters.eagle3.per_spec_token_s",
+        "target.knee_batched_tokens",
+        "step_overhead_s",
+    ):
         assert field in problems
 
 
@@ -188,7 +202,6 @@ def test_refit_cli_writes_the_profile_and_explains_missing_files(tmp_path: Path)
 
 
 def test_measuring_without_torch_is_a_sentence_not_a_traceback() -> None:
-    pytest.importorskip("numpy")
     try:
         import torch  # noqa: F401
     except ImportError:
