@@ -1,7 +1,8 @@
 """`specproxy lab`: the standard speculative-decoding evaluation in one command.
 
 Without ``--config`` it starts four simulated vLLM arms (``specproxy sim`` subprocesses, one per arm,
-so both cores work) on free local ports — the lab's four configurations:
+so both cores work, launched and stopped by ``specproxy engines`` exactly as ``engines up --engine sim``
+would) on free local ports — the lab's four configurations:
 
     baseline     no speculation
     ngram        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, ...}
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
+import socket
 import sys
 import time
 import urllib.error
@@ -41,7 +42,9 @@ from typing import Any
 import click
 from rich.console import Console
 
-from specproxy.config import Arm, ConfigError, Experiment, load_experiment
+from specproxy.config import Arm, ConfigError, EngineSettings, Experiment, load_experiment
+from specproxy.engines.plan import SimOptions, plan_arm
+from specproxy.engines.supervisor import EngineError, start_arms, stop_experiment
 from specproxy.proxy.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
 from specproxy.proxy.replay import LoadPlan, ReplayError, ReplaySettings, parse_levels
 from specproxy.proxy.replay_cli import print_summary, replay_until_stopped, run_async
@@ -88,78 +91,43 @@ FULL = LabPlan(levels=(1, 2, 4, 8, 16, 32, 64, 128, 256), min_items_per_level=40
 # -- simulated arms ------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class SimProcess:
-    arm: Arm
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-
 def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
-def _sim_command(port: int, spec: dict[str, Any] | None, profile: str, time_scale: float,
-                 seed: int) -> list[str]:
-    cmd = [sys.executable, "-m", "specproxy", "sim", "--host", "127.0.0.1", "--port", str(port),
-           "--model", LAB_MODEL, "--profile", profile, "--time-scale", f"{time_scale:g}", "--seed", str(seed),
-           "--per-request-spec-decode-metrics", "summary"]
-    if spec is not None:
-        cmd += ["--speculative-config", json.dumps(spec)]
-    return cmd
-
-
-def _wait_healthy(sim: SimProcess, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sim.proc.poll() is not None:
-            tail = sim.log_path.read_text(errors="replace")[-2000:]
-            raise click.ClickException(
-                f"the simulator for arm {sim.arm.name!r} exited with {sim.proc.returncode}:\n{tail}"
-            )
-        try:
-            with urllib.request.urlopen(f"{sim.arm.url}/health", timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise click.ClickException(f"the simulator for arm {sim.arm.name!r} at {sim.arm.url} did not become "
-                               f"healthy within {timeout_s:.0f} s (log: {sim.log_path})")
+def lab_experiment(out: Path, profile: str, time_scale: float) -> Experiment:
+    """The lab's four arms as an experiment on free local ports (its state lives under ``out``)."""
+    arms = []
+    for name, spec in LAB_ARMS:
+        port = _free_port()
+        arms.append(Arm(
+            name=name, url=f"http://127.0.0.1:{port}", role="baseline" if spec is None else "candidate",
+            speculative=spec or {}, engine=EngineSettings(port=port),
+            description=f"specproxy sim, profile {profile}, time scale {time_scale:g}",
+        ))
+    return Experiment(name="lab", arms=tuple(arms), model=LAB_MODEL,
+                      source_path=str(out.resolve() / "lab.toml"))
 
 
 @contextlib.contextmanager
-def simulated_arms(out: Path, profile: str, time_scale: float, seed: int) -> Iterator[tuple[Arm, ...]]:
-    """Start one `specproxy sim` per lab arm; stop them all on the way out, whatever happened."""
-    sims: list[SimProcess] = []
+def simulated_arms(out: Path, profile: str, time_scale: float, seed: int) -> Iterator[Experiment]:
+    """Start one `specproxy sim` per lab arm through `specproxy engines` (the same launch plan as
+    `engines up --engine sim`); stop them all on the way out, whatever happened."""
+    exp = lab_experiment(out, profile, time_scale)
+    # Simulators left behind by a lab in this folder that was killed outright.
+    stop_experiment(exp, grace_s=5.0)
+    options = SimOptions(profile=profile, time_scale=time_scale, seed=seed)
+    launches = [plan_arm(exp, arm, engine="sim", sim=options) for arm in exp.arms]
     try:
-        for name, spec in LAB_ARMS:
-            port = _free_port()
-            arm = Arm(name=name, url=f"http://127.0.0.1:{port}",
-                      role="baseline" if spec is None else "candidate", speculative=spec or {},
-                      description=f"specproxy sim, profile {profile}, time scale {time_scale:g}")
-            log_path = out / f"sim-{name}.log"
-            with log_path.open("wb") as log:
-                proc = subprocess.Popen(_sim_command(port, spec, profile, time_scale, seed),
-                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            sims.append(SimProcess(arm, proc, log_path))
-        for sim in sims:
-            _wait_healthy(sim, timeout_s=60.0)
-        yield tuple(s.arm for s in sims)
+        start_arms(exp, launches, log_dir=out, health_timeout_s=60.0, engine="sim")
+    except EngineError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        yield exp
     finally:
-        for sim in sims:
-            if sim.proc.poll() is None:
-                sim.proc.terminate()
-        for sim in sims:
-            try:
-                sim.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                sim.proc.kill()
-                sim.proc.wait()
+        stop_experiment(exp, grace_s=10.0)
 
 
 def sim_clock_lag(arms: Sequence[Arm]) -> dict[str, float]:
@@ -308,17 +276,16 @@ def lab(config_path: Path | None, workload: Path | None, concurrency: str | None
     lab_items = _lab_items(workload, plan, seed)
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
+        simulated = experiment is None
         if experiment is None:
             console.print(f"starting 4 simulated arms ({profile}, time scale {plan.time_scale:g}) ...",
                           highlight=False)
-            arms = stack.enter_context(simulated_arms(out, profile, plan.time_scale, seed))
-        else:
-            arms = experiment.arms
+            experiment = stack.enter_context(simulated_arms(out, profile, plan.time_scale, seed))
+        arms = experiment.arms
         settings = ReplaySettings(
             arms=arms, db_path=db_path, run_name="lab-quick" if quick else "lab", mode="paired",
             load=LoadPlan(kind="closed", levels=plan.levels, items_per_level=plan.items_per_level),
-            temperature=0.0, max_tokens=max_tokens, seed=seed, model=None if experiment else LAB_MODEL,
-            experiment=experiment,
+            temperature=0.0, max_tokens=max_tokens, seed=seed, experiment=experiment,
             show_progress=not no_progress,
         )
         n_calls = sum(plan.items_per_level(c) for c in plan.levels)
@@ -326,15 +293,17 @@ def lab(config_path: Path | None, workload: Path | None, concurrency: str | None
                       highlight=False)
         try:
             result = run_async(replay_until_stopped(settings, ItemSet("lab", lab_items)))
-            lag = sim_clock_lag(arms) if experiment is None else {}
+            lag = sim_clock_lag(arms) if simulated else {}
         except ReplayError as exc:
-            hint = f" (`specproxy engines up {config_path}` starts the arms)" if config_path else ""
+            hint = "" if simulated else f" (`specproxy engines up {config_path}` starts the arms)"
             raise click.ClickException(f"{exc}{hint}") from None
         except SpanSinkError as exc:
             raise click.ClickException(str(exc)) from None
     print_summary(result, None, console)
     console.print(f"measured in {time.monotonic() - t0:.0f} s", highlight=False)
-    if experiment is None and plan.time_scale != 1:
+    if result.interrupted:
+        console.print("interrupted: what was measured so far is analysed below", highlight=False)
+    if simulated and plan.time_scale != 1:
         console.print(f"note: the simulated arms ran {plan.time_scale:g}x faster than the {profile} clock: "
                       f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
                       highlight=False)

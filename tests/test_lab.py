@@ -64,7 +64,8 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     assert {"c=1:before", "c=1:after", "c=4:before", "c=4:after"} <= phases
     assert {r[0] for r in category_speedups(db, run_id)} == {"ngram", "draft_model", "eagle3"}
     # the simulators were stopped
-    assert "sim-eagle3.log" in {p.name for p in out.iterdir()}
+    assert "lab-eagle3.log" in {p.name for p in out.iterdir()}
+    assert not (out / ".specproxy-engines" / "lab.json").exists()
 
 
 def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
