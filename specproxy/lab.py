@@ -121,7 +121,9 @@ def simulated_arms(out: Path, profile: str, time_scale: float, seed: int) -> Ite
     options = SimOptions(profile=profile, time_scale=time_scale, seed=seed)
     launches = [plan_arm(exp, arm, engine="sim", sim=options) for arm in exp.arms]
     try:
-        start_arms(exp, launches, log_dir=out, health_timeout_s=60.0, engine="sim")
+        # The exact simulator command goes into the run's stacks (profile, time scale, seed).
+        start_arms(exp, launches, log_dir=out, health_timeout_s=60.0, engine="sim",
+                   stack_of=lambda launch: {"engine": "sim", "argv": list(launch.argv)})
     except EngineError as exc:
         raise click.ClickException(str(exc)) from None
     try:

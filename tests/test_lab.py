@@ -60,7 +60,9 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
         cand = arm != "baseline"
         expected += [(arm, 1, 5, 5, 5 if cand else 0), (arm, 4, 8, 8, 8 if cand else 0)]
     assert rows == expected
-    assert json.loads(stacks)["eagle3"]["speculative"]["method"] == "eagle3"
+    eagle3 = json.loads(stacks)["eagle3"]
+    assert eagle3["speculative"]["method"] == "eagle3"
+    assert "--profile" in eagle3["engine"]["argv"] and "--speculative-config" in eagle3["engine"]["argv"]
     assert {"c=1:before", "c=1:after", "c=4:before", "c=4:after"} <= phases
     assert {r[0] for r in category_speedups(db, run_id)} == {"ngram", "draft_model", "eagle3"}
     # the simulators were stopped
