@@ -1,0 +1,109 @@
+"""Live traffic: `specproxy serve` in shadow mode in front of two simulators, then `specproxy analyze`.
+
+Serve's spans have no concurrency level (one level, "live"), each request gives a primary and a shadow
+span with the same request_id, and /metrics is scraped periodically: the analysis must pair them,
+compare their outputs and take acceptance from the periodic window, equal to the simulator's truth.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from click.testing import CliRunner
+
+from specproxy.cli import main
+from tests.support import free_port, start_cli, stop, wait_http
+
+
+@pytest.fixture
+def sims() -> Iterator[dict[str, str]]:
+    ports = {"baseline": free_port(), "ngram": free_port()}
+    procs = [
+        start_cli(["sim", "--port", str(ports["baseline"]), "--time-scale", "20"]),
+        start_cli(["sim", "--port", str(ports["ngram"]), "--time-scale", "20", "--method", "ngram"]),
+    ]
+    try:
+        for port, proc in zip(ports.values(), procs, strict=True):
+            wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        yield {arm: f"http://127.0.0.1:{port}" for arm, port in ports.items()}
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def test_shadow_traffic_is_analysed_as_one_live_level(sims: dict[str, str], tmp_path: Path) -> None:
+    db = tmp_path / "shadow.duckdb"
+    config = tmp_path / "shadow.toml"
+    config.write_text(f"""
+[experiment]
+name = "ngram-shadow"
+mode = "shadow"
+db = "{db}"
+scrape_interval_s = 0.5
+
+[[arms]]
+name = "baseline"
+role = "baseline"
+url = "{sims["baseline"]}"
+
+[[arms]]
+name = "ngram"
+url = "{sims["ngram"]}"
+speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
+""")
+    port = free_port()
+    proxy = start_cli(["serve", "--config", str(config), "--port", str(port)])
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proxy)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as client:
+            for i in range(8):
+                stream = client.chat.completions.create(
+                    model="meta-llama/Llama-3.1-8B-Instruct",
+                    temperature=0,
+                    max_tokens=48,
+                    stream=True,
+                    messages=[
+                        {
+                            "role": "user",
+                            "content": f"Summarize: the cat sat on the mat, the mat was red "
+                            f"and the cat was happy on the red mat ({i})",
+                        }
+                    ],
+                )
+                assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        # let the shadows finish and a periodic scrape follow them
+        time.sleep(2.0)
+    finally:
+        stop(proxy)
+
+    result = CliRunner().invoke(main, ["analyze", str(db), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads(result.stdout)["runs"]
+    assert run["name"] == "ngram-shadow" and run["peak_level"] == "live"
+    rows = {r["arm"]: r for r in run["rows"]}
+    assert set(rows) == {"baseline", "ngram"}
+    assert {r["level"] for r in run["rows"]} == {"live"}
+    ngram = rows["ngram"]
+    assert rows["baseline"]["ok"] == ngram["ok"] == 8
+    assert (ngram["identical"], ngram["compared"]) == (8, 8)
+    assert ngram["paired"] is True and ngram["decode_speedup"]["point"] > 0
+    assert ngram["verdict"] in ("WIN", "LOSS", "NO CLEAR GAIN")
+    # acceptance from the periodic /metrics window == the simulator's own per-request truth
+    with urllib.request.urlopen(f"{sims['ngram']}/sim/requests?limit=1000", timeout=10) as resp:
+        truths = json.load(resp)["requests"]
+    assert len(truths) == 8
+    accepted = sum(t["accepted_tokens"] for t in truths)
+    assert ngram["acceptance_rate"] == pytest.approx(
+        accepted / sum(t["draft_tokens"] for t in truths), rel=1e-12
+    )
+    assert ngram["acceptance_length"] == pytest.approx(
+        1 + accepted / sum(t["num_drafts"] for t in truths), rel=1e-12
+    )
+    table = CliRunner().invoke(main, ["analyze", str(db)])
+    assert "live   ngram" in table.stdout
