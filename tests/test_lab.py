@@ -46,7 +46,7 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     assert set(table) == {(lv, arm) for lv in ("c=1", "c=4")
                           for arm in ("baseline", "ngram", "draft_model", "eagle3")}
     assert table[("c=1", "baseline")] == "baseline"
-    assert "Per-user decode speedup over baseline" in res.stdout
+    assert "Request latency speedup over baseline by category" in res.stdout
     assert (out / "report.html").stat().st_size > 1000
     db = out / "specproxy.duckdb"
     with duckdb.connect(str(db), read_only=True) as conn:
