@@ -184,7 +184,7 @@ def print_category_table(rows: Sequence[CategoryRow], console: Console) -> None:
         return
     levels = sorted({r[1] for r in rows})
     console.print("Request latency speedup over baseline by category "
-                  "(median over requests of baseline e2e / candidate e2e, queueing included)")
+                  "(median of baseline e2e / candidate e2e per request)")
     table = Table()
     table.add_column("arm")
     table.add_column("category")
