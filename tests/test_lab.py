@@ -130,9 +130,11 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
         same, compared = conn.execute("SELECT count(*) FILTER (identical), count(identical) FROM requests "
                                       "WHERE arm_role <> 'baseline'").fetchone()  # type: ignore[misc]
     assert compared > 0 and same == compared  # outputs identical
-    if "warning: a simulator fell more than" in res.stderr:
-        pytest.skip("the machine was too busy for the simulators to keep their clocks: " +
-                    next(line for line in res.stderr.splitlines() if "clock lag" in line))
+    lag_line = next(line for line in res.stderr.splitlines() if "clock lag" in line)
+    # The n-gram simulator's own search costs it about 10 % at c=256; far beyond that, the machine was
+    # too busy for the figures to mean anything and the outcome is not checked.
+    if max(float(x) for x in re.findall(r"([0-9.]+)%", lag_line)) > 20:
+        pytest.skip(f"the machine was too busy for the simulators to keep their clocks: {lag_line}")
     rows = {(r["concurrency_level"], r["arm"]): r for r in
             json.loads(analyze_text([db], run=run_id, fmt="json"))["runs"][0]["rows"]}
     # EAGLE3 wins broadly at low concurrency
