@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -393,3 +394,35 @@ def test_readme_spans_example_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "baseline" in done.stdout and "0.66" in done.stdout
     assert count(tmp_path / "spans.duckdb") == 1
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+def test_a_stalled_writer_keeps_memory_bounded(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Soak: 300k spans against a writer stalled from the start: memory holds the queue, no more."""
+    monkeypatch.setattr("specproxy.proxy.sink.DuckDBSpanExporter", _StalledExporter)
+    _StalledExporter.release.clear()
+    _StalledExporter.entered.clear()
+    capacity = 50_000
+    sink = SpanSink(db, queue_size=capacity, flush_interval_s=0.01)
+    sink.start()
+    sink.emit(full_record(0))
+    assert _StalledExporter.entered.wait(10)
+    rss_empty = _rss_bytes()
+    for i in range(1, capacity + 1):
+        sink.emit(full_record(i))
+    rss_full = _rss_bytes()
+    per_span = (rss_full - rss_empty) / capacity
+    assert per_span < 2048, f"a queued span takes {per_span:.0f} bytes"
+    for i in range(capacity + 1, 300_000):
+        assert not sink.emit(full_record(i))
+    grown = _rss_bytes() - rss_full
+    assert grown < 20 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB while every span was dropped"
+    assert sink.dropped == 300_000 - capacity - 1
+    _StalledExporter.release.set()
+    sink.close()
+    assert count(db) == capacity + 1
