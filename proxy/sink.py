@@ -16,9 +16,11 @@ The path of a span. :meth:`SpanSink.emit` starts and ends a real OTel span on th
 :func:`~specproxy.proxy.otel.record_attributes`) and writes the span's ``trace_id``/``span_id`` back into
 the record. The provider has two span processors:
 
-- the sink's queue: a bounded list the writer thread drains in batches through
-  :class:`~specproxy.proxy.otel.DuckDBSpanExporter` (its own DuckDB connection, one columnar insert per
-  batch of up to ``batch_size`` spans, at least every ``flush_interval_s``);
+- the sink's queue: ``on_end`` turns the span into a row (:func:`~specproxy.proxy.otel.span_row`) and
+  appends it to a bounded list, which the writer thread drains through
+  :class:`~specproxy.proxy.otel.DuckDBSpanExporter` on its own DuckDB connection: one columnar insert
+  per batch of up to ``batch_size`` rows, whenever ``batch_size`` rows wait and at least every
+  ``flush_interval_s`` (:meth:`SpanSink.flush` waits for everything accepted so far);
 - when OTLP is configured (``otlp_endpoint``, or the standard ``OTEL_*`` variables, see
   :func:`~specproxy.proxy.otel.otlp_exporter`), the SDK's ``BatchSpanProcessor`` with the OTLP/HTTP
   exporter, on its own thread.
