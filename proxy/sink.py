@@ -200,7 +200,13 @@ class _QueueSpanProcessor(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        self._pending.put_reserved(span_row(span))
+        try:
+            row = span_row(span)
+        except Exception:  # never leave a reserved place unfilled: close() would wait for it
+            log.exception("could not turn span %s into a row; dropped", span.name)
+            self._pending.release()
+            return
+        self._pending.put_reserved(row)
 
     def shutdown(self) -> None:
         pass
