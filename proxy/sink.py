@@ -306,9 +306,16 @@ class SpanSink:
         """Open the span store, bring its schema up to date and start the writer thread."""
         if self._thread is not None:
             raise SpanSinkError("this span sink is already started")
+        cursor: Any = None
+        exporter: DuckDBSpanExporter | None = None
         if self.db_path is not None:
             self._conn = open_store(self.db_path)
-        self._thread = threading.Thread(target=self._run_writer, name="specproxy-span-writer", daemon=True)
+            # The writer's own connection to the file, made here so that a failure surfaces in start().
+            cursor = self._conn.cursor()
+            exporter = DuckDBSpanExporter(cursor)
+        self._thread = threading.Thread(
+            target=self._run_writer, args=(cursor, exporter), name="specproxy-span-writer", daemon=True
+        )
         self._thread.start()
 
     def begin_run(
@@ -440,9 +447,7 @@ class SpanSink:
             self._otlp.force_flush(int((timeout or 30.0) * 1000))
         self._provider.shutdown()
 
-    def _run_writer(self) -> None:
-        cursor = self._conn.cursor() if self._conn is not None else None
-        exporter = DuckDBSpanExporter(cursor) if cursor is not None else None
+    def _run_writer(self, cursor: Any, exporter: DuckDBSpanExporter | None) -> None:
         try:
             while True:
                 stopping = self._stopping.is_set()
@@ -470,23 +475,36 @@ class SpanSink:
         rows: list[BackendMetricRow],
     ) -> None:
         if spans and exporter is not None:
-            try:
-                exporter.write_rows(spans)
-                self._written += len(spans)
-            except Exception:
-                if len(spans) == 1:
-                    self._failed += 1
-                    log.exception("could not write 1 spans to %s", self.db_path)
-                else:
-                    # One malformed span must not lose its whole batch: write them one by one.
-                    for span in spans:
-                        self._write(exporter, cursor, [span], [])
+            self._write_spans(exporter, spans)
         if rows and cursor is not None:
             try:
                 _insert_backend_metrics(cursor, rows)
                 self._metric_rows_written += len(rows)
             except Exception:
                 log.exception("could not write %d backend metric rows to %s", len(rows), self.db_path)
+
+    def _write_spans(self, exporter: DuckDBSpanExporter, spans: list[tuple[Any, ...]]) -> None:
+        try:
+            exporter.write_rows(spans)
+            self._written += len(spans)
+            return
+        except _BAD_ROW_ERRORS:
+            pass  # some value the table cannot take: find it below, keep the rest
+        except Exception as exc:  # the store itself failed (disk full, I/O): the batch is lost
+            self._failed += len(spans)
+            log.error("could not write %d spans to %s: %s", len(spans), self.db_path, exc)
+            return
+        bad: list[Exception] = []
+        for row in spans:
+            try:
+                exporter.write_rows([row])
+                self._written += 1
+            except Exception as exc:
+                bad.append(exc)
+        self._failed += len(bad)
+        if bad:
+            log.error("%d of %d spans could not be written to %s (dropped): %s",
+                      len(bad), len(spans), self.db_path, bad[0])
 
     def _require_started(self) -> None:
         if self._thread is None:
@@ -512,6 +530,12 @@ def _insert_backend_metrics(conn: Any, rows: Sequence[BackendMetricRow]) -> None
     }
     insert_columns(conn, "backend_metrics", columns, {"scraped_at": epoch_us_to_timestamptz("_scraped_us")})
 
+
+# Errors that come from a value in a row rather than from the store: the batch is retried row by row.
+_BAD_ROW_ERRORS = (
+    ValueError, TypeError, OverflowError, duckdb.ConversionException, duckdb.ConstraintException,
+    duckdb.InvalidInputException,
+)
 
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 

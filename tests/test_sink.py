@@ -368,7 +368,7 @@ def test_a_failing_write_is_logged_and_counted_not_fatal(
             sink.emit(bad)  # in the same batch as good spans: only it is lost
             assert sink.flush(10)
     assert sink.failed == 1 and sink.written == 3
-    assert "could not write 1 spans" in caplog.text
+    assert "1 of 4 spans could not be written" in caplog.text
     assert count(db) == 3
 
 
