@@ -311,8 +311,14 @@ class SpanSink:
         if self.db_path is not None:
             self._conn = open_store(self.db_path)
             # The writer's own connection to the file, made here so that a failure surfaces in start().
-            cursor = self._conn.cursor()
-            exporter = DuckDBSpanExporter(cursor)
+            try:
+                cursor = self._conn.cursor()
+                exporter = DuckDBSpanExporter(cursor)
+            except duckdb.Error as exc:
+                self._conn.close()
+                self._conn = None
+                where = self.db_path
+                raise SpanSinkError(f"the span store {where} has no usable requests table: {exc}") from exc
         self._thread = threading.Thread(
             target=self._run_writer, args=(cursor, exporter), name="specproxy-span-writer", daemon=True
         )
