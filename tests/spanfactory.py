@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -25,7 +26,7 @@ from typing import Any
 import duckdb
 
 from specproxy import schema
-from specproxy.record import COLUMNS, SpanRecord
+from specproxy.record import SpanRecord
 
 BASE_DECODE_MEDIAN = 80.0
 DECODE_SIGMA = 0.35
@@ -222,13 +223,32 @@ def write_db(path: str | Path, runs: Iterable[SyntheticRun]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with duckdb.connect(str(path)) as conn:
         schema.migrate(conn)
-        placeholders = ", ".join("?" * len(COLUMNS))
         for run in runs:
-            conn.executemany(f"INSERT INTO requests VALUES ({placeholders})", [s.as_row() for s in run.spans])
-            if run.metrics:
-                conn.executemany("INSERT INTO backend_metrics VALUES (?, ?, ?, ?, ?, ?, ?)", run.metrics)
-            conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", run.run_row)
+            _insert(conn, "requests", [s.as_row() for s in run.spans])
+            _insert(conn, "backend_metrics", run.metrics)
+            _insert(conn, "runs", [run.run_row])
     return path
+
+
+def _insert(conn: duckdb.DuckDBPyConnection, table: str, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Rows into a table through one NDJSON file (executemany is ~5 ms a row)."""
+    if not rows:
+        return
+    types = {name: kind for name, kind, *_ in conn.execute(f"DESCRIBE {table}").fetchall()}
+    names = list(types)
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / f"{table}.ndjson"
+        with file.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(dict(zip(names, row, strict=True)), default=_iso) + "\n")
+        columns = "{" + ", ".join(f"'{n}': '{t}'" for n, t in types.items()) + "}"
+        conn.execute(f"INSERT INTO {table} SELECT * FROM read_json('{file}', columns = {columns})")
+
+
+def _iso(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"cannot serialise {value!r}")
 
 
 def generate_sql(
