@@ -415,30 +415,32 @@ class ReplayRunner:
                 # Replay scrapes only around phases (scrape_once); the interval bounds each scrape's timeout.
                 self.scraper = MetricsScraper(self.s.arms, sink, session, run_id=self.run_id, interval_s=5.0)
                 with self.progress:
-                    work = asyncio.ensure_future(
-                        self._closed_sweep() if self.s.load.kind == "closed" else self._open()
-                    )
-                    stopper = asyncio.ensure_future(self.stop.wait())
-                    try:
-                        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                        if not work.done():
-                            # Stop asked: give the loops a moment to notice, then cancel what is in flight.
-                            self.result.interrupted = True
-                            work.cancel()
-                        try:
-                            await work
-                        except asyncio.CancelledError:
-                            if not self.stop.is_set():
-                                raise
-                    finally:
-                        stopper.cancel()
-                        work.cancel()
-                self.result.interrupted = self.result.interrupted or self.stop.is_set()
+                    await self._run_until_stopped()
+                self.result.interrupted = self.stop.is_set()
             finally:
                 self._recording = False
                 sink.end_run(self.run_id)
                 sink.close()
         return self.result
+
+    async def _run_until_stopped(self) -> None:
+        """The load, until it is done or ``stop`` is set; then the calls in flight are cancelled (their
+        spans say client_cancelled) and each phase still scrapes its "after" metrics."""
+        work = asyncio.ensure_future(self._closed_sweep() if self.s.load.kind == "closed" else self._open())
+        stopper = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+            try:
+                await work
+            except asyncio.CancelledError:
+                if not self.stop.is_set():
+                    raise
+        finally:
+            for task in (work, stopper):
+                task.cancel()
+            await asyncio.gather(work, stopper, return_exceptions=True)
 
     def _pick_model(self, served: list[str]) -> str | None:
         wanted = self.s.model or (self.s.experiment.model if self.s.experiment else None)
