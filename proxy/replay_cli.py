@@ -38,6 +38,32 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
+# (click ≥ 8.2 makes ParamType generic for type checkers; subscripting it would break click 8.1.)
+class ConcurrencyLevels(click.ParamType):  # type: ignore[type-arg]
+    """``1,4,16,64`` on the command line → ``(1, 4, 16, 64)``."""
+
+    name = "LIST"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_levels(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def experiment_or_none(path: Path | None) -> Experiment | None:
+    """The experiment file, loaded; a mistake in it becomes the user's error sentence."""
+    if path is None:
+        return None
+    try:
+        return load_experiment(path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 async def replay_until_stopped(settings: ReplaySettings, items: ItemSet) -> ReplayResult:
     """Replay with Ctrl-C (and SIGTERM) turned into a clean stop that keeps the spans measured so far."""
     stop = asyncio.Event()
@@ -70,7 +96,7 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
               "server) at URL instead of the arms of --config.")
 @click.option("--format", "fmt", default="auto", show_default=True, type=click.Choice(["auto", *FORMATS]),
               help="Input format; auto detects it from the first record.")
-@click.option("--concurrency", default="1,4,16,64", show_default=True, metavar="LIST",
+@click.option("--concurrency", "levels", type=ConcurrencyLevels(), default="1,4,16,64", show_default=True,
               help="Closed loop: the concurrency levels of the sweep, one phase each.")
 @click.option("--rate", type=float, metavar="R", help="Open loop: Poisson arrivals at R requests/s.")
 @click.option("--timed", is_flag=True, help="Open loop at the log's recorded timestamps.")
@@ -99,7 +125,7 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
               help="A bad input record: stop with file:line, or skip it and count it.")
 @click.option("--capture-output", is_flag=True, help="Store each response's text in the span store.")
 @click.option("--no-progress", is_flag=True, help="No live progress display.")
-def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, concurrency: str,
+def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, levels: tuple[int, ...],
            rate: float | None, timed: bool, speedup: float, mode: str, temperature: float,
            keep_temperature: bool, max_tokens: int | None, limit: int | None, duration: float | None,
            warmup: int | None, db_path: Path | None, run_name: str | None, model: str | None, seed: int,
@@ -122,16 +148,8 @@ def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, c
         raise click.UsageError("--rate and --timed are two different load shapes; choose one")
     if rate is not None and rate <= 0:
         raise click.BadParameter("must be > 0", param_hint="--rate")
-    try:
-        levels = parse_levels(concurrency)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--concurrency") from None
-    experiment: Experiment | None = None
-    if config_path is not None:
-        try:
-            experiment = load_experiment(config_path)
-        except ConfigError as exc:
-            raise click.ClickException(str(exc)) from None
+    experiment = experiment_or_none(config_path)
+    if experiment is not None:
         arms = experiment.arms
     else:
         assert target is not None

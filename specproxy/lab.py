@@ -42,12 +42,18 @@ from typing import Any
 import click
 from rich.console import Console
 
-from specproxy.config import Arm, ConfigError, EngineSettings, Experiment, load_experiment
+from specproxy.config import Arm, EngineSettings, Experiment
 from specproxy.engines.plan import SimOptions, plan_arm
 from specproxy.engines.supervisor import EngineError, start_arms, stop_experiment
 from specproxy.proxy.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
-from specproxy.proxy.replay import LoadPlan, ReplayError, ReplaySettings, parse_levels
-from specproxy.proxy.replay_cli import print_summary, replay_until_stopped, run_async
+from specproxy.proxy.replay import LoadPlan, ReplayError, ReplaySettings
+from specproxy.proxy.replay_cli import (
+    ConcurrencyLevels,
+    experiment_or_none,
+    print_summary,
+    replay_until_stopped,
+    run_async,
+)
 from specproxy.proxy.sink import SpanSinkError
 from specproxy.workload import mixed_workload
 
@@ -235,7 +241,7 @@ def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayIt
               help="Experiment file with running arms (default: start four simulated arms).")
 @click.option("--workload", type=click.Path(dir_okay=False, path_type=Path),
               help=f"A traffic log to use instead of the built-in mixed workload ({', '.join(FORMATS)}).")
-@click.option("--concurrency", metavar="LIST", help="Concurrency levels of the sweep "
+@click.option("--concurrency", "levels", type=ConcurrencyLevels(), help="Concurrency levels of the sweep "
               "(default 1,2,4,8,16,32,64,128,256; with --quick 1,4,16,64,256).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("lab-out"),
               show_default=True, help="Folder for the span store, report.html and the simulators' logs.")
@@ -251,9 +257,9 @@ def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayIt
               help="Cap every answer at N tokens (default: the workload's own lengths).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the workload and simulators.")
 @click.option("--no-progress", is_flag=True, help="No live progress display.")
-def lab(config_path: Path | None, workload: Path | None, concurrency: str | None, out: Path, quick: bool,
-        profile: str, time_scale: float | None, items: int | None, max_tokens: int | None, seed: int,
-        no_progress: bool) -> None:
+def lab(config_path: Path | None, workload: Path | None, levels: tuple[int, ...] | None, out: Path,
+        quick: bool, profile: str, time_scale: float | None, items: int | None, max_tokens: int | None,
+        seed: int, no_progress: bool) -> None:
     """The whole evaluation in one command: four speculative configs, a concurrency sweep, a verdict.
 
     \b
@@ -264,19 +270,10 @@ def lab(config_path: Path | None, workload: Path | None, concurrency: str | None
     """
     console = Console(stderr=True, soft_wrap=True)
     plan = QUICK if quick else FULL
-    try:
-        levels = parse_levels(concurrency) if concurrency else plan.levels
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--concurrency") from None
-    plan = LabPlan(levels=levels, min_items_per_level=items or plan.min_items_per_level,
+    plan = LabPlan(levels=levels or plan.levels, min_items_per_level=items or plan.min_items_per_level,
                    waves_per_level=plan.waves_per_level, time_scale=time_scale or plan.time_scale,
                    max_tokens_scale=plan.max_tokens_scale)
-    experiment: Experiment | None = None
-    if config_path is not None:
-        try:
-            experiment = load_experiment(config_path)
-        except ConfigError as exc:
-            raise click.ClickException(str(exc)) from None
+    experiment = experiment_or_none(config_path)
     out.mkdir(parents=True, exist_ok=True)
     db_path = out / "specproxy.duckdb"
     lab_items = _lab_items(workload, plan, seed)
