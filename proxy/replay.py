@@ -89,6 +89,9 @@ class ReplaySettings:
     timeout: UpstreamTimeout = UpstreamTimeout()
     capture_output: bool = False
     show_progress: bool = True
+    # Called with "<phase>:before" / "<phase>:after" next to each /metrics scrape (the lab reads its
+    # simulators' clocks there).
+    on_phase: Callable[[str], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -317,7 +320,7 @@ class ReplayRunner:
                      drive: Callable[[Sequence[Any], Callable[[Any], Awaitable[None]]], Awaitable[LoadStats]]
                      ) -> list[LoadStats]:
         """Run one measured phase: scrape, send every call as ``drive`` schedules it, scrape again."""
-        await self.scraper.scrape_once(f"{label}:before")
+        await self._mark(f"{label}:before")
         self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
         self.result.phases.append(label)
         stats: list[LoadStats] = []
@@ -337,8 +340,13 @@ class ReplayRunner:
                 stats = [await drive(assigned, self._send_split)]
         finally:
             self.progress.end_phase()
-            await self.scraper.scrape_once(f"{label}:after")
+            await self._mark(f"{label}:after")
         return stats
+
+    async def _mark(self, phase: str) -> None:
+        await self.scraper.scrape_once(phase)
+        if self.s.on_phase is not None:
+            await self.s.on_phase(phase)
 
     def _level_items(self, level: int) -> list[ReplayItem]:
         plan = self.s.load

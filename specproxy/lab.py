@@ -27,6 +27,7 @@ while absolute tok/s are multiplied by X and times divided by it (the lab says s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -138,17 +139,61 @@ def simulated_arms(out: Path, profile: str, time_scale: float, seed: int) -> Ite
         stop_experiment(exp, grace_s=10.0)
 
 
-def sim_clock_lag(arms: Sequence[Arm]) -> dict[str, float]:
-    """Each simulator's ``clock_lag_ratio`` (how far its real clock fell behind the profile's while
-    busy): above a few percent the machine could not keep up and the measured times are stretched."""
-    lag: dict[str, float] = {}
-    for arm in arms:
-        try:
-            with urllib.request.urlopen(f"{arm.url}/sim/stats", timeout=5.0) as resp:
-                lag[arm.name] = float(json.loads(resp.read())["clock_lag_ratio"])
-        except (urllib.error.URLError, OSError, ValueError, KeyError):
-            continue
-    return lag
+class SimClocks:
+    """Each simulator's clock at every phase boundary (``/sim/stats``), for the lag of each level: how
+    far a simulator's real clock fell behind the profile's while busy. Above a few percent the machine
+    could not keep up and that level's times are stretched."""
+
+    def __init__(self, arms: Sequence[Arm]) -> None:
+        self.arms = arms
+        # phase → arm → (lag_s, ideal_busy_wall_s), both cumulative since the simulator started
+        self.marks: dict[str, dict[str, tuple[float, float]]] = {}
+
+    async def mark(self, phase: str) -> None:
+        self.marks[phase] = await asyncio.to_thread(self._read)
+
+    def _read(self) -> dict[str, tuple[float, float]]:
+        clocks: dict[str, tuple[float, float]] = {}
+        for arm in self.arms:
+            try:
+                with urllib.request.urlopen(f"{arm.url}/sim/stats", timeout=5.0) as resp:
+                    stats = json.loads(resp.read())
+                clocks[arm.name] = (float(stats["lag_s"]), float(stats["ideal_busy_wall_s"]))
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                continue
+        return clocks
+
+    def lag_by_level(self) -> dict[str, dict[str, float]]:
+        """level label → arm → share of the level's busy time the simulator ran behind its clock."""
+        out: dict[str, dict[str, float]] = {}
+        for phase, after in self.marks.items():
+            if not phase.endswith(":after"):
+                continue
+            label = phase.removesuffix(":after")
+            before = self.marks.get(f"{label}:before", {})
+            out[label] = {
+                arm: (lag - before[arm][0]) / (busy - before[arm][1])
+                for arm, (lag, busy) in after.items() if arm in before and busy > before[arm][1]
+            }
+        return out
+
+
+def print_clock_lag(lag: dict[str, dict[str, float]], console: Console) -> None:
+    if not lag:
+        return
+    cells = []
+    for label, arms in lag.items():
+        if arms:
+            worst = max(arms, key=lambda a: arms[a])
+            cells.append(f"{label} {arms[worst]:.1%} ({worst})")
+    console.print("simulator clock lag by level (worst arm; share of busy time behind the profile's clock): "
+                  + ", ".join(cells), highlight=False)
+    late = [label for label, arms in lag.items() if arms and max(arms.values()) > MAX_CLOCK_LAG]
+    if late:
+        console.print(f"[yellow]warning: at {', '.join(late)} a simulator fell more than {MAX_CLOCK_LAG:.0%} "
+                      "behind its clock (this machine could not keep up): those rows' times are stretched "
+                      "and their ratios less certain; rerun on a quieter machine or with --time-scale "
+                      "0.5[/yellow]")
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -285,10 +330,12 @@ def lab(config_path: Path | None, workload: Path | None, levels: tuple[int, ...]
                           highlight=False)
             experiment = stack.enter_context(simulated_arms(out, profile, plan.time_scale, seed))
         arms = experiment.arms
+        clocks = SimClocks(arms) if simulated else None
         settings = ReplaySettings(
             arms=arms, db_path=db_path, run_name="lab-quick" if quick else "lab", mode="paired",
             load=LoadPlan(kind="closed", levels=plan.levels, items_per_level=plan.items_per_level),
             temperature=0.0, max_tokens=max_tokens, seed=seed, experiment=experiment,
+            on_phase=clocks.mark if clocks is not None else None,
             show_progress=not no_progress,
         )
         n_calls = sum(plan.items_per_level(c) for c in plan.levels)
@@ -296,7 +343,6 @@ def lab(config_path: Path | None, workload: Path | None, levels: tuple[int, ...]
                       highlight=False)
         try:
             result = run_async(replay_until_stopped(settings, ItemSet("lab", lab_items)))
-            lag = sim_clock_lag(arms) if simulated else {}
         except ReplayError as exc:
             hint = "" if simulated else f" (`specproxy engines up {config_path}` starts the arms)"
             raise click.ClickException(f"{exc}{hint}") from None
@@ -310,13 +356,8 @@ def lab(config_path: Path | None, workload: Path | None, levels: tuple[int, ...]
         console.print(f"note: the simulated arms ran {plan.time_scale:g}x faster than the {profile} clock: "
                       f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
                       highlight=False)
-    if lag:
-        console.print("simulator clock lag (share of busy time behind the profile's clock): "
-                      + ", ".join(f"{a} {v:.1%}" for a, v in lag.items()), highlight=False)
-        if max(lag.values()) > MAX_CLOCK_LAG:
-            console.print(f"[yellow]warning: a simulator fell more than {MAX_CLOCK_LAG:.0%} behind its clock "
-                          "(the machine was busy): its times are stretched and the ratios less certain; "
-                          "rerun on a quieter machine or with --time-scale 0.5[/yellow]")
+    if clocks is not None:
+        print_clock_lag(clocks.lag_by_level(), console)
     report = analysis_outputs(db_path, out, result.run_id, console)
     print_category_table(category_speedups(db_path, result.run_id), Console(width=120))
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)

@@ -47,6 +47,7 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
                           for arm in ("baseline", "ngram", "draft_model", "eagle3")}
     assert table[("c=1", "baseline")] == "baseline"
     assert "Request latency speedup over baseline by category" in res.stdout
+    assert re.search(r"simulator clock lag by level .*: c=1 [0-9.]+% \(\w+\), c=4 [0-9.]+%", res.stderr)
     assert (out / "report.html").stat().st_size > 1000
     db = out / "specproxy.duckdb"
     with duckdb.connect(str(db), read_only=True) as conn:
