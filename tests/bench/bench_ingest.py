@@ -48,18 +48,42 @@ from specproxy.record import COLUMNS, SpanRecord
 def make_record(i: int, t0_ns: int) -> SpanRecord:
     """A realistic streamed, speculative, greedy span (most columns set)."""
     return SpanRecord(
-        run_id="bench-run", request_id=f"req-{i // 2:08d}", arm="eagle3" if i % 2 else "baseline",
-        arm_role="candidate" if i % 2 else "baseline", backend_url="http://127.0.0.1:8002",
-        spec_method="eagle3" if i % 2 else "none", num_speculative_tokens=3 if i % 2 else None,
-        source="replay", routed_as="replay", category="code", concurrency_level=16, inflight_at_start=i % 16,
-        endpoint="chat", model="meta-llama/Llama-3.1-8B-Instruct", stream=True, temperature=0.0,
-        max_tokens=256, seed=None, prompt_sha256=f"{i:064x}", prompt_tokens=100 + i % 400,
-        t_start_ns=t0_ns + i * 1_000_000, ttft_s=0.021 + (i % 7) * 1e-3, e2e_s=1.3 + (i % 11) * 0.01,
-        decode_tok_s=95.5 + i % 30, chunks=70, completion_tokens=256, finish_reason="length",
-        output_sha256=f"{i * 7:064x}", num_drafts=60 if i % 2 else None, draft_tokens=180 if i % 2 else None,
-        accepted_tokens=130 if i % 2 else None, acceptance_length=3.1 if i % 2 else None,
-        spec_source="vllm_request_metrics" if i % 2 else "none", identical=True if i % 2 else None,
-        status="ok", http_status=200,
+        run_id="bench-run",
+        request_id=f"req-{i // 2:08d}",
+        arm="eagle3" if i % 2 else "baseline",
+        arm_role="candidate" if i % 2 else "baseline",
+        backend_url="http://127.0.0.1:8002",
+        spec_method="eagle3" if i % 2 else "none",
+        num_speculative_tokens=3 if i % 2 else None,
+        source="replay",
+        routed_as="replay",
+        category="code",
+        concurrency_level=16,
+        inflight_at_start=i % 16,
+        endpoint="chat",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        stream=True,
+        temperature=0.0,
+        max_tokens=256,
+        seed=None,
+        prompt_sha256=f"{i:064x}",
+        prompt_tokens=100 + i % 400,
+        t_start_ns=t0_ns + i * 1_000_000,
+        ttft_s=0.021 + (i % 7) * 1e-3,
+        e2e_s=1.3 + (i % 11) * 0.01,
+        decode_tok_s=95.5 + i % 30,
+        chunks=70,
+        completion_tokens=256,
+        finish_reason="length",
+        output_sha256=f"{i * 7:064x}",
+        num_drafts=60 if i % 2 else None,
+        draft_tokens=180 if i % 2 else None,
+        accepted_tokens=130 if i % 2 else None,
+        acceptance_length=3.1 if i % 2 else None,
+        spec_source="vllm_request_metrics" if i % 2 else "none",
+        identical=True if i % 2 else None,
+        status="ok",
+        http_status=200,
     )
 
 
@@ -245,8 +269,10 @@ def main() -> None:
         e2e = medians(args.repeats, lambda: bench_end_to_end(tmp, n, args.batch))
         breakdown = emit_breakdown(min(n, 50_000))
     load = os.getloadavg()[0]
-    print(f"span ingest, {n} spans per measurement, median of {args.repeats}; python "
-          f"{sys.version.split()[0]}, duckdb {duckdb.__version__}, {os.cpu_count()} cpus, load {load:.1f}")
+    print(
+        f"span ingest, {n} spans per measurement, median of {args.repeats}; python "
+        f"{sys.version.split()[0]}, duckdb {duckdb.__version__}, {os.cpu_count()} cpus, load {load:.1f}"
+    )
     print(f"{'path':<46}{'rows/s':>10}{'rows/cpu-s':>12}{'vs 100k (wall, cpu)':>22}")
     for label, (wall, cpu) in [
         (f"writer thread: write_rows, batches of {args.batch}", writer),
@@ -259,8 +285,10 @@ def main() -> None:
     ]:
         print(f"{label:<46}{wall:>10,.0f}{cpu:>12,.0f}{wall / 1e5:>14.2f}x{cpu / 1e5:>7.2f}x")
     print(f"emit() costs the caller {1e6 / e2e[3]:.1f} µs of CPU per span ({1e6 / e2e[2]:.1f} µs wall)")
-    print(f"a 1 ms sleeper (an event loop) beside the writer at full speed wakes late by p99 "
-          f"{lag[0]:.1f} ms, max {lag[1]:.1f} ms; alone: p99 {lag[2]:.1f} ms, max {lag[3]:.1f} ms")
+    print(
+        f"a 1 ms sleeper (an event loop) beside the writer at full speed wakes late by p99 "
+        f"{lag[0]:.1f} ms, max {lag[1]:.1f} ms; alone: p99 {lag[2]:.1f} ms, max {lag[3]:.1f} ms"
+    )
     print("where emit()'s time goes (µs of CPU per span, each step alone):")
     for label, us in breakdown:
         print(f"  {label:<52}{us:>8.1f}")
