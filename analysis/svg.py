@@ -30,8 +30,10 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     """Round-numbered ticks covering [lo, hi]."""
     if not math.isfinite(lo) or not math.isfinite(hi):
         return [0.0]
-    if hi <= lo:
-        hi = lo + (abs(lo) or 1.0)
+    if hi - lo < 1e-9 * max(abs(lo), abs(hi), 1.0):
+        # one value (say every ratio is 1.0): centre it in a band of ±10 %
+        pad = 0.1 * (abs(lo) or 1.0)
+        lo, hi = lo - pad, hi + pad
     raw = (hi - lo) / count
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)

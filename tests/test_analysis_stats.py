@@ -31,8 +31,9 @@ def _coverage_paired(reps: int, n: int, m: int | None, true_ratio: float, seed: 
         cand = base * true_ratio * np.exp(gen.normal(0, 0.15, n))
         point = float(np.median(cand) / np.median(base))
         sub = np.arange(n) if m is None else gen.choice(n, m, replace=False)
-        iv = paired_median_ratio(cand[sub], base[sub], point=point, n_total=n, iterations=300,
-                                 rng=rng_for(seed, str(i)))
+        iv = paired_median_ratio(
+            cand[sub], base[sub], point=point, n_total=n, iterations=300, rng=rng_for(seed, str(i))
+        )
         assert iv.low is not None and iv.high is not None
         hits += iv.low <= true_ratio <= iv.high
     return hits / reps
@@ -45,8 +46,9 @@ def _coverage_unpaired(reps: int, n: int, true_ratio: float, seed: int) -> float
         base = 80 * np.exp(gen.normal(0, 0.35, n))
         cand = 80 * true_ratio * np.exp(gen.normal(0, 0.35, n))
         point = float(np.median(cand) / np.median(base))
-        iv = unpaired_median_ratio(cand, base, point=point, n_cand=n, n_base=n, iterations=400,
-                                   rng=rng_for(seed, str(i)))
+        iv = unpaired_median_ratio(
+            cand, base, point=point, n_cand=n, n_base=n, iterations=400, rng=rng_for(seed, str(i))
+        )
         assert iv.low is not None and iv.high is not None
         hits += iv.low <= true_ratio <= iv.high
     return hits / reps
@@ -93,8 +95,18 @@ def test_throughput_interval_is_centred_on_the_wall_clock_ratio() -> None:
     tokens = gen.integers(16, 256, 400).astype(float)
     e2e_b = tokens / 80 * np.exp(gen.normal(0, 0.2, 400))
     e2e_c = e2e_b / 1.25
-    iv = throughput_ratio(tokens, e2e_c, tokens, e2e_b, point=1.1, n_cand=400, n_base=400, paired=True,
-                          iterations=500, rng=rng_for(0, "t"))
+    iv = throughput_ratio(
+        tokens,
+        e2e_c,
+        tokens,
+        e2e_b,
+        point=1.1,
+        n_cand=400,
+        n_base=400,
+        paired=True,
+        iterations=500,
+        rng=rng_for(0, "t"),
+    )
     assert iv.low is not None and iv.high is not None
     assert iv.low < 1.1 < iv.high
     assert math.isclose(math.log(iv.low) + math.log(iv.high), 2 * math.log(1.1), abs_tol=0.02)
@@ -150,3 +162,12 @@ def test_crossover() -> None:
     never = crossover([(1, 0.95), (8, 1.2)])
     assert never.pays_up_to is None and never.first_not_paying == 1
     assert "pays at every tested level" in crossover([(1, 1.2)]).describe([1])
+
+
+def test_chart_axes_cover_the_data() -> None:
+    from specproxy.analysis.svg import nice_ticks
+
+    assert nice_ticks(0, 125) == [0, 25, 50, 75, 100, 125]
+    ticks = nice_ticks(1.0, 1.0)  # every ratio 1.0: a band around it, not 1..2
+    assert ticks[0] < 1.0 < ticks[-1] and ticks[-1] - ticks[0] < 0.5
+    assert nice_ticks(0.83, 1.71)[0] <= 0.83 and nice_ticks(0.83, 1.71)[-1] >= 1.71
