@@ -387,6 +387,9 @@ def _fill_unpaired(
             SELECT k.arm, k.level,
                    count(*) FILTER (WHERE r.decode_tok_s > 0) AS n_decode,
                    count(*) FILTER (WHERE r.completion_tokens IS NOT NULL AND r.e2e_s > 0) AS n_thr,
+                   sum(r.completion_tokens) FILTER (WHERE r.completion_tokens IS NOT NULL AND r.e2e_s > 0)
+                       AS thr_tokens,
+                   sum(r.e2e_s) FILTER (WHERE r.completion_tokens IS NOT NULL AND r.e2e_s > 0) AS thr_e2e,
                    list([r.decode_tok_s, r.completion_tokens, r.e2e_s])
                        FILTER (WHERE k.p >= 1 OR hash(r.request_id, r.span_id, $seed) % 1000000007
                                                   < k.p * 1000000007) AS sample
@@ -418,7 +421,10 @@ def _fill_unpaired(
                 rng=rng,
                 confidence=settings.confidence,
             )
-        if row.agg_tok_s and base.agg_tok_s:
+        # The arms got different shares of the traffic, so their wall-clock tok/s say more about the
+        # split than about speed: compare the per-call token rate Σ tokens / Σ e2e (by Little's law,
+        # throughput per concurrent call) instead.
+        if c["thr_e2e"] and b["thr_e2e"] and c["thr_tokens"] and b["thr_tokens"]:
             c_ok = np.isfinite(cs[:, 1]) & (cs[:, 2] > 0)
             b_ok = np.isfinite(bs[:, 1]) & (bs[:, 2] > 0)
             row.throughput_speedup = throughput_ratio(
@@ -426,7 +432,7 @@ def _fill_unpaired(
                 cs[c_ok, 2],
                 bs[b_ok, 1],
                 bs[b_ok, 2],
-                point=row.agg_tok_s / base.agg_tok_s,
+                point=(c["thr_tokens"] / c["thr_e2e"]) / (b["thr_tokens"] / b["thr_e2e"]),
                 n_cand=max(int(c["n_thr"]), 1),
                 n_base=max(int(b["n_thr"]), 1),
                 paired=False,

@@ -72,7 +72,7 @@ def row_cells(row: LevelRow) -> list[str]:
         fmt_num(row.req_acceptance_length, 2),
         f"{row.identical}/{row.compared}" if row.compared else DASH,
         fmt_interval(row.decode_speedup) + (" (unpaired)" if row.paired is False else ""),
-        fmt_interval(row.throughput_speedup),
+        fmt_interval(row.throughput_speedup) + (" (per call)" if row.paired is False else ""),
         row.verdict or ("baseline" if row.role == "baseline" else DASH),
     ]
 

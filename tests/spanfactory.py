@@ -86,8 +86,10 @@ def make_run(
     margins: bool = True,
     capture_text: bool = False,
     restart_engine: str | None = None,
+    split_cycle: Sequence[int] | None = None,
 ) -> SyntheticRun:
-    """A run: every request goes to every arm (paired) or to one arm, round robin (split)."""
+    """A run: every request goes to every arm (paired) or to one arm (split): round robin, or the arm
+    indices of ``split_cycle`` in turn (``[0, 0, 0, 1]``: the first arm gets 3 requests in 4)."""
     rng = random.Random(seed)
     spans: list[SpanRecord] = []
     metrics: list[tuple[Any, ...]] = []
@@ -101,7 +103,8 @@ def make_run(
             category = categories[i % len(categories)]
             tokens = rng.randint(16, 256)
             base_decode = _lognormal(rng, BASE_DECODE_MEDIAN / (1 + (level or 0) / 32), DECODE_SIGMA)
-            targets = list(arms) if paired else [arms[i % len(arms)]]
+            cycle = split_cycle or range(len(arms))
+            targets = list(arms) if paired else [arms[cycle[i % len(cycle)]]]
             start = t_level + timedelta(microseconds=rng.randint(0, 2_000_000))
             for arm in targets:
                 if arm is baseline:

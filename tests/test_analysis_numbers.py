@@ -218,3 +218,29 @@ def test_verdicts_follow_the_rules(analyzed_json: dict[str, Any]) -> None:
     replica = [r for r in rows if r["arm"] == "replica"]
     assert doc["runs"][0]["noise_compared"] == sum(r["compared"] for r in replica)
     assert doc["runs"][0]["noise_mismatched"] == sum(r["compared"] - r["identical"] for r in replica)
+
+
+def test_split_traffic_compares_per_call_token_rates(tmp_path: Path) -> None:
+    """In split mode the baseline got 3 requests in 4: its wall-clock tok/s is 3x the candidate's
+    for that reason alone, so the throughput ratio is Σ tokens / Σ e2e per arm, not agg tok/s."""
+    arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
+    run = make_run(arms, levels=(None,), n_per_level=400, paired=False, split_cycle=[0, 0, 0, 1], seed=2)
+    path = write_db(tmp_path / "split.duckdb", [run])
+    result = _cli("analyze", str(path), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = {r["arm"]: r for r in json.loads(result.stdout)["runs"][0]["rows"]}
+    cand, base = rows["eagle3"], rows["baseline"]
+    assert cand["paired"] is False and cand["calls"] == 100 and base["calls"] == 300
+
+    def rate(arm: str) -> float:
+        ok = [s for s in run.spans if s.arm == arm and s.status == "ok" and s.e2e_s]
+        return sum(s.completion_tokens or 0 for s in ok) / sum(s.e2e_s or 0.0 for s in ok)
+
+    assert cand["throughput_speedup"]["point"] == pytest.approx(rate("eagle3") / rate("baseline"), rel=1e-9)
+    assert cand["throughput_speedup"]["point"] > 1.0  # faster per call, though its wall-clock tok/s is lower
+    assert cand["agg_tok_s"] < base["agg_tok_s"]
+    # unpaired decode speedup: ratio of the arms' own P50s
+    assert cand["decode_speedup"]["point"] == pytest.approx(
+        cand["p50_decode_tok_s"] / base["p50_decode_tok_s"]
+    )
+    assert cand["verdict"] == "WIN"
