@@ -47,8 +47,9 @@ def analyze_text(
     from specproxy.analysis.render import render
 
     settings = settings or Settings()
+    skipped: list[str] = []
     with open_store(db_paths) as store:
-        return render(evaluate(store, run, settings), settings, fmt)
+        return render(evaluate(store, run, settings, skipped), settings, fmt, skipped)
 
 
 def write_report(

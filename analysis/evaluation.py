@@ -149,11 +149,31 @@ def select_runs(store: SpanStore, run: str | None) -> list[dict[str, Any]]:
 
 
 def evaluate(
-    store: SpanStore, run: str | None = None, settings: Settings | None = None
+    store: SpanStore,
+    run: str | None = None,
+    settings: Settings | None = None,
+    skipped: list[str] | None = None,
 ) -> list[RunEvaluation]:
-    """Evaluate every run (or the one named by name or id)."""
+    """Evaluate every run (or the one named by name or id).
+
+    Without ``run``, a run that cannot be evaluated (no baseline arm) is left out and its reason
+    appended to ``skipped``, as long as another run can be; a named run that cannot be is an error.
+    """
     settings = settings or Settings()
-    return [_evaluate_run(store, info, settings) for info in select_runs(store, run)]
+    out: list[RunEvaluation] = []
+    errors: list[StoreError] = []
+    for info in select_runs(store, run):
+        try:
+            out.append(_evaluate_run(store, info, settings))
+        except StoreError as exc:
+            if run is not None:
+                raise
+            errors.append(exc)
+    if errors and not out:
+        raise errors[0]
+    if skipped is not None:
+        skipped.extend(f"skipped: {exc}" for exc in errors)
+    return out
 
 
 def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) -> RunEvaluation:

@@ -173,8 +173,8 @@ def as_dicts(evals: Sequence[RunEvaluation]) -> list[dict[str, Any]]:
     return out
 
 
-def render_json(evals: Sequence[RunEvaluation], settings: Settings) -> str:
-    doc = {"settings": asdict(settings), "runs": as_dicts(evals)}
+def render_json(evals: Sequence[RunEvaluation], settings: Settings, skipped: Sequence[str] = ()) -> str:
+    doc = {"settings": asdict(settings), "runs": as_dicts(evals), "skipped": list(skipped)}
     return json.dumps(doc, indent=2, default=_jsonable, ensure_ascii=False) + "\n"
 
 
@@ -232,13 +232,15 @@ def render_csv(evals: Sequence[RunEvaluation]) -> str:
     return buf.getvalue()
 
 
-def render(evals: Sequence[RunEvaluation], settings: Settings, fmt: str) -> str:
+def render(evals: Sequence[RunEvaluation], settings: Settings, fmt: str, skipped: Sequence[str] = ()) -> str:
+    """The evaluations in one of :data:`FORMATS`; ``skipped`` runs are listed after the tables (table,
+    markdown) or under "skipped" (json); CSV has rows only."""
     if fmt == "table":
-        return render_table(evals, settings)
+        return render_table(evals, settings) + "".join(f"\n{s}\n" for s in skipped)
     if fmt == "markdown":
-        return render_table(evals, settings, markdown=True)
+        return render_table(evals, settings, markdown=True) + "".join(f"\n- {s}\n" for s in skipped)
     if fmt == "json":
-        return render_json(evals, settings)
+        return render_json(evals, settings, skipped)
     if fmt == "csv":
         return render_csv(evals)
     raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")

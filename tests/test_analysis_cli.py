@@ -241,3 +241,18 @@ def test_a_file_locked_by_a_writer_is_a_sentence(tmp_path: Path, store: Path) ->
         holder.wait()
     time.sleep(0.1)
     assert run("analyze", str(path)).returncode == 0
+
+
+def test_a_run_without_baseline_is_skipped_beside_good_ones(tmp_path: Path) -> None:
+    good = make_run(ARMS, levels=(1,), n_per_level=20, run_id="good", name="good")
+    bad = make_run(ARMS, levels=(1,), n_per_level=20, run_id="bad", name="bad")
+    path = write_db(tmp_path / "mixed.duckdb", [good, bad])
+    with duckdb.connect(str(path)) as conn:
+        conn.execute("UPDATE requests SET arm_role = 'candidate' WHERE run_id = 'bad'")
+    table = run("analyze", str(path))
+    assert table.returncode == 0 and "run good" in table.stdout
+    assert "skipped: run 'bad' has no baseline arm" in table.stdout
+    doc = json.loads(run("analyze", str(path), "--format", "json").stdout)
+    assert [r["name"] for r in doc["runs"]] == ["good"] and len(doc["skipped"]) == 1
+    named = run("analyze", str(path), "--run", "bad")
+    assert named.returncode == 1 and "has no baseline arm" in named.stderr
