@@ -63,8 +63,9 @@ def write_report(
 
     settings = settings or Settings()
     out = Path(out_path)
+    skipped: list[str] = []
     with open_store(db_paths) as store:
-        html = build_report(store, evaluate(store, run, settings), settings)
+        html = build_report(store, evaluate(store, run, settings, skipped), settings, skipped)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(html, encoding="utf-8")
     return out

@@ -345,7 +345,9 @@ def _stacks(ev: RunEvaluation) -> str:
     return "".join(parts)
 
 
-def build_report(store: SpanStore, evals: Sequence[RunEvaluation], settings: Settings) -> str:
+def build_report(
+    store: SpanStore, evals: Sequence[RunEvaluation], settings: Settings, skipped: Sequence[str] = ()
+) -> str:
     """The whole HTML document for the evaluated runs."""
     sections = []
     for ev in evals:
@@ -391,6 +393,7 @@ def build_report(store: SpanStore, evals: Sequence[RunEvaluation], settings: Set
 <h1>specproxy: does speculative decoding pay?</h1>
 <p class="muted">From {files} · generated {generated} by specproxy {__version__}</p>
 <p>{rules}</p>
+{"".join(f'<p class="muted">{escape(s)}</p>' for s in skipped)}
 {"".join(sections)}
 </body></html>
 """
