@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,27 @@ def test_chart_axes_cover_the_data() -> None:
     ticks = nice_ticks(1.0, 1.0)  # every ratio 1.0: a band around it, not 1..2
     assert ticks[0] < 1.0 < ticks[-1] and ticks[-1] - ticks[0] < 0.5
     assert nice_ticks(0.83, 1.71)[0] <= 0.83 and nice_ticks(0.83, 1.71)[-1] >= 1.71
+
+
+@pytest.mark.slow
+def test_end_to_end_intervals_cover_the_true_speedup(tmp_path: Path) -> None:
+    """The whole pipeline (spans in DuckDB → pairs → bootstrap), repeated on fresh synthetic runs whose
+    true speedup is known (1.3 at c=1, 0.9 at c=8): the intervals cover it at about 95 %."""
+    from specproxy.analysis import evaluate, open_store
+    from tests.spanfactory import ArmSpec, make_run, write_db
+
+    truth = {"1": 1.3, "8": 0.9}
+    hits = total = 0
+    for rep in range(60):
+        arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup_by_level={1: 1.3, 8: 0.9})]
+        run = make_run(arms, levels=(1, 8), n_per_level=150, seed=rep)
+        path = write_db(tmp_path / f"r{rep}.duckdb", [run])
+        with open_store([path]) as store:
+            (ev,) = evaluate(store)
+        for row in ev.rows:
+            if row.arm == "eagle3" and row.decode_speedup and row.decode_speedup.low is not None:
+                total += 1
+                hits += row.decode_speedup.low <= truth[row.level] <= (row.decode_speedup.high or 0)
+    assert total == 120
+    print(f"end-to-end coverage {hits}/{total}")
+    assert 0.88 <= hits / total <= 1.0
