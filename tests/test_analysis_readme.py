@@ -52,3 +52,10 @@ def test_the_python_example_runs(store: Path, tmp_path: Path, monkeypatch: pytes
     exec(compile(example, "README.md", "exec"), namespace)  # the README's own example
     assert os.path.exists("report.html")
     assert len(namespace["runs"]) == 2  # type: ignore[arg-type]
+
+
+def test_the_options_block_is_the_real_help() -> None:
+    block = re.search(r"`specproxy analyze --help`.*?```text\n(.*?)```", _section(), re.S)
+    assert block, "README lacks the analyze --help block"
+    result = CliRunner().invoke(main, ["analyze", "--help"], prog_name="specproxy", terminal_width=80)
+    assert result.stdout.strip() == block.group(1).strip()
