@@ -346,7 +346,7 @@ def _fill_comparisons(
         row.paired = n_decode >= max(2, PAIRED_MIN_SHARE * row.decode_calls)
         if not row.paired:
             continue
-        sample = np.array(g["sample"] or [], dtype=np.float64).reshape(-1, 6)
+        sample = _ordered(g["sample"], 6)
         rng = rng_for(seed, run_id, row.arm, row.level)
         if g["c_med"] and g["b_med"]:
             dec = sample[(sample[:, 0] > 0) & (sample[:, 1] > 0)]
@@ -427,8 +427,7 @@ def _fill_unpaired(
         c, b = groups.get((row.arm, row.level)), groups.get((baseline, row.level))
         if c is None or b is None:
             continue
-        cs = np.array(c["sample"] or [], dtype=np.float64).reshape(-1, 3)
-        bs = np.array(b["sample"] or [], dtype=np.float64).reshape(-1, 3)
+        cs, bs = _ordered(c["sample"], 3), _ordered(b["sample"], 3)
         rng = rng_for(seed, run_id, row.arm, row.level)
         if row.p50_decode_tok_s and base.p50_decode_tok_s:
             row.decode_speedup = unpaired_median_ratio(
@@ -460,3 +459,13 @@ def _fill_unpaired(
                 rng=rng,
                 confidence=settings.confidence,
             )
+
+
+def _ordered(rows: list[list[float | None]] | None, width: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """A sample as a float matrix (NULL → NaN) in a canonical row order.
+
+    DuckDB's parallel ``list()`` aggregate returns rows in no fixed order; sorting them makes the
+    bootstrap (same seed) give the same intervals every time.
+    """
+    sample = np.array(rows or [], dtype=np.float64).reshape(-1, width)
+    return sample[np.lexsort(sample.T[::-1])] if len(sample) else sample
