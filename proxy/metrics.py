@@ -61,7 +61,7 @@ class ProxyMetrics:
     def __init__(self, inflight: Mapping[str, int], arm_urls: Mapping[str, str],
                  sink_stats: Callable[[], tuple[int, int, int]] | None = None) -> None:
         # `_created` timestamps double the exposition for nothing a dashboard uses (process-wide switch).
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self._requests = Counter("specproxy_requests", "Upstream calls finished.", ["arm", "route", "status"],
