@@ -10,7 +10,9 @@ from pathlib import Path
 import aiohttp
 import duckdb
 import orjson
+from click.testing import CliRunner
 
+from specproxy.cli import main
 from tests.backends import BackendConfig, running_backend
 from tests.test_proxy_app import running_proxy
 
@@ -50,3 +52,9 @@ async def test_readme_shadow_walkthrough(tmp_path: Path) -> None:
         ("baseline", "primary", "ok", 64, "none", None),
         ("ngram", "shadow", "ok", 64, "stream_shape", True),
     ]
+
+
+def test_readme_shows_the_real_serve_help() -> None:
+    block = _find(r"`specproxy serve --help`:\n\n```text\n(.*?)```", _section())
+    result = CliRunner().invoke(main, ["serve", "--help"], prog_name="specproxy", terminal_width=80)
+    assert result.exit_code == 0 and block == result.output
