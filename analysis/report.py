@@ -334,15 +334,39 @@ def _mismatches(store: SpanStore, ev: RunEvaluation, settings: Settings) -> str:
     return f"{more}<table><thead><tr>{heads}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
+def _stack_facts(stack: Any) -> list[tuple[str, str]]:
+    """The few facts of an arm's stack worth a glance: version, role, url, models, speculation."""
+    if not isinstance(stack, dict):
+        return []
+    facts: list[tuple[str, str]] = []
+    for key in ("version", "role", "url", "description"):
+        if stack.get(key):
+            facts.append((key, str(stack[key])))
+    models = stack.get("models")
+    if isinstance(models, dict) and isinstance(models.get("data"), list):
+        ids = [str(m.get("id")) for m in models["data"] if isinstance(m, dict)]
+        facts.append(("models", ", ".join(ids)))
+    if stack.get("speculative"):
+        facts.append(("speculative", json.dumps(stack["speculative"], sort_keys=True)))
+    if stack.get("engine"):
+        facts.append(("engine", json.dumps(stack["engine"], sort_keys=True, default=str)))
+    if stack.get("errors"):
+        facts.append(("errors", json.dumps(stack["errors"], sort_keys=True, default=str)))
+    return facts
+
+
 def _stacks(ev: RunEvaluation) -> str:
     if not ev.stacks:
         return '<p class="muted">No stack recorded for this run (runs.stacks_json is empty).</p>'
-    parts = []
+    rows = []
     for arm, stack in ev.stacks.items():
-        parts.append(
-            f"<h3>{escape(str(arm))}</h3><pre>{escape(json.dumps(stack, indent=2, default=str))}</pre>"
+        facts = "".join(f"<li><b>{escape(k)}</b>: {escape(v)}</li>" for k, v in _stack_facts(stack))
+        full = escape(json.dumps(stack, indent=2, default=str))
+        rows.append(
+            f'<h4>{escape(str(arm))}</h4><ul class="notes">{facts}</ul>'
+            f"<details><summary>everything recorded</summary><pre>{full}</pre></details>"
         )
-    return "".join(parts)
+    return "".join(rows)
 
 
 def build_report(
