@@ -165,6 +165,7 @@ class ClientRelay:
 
 
 async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    arrival = time.time()
     st = request.app[STATE]
     exp = st.settings.experiment
     length = request.content_length
@@ -186,7 +187,6 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     if not isinstance(body, dict):
         st.metrics.client_error(400)
         return openai_error(400, "request body must be a JSON object")
-    arrival = time.time()
     request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     category = request.headers.get(CATEGORY_HEADER)
     comparable = is_comparable(body)
