@@ -71,6 +71,9 @@ class LevelRow:
     pairs: int = 0
     decode_speedup: Interval | None = None
     throughput_speedup: Interval | None = None
+    # "wall": agg tok/s ratio (closed-loop replay levels); "per call": Σ tokens / Σ e2e ratio (live
+    # traffic, split traffic), where wall-clock rates reflect arrivals and traffic shares, not speed
+    throughput_basis: str = "wall"
     verdict: str | None = None
     reason: str = ""
 
@@ -301,6 +304,10 @@ def _fill_comparisons(
     store.conn.executemany("INSERT INTO keep_pairs VALUES (?, ?, ?)", keep)
     both_ok = "q.status = 'ok' AND q.baseline_status = 'ok' AND q.kind <> 'repeat' AND q.baseline_arm = $base"
     dec_ok = "q.decode_tok_s > 0 AND q.baseline_decode_tok_s > 0"
+    thr_ok = (
+        "q.completion_tokens IS NOT NULL AND q.baseline_completion_tokens IS NOT NULL"
+        " AND q.e2e_s > 0 AND q.baseline_e2e_s > 0"
+    )
     groups = store.query(
         f"""
         SELECT q.arm, q.level, q.kind,
@@ -312,9 +319,11 @@ def _fill_comparisons(
                count(*) FILTER (WHERE {both_ok} AND {dec_ok}) AS n_decode,
                quantile_cont(q.decode_tok_s, 0.5) FILTER (WHERE {both_ok} AND {dec_ok}) AS c_med,
                quantile_cont(q.baseline_decode_tok_s, 0.5) FILTER (WHERE {both_ok} AND {dec_ok}) AS b_med,
-               count(*) FILTER (WHERE {both_ok} AND q.completion_tokens IS NOT NULL
-                                AND q.baseline_completion_tokens IS NOT NULL
-                                AND q.e2e_s > 0 AND q.baseline_e2e_s > 0) AS n_thr,
+               count(*) FILTER (WHERE {both_ok} AND {thr_ok}) AS n_thr,
+               sum(q.completion_tokens) FILTER (WHERE {both_ok} AND {thr_ok}) AS c_tokens,
+               sum(q.e2e_s) FILTER (WHERE {both_ok} AND {thr_ok}) AS c_e2e,
+               sum(q.baseline_completion_tokens) FILTER (WHERE {both_ok} AND {thr_ok}) AS b_tokens,
+               sum(q.baseline_e2e_s) FILTER (WHERE {both_ok} AND {thr_ok}) AS b_e2e,
                list([q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
                      q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s])
                    FILTER (WHERE {both_ok} AND (coalesce(k.p, 1) >= 1
@@ -359,7 +368,16 @@ def _fill_comparisons(
                 rng=rng,
                 confidence=settings.confidence,
             )
-        if row.agg_tok_s and base.agg_tok_s:
+        # A replay level is a closed loop at a fixed concurrency: its wall-clock tok/s is the arm's
+        # capacity. Live traffic arrives at the clients' pace (and shadows may be sampled), so there
+        # the per-call token rate Σ tokens / Σ e2e over the pairs is compared instead.
+        point = None
+        if row.concurrency_level is not None:
+            point = row.agg_tok_s / base.agg_tok_s if row.agg_tok_s and base.agg_tok_s else None
+        elif g["c_e2e"] and g["b_e2e"] and g["c_tokens"] and g["b_tokens"]:
+            point = (g["c_tokens"] / g["c_e2e"]) / (g["b_tokens"] / g["b_e2e"])
+            row.throughput_basis = "per call"
+        if point is not None:
             thr = sample[
                 np.isfinite(sample[:, 2])
                 & np.isfinite(sample[:, 3])
@@ -371,7 +389,7 @@ def _fill_comparisons(
                 thr[:, 4],
                 thr[:, 3],
                 thr[:, 5],
-                point=row.agg_tok_s / base.agg_tok_s,
+                point=point,
                 n_cand=max(int(g["n_thr"]), 1),
                 n_base=max(int(g["n_thr"]), 1),
                 paired=True,
@@ -444,6 +462,7 @@ def _fill_unpaired(
         # split than about speed: compare the per-call token rate Σ tokens / Σ e2e (by Little's law,
         # throughput per concurrent call) instead.
         if c["thr_e2e"] and b["thr_e2e"] and c["thr_tokens"] and b["thr_tokens"]:
+            row.throughput_basis = "per call"
             c_ok = np.isfinite(cs[:, 1]) & (cs[:, 2] > 0)
             b_ok = np.isfinite(bs[:, 1]) & (bs[:, 2] > 0)
             row.throughput_speedup = throughput_ratio(

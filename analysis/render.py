@@ -72,7 +72,7 @@ def row_cells(row: LevelRow) -> list[str]:
         fmt_num(row.req_acceptance_length, 2),
         f"{row.identical}/{row.compared}" if row.compared else DASH,
         fmt_interval(row.decode_speedup) + (" (unpaired)" if row.paired is False else ""),
-        fmt_interval(row.throughput_speedup) + (" (per call)" if row.paired is False else ""),
+        fmt_interval(row.throughput_speedup) + (" (per call)" if row.throughput_basis == "per call" else ""),
         row.verdict or ("baseline" if row.role == "baseline" else DASH),
     ]
 
@@ -211,6 +211,7 @@ CSV_FIELDS = (
     "throughput_ratio",
     "throughput_ratio_low",
     "throughput_ratio_high",
+    "throughput_basis",
     "verdict",
     "reason",
 )

@@ -87,6 +87,7 @@ def make_run(
     capture_text: bool = False,
     restart_engine: str | None = None,
     split_cycle: Sequence[int] | None = None,
+    shadow_sample: float = 1.0,
 ) -> SyntheticRun:
     """A run: every request goes to every arm (paired) or to one arm (split): round robin, or the arm
     indices of ``split_cycle`` in turn (``[0, 0, 0, 1]``: the first arm gets 3 requests in 4)."""
@@ -105,6 +106,8 @@ def make_run(
             base_decode = _lognormal(rng, BASE_DECODE_MEDIAN / (1 + (level or 0) / 32), DECODE_SIGMA)
             cycle = split_cycle or range(len(arms))
             targets = list(arms) if paired else [arms[cycle[i % len(cycle)]]]
+            if paired and shadow_sample < 1.0 and i % round(1 / shadow_sample):
+                targets = [baseline]  # shadow mode with `sample`: most requests reach only the baseline
             start = t_level + timedelta(microseconds=rng.randint(0, 2_000_000))
             for arm in targets:
                 if arm is baseline:

@@ -244,3 +244,25 @@ def test_split_traffic_compares_per_call_token_rates(tmp_path: Path) -> None:
         cand["p50_decode_tok_s"] / base["p50_decode_tok_s"]
     )
     assert cand["verdict"] == "WIN"
+
+
+def test_sampled_shadow_traffic_compares_per_call_token_rates(tmp_path: Path) -> None:
+    """Live shadow traffic where the candidate got a copy of one request in 4: its wall-clock tok/s is a
+    quarter of the baseline's for that reason alone; the throughput ratio compares Σ tokens / Σ e2e
+    over the pairs instead."""
+    arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
+    run = make_run(arms, levels=(None,), n_per_level=400, shadow_sample=0.25, seed=3)
+    path = write_db(tmp_path / "shadow.duckdb", [run])
+    result = _cli("analyze", str(path), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = {r["arm"]: r for r in json.loads(result.stdout)["runs"][0]["rows"]}
+    cand, base = rows["eagle3"], rows["baseline"]
+    assert cand["paired"] is True and cand["calls"] == 100 and base["calls"] == 400
+    assert cand["throughput_basis"] == "per call"
+    base_of = {s.request_id: s for s in run.spans if s.arm == "baseline"}
+    pairs = [(s, base_of[s.request_id]) for s in run.spans if s.arm == "eagle3"]
+    pairs = [(c, b) for c, b in pairs if c.status == b.status == "ok"]
+    rate_c = sum(c.completion_tokens or 0 for c, _ in pairs) / sum(c.e2e_s or 0.0 for c, _ in pairs)
+    rate_b = sum(b.completion_tokens or 0 for _, b in pairs) / sum(b.e2e_s or 0.0 for _, b in pairs)
+    assert cand["throughput_speedup"]["point"] == pytest.approx(rate_c / rate_b, rel=1e-9)
+    assert cand["agg_tok_s"] < 0.5 * base["agg_tok_s"] and cand["throughput_speedup"]["point"] > 1.0
