@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,10 +82,10 @@ def main() -> None:
             f"{'yes' if ok else 'NO'}"
         )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
-    if not opts.keep and opts.db is None:
-        for p in workdir.iterdir():
-            p.unlink()
-        workdir.rmdir()
+    if opts.keep:
+        print(f"kept {workdir}")
+    else:
+        shutil.rmtree(workdir)  # the generated store and the report (never a --db file: it lives elsewhere)
     sys.exit(1 if failed else 0)
 
 
