@@ -187,6 +187,23 @@ async def test_client_disconnect_cancels_the_upstream_call(tmp_path: Path) -> No
     assert rows[0]["e2e_s"] < 2.0
 
 
+async def test_client_disconnect_cancels_a_non_streaming_upstream_call(tmp_path: Path) -> None:
+    async with running_backend(BackendConfig(ttft_s=3.0)) as base, running_proxy(
+        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]
+    ) as p:
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(TimeoutError):
+                await s.post(p.url + "/v1/completions", json={"model": "m", "prompt": "p"},
+                             timeout=aiohttp.ClientTimeout(total=0.3))
+        for _ in range(100):
+            if base.stats.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert base.stats.cancelled == 1 and base.stats.completed == 0
+    rows = spans(p.db)
+    assert [r["status"] for r in rows] == ["client_cancelled"] and rows[0]["e2e_s"] < 2.0
+
+
 async def test_candidate_that_diverges_is_caught_with_token_index_and_margin(tmp_path: Path) -> None:
     async with running_backend(BackendConfig(tokens=20)) as base, \
             running_backend(BackendConfig(tokens=20, diverge_at=7)) as cand, running_proxy(
