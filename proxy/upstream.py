@@ -5,10 +5,11 @@ live one are measured the same way.
 
 What :func:`call_arm` does:
 
-- asks vLLM arms for what a span needs (``stream_options.include_usage`` +
-  ``continuous_usage_stats`` on streams, ``return_token_ids`` when the arm sets it) unless the arm has
-  ``vllm_extensions = "off"``; a backend that rejects them (400/422 naming them) is retried once
-  without, and remembered per arm URL in :class:`UpstreamState`;
+- asks vLLM arms for what a span needs unless the arm has ``vllm_extensions = "off"``: on streams
+  ``stream_options.include_usage`` (the final count), plus ``continuous_usage_stats`` (tokens per
+  chunk) for arms with speculation, and ``return_token_ids`` when the arm sets it; a backend that
+  rejects them (400/422 naming them) is retried once without, and remembered per arm URL in
+  :class:`UpstreamState`;
 - relays the response to an optional :class:`Relay` (the proxy's client writer) as it arrives, with
   everything the client did not ask for stripped again, so the client gets what the backend would have
   sent it; when nothing needs stripping the received bytes are forwarded untouched;
