@@ -11,10 +11,13 @@ Errors are :class:`StoreError`, a sentence a person can act on.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
+import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,9 @@ import duckdb
 from specproxy import schema
 
 TABLES = ("requests", "runs", "backend_metrics")
+# DuckDB's memory cap for an analysis; SPECPROXY_ANALYSIS_MEMORY (e.g. "8GB") overrides it.
 MEMORY_LIMIT = "1536MB"
+_STORE_COUNTER = itertools.count()
 
 
 class StoreError(Exception):
@@ -78,9 +83,12 @@ class SpanStore:
 
     conn: duckdb.DuckDBPyConnection
     paths: list[Path]
+    spill_dir: Path | None = None
 
     def close(self) -> None:
         self.conn.close()
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
 
     def __enter__(self) -> SpanStore:
         return self
@@ -106,7 +114,12 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
     files = expand_paths(paths)
     # DuckDB would take 80 % of RAM; the analysis is bounded instead (issue 4: 2 GiB for 10 M spans) and
     # DuckDB spills joins and windows beyond it to a temporary directory.
-    conn = duckdb.connect(":memory:", config={"memory_limit": MEMORY_LIMIT, "temp_directory": _spill_dir()})
+    spill = _spill_dir()
+    limit = os.environ.get("SPECPROXY_ANALYSIS_MEMORY") or MEMORY_LIMIT
+    try:
+        conn = duckdb.connect(":memory:", config={"memory_limit": limit, "temp_directory": str(spill)})
+    except duckdb.Error as exc:
+        raise StoreError(f"cannot start the analysis database (memory limit {limit!r}?): {exc}") from exc
     try:
         attached: list[tuple[str, set[str]]] = []
         for i, path in enumerate(files):
@@ -132,11 +145,12 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
     except BaseException:
         conn.close()
         raise
-    return SpanStore(conn, files)
+    return SpanStore(conn, files, spill)
 
 
-def _spill_dir() -> str:
-    return str(Path(tempfile.gettempdir()) / f"specproxy-analysis-{os.getpid()}")
+def _spill_dir() -> Path:
+    """A folder of its own for each store (DuckDB creates it only if it spills; close() removes it)."""
+    return Path(tempfile.gettempdir()) / f"specproxy-analysis-{os.getpid()}-{next(_STORE_COUNTER)}"
 
 
 def _quote(text: str) -> str:
@@ -184,3 +198,18 @@ def _empty_table_ddl(table: str) -> str:
         "backend_metrics": schema.BACKEND_METRICS_DDL,
     }[table]
     return ddl.replace("CREATE TABLE IF NOT EXISTS", "CREATE TEMP TABLE")
+
+
+@contextmanager
+def query_errors() -> Iterator[None]:
+    """DuckDB errors while analysing become a StoreError with what to do about them."""
+    try:
+        yield
+    except duckdb.OutOfMemoryException as exc:
+        limit = os.environ.get("SPECPROXY_ANALYSIS_MEMORY") or MEMORY_LIMIT
+        raise StoreError(
+            f"the analysis needs more than its memory limit ({limit}) for this span store; "
+            "raise it, e.g. SPECPROXY_ANALYSIS_MEMORY=8GB, or analyse one run at a time (--run)"
+        ) from exc
+    except duckdb.Error as exc:
+        raise StoreError(f"the analysis query failed: {str(exc).splitlines()[0]}") from exc
