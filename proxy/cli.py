@@ -87,8 +87,21 @@ def serve(
     _run_one(exp, host, port, db_path, capture, capture_responses, run_id, no_scrape, worker_index)
 
 
+class _EarlyStop:
+    """SIGTERM/SIGINT that arrive while the proxy is still starting (imports, opening the span store):
+    remembered, so that startup completes and the proxy then shuts down cleanly, its run recorded."""
+
+    requested = False
+
+    @classmethod
+    def note(cls, signum: int, _frame: object) -> None:
+        cls.requested = True
+
+
 def _run_one(exp: Experiment, host: str, port: int, db: str, capture: str | None, capture_responses: bool,
              run_id: str, no_scrape: bool, worker_index: int | None) -> None:
+    signal.signal(signal.SIGTERM, _EarlyStop.note)
+    signal.signal(signal.SIGINT, _EarlyStop.note)
     from .app import ProxySettings
 
     settings = ProxySettings(
@@ -112,6 +125,12 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
     from .sink import SpanSinkError
 
     exp = settings.experiment
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if _EarlyStop.requested:
+        stop.set()
     app = create_app(settings)
     st = app[STATE]
     where = f" (worker {settings.worker_index})" if settings.worker_index is not None else ""
@@ -131,10 +150,6 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
         # the collector's sight so that full collections under load do not walk it again and again.
         gc.collect()
         gc.freeze()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         click.echo(f"specproxy serve{where}: listening on http://{host}:{port}, mode {exp.mode}, "
                    f"baseline {exp.baseline.name} at {exp.baseline.url}, run {st.run_id}, "
                    f"spans -> {settings.db or exp.db}", err=True)

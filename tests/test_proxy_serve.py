@@ -6,6 +6,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -86,6 +87,11 @@ async def test_workers_share_the_port_and_write_one_store_each(tmp_path: Path) -
                           "--run-id", "shared-run"])
         try:
             await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", 40.0, proc)
+            files = [tmp_path / f"spans.w{i}.duckdb" for i in (0, 1)]
+            for _ in range(1000):  # both workers are past their signal set-up once their stores exist
+                if all(f.exists() for f in files):
+                    break
+                await asyncio.sleep(0.01)
             # Each request on its own connection, so the kernel spreads them over the workers.
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
                 for i in range(30):
@@ -104,6 +110,24 @@ async def test_workers_share_the_port_and_write_one_store_each(tmp_path: Path) -
             assert con.execute("SELECT run_id FROM runs").fetchall() == [("shared-run",)]
     assert total == 30
     assert not db.exists()
+
+
+def test_sigterm_while_starting_still_records_the_run(tmp_path: Path) -> None:
+    db = tmp_path / "spans.duckdb"
+    cfg = _write_config(tmp_path / "exp.toml", f"http://127.0.0.1:{free_port()}", None, db)
+    proc = start_cli(["serve", "--config", str(cfg), "--port", str(free_port())])
+    try:
+        for _ in range(400):  # the span store appears while the proxy is starting
+            if db.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    finally:
+        out = _stop(proc)
+    assert code == 0, out
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM runs WHERE ended_at IS NOT NULL").fetchone() == (1,)
 
 
 def test_a_span_store_held_by_another_process_is_a_sentence(tmp_path: Path) -> None:
