@@ -52,7 +52,7 @@ from .routing import ArmRouter
 from .scrape import MetricsScraper
 from .shadow import IdentityPair, ShadowDispatcher
 from .sink import SpanSink
-from .sse import Endpoint
+from .sse import CompletionTap, Endpoint
 from .upstream import (
     CATEGORY_HEADER,
     REQUEST_ID_HEADER,
@@ -206,11 +206,19 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
     assert st.session is not None
     result: CallResult | None = None
+    tap = CompletionTap(endpoint)
     try:
         result = await call_arm(st.session, primary, body, endpoint=endpoint, record=record, relay=relay,
                                 timeout=st.primary_timeout, state=st.upstream,
-                                capture_output=st.capture is not None)
+                                capture_output=st.capture is not None, tap=tap)
         return await relay.finish(result)
+    except asyncio.CancelledError:
+        if result is None and tap.relayed_done is not None:
+            # The client left after the final event reached it: the call is complete (call_arm kept the
+            # record's status), and its output still counts for identity and capture.
+            result = CallResult(record=record, tap=tap, http_status=record.http_status, relay_started=True,
+                                client_gone=True)
+        raise
     finally:
         _after_primary(st, primary, record, result, pair)
         if st.capture is not None:

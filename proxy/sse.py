@@ -132,7 +132,7 @@ class CompletionTap:
     __slots__ = (
         "endpoint", "t_first", "t_last", "chunks", "tokens_per_chunk", "_text", "token_ids",
         "_have_token_ids", "_usage_tokens", "_continuous", "final_usage", "finish_reason", "spec_metrics",
-        "margins", "token_texts", "done", "error", "count_source", "prompt_tokens",
+        "margins", "token_texts", "done", "error", "count_source", "prompt_tokens", "relayed_done",
     )
 
     def __init__(self, endpoint: Endpoint) -> None:
@@ -152,6 +152,8 @@ class CompletionTap:
         self.margins: list[float | None] = []  # top-1 minus top-2 logprob per generated token
         self.token_texts: list[str] = []  # token strings from logprobs, to map a char index to a token
         self.done = False  # saw data: [DONE]
+        # When [DONE] had been passed on to the proxy's client (set by the relay, not by the tap).
+        self.relayed_done: float | None = None
         self.error: Any = None  # an in-stream {"error": ...} event
         # How tokens were counted: token_ids | continuous_usage | chunks (one per content chunk)
         self.count_source = "chunks"

@@ -17,7 +17,11 @@ What :func:`call_arm` does:
   4xx/5xx, passed through to the relay as it is), ``upstream_error`` (refused, reset, bad stream),
   ``timeout`` or ``client_cancelled`` (the relay raised :class:`ClientGone`);
 - ``asyncio.CancelledError`` is never swallowed: the upstream connection is closed (vLLM then aborts
-  the generation), the record says ``client_cancelled`` and the error propagates.
+  the generation), the record says ``client_cancelled`` and the error propagates;
+- a stream is complete once its final event (``data: [DONE]``) has been relayed: a client that goes
+  away after that (the sync ``openai`` client closes its connection at [DONE] without reading the end
+  of the body) is not a cancellation. The call stops there, its record stays ``ok`` with the end time of
+  [DONE], and a caller that passed its own ``tap`` still has the output when CancelledError arrives.
 
 Example (replay-style, no relay)::
 
@@ -280,14 +284,17 @@ async def call_arm(
     headers: dict[str, str] | None = None,
     capture_output: bool = False,
     state: UpstreamState | None = None,
+    tap: CompletionTap | None = None,
 ) -> CallResult:
     """Send ``body`` to ``arm`` and fill ``record``; see the module docstring. Never raises for upstream
-    trouble; re-raises ``asyncio.CancelledError`` after closing the upstream connection."""
+    trouble; re-raises ``asyncio.CancelledError`` after closing the upstream connection (the record
+    stays ``ok`` when the stream's final event had already been relayed). ``tap``: the caller's own
+    :class:`CompletionTap` to fill (a new one by default)."""
     state = state or DEFAULT_STATE
     timeout = timeout or UpstreamTimeout()
     url = arm.url + ENDPOINT_PATHS[endpoint]
     hdrs = _headers(arm, record.request_id, record.category, headers)
-    tap = CompletionTap(endpoint)
+    tap = tap if tap is not None else CompletionTap(endpoint)
     result = CallResult(record=record, tap=tap)
     inflight = state.inflight.get(arm.url, 0)
     record.inflight_at_start = inflight
@@ -348,12 +355,18 @@ async def call_arm(
                 else:
                     resp.release()
     except ClientGone:
-        record.status = "client_cancelled"
-        record.error = "client disconnected"
         result.client_gone = True
+        if tap.relayed_done is not None:
+            t_end = _complete(record, tap, tap.relayed_done)
+        else:
+            record.status = "client_cancelled"
+            record.error = "client disconnected"
     except asyncio.CancelledError:
-        record.status = "client_cancelled"
-        record.error = "cancelled"
+        if tap.relayed_done is not None:
+            t_end = _complete(record, tap, tap.relayed_done)
+        else:
+            record.status = "client_cancelled"
+            record.error = "cancelled"
         raise
     except TimeoutError as exc:  # aiohttp's ServerTimeoutError is a TimeoutError too
         record.status = "timeout"
@@ -365,6 +378,14 @@ async def call_arm(
         state.inflight[arm.url] -= 1
         _finish_record(record, arm, tap, t_send, t_end, capture_output)
     return result
+
+
+def _complete(record: SpanRecord, tap: CompletionTap, t_done: float) -> float:
+    """The status of a stream cut short after its final event was relayed; returns its end time."""
+    if tap.error is not None:
+        record.status = "upstream_error"
+        record.error = _error_message(orjson.dumps({"error": tap.error}))
+    return t_done
 
 
 async def _relay_start(relay: Relay, result: CallResult, status: int, content_type: str) -> None:
@@ -396,6 +417,7 @@ async def _read_stream(
             # Forward first, parse after: the client's latency does not include our parsing.
             await _relay_write(relay, raw)
         events = parser.feed(raw)
+        was_done = tap.done
         if rewrite:
             out: list[bytes] = []
             for ev in events:
@@ -414,12 +436,18 @@ async def _read_stream(
             for ev in events:
                 if ev.data is not None:
                     tap.feed_data(ev.data, now)
+        if tap.done and not was_done:
+            # The final event has reached the client (or there is no client): the call is complete.
+            tap.relayed_done = now
     now = perf()
     for ev in parser.flush():
+        was_done = tap.done
         if ev.data is not None:
             tap.feed_data(ev.data, now)
         if rewrite and relay is not None:
             await _relay_write(relay, ev.raw)
+        if tap.done and not was_done:
+            tap.relayed_done = now
 
 
 def _finish_record(

@@ -45,6 +45,7 @@ class BackendConfig:
     spec_metrics: bool = False  # attach metrics.speculative_decoding (k = tokens_per_chunk - 1)
     diverge_at: int | None = None  # token index from which this backend's output differs
     fail: str | None = None  # "http500" | "http429" | "reset" (after 2 chunks) | "hang" | "garbage"
+    eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
     version: str = "0.33.0"
 
 
@@ -224,6 +225,8 @@ async def _generate(
         await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     stats.completed += 1
+    if cfg.eof_delay_s:
+        await asyncio.sleep(cfg.eof_delay_s)
     await resp.write_eof()
     return resp
 
