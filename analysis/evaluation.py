@@ -20,7 +20,15 @@ from specproxy.analysis.stats import (
     unpaired_median_ratio,
 )
 from specproxy.analysis.store import SpanStore, StoreError
-from specproxy.analysis.verdict import Crossover, Thresholds, crossover, level_verdict
+from specproxy.analysis.verdict import (
+    NO_CLEAR_GAIN,
+    Crossover,
+    DeployVerdict,
+    Thresholds,
+    crossover,
+    deploy_verdict,
+    level_verdict,
+)
 
 # Pairs must cover at least this share of a candidate level's calls with a decode speed for the level to
 # be analysed paired (a split run with a small verify fraction has a few pairs: they would not represent
@@ -83,6 +91,33 @@ class LevelRow:
 
 
 @dataclass
+class CategoryRow:
+    """A candidate arm on one workload category at one level: the requests of that category only.
+
+    ``throughput_speedup`` is per call (Σ tokens / Σ e2e of the category's calls, candidate over
+    baseline): a category has no wall time of its own inside a mixed closed-loop level. The verdict
+    uses the category's decode speedup and identity with the LEVEL's aggregate throughput ratio.
+    """
+
+    arm: str
+    category: str
+    level: str
+    concurrency_level: int | None
+    paired: bool
+    calls: int
+    baseline_calls: int
+    p50_decode_tok_s: float | None
+    baseline_p50_decode_tok_s: float | None
+    compared: int = 0
+    identical: int = 0
+    decode_speedup: Interval | None = None
+    throughput_speedup: Interval | None = None
+    throughput_basis: str = "per call"
+    verdict: str | None = None
+    reason: str = ""
+
+
+@dataclass
 class ArmOutcome:
     arm: str
     role: str
@@ -90,6 +125,7 @@ class ArmOutcome:
     kind: str  # baseline | candidate | replica
     crossover: Crossover | None
     crossover_text: str
+    deploy: DeployVerdict | None
     compared: int
     mismatched: int
     near_tie: int
@@ -107,6 +143,7 @@ class RunEvaluation:
     peak_level: str
     rows: list[LevelRow]
     arms: list[ArmOutcome]
+    categories: list[CategoryRow]
     noise_compared: int
     noise_mismatched: int
     stacks: dict[str, Any]
@@ -225,32 +262,62 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
     by_key = {(row.arm, row.level): row for row in rows}
     numeric = sorted({row.concurrency_level for row in rows if row.concurrency_level is not None})
     peak_level = str(numeric[-1]) if numeric else "live"
-    noise_compared, noise_mismatched = _fill_comparisons(store, run_id, baseline, rows, settings)
-    _fill_unpaired(store, run_id, baseline, rows, settings)
+    categories: list[CategoryRow] = []
+    noise_compared, noise_mismatched = _fill_comparisons(store, run_id, baseline, rows, categories, settings)
+    _fill_unpaired(store, run_id, baseline, rows, categories, settings)
+    for cat in categories:
+        # Aggregate throughput is the level's, shared by every category in the batch: a category has
+        # no wall-clock throughput of its own, and an arm that lowers the level's throughput costs
+        # every category's users. So the category's verdict is its own decode speedup and identity
+        # against the level's aggregate throughput ratio (its per-call ratio is shown beside it).
+        level_row = by_key.get((cat.arm, cat.level))
+        cat.verdict, cat.reason = level_verdict(
+            cat.decode_speedup,
+            level_row.throughput_speedup if level_row else None,
+            cat.identical,
+            cat.compared,
+            settings.thresholds,
+        )
+    categories.sort(key=lambda c: (c.arm, c.category, level_sort_key(c.level)))
 
     arms: list[ArmOutcome] = []
     for arm in sorted({row.arm for row in rows}, key=lambda a: (a != baseline, a)):
         arm_rows = [row for row in rows if row.arm == arm]
-        peak = by_key.get((arm, peak_level))
         for row in arm_rows:
             if row.arm == baseline or row.role == "baseline":
                 continue
+            # each level on its own figures: its decode speedup and its own throughput ratio
             row.verdict, row.reason = level_verdict(
-                row.decode_speedup,
-                peak.throughput_speedup if peak else None,
-                row.identical,
-                row.compared,
-                settings.thresholds,
+                row.decode_speedup, row.throughput_speedup, row.identical, row.compared, settings.thresholds
             )
         first = arm_rows[0]
         kind = "baseline" if arm == baseline else ("replica" if first.spec_method == "none" else "candidate")
-        points = [
-            (row.concurrency_level, row.decode_speedup.point)
-            for row in arm_rows
-            if row.concurrency_level is not None and row.decode_speedup is not None
-        ]
-        cross = crossover(points) if kind != "baseline" and points else None
-        text = cross.describe([p[0] for p in points]) if cross else ("—" if kind == "baseline" else "n/a")
+        compared = sum(r.compared for r in arm_rows)
+        identical = sum(r.identical for r in arm_rows)
+        cross: Crossover | None = None
+        deploy: DeployVerdict | None = None
+        text = "—" if kind == "baseline" else "n/a"
+        if kind != "baseline":
+            points = [
+                (row.concurrency_level, row.verdict or NO_CLEAR_GAIN)
+                for row in arm_rows
+                if row.concurrency_level is not None
+            ]
+            if points:
+                cross = crossover(points)
+                text = cross.describe([p[0] for p in points])
+            peak = by_key.get((arm, peak_level))
+            if points:
+                deploy = deploy_verdict(
+                    points,
+                    peak_level,
+                    peak.throughput_speedup if peak else None,
+                    identical,
+                    compared,
+                    settings.thresholds,
+                )
+            elif peak is not None and peak.verdict:
+                deploy = DeployVerdict(peak.verdict, f"{peak.verdict} on live traffic ({peak.reason})")
         arms.append(
             ArmOutcome(
                 arm=arm,
@@ -259,8 +326,9 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
                 kind=kind,
                 crossover=cross,
                 crossover_text=text,
-                compared=sum(r.compared for r in arm_rows),
-                mismatched=sum(r.compared - r.identical for r in arm_rows),
+                deploy=deploy,
+                compared=compared,
+                mismatched=compared - identical,
                 near_tie=sum(r.near_tie for r in arm_rows),
                 gross=sum(r.gross for r in arm_rows),
             )
@@ -280,6 +348,7 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
         peak_level=peak_level,
         rows=rows,
         arms=arms,
+        categories=categories,
         noise_compared=noise_compared,
         noise_mismatched=noise_mismatched,
         stacks=stacks if isinstance(stacks, dict) else {},
@@ -288,9 +357,17 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
 
 
 def _fill_comparisons(
-    store: SpanStore, run_id: str, baseline: str, rows: list[LevelRow], settings: Settings
+    store: SpanStore,
+    run_id: str,
+    baseline: str,
+    rows: list[LevelRow],
+    categories: list[CategoryRow],
+    settings: Settings,
 ) -> tuple[int, int]:
     """Identity counts, paired speedups and their intervals, in one pass over ``pairs``.
+
+    The pass groups by level and, in the same scan (GROUPING SETS), by level and category: the
+    category rows of paired levels are appended to ``categories``.
 
     The same pass returns, per group, a uniform subsample (hash of request_id, keep-probability from
     the level's call count) of the pairs for the bootstrap. Returns the noise floor (compared,
@@ -310,7 +387,7 @@ def _fill_comparisons(
     )
     groups = store.query(
         f"""
-        SELECT q.arm, q.level, q.kind,
+        SELECT q.arm, q.level, q.kind, q.cat, grouping(q.cat) = 0 AS by_category,
                count(q.identical) AS compared,
                count(*) FILTER (WHERE q.identical) AS identical,
                count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin <= $margin) AS near_tie,
@@ -321,20 +398,26 @@ def _fill_comparisons(
                quantile_cont(q.baseline_decode_tok_s, 0.5) FILTER (WHERE {both_ok} AND {dec_ok}) AS b_med,
                count(*) FILTER (WHERE {both_ok} AND {thr_ok}) AS n_thr,
                sum(q.completion_tokens) FILTER (WHERE {both_ok} AND {thr_ok}) AS c_tokens,
-               sum(q.e2e_s) FILTER (WHERE {both_ok} AND {thr_ok}) AS c_e2e,
+               -- e2e totals summed as integer nanoseconds: the same total (to the bit) whatever order
+               -- the rows of several files arrive in, which a float sum does not promise
+               sum(CAST(round(q.e2e_s * 1e9) AS HUGEINT))
+                   FILTER (WHERE {both_ok} AND {thr_ok}) / 1e9 AS c_e2e,
                sum(q.baseline_completion_tokens) FILTER (WHERE {both_ok} AND {thr_ok}) AS b_tokens,
-               sum(q.baseline_e2e_s) FILTER (WHERE {both_ok} AND {thr_ok}) AS b_e2e,
+               sum(CAST(round(q.baseline_e2e_s * 1e9) AS HUGEINT))
+                   FILTER (WHERE {both_ok} AND {thr_ok}) / 1e9 AS b_e2e,
                list([q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
                      q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s])
                    FILTER (WHERE {both_ok} AND (coalesce(k.p, 1) >= 1
                            OR hash(q.request_id, $seed) % 1000000007 < k.p * 1000000007)) AS sample
-        FROM pairs q LEFT JOIN keep_pairs k ON k.arm = q.arm AND k.level = q.level
-        WHERE q.run_id = $run
-        GROUP BY q.arm, q.level, q.kind
+        FROM (SELECT *, coalesce(category, '(none)') AS cat FROM pairs WHERE run_id = $run) q
+        LEFT JOIN keep_pairs k ON k.arm = q.arm AND k.level = q.level
+        GROUP BY GROUPING SETS ((q.arm, q.level, q.kind), (q.arm, q.level, q.kind, q.cat))
         """,
         {"margin": settings.near_tie_margin, "seed": seed, "run": run_id, "base": baseline},
     )
     noise_compared = noise_mismatched = 0
+    by_category = [g for g in groups if g["by_category"]]
+    groups = [g for g in groups if not g["by_category"]]
     for g in groups:
         if g["kind"] in ("replica", "repeat"):
             noise_compared += int(g["compared"])
@@ -400,13 +483,70 @@ def _fill_comparisons(
     for row in rows:
         if row.arm != baseline and row.paired is None and (baseline, row.level) in by_key:
             row.paired = False
+    for g in by_category:
+        row = by_key.get((g["arm"], g["level"]))
+        if row is None or not row.paired or g["kind"] == "repeat":
+            continue
+        cat = CategoryRow(
+            arm=row.arm,
+            category=g["cat"],
+            level=row.level,
+            concurrency_level=row.concurrency_level,
+            paired=True,
+            calls=int(g["n_decode"]),
+            baseline_calls=int(g["n_decode"]),
+            p50_decode_tok_s=g["c_med"],
+            baseline_p50_decode_tok_s=g["b_med"],
+            compared=int(g["compared"]),
+            identical=int(g["identical"]),
+        )
+        categories.append(cat)
+        sample = _ordered(g["sample"], 6)
+        rng = rng_for(seed, run_id, row.arm, row.level, g["cat"])
+        if g["c_med"] and g["b_med"]:
+            dec = sample[(sample[:, 0] > 0) & (sample[:, 1] > 0)]
+            cat.decode_speedup = paired_median_ratio(
+                dec[:, 0],
+                dec[:, 1],
+                point=g["c_med"] / g["b_med"],
+                n_total=int(g["n_decode"]),
+                iterations=settings.bootstrap_iterations,
+                rng=rng,
+                confidence=settings.confidence,
+            )
+        if g["c_e2e"] and g["b_e2e"] and g["c_tokens"] and g["b_tokens"]:
+            thr = sample[
+                np.isfinite(sample[:, 2])
+                & np.isfinite(sample[:, 3])
+                & (sample[:, 4] > 0)
+                & (sample[:, 5] > 0)
+            ]
+            cat.throughput_speedup = throughput_ratio(
+                thr[:, 2],
+                thr[:, 4],
+                thr[:, 3],
+                thr[:, 5],
+                point=(g["c_tokens"] / g["c_e2e"]) / (g["b_tokens"] / g["b_e2e"]),
+                n_cand=max(int(g["n_thr"]), 1),
+                n_base=max(int(g["n_thr"]), 1),
+                paired=True,
+                iterations=settings.bootstrap_iterations,
+                rng=rng,
+                confidence=settings.confidence,
+            )
     return noise_compared, noise_mismatched
 
 
 def _fill_unpaired(
-    store: SpanStore, run_id: str, baseline: str, rows: list[LevelRow], settings: Settings
+    store: SpanStore,
+    run_id: str,
+    baseline: str,
+    rows: list[LevelRow],
+    categories: list[CategoryRow],
+    settings: Settings,
 ) -> None:
-    """Speedups of levels without (enough) pairs: each arm's own calls, resampled independently."""
+    """Speedups of levels without (enough) pairs: each arm's own calls, resampled independently; the
+    same scan groups by category too (GROUPING SETS) for those levels' category rows."""
     by_key = {(row.arm, row.level): row for row in rows}
     todo = [row for row in rows if row.paired is False]
     if not todo:
@@ -418,66 +558,111 @@ def _fill_unpaired(
         "INSERT INTO keep_calls VALUES (?, ?, ?)",
         [(arm, level, min(1.0, m / max(by_key[(arm, level)].ok, 1))) for arm, level in needed],
     )
+    thr_ok = "r.completion_tokens IS NOT NULL AND r.e2e_s > 0"
     groups = {
-        (g["arm"], g["level"]): g
+        (g["arm"], g["level"], g["cat"] if g["by_category"] else None): g
         for g in store.query(
-            """
-            SELECT k.arm, k.level,
+            f"""
+            SELECT r.arm, r.level, r.cat, grouping(r.cat) = 0 AS by_category,
                    count(*) FILTER (WHERE r.decode_tok_s > 0) AS n_decode,
-                   count(*) FILTER (WHERE r.completion_tokens IS NOT NULL AND r.e2e_s > 0) AS n_thr,
-                   sum(r.completion_tokens) FILTER (WHERE r.completion_tokens IS NOT NULL AND r.e2e_s > 0)
-                       AS thr_tokens,
-                   sum(r.e2e_s) FILTER (WHERE r.completion_tokens IS NOT NULL AND r.e2e_s > 0) AS thr_e2e,
+                   quantile_cont(r.decode_tok_s, 0.5) FILTER (WHERE r.decode_tok_s > 0) AS p50_decode,
+                   count(*) FILTER (WHERE {thr_ok}) AS n_thr,
+                   sum(r.completion_tokens) FILTER (WHERE {thr_ok}) AS thr_tokens,
+                   sum(CAST(round(r.e2e_s * 1e9) AS HUGEINT)) FILTER (WHERE {thr_ok}) / 1e9 AS thr_e2e,
                    list([r.decode_tok_s, r.completion_tokens, r.e2e_s])
                        FILTER (WHERE k.p >= 1 OR hash(r.request_id, r.span_id, $seed) % 1000000007
                                                   < k.p * 1000000007) AS sample
-            FROM requests r
-            JOIN keep_calls k
-              ON k.arm = r.arm AND k.level = coalesce(CAST(r.concurrency_level AS VARCHAR), 'live')
-            WHERE r.run_id = $run AND r.status = 'ok'
-            GROUP BY k.arm, k.level
+            FROM (SELECT *, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
+                         coalesce(category, '(none)') AS cat
+                  FROM requests WHERE run_id = $run AND status = 'ok') r
+            JOIN keep_calls k ON k.arm = r.arm AND k.level = r.level
+            GROUP BY GROUPING SETS ((r.arm, r.level), (r.arm, r.level, r.cat))
             """,
             {"seed": seed, "run": run_id},
         )
     }
     for row in todo:
         base = by_key[(baseline, row.level)]
-        c, b = groups.get((row.arm, row.level)), groups.get((baseline, row.level))
+        c, b = groups.get((row.arm, row.level, None)), groups.get((baseline, row.level, None))
         if c is None or b is None:
             continue
-        cs, bs = _ordered(c["sample"], 3), _ordered(b["sample"], 3)
-        rng = rng_for(seed, run_id, row.arm, row.level)
-        if row.p50_decode_tok_s and base.p50_decode_tok_s:
-            row.decode_speedup = unpaired_median_ratio(
-                cs[cs[:, 0] > 0, 0],
-                bs[bs[:, 0] > 0, 0],
-                point=row.p50_decode_tok_s / base.p50_decode_tok_s,
-                n_cand=int(c["n_decode"]),
-                n_base=int(b["n_decode"]),
-                iterations=settings.bootstrap_iterations,
-                rng=rng,
-                confidence=settings.confidence,
-            )
+        point = (
+            row.p50_decode_tok_s / base.p50_decode_tok_s
+            if row.p50_decode_tok_s and base.p50_decode_tok_s
+            else None
+        )
+        row.decode_speedup, row.throughput_speedup = _unpaired_intervals(
+            c, b, point, rng_for(seed, run_id, row.arm, row.level), settings
+        )
         # The arms got different shares of the traffic, so their wall-clock tok/s say more about the
-        # split than about speed: compare the per-call token rate Σ tokens / Σ e2e (by Little's law,
-        # throughput per concurrent call) instead.
-        if c["thr_e2e"] and b["thr_e2e"] and c["thr_tokens"] and b["thr_tokens"]:
+        # split than about speed: the per-call token rate Σ tokens / Σ e2e (by Little's law,
+        # throughput per concurrent call) is compared instead.
+        if row.throughput_speedup is not None:
             row.throughput_basis = "per call"
-            c_ok = np.isfinite(cs[:, 1]) & (cs[:, 2] > 0)
-            b_ok = np.isfinite(bs[:, 1]) & (bs[:, 2] > 0)
-            row.throughput_speedup = throughput_ratio(
-                cs[c_ok, 1],
-                cs[c_ok, 2],
-                bs[b_ok, 1],
-                bs[b_ok, 2],
-                point=(c["thr_tokens"] / c["thr_e2e"]) / (b["thr_tokens"] / b["thr_e2e"]),
-                n_cand=max(int(c["n_thr"]), 1),
-                n_base=max(int(b["n_thr"]), 1),
-                paired=False,
-                iterations=settings.bootstrap_iterations,
-                rng=rng,
-                confidence=settings.confidence,
+        for (arm, level, cat), cg in groups.items():
+            if arm != row.arm or level != row.level or cat is None:
+                continue
+            bg = groups.get((baseline, row.level, cat))
+            if bg is None:
+                continue
+            point = cg["p50_decode"] / bg["p50_decode"] if cg["p50_decode"] and bg["p50_decode"] else None
+            dec, thr = _unpaired_intervals(cg, bg, point, rng_for(seed, run_id, arm, level, cat), settings)
+            categories.append(
+                CategoryRow(
+                    arm=arm,
+                    category=cat,
+                    level=level,
+                    concurrency_level=row.concurrency_level,
+                    paired=False,
+                    calls=int(cg["n_decode"]),
+                    baseline_calls=int(bg["n_decode"]),
+                    p50_decode_tok_s=cg["p50_decode"],
+                    baseline_p50_decode_tok_s=bg["p50_decode"],
+                    decode_speedup=dec,
+                    throughput_speedup=thr,
+                )
             )
+
+
+def _unpaired_intervals(
+    c: dict[str, Any],
+    b: dict[str, Any],
+    decode_point: float | None,
+    rng: np.random.Generator,
+    settings: Settings,
+) -> tuple[Interval | None, Interval | None]:
+    """(decode speedup, per-call throughput ratio) intervals of two independent groups of calls."""
+    cs, bs = _ordered(c["sample"], 3), _ordered(b["sample"], 3)
+    decode = None
+    if decode_point:
+        decode = unpaired_median_ratio(
+            cs[cs[:, 0] > 0, 0],
+            bs[bs[:, 0] > 0, 0],
+            point=decode_point,
+            n_cand=int(c["n_decode"]),
+            n_base=int(b["n_decode"]),
+            iterations=settings.bootstrap_iterations,
+            rng=rng,
+            confidence=settings.confidence,
+        )
+    thr = None
+    if c["thr_e2e"] and b["thr_e2e"] and c["thr_tokens"] and b["thr_tokens"]:
+        c_ok = np.isfinite(cs[:, 1]) & (cs[:, 2] > 0)
+        b_ok = np.isfinite(bs[:, 1]) & (bs[:, 2] > 0)
+        thr = throughput_ratio(
+            cs[c_ok, 1],
+            cs[c_ok, 2],
+            bs[b_ok, 1],
+            bs[b_ok, 2],
+            point=(c["thr_tokens"] / c["thr_e2e"]) / (b["thr_tokens"] / b["thr_e2e"]),
+            n_cand=max(int(c["n_thr"]), 1),
+            n_base=max(int(b["n_thr"]), 1),
+            paired=False,
+            iterations=settings.bootstrap_iterations,
+            rng=rng,
+            confidence=settings.confidence,
+        )
+    return decode, thr
 
 
 def _ordered(rows: list[list[float | None]] | None, width: int) -> np.ndarray[Any, np.dtype[np.float64]]:

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from specproxy.analysis.evaluation import LevelRow, RunEvaluation, Settings
+from specproxy.analysis.evaluation import CategoryRow, LevelRow, RunEvaluation, Settings, level_sort_key
 from specproxy.analysis.stats import Interval
 
 FORMATS = ("table", "markdown", "json", "csv")
@@ -77,9 +77,9 @@ def row_cells(row: LevelRow) -> list[str]:
     ]
 
 
-def _aligned(headers: Sequence[str], rows: list[list[str]]) -> str:
+def _aligned(headers: Sequence[str], rows: list[list[str]], left: set[int] | None = None) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    left = {0, 1, len(headers) - 1}
+    left = {0, 1, len(headers) - 1} if left is None else left
 
     def line(cells: Sequence[str]) -> str:
         pairs = enumerate(zip(cells, widths, strict=True))
@@ -109,8 +109,44 @@ def run_title(ev: RunEvaluation) -> str:
     return " · ".join(bits)
 
 
-def run_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
-    """Crossover, identity triage and verdict reasons, one line each."""
+VERDICT_SHORT = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG"}
+
+
+def category_levels(ev: RunEvaluation) -> list[str]:
+    return sorted({c.level for c in ev.categories}, key=level_sort_key)
+
+
+def category_cell(cat: CategoryRow | None) -> str:
+    """A cell of the category matrix: P50 decode speedup and the verdict, short."""
+    if cat is None:
+        return DASH
+    speed = DASH if cat.decode_speedup is None else f"{cat.decode_speedup.point:.2f}x"
+    return f"{speed} {VERDICT_SHORT.get(cat.verdict or '', DASH)}"
+
+
+CATEGORY_TITLE = (
+    "by category: P50 decode speedup of that category's requests and its verdict (same rule, against the "
+    "level's aggregate throughput ratio; NCG = no clear gain)"
+)
+
+
+def category_matrix(ev: RunEvaluation) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows): one row per candidate arm and category, one column per level."""
+    levels = category_levels(ev)
+    by_key = {(c.arm, c.category, c.level): c for c in ev.categories}
+    keys = sorted({(c.arm, c.category) for c in ev.categories})
+    rows = [[arm, cat, *(category_cell(by_key.get((arm, cat, lv))) for lv in levels)] for arm, cat in keys]
+    return ["arm", "category", *(fmt_level(lv) for lv in levels)], rows
+
+
+def deploy_lines(ev: RunEvaluation) -> list[str]:
+    """Each candidate's overall verdict (the issue's rule: peak-level throughput included)."""
+    return [f"{a.arm}: {a.deploy.verdict} — {a.deploy.text}" for a in ev.arms if a.deploy is not None]
+
+
+def run_notes(ev: RunEvaluation, settings: Settings, all_reasons: bool = True) -> list[str]:
+    """Crossover, identity triage and verdict reasons, one line each (``all_reasons=False``: the
+    reasons of WIN rows, which only restate the rule, are left out)."""
     lines: list[str] = []
     floor = ev.noise_floor
     floor_text = (
@@ -136,7 +172,7 @@ def run_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
         )
     lines.append(floor_text)
     for row in ev.rows:
-        if row.verdict:
+        if row.verdict and (all_reasons or row.verdict != "WIN"):
             lines.append(f"{row.arm} {fmt_level(row.level)}: {row.verdict}: {row.reason}")
     return lines + ev.notes
 
@@ -145,12 +181,25 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
     blocks: list[str] = []
     for ev in evals:
         rows = [row_cells(r) for r in ev.rows]
+        cat_headers, cat_rows = category_matrix(ev)
+        deploy = deploy_lines(ev)
         if markdown:
             notes = "\n".join(f"- {n}" for n in run_notes(ev, settings))
-            blocks.append(f"### {run_title(ev)}\n\n{_markdown(HEADERS, rows)}\n\n{notes}")
+            block = f"### {run_title(ev)}\n\n{_markdown(HEADERS, rows)}\n\n{notes}"
+            if cat_rows:
+                block += f"\n\n{CATEGORY_TITLE}:\n\n{_markdown(cat_headers, cat_rows)}"
+            if deploy:
+                block += "\n\ndeploy verdict (peak-level throughput included):\n\n"
+                block += "\n".join(f"- {d}" for d in deploy)
         else:
-            notes = "\n".join(f"  {n}" for n in run_notes(ev, settings))
-            blocks.append(f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}")
+            notes = "\n".join(f"  {n}" for n in run_notes(ev, settings, all_reasons=False))
+            block = f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}"
+            if cat_rows:
+                block += f"\n\n{CATEGORY_TITLE}\n{_aligned(cat_headers, cat_rows, left={0, 1})}"
+            if deploy:
+                block += "\n\ndeploy verdict (peak-level throughput included)\n"
+                block += "\n".join(f"  {d}" for d in deploy)
+        blocks.append(block)
     return "\n\n".join(blocks) + "\n"
 
 
@@ -184,6 +233,7 @@ CSV_FIELDS = (
     "level",
     "concurrency_level",
     "arm",
+    "category",
     "role",
     "spec_method",
     "calls",
@@ -214,6 +264,7 @@ CSV_FIELDS = (
     "throughput_basis",
     "verdict",
     "reason",
+    "baseline_p50_decode_tok_s",
 )
 
 
@@ -226,6 +277,15 @@ def render_csv(evals: Sequence[RunEvaluation]) -> str:
             d = asdict(r)
             d.update(run_id=ev.run_id, run_name=ev.name)
             for key, iv in (("decode_speedup", r.decode_speedup), ("throughput_ratio", r.throughput_speedup)):
+                d[key] = iv.point if iv else None
+                d[f"{key}_low"] = iv.low if iv else None
+                d[f"{key}_high"] = iv.high if iv else None
+            writer.writerow(["" if d.get(f) is None else _jsonable(d.get(f)) for f in CSV_FIELDS])
+        # the category rows: the same columns where they apply, `category` set
+        for c in ev.categories:
+            d = asdict(c)
+            d.update(run_id=ev.run_id, run_name=ev.name, ok=None)
+            for key, iv in (("decode_speedup", c.decode_speedup), ("throughput_ratio", c.throughput_speedup)):
                 d[key] = iv.point if iv else None
                 d[f"{key}_low"] = iv.low if iv else None
                 d[f"{key}_high"] = iv.high if iv else None

@@ -63,7 +63,13 @@ def test_analyze_formats(store: Path) -> None:
     assert "synthetic" not in md.stdout
     csv_out = run("analyze", str(store), "--format", "csv", "--run", "run-1").stdout.splitlines()
     assert csv_out[0].startswith("run_id,run_name,level")
-    assert len(csv_out) == 1 + 2 * 3
+    # 2 levels × 3 arms, then 2 candidates × 2 categories × 2 levels with `category` set
+    rows = list(csv.DictReader(io.StringIO("\n".join(csv_out))))
+    assert len(rows) == 2 * 3 + 2 * 2 * 2
+    assert [r["category"] for r in rows[:6]] == [""] * 6
+    assert {(r["arm"], r["category"], r["level"]) for r in rows[6:]} == {
+        (a, c, lv) for a in ("eagle3", "ngram") for c in ("chat", "code") for lv in ("1", "8")
+    }
     doc = json.loads(run("analyze", str(store), "--format", "json").stdout)
     assert sorted(r["name"] for r in doc["runs"]) == ["shadow", "synthetic"]
     assert doc["settings"]["thresholds"]["win_threshold"] == 1.05

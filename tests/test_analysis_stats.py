@@ -16,7 +16,16 @@ from specproxy.analysis.stats import (
     throughput_ratio,
     unpaired_median_ratio,
 )
-from specproxy.analysis.verdict import LOSS, NO_CLEAR_GAIN, WIN, Thresholds, crossover, level_verdict
+from specproxy.analysis.verdict import (
+    LOSS,
+    NO_CLEAR_GAIN,
+    WIN,
+    Thresholds,
+    crossover,
+    deploy_verdict,
+    level_verdict,
+    verdict_runs,
+)
 
 
 def _coverage_paired(reps: int, n: int, m: int | None, true_ratio: float, seed: int) -> float:
@@ -128,12 +137,12 @@ T = Thresholds()
 
 
 @pytest.mark.parametrize(
-    ("decode", "peak", "identical", "compared", "verdict"),
+    ("decode", "throughput", "identical", "compared", "verdict"),
     [
         (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.95, 1.05), 100, 100, WIN),
         (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.95, 1.05), 0, 0, WIN),  # identity unchecked
         (Interval(1.06, 1.04, 1.08), Interval(1.0, 0.95, 1.05), 100, 100, NO_CLEAR_GAIN),
-        (Interval(1.5, 1.3, 1.7), Interval(0.9, 0.85, 0.97), 100, 100, LOSS),  # peak throughput lower
+        (Interval(1.5, 1.3, 1.7), Interval(0.9, 0.85, 0.97), 100, 100, LOSS),  # this level's throughput lower
         (Interval(0.9, 0.85, 0.98), Interval(1.0, 0.95, 1.05), 100, 100, LOSS),  # decode slower
         (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.95, 1.05), 98, 100, LOSS),  # identity below 99 %
         (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.95, 1.05), 99, 100, WIN),  # exactly 99 % passes
@@ -143,9 +152,9 @@ T = Thresholds()
     ],
 )
 def test_verdict_rules(
-    decode: Interval, peak: Interval | None, identical: int, compared: int, verdict: str
+    decode: Interval, throughput: Interval | None, identical: int, compared: int, verdict: str
 ) -> None:
-    assert level_verdict(decode, peak, identical, compared, T)[0] == verdict
+    assert level_verdict(decode, throughput, identical, compared, T)[0] == verdict
 
 
 def test_configurable_thresholds() -> None:
@@ -154,15 +163,57 @@ def test_configurable_thresholds() -> None:
     assert level_verdict(decode, peak, 95, 100, Thresholds(identity_min=0.9))[0] == WIN
 
 
-def test_crossover() -> None:
-    c = crossover([(1, 1.8), (4, 1.5), (16, 1.1), (64, 0.9)])
-    assert (c.pays_up_to, c.first_not_paying) == (16, 64)
-    # log2 interpolation: 1.1 at 2^4, 0.9 at 2^6, crosses 1.0 half way: 2^5
-    assert c.estimate == pytest.approx(32.0)
-    assert crossover([(1, 1.2), (8, 1.1)]).first_not_paying is None
-    never = crossover([(1, 0.95), (8, 1.2)])
+def test_crossover_follows_the_per_level_verdicts() -> None:
+    c = crossover([(1, WIN), (4, WIN), (16, NO_CLEAR_GAIN), (64, LOSS)])
+    assert (c.pays_up_to, c.first_not_paying, c.verdict_there) == (4, 16, NO_CLEAR_GAIN)
+    assert c.describe([1, 4, 16, 64]) == "WIN up to c=4; not from c=16 (NO CLEAR GAIN)"
+    assert crossover([(8, WIN), (1, WIN)]).first_not_paying is None
+    never = crossover([(1, LOSS), (8, WIN)])
     assert never.pays_up_to is None and never.first_not_paying == 1
-    assert "pays at every tested level" in crossover([(1, 1.2)]).describe([1])
+    assert "WIN at every tested level" in crossover([(1, WIN)]).describe([1])
+
+
+def test_verdict_runs_merge_equal_neighbours() -> None:
+    assert verdict_runs([(16, WIN), (1, WIN), (4, WIN), (64, LOSS), (256, LOSS)]) == (
+        "WIN up to c=16, LOSS from c=64"
+    )
+    assert verdict_runs([(1, WIN), (4, NO_CLEAR_GAIN), (16, NO_CLEAR_GAIN), (64, LOSS)]) == (
+        "WIN at c=1, NO CLEAR GAIN at c=4–16, LOSS at c=64"
+    )
+    assert verdict_runs([(1, LOSS), (4, LOSS)]) == "LOSS at every tested level"
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "peak", "identical", "expected", "phrase"),
+    [
+        # wins at low load, but the peak level's throughput is lower: not for peak load (n-gram)
+        (
+            [(1, WIN), (16, WIN), (64, LOSS)],
+            Interval(0.86, 0.8, 0.92),
+            100,
+            LOSS,
+            "do not enable for peak load",
+        ),
+        ([(1, WIN), (16, WIN), (64, NO_CLEAR_GAIN)], Interval(1.0, 0.98, 1.02), 100, WIN, "clear up to c=16"),
+        ([(1, WIN), (64, WIN)], Interval(1.1, 1.05, 1.15), 100, WIN, "pays at every tested level"),
+        ([(1, WIN), (64, WIN)], Interval(1.1, 1.05, 1.15), 90, LOSS, "identical 90.00% < 99%"),
+        ([(1, NO_CLEAR_GAIN), (64, LOSS)], Interval(1.0, 0.98, 1.02), 100, LOSS, "do not enable"),
+        (
+            [(1, NO_CLEAR_GAIN), (64, NO_CLEAR_GAIN)],
+            Interval(1.0, 0.98, 1.02),
+            100,
+            NO_CLEAR_GAIN,
+            "no clear",
+        ),
+        ([(1, WIN), (64, WIN)], None, 100, NO_CLEAR_GAIN, "not estimable"),
+    ],
+)
+def test_deploy_verdict_applies_the_peak_rule(
+    verdicts: list[tuple[int, str]], peak: Interval | None, identical: int, expected: str, phrase: str
+) -> None:
+    d = deploy_verdict(verdicts, "64", peak, identical, 100, T)
+    assert d.verdict == expected and phrase in d.text, d
+    assert "at peak (c=64)" in d.text
 
 
 def test_chart_axes_cover_the_data() -> None:
