@@ -13,8 +13,19 @@ from html import escape
 from typing import Any
 
 from specproxy import __version__
-from specproxy.analysis.evaluation import RunEvaluation, Settings, level_sort_key
-from specproxy.analysis.render import HEADERS, fmt_level, row_cells, run_notes, run_title
+from specproxy.analysis.evaluation import CategoryRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.render import (
+    CATEGORY_TITLE,
+    HEADERS,
+    VERDICT_SHORT,
+    category_cell,
+    category_levels,
+    fmt_interval,
+    fmt_level,
+    row_cells,
+    run_notes,
+    run_title,
+)
 from specproxy.analysis.store import SpanStore
 from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
 
@@ -33,6 +44,8 @@ td.l, th.l { text-align: left; }
 td.WIN { background: #d9f2d9; font-weight: 600; } td.LOSS { background: #f8d7d7; font-weight: 600; }
 td.NCG { background: #fff3cd; }
 .charts { display: flex; flex-wrap: wrap; gap: 12px; }
+.charts.small svg { width: 420px; height: auto; }
+td.wrap { white-space: normal; max-width: 900px; }
 svg { background: #fff; border: 1px solid #eee; }
 svg .title { font-size: 13px; font-weight: 600; } svg .tick { font-size: 11px; fill: #444; }
 svg .label { font-size: 12px; fill: #333; } svg .grid { stroke: #eee; } svg .axis { stroke: #888; }
@@ -45,8 +58,17 @@ mark { background: #ffd6d6; }
 """
 
 
-def _colors(arms: Sequence[str]) -> dict[str, str]:
-    return {arm: PALETTE[i % len(PALETTE)] for i, arm in enumerate(arms)}
+def _colors(evals: Sequence[RunEvaluation]) -> dict[str, str]:
+    """One color per arm name for the whole report (every run, every plot): baselines first, then the
+    other arms by name, so an arm keeps its color whatever a plot or run happens to contain."""
+    baselines = sorted({a.arm for ev in evals for a in ev.arms if a.kind == "baseline"})
+    others = sorted({a.arm for ev in evals for a in ev.arms} - set(baselines))
+    return {arm: PALETTE[i % len(PALETTE)] for i, arm in enumerate(baselines + others)}
+
+
+def _arm_order(colors: dict[str, str]) -> dict[str, int]:
+    """Legend order: the order of the color assignment (stable across plots)."""
+    return {arm: i for i, arm in enumerate(colors)}
 
 
 def _table(
@@ -73,7 +95,8 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
     numeric = [r for r in ev.rows if r.concurrency_level is not None]
     if not numeric:
         return '<p class="muted">No concurrency levels (live traffic): see the "live" row of the table.</p>'
-    arms = list(dict.fromkeys(r.arm for r in numeric))
+    order = _arm_order(colors)
+    arms = sorted(dict.fromkeys(r.arm for r in numeric), key=lambda a: order.get(a, len(order)))
     speed: list[Series] = []
     thr: list[Series] = []
     decode: list[Series] = []
@@ -151,6 +174,7 @@ def _ttft_charts(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) ->
     """,
         [ev.run_id],
     )
+    order = _arm_order(colors)
     levels = sorted({r["level"] for r in rows}, key=level_sort_key)
     if not levels:
         return '<p class="muted">No TTFT measured (no streamed calls).</p>'
@@ -167,7 +191,7 @@ def _ttft_charts(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) ->
                 [(q * 1000.0, i / 100) for i, q in enumerate(r["q"])],
                 color=colors.get(r["arm"], "#000"),
             )
-            for r in sorted(rows, key=lambda r: r["arm"] != ev.baseline)
+            for r in sorted(rows, key=lambda r: (order.get(r["arm"], len(order)), r["arm"]))
             if r["level"] == level
         ]
         charts.append(cdf_chart(series, title=f"TTFT CDF at {fmt_level(level)}", x_label="TTFT (ms)"))
@@ -219,6 +243,93 @@ def _acceptance_by_category(store: SpanStore, ev: RunEvaluation, colors: dict[st
         groups, series, title="Mean acceptance length by category", y_label="tokens per step", reference_y=1.0
     )
     return f'<div class="charts">{chart}<div>{table}</div></div>'
+
+
+def _deploy(ev: RunEvaluation) -> str:
+    items = []
+    for a in ev.arms:
+        if a.deploy is None:
+            continue
+        cls = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG"}.get(a.deploy.verdict, "")
+        items.append(
+            f'<tr><td class="l"><b>{escape(a.arm)}</b></td><td class="{cls}">{escape(a.deploy.verdict)}</td>'
+            f'<td class="l wrap">{escape(a.deploy.text)}</td></tr>'
+        )
+    if not items:
+        return ""
+    return (
+        '<table class="deploy"><thead><tr><th class="l">arm</th><th class="l">deploy verdict</th>'
+        '<th class="l">per level, and at the peak level</th></tr></thead><tbody>'
+        + "".join(items)
+        + "</tbody></table>"
+    )
+
+
+def _category_title(c: CategoryRow) -> str:
+    """The cell's tooltip: the figures behind it."""
+    return (
+        f"{c.arm} · {c.category} · {fmt_level(c.level)}: decode speedup {fmt_interval(c.decode_speedup)}, "
+        f"per-call throughput ratio {fmt_interval(c.throughput_speedup)}, "
+        f"identical {c.identical}/{c.compared}, "
+        f"{c.calls} calls{'' if c.paired else ' (unpaired)'} — {c.verdict}: {c.reason}"
+    )
+
+
+def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
+    if not ev.categories:
+        return '<p class="muted">No per-category figures (the spans carry no category, or no baseline).</p>'
+    levels = category_levels(ev)
+    by_key = {(c.arm, c.category, c.level): c for c in ev.categories}
+    keys = sorted({(c.arm, c.category) for c in ev.categories})
+    head = '<th class="l">arm</th><th class="l">category</th>' + "".join(
+        f"<th>{escape(fmt_level(lv))}</th>" for lv in levels
+    )
+    body = []
+    for arm, cat in keys:
+        cells = [f'<td class="l">{escape(arm)}</td><td class="l">{escape(cat)}</td>']
+        for lv in levels:
+            c = by_key.get((arm, cat, lv))
+            cls = VERDICT_SHORT.get(c.verdict or "", "") if c else ""
+            title = escape(_category_title(c)) if c else ""
+            cells.append(f'<td class="{cls}" title="{title}">{escape(category_cell(c))}</td>')
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    # small multiples: one chart per category, decode speedup vs concurrency per arm with its CI band
+    order = _arm_order(colors)
+    arms = sorted({c.arm for c in ev.categories}, key=lambda a: (order.get(a, len(order)), a))
+    charts = []
+    for cat in sorted({c.category for c in ev.categories}):
+        series = []
+        for arm in arms:
+            ivs = [
+                (c.concurrency_level, c.decode_speedup)
+                for c in ev.categories
+                if c.arm == arm and c.category == cat and c.concurrency_level and c.decode_speedup is not None
+            ]
+            series.append(
+                Series(
+                    arm,
+                    [(lv, iv.point) for lv, iv in ivs],
+                    band=[
+                        (lv, iv.low, iv.high) for lv, iv in ivs if iv.low is not None and iv.high is not None
+                    ],
+                    color=colors.get(arm, "#000"),
+                )
+            )
+        if any(s.points for s in series):
+            charts.append(
+                line_chart(
+                    series,
+                    title=f"{cat}: P50 decode speedup (95% CI)",
+                    x_label="concurrency",
+                    y_label="speedup (x)",
+                    reference_y=1.0,
+                    y_from_zero=False,
+                )
+            )
+    small = f'<div class="charts small">{"".join(charts)}</div>' if charts else ""
+    intro = escape(CATEGORY_TITLE[0].upper() + CATEGORY_TITLE[1:])
+    return f"<p>{intro}. Hover a cell for its figures.</p>{table}{small}"
 
 
 def _snippets(cand: str | None, base: str | None) -> tuple[str, str]:
@@ -374,10 +485,16 @@ def build_report(
 ) -> str:
     """The whole HTML document for the evaluated runs."""
     sections = []
+    colors = _colors(evals)
     for ev in evals:
-        arms = [a.arm for a in ev.arms]
-        colors = _colors(arms)
-        notes = "".join(f"<li>{escape(n)}</li>" for n in run_notes(ev, settings))
+        reasons = [n for n in run_notes(ev, settings) if n not in run_notes(ev, settings, all_reasons=False)]
+        notes = "".join(f"<li>{escape(n)}</li>" for n in run_notes(ev, settings, all_reasons=False))
+        if reasons:
+            why = "".join(f"<li>{escape(n)}</li>" for n in reasons)
+            notes += (
+                f'<li><details><summary>why each WIN</summary><ul class="notes">{why}</ul></details></li>'
+            )
+
         started = (
             ev.started_at.isoformat() if isinstance(ev.started_at, datetime) else str(ev.started_at or "")
         )
@@ -386,9 +503,13 @@ def build_report(
 <h2>{escape(run_title(ev))}</h2>
 <p class="muted">run_id <span class="mono">{escape(ev.run_id)}</span> · source {escape(str(ev.source))}
  · started {escape(started)}</p>
-<h3>Verdicts</h3>
+<h3>Deploy verdict</h3>
+{_deploy(ev)}
+<h3>Verdicts per level</h3>
 {_verdict_table(ev)}
 <ul class="notes">{notes}</ul>
+<h3>Verdicts by workload category</h3>
+{_categories(ev, colors)}
 <h3>Speed and throughput vs concurrency</h3>
 {_level_charts(ev, colors)}
 <h3>Time to first token</h3>
@@ -402,9 +523,12 @@ def build_report(
 </section>""")
     t = settings.thresholds
     rules = (
-        f"WIN: decode speedup CI lower bound &gt; {t.win_threshold:g}, peak-level throughput ratio CI upper "
-        f"bound ≥ 1 and identical outputs ≥ {t.identity_min:.0%}. LOSS: decode speedup or peak throughput "
-        f"CI upper bound &lt; 1, or identity below {t.identity_min:.0%}. NO CLEAR GAIN otherwise. "
+        f"Per arm and level: WIN when the decode speedup's CI lower bound is &gt; {t.win_threshold:g}, that "
+        f"level's aggregate throughput ratio has CI upper bound ≥ 1 and identical outputs are ≥ "
+        f"{t.identity_min:.0%}; LOSS when the decode speedup or that level's throughput ratio has CI upper "
+        f"bound &lt; 1, or identity is below {t.identity_min:.0%}; NO CLEAR GAIN otherwise. The deploy "
+        f"verdict of an arm: WIN when it wins at some level and aggregate throughput at the PEAK level is "
+        f"not lower (CI upper ≥ 1); LOSS when peak throughput is lower beyond the CI or identity fails. "
         f"Intervals: {settings.confidence:.0%} bootstrap, {settings.bootstrap_iterations} resamples, "
         f"seed {settings.bootstrap_seed}."
     )
