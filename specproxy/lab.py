@@ -199,61 +199,6 @@ def print_clock_lag(lag: dict[str, dict[str, float]], console: Console) -> None:
 # -- results -------------------------------------------------------------------------------------
 
 
-CategoryRow = tuple[str, int, str, float, int]
-
-# Per request, baseline latency over candidate latency (end to end, queueing included): what a user of
-# that category waits. Per-user decode speed alone hides the queueing a speculative arm causes at high
-# load, when each sequence needs k + 1 tokens of the step's budget.
-CATEGORY_SPEEDUP_SQL = """
-WITH pairs AS (
-    SELECT c.arm, c.concurrency_level AS level, coalesce(c.category, '(none)') AS category,
-           b.e2e_s / c.e2e_s AS ratio
-    FROM requests c JOIN requests b
-      ON b.run_id = c.run_id AND b.request_id = c.request_id AND b.arm_role = 'baseline'
-    WHERE c.run_id = ? AND c.arm_role <> 'baseline' AND c.status = 'ok' AND b.status = 'ok'
-      AND c.e2e_s > 0 AND b.e2e_s > 0
-)
-SELECT arm, level, category, median(ratio) AS speedup, count(*) AS n
-FROM pairs GROUP BY ALL ORDER BY arm, level, category
-"""
-
-
-def category_speedups(db_path: Path, run_id: str) -> list[CategoryRow]:
-    """Per candidate, level and category: the median paired request-latency speedup over the baseline."""
-    import duckdb
-
-    with duckdb.connect(str(db_path), read_only=True) as conn:
-        rows = conn.execute(CATEGORY_SPEEDUP_SQL, [run_id]).fetchall()
-    return [(str(a), int(lv), str(cat), float(s), int(n)) for a, lv, cat, s, n in rows]
-
-
-def print_category_table(rows: Sequence[CategoryRow], console: Console) -> None:
-    """The lab's headline by workload category (the verdict table above mixes the categories)."""
-    from rich.table import Table
-
-    if not rows:
-        return
-    levels = sorted({r[1] for r in rows})
-    console.print("Request latency speedup over baseline by category "
-                  "(median of baseline e2e / candidate e2e per request)")
-    table = Table()
-    table.add_column("arm")
-    table.add_column("category")
-    for lv in levels:
-        table.add_column(f"c={lv}", justify="right")
-    by_key = {(a, lv, cat): s for a, lv, cat, s, _ in rows}
-    for arm in sorted({r[0] for r in rows}):
-        for cat in sorted({r[2] for r in rows}):
-            cells = []
-            for lv in levels:
-                s = by_key.get((arm, lv, cat))
-                cells.append("–" if s is None else
-                             f"[green]{s:.2f}x[/green]" if s >= 1.05 else
-                             f"[red]{s:.2f}x[/red]" if s < 0.95 else f"{s:.2f}x")
-            table.add_row(arm, cat, *cells)
-    console.print(table)
-
-
 def analysis_outputs(db_path: Path, out: Path, run: str, console: Console) -> Path | None:
     """The analyze table on stdout and report.html in ``out``; None when analysis is not available."""
     try:
@@ -359,7 +304,6 @@ def lab(config_path: Path | None, workload: Path | None, levels: tuple[int, ...]
     if clocks is not None:
         print_clock_lag(clocks.lag_by_level(), console)
     report = analysis_outputs(db_path, out, result.run_id, console)
-    print_category_table(category_speedups(db_path, result.run_id), Console(width=120))
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)
     if result.interrupted:
         sys.exit(130)
