@@ -24,8 +24,11 @@ def _section() -> str:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5, identical_p=0.9),
-            ArmSpec("replica", spec_method="none")]
+    arms = [
+        ArmSpec("baseline", "baseline", "none"),
+        ArmSpec("eagle3", speedup=1.5, identical_p=0.9),
+        ArmSpec("replica", spec_method="none"),
+    ]
     run = make_run(arms, levels=(1, 8), n_per_level=40, seed=5)
     for span in run.spans:
         span.inflight_at_start = hash(span.request_id) % 20
@@ -44,8 +47,18 @@ def test_the_five_queries_run(store: Path) -> None:
 def test_the_python_example_runs(store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (example,) = re.findall(r"```python\n(.*?)```", _section(), re.S)
     other = tmp_path / "other-machine.duckdb"
-    write_db(other, [make_run([ArmSpec("baseline", "baseline", "none"), ArmSpec("ngram")], levels=(1,),
-                              n_per_level=10, run_id="m2", name="m2")])
+    write_db(
+        other,
+        [
+            make_run(
+                [ArmSpec("baseline", "baseline", "none"), ArmSpec("ngram")],
+                levels=(1,),
+                n_per_level=10,
+                run_id="m2",
+                name="m2",
+            )
+        ],
+    )
     (tmp_path / "specproxy.duckdb").write_bytes(store.read_bytes())
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {}
