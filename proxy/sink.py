@@ -7,14 +7,18 @@ One :class:`SpanSink` per process holds the span store (a DuckDB file has one wr
                                       # migrates the schema, starts the writer thread
     sink.begin_run(run_id, name="exp", mode="shadow", source="live", config_json="{}", stacks_json="{}")
     sink.emit(record)                 # from any thread or the event loop; never blocks; False = dropped
+    sink.emit(record, parent=ctx)     # the same, as a child of an OTel SpanContext (a traceparent)
     sink.emit_backend_metrics(rows)   # rows of backend_metrics (the metrics scraper), same rules
     sink.end_run(run_id)
     sink.close()                      # writes every accepted span and row, then closes the file
 
 The path of a span. :meth:`SpanSink.emit` starts and ends a real OTel span on the sink's own
 ``TracerProvider`` (start and end time from the record, attributes from
-:func:`~specproxy.proxy.otel.record_attributes`) and writes the span's ``trace_id``/``span_id`` back into
-the record. The provider has two span processors:
+:func:`~specproxy.proxy.otel.record_attributes`). The span keeps the record's ``trace_id`` and
+``span_id`` when they are valid hex ids (:func:`~specproxy.proxy.upstream.new_record` makes them, so
+the proxy can give a request's primary and shadow calls one trace, and tell each arm its span's id in a
+``traceparent`` header); otherwise new ones are made and written back into the record. With ``parent``
+the span is that context's child, in its trace. The provider has two span processors:
 
 - the sink's queue: ``on_end`` turns the span into a row (:func:`~specproxy.proxy.otel.span_row`) and
   appends it to a bounded list, which the writer thread drains through
@@ -62,8 +66,17 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    set_span_in_context,
+)
 
 from specproxy import __version__, schema
 from specproxy.proxy.otel import (
@@ -82,8 +95,14 @@ from specproxy.record import SpanRecord
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 8192
+# DuckDB's own default is 80 % of the machine's RAM, and it keeps what it writes cached up to that: a
+# proxy running for days would grow without bound. 256 MB holds a checkpoint's worth of spans (64 MB of
+# WAL) several times over; beyond it DuckDB evicts written blocks (and spills to <db>.tmp if it must).
+DEFAULT_MEMORY_LIMIT = "256MB"
 DEFAULT_FLUSH_INTERVAL_S = 0.5
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# An empty context: a span without a parent never picks one up from the caller's current OTel context.
+_ROOT = Context()
 
 
 class SpanSinkError(RuntimeError):
@@ -186,6 +205,42 @@ class _PendingWrites:
             return self._reserved == 0 and not self._metric_rows
 
 
+class _RecordIds(IdGenerator):
+    """Span and trace ids for the SDK: the ones the record being emitted carries, else random ones.
+
+    The SDK asks its id generator while ``start_span`` runs, on the emitting thread; :meth:`SpanSink.emit`
+    sets the record's ids in a thread-local just before and clears them right after.
+    """
+
+    def __init__(self) -> None:
+        self._next = threading.local()
+        self._random = RandomIdGenerator()
+
+    def use(self, trace_id: int, span_id: int) -> None:
+        self._next.ids = (trace_id, span_id)
+
+    def clear(self) -> None:
+        self._next.ids = None
+
+    def generate_trace_id(self) -> int:
+        ids = getattr(self._next, "ids", None)
+        return ids[0] if ids is not None and ids[0] else self._random.generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        ids = getattr(self._next, "ids", None)
+        return ids[1] if ids is not None and ids[1] else self._random.generate_span_id()
+
+
+def _hex_id(text: str, digits: int) -> int:
+    """A record's hex trace/span id as an int; 0 (OTel's invalid id) when it is not one."""
+    if len(text) != digits:
+        return 0
+    try:
+        return int(text, 16)
+    except ValueError:
+        return 0
+
+
 class _QueueSpanProcessor(SpanProcessor):
     """Hands every ended span to the writer's queue as a row (its place was reserved by emit()).
 
@@ -227,10 +282,12 @@ class SpanSink:
         batch_size: int = DEFAULT_BATCH_SIZE,
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         service_name: str | None = None,
+        memory_limit: str = DEFAULT_MEMORY_LIMIT,
     ) -> None:
         if queue_size < 1 or batch_size < 1 or flush_interval_s <= 0:
             raise ValueError("queue_size and batch_size must be ≥ 1 and flush_interval_s > 0")
         self.db_path = Path(db_path) if db_path is not None else None
+        self.memory_limit = memory_limit
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._pending = _PendingWrites(queue_size, batch_size)
@@ -250,8 +307,10 @@ class SpanSink:
         unlimited = SpanLimits(
             max_span_attributes=SpanLimits.UNSET, max_span_attribute_length=SpanLimits.UNSET
         )
+        self._ids = _RecordIds()
         self._provider = TracerProvider(
-            sampler=ALWAYS_ON, resource=resource, span_limits=unlimited, shutdown_on_exit=False
+            sampler=ALWAYS_ON, resource=resource, span_limits=unlimited, shutdown_on_exit=False,
+            id_generator=self._ids,
         )
         self._provider.add_span_processor(_QueueSpanProcessor(self._pending))
         tracer = self._provider.get_tracer("specproxy")
@@ -309,7 +368,7 @@ class SpanSink:
         cursor: Any = None
         exporter: DuckDBSpanExporter | None = None
         if self.db_path is not None:
-            self._conn = open_store(self.db_path)
+            self._conn = open_store(self.db_path, memory_limit=self.memory_limit)
             # The writer's own connection to the file, made here so that a failure surfaces in start().
             try:
                 cursor = self._conn.cursor()
@@ -355,11 +414,12 @@ class SpanSink:
             finally:
                 cur.close()
 
-    def emit(self, record: SpanRecord) -> bool:
+    def emit(self, record: SpanRecord, parent: SpanContext | None = None) -> bool:
         """Queue one span record; thread-safe and never blocking. False when it was dropped (counted).
 
-        Fills ``record.trace_id`` and ``record.span_id`` from the OTel span. The span starts at
-        ``t_start_ns`` (else ``t_start``, else now) and lasts ``e2e_s``.
+        The span has the record's ``trace_id``/``span_id`` when they are valid (else new ones, written
+        back into the record); with a valid ``parent`` it is that span's child in that span's trace.
+        It starts at ``t_start_ns`` (else ``t_start``, else now) and lasts ``e2e_s``.
         """
         if not self._pending.reserve():
             return False
@@ -372,13 +432,24 @@ class SpanSink:
             e2e = record.e2e_s
             end = start + round(e2e * 1e9) if e2e is not None and e2e > 0 else start
             attributes = record_attributes(record)
+            trace_id, span_id = _hex_id(record.trace_id, 32), _hex_id(record.span_id, 16)
+            if parent is not None and parent.is_valid:
+                trace_id = parent.trace_id
+            else:
+                parent = None
             if self._tracer is None:
-                self._emit_without_sdk(record, attributes, start, end)
+                self._emit_without_sdk(record, attributes, start, end, trace_id, span_id, parent)
                 ended = True
                 return True
-            span = self._tracer.start_span(
-                span_name(record), kind=SpanKind.CLIENT, attributes=attributes, start_time=start
-            )
+            within = set_span_in_context(NonRecordingSpan(parent)) if parent is not None else _ROOT
+            self._ids.use(trace_id, span_id)
+            try:
+                span = self._tracer.start_span(
+                    span_name(record), context=within, kind=SpanKind.CLIENT, attributes=attributes,
+                    start_time=start,
+                )
+            finally:
+                self._ids.clear()
             context = span.get_span_context()
             record.trace_id = format(context.trace_id, "032x")
             record.span_id = format(context.span_id, "016x")
@@ -394,17 +465,18 @@ class SpanSink:
                 self._pending.release()
             return False
 
-    def _emit_without_sdk(self, record: SpanRecord, attributes: dict[str, Any], start: int, end: int) -> None:
+    def _emit_without_sdk(self, record: SpanRecord, attributes: dict[str, Any], start: int, end: int,
+                          trace_id: int, span_id: int, parent: SpanContext | None) -> None:
         context = SpanContext(
-            trace_id=random.getrandbits(128) or 1,
-            span_id=random.getrandbits(64) or 1,
+            trace_id=trace_id or random.getrandbits(128) or 1,
+            span_id=span_id or random.getrandbits(64) or 1,
             is_remote=False,
             trace_flags=TraceFlags(TraceFlags.SAMPLED),
         )
         record.trace_id = format(context.trace_id, "032x")
         record.span_id = format(context.span_id, "016x")
         span = ReadableSpan(
-            name=span_name(record), context=context, attributes=attributes, start_time=start,
+            name=span_name(record), context=context, parent=parent, attributes=attributes, start_time=start,
             end_time=end, kind=SpanKind.CLIENT, resource=self._resource,
         )
         self._pending.put_reserved(span_row(span))
@@ -546,9 +618,10 @@ _BAD_ROW_ERRORS = (
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 
 
-def open_store(path: Path) -> Any:
+def open_store(path: Path, *, memory_limit: str = DEFAULT_MEMORY_LIMIT) -> Any:
     """Open (or create) a span store for writing, with the sink's settings, and migrate its schema.
 
+    ``memory_limit`` caps DuckDB's memory on this connection (a DuckDB size: ``"256MB"``, ``"1GB"``).
     DuckDB's errors become :class:`SpanSinkError` / :class:`SpanStoreLocked` with a sentence.
     """
     try:
@@ -572,6 +645,13 @@ def open_store(path: Path) -> Any:
         # partly filled row group; at span rates that is most of the writer's time. 64 MB (~130k spans
         # held in memory until checkpointed) makes sustained ingest ~40% faster; close() checkpoints.
         conn.execute("SET checkpoint_threshold = '64MB'")
+        try:
+            conn.execute("SET memory_limit = ?", [memory_limit])
+        except duckdb.Error as exc:
+            raise SpanSinkError(
+                f"span store memory limit {memory_limit!r} is not a DuckDB size such as '256MB' or '1GB' "
+                f"({exc})"
+            ) from exc
         schema.migrate(conn)
     except RuntimeError as exc:
         conn.close()

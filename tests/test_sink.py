@@ -426,3 +426,36 @@ def test_a_stalled_writer_keeps_memory_bounded(db: Path, monkeypatch: pytest.Mon
     _StalledExporter.release.set()
     sink.close()
     assert count(db) == capacity + 1
+
+
+def test_the_writer_connection_has_a_memory_cap(db: Path) -> None:
+    # DuckDB's default is 80 % of RAM, and it caches what it writes up to that.
+    with SpanSink(db) as sink:
+        assert sink._conn.execute("SELECT current_setting('memory_limit')").fetchone()[0] == "244.1 MiB"
+    with SpanSink(db, memory_limit="64MB") as sink:
+        assert sink._conn.execute("SELECT current_setting('memory_limit')").fetchone()[0] == "61.0 MiB"
+    with pytest.raises(SpanSinkError, match="not a DuckDB size"):
+        SpanSink(db, memory_limit="lots").start()
+
+
+def test_records_keep_their_ids_and_a_parent_makes_a_child(db: Path) -> None:
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    seen = InMemorySpanExporter()
+    parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    with SpanSink(db) as sink:
+        sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
+        own = minimal_record(0)
+        own.trace_id, own.span_id = "1" * 32, "2" * 16
+        child = minimal_record(1)
+        child.trace_id, child.span_id = "1" * 32, "3" * 16
+        fresh = minimal_record(2)  # no ids: new ones, written back
+        assert sink.emit(own) and sink.emit(child, parent) and sink.emit(fresh)
+    assert (child.trace_id, child.span_id) == (format(0xABC, "032x"), "3" * 16)  # the parent's trace wins
+    assert len(fresh.trace_id) == 32 and len(fresh.span_id) == 16
+    rows = read(db, "SELECT request_id, trace_id, span_id FROM requests ORDER BY request_id")
+    assert [r[1:] for r in rows] == [("1" * 32, "2" * 16), (child.trace_id, "3" * 16),
+                                     (fresh.trace_id, fresh.span_id)]
+    parents = {format(s.context.span_id, "016x"): s.parent for s in seen.get_finished_spans()}
+    assert parents["2" * 16] is None and parents[fresh.span_id] is None
+    assert parents["3" * 16] is not None and parents["3" * 16].span_id == 0xDEF
