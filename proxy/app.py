@@ -30,6 +30,7 @@ import hmac
 import json
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -39,6 +40,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from opentelemetry.trace import SpanContext
 
 from specproxy.config import Arm, Experiment
 from specproxy.record import SpanRecord
@@ -48,13 +50,15 @@ from .errors import Handler, error_body, openai_error, openai_errors
 from .identity import is_comparable
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ProxyMetrics
+from .otel import TRACEPARENT_HEADER, client_trace_context
 from .routing import ArmRouter
 from .scrape import MetricsScraper
 from .shadow import IdentityPair, ShadowDispatcher
-from .sink import SpanSink
+from .sink import DEFAULT_MEMORY_LIMIT, SpanSink
 from .sse import CompletionTap, Endpoint
 from .upstream import (
     CATEGORY_HEADER,
+    CONCURRENCY_HEADER,
     REQUEST_ID_HEADER,
     CallResult,
     UpstreamState,
@@ -80,6 +84,7 @@ class ProxySettings:
     api_key: str | None = None  # SPECPROXY_API_KEY: clients must send it as a bearer token
     scrape_metrics: bool = True
     worker_index: int | None = None
+    db_memory_limit: str = DEFAULT_MEMORY_LIMIT  # DuckDB memory_limit of the span writer's connection
 
 
 @dataclass
@@ -97,11 +102,12 @@ class ProxyState:
     capture: CaptureWriter | None = None
     shutdown_started: float | None = None
 
-    def finish(self, record: SpanRecord) -> None:
-        """A call is over: count it and hand its span to the sink (never blocks)."""
+    def finish(self, record: SpanRecord, parent: SpanContext | None = None) -> None:
+        """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
+        client's trace context (its ``traceparent``), if it sent one."""
         self.metrics.observe_call(record)
         if self.sink is not None:
-            self.sink.emit(record)
+            self.sink.emit(record, parent)
 
 
 STATE = web.AppKey("specproxy_state", ProxyState)
@@ -189,6 +195,18 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         return openai_error(400, "request body must be a JSON object")
     request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     category = request.headers.get(CATEGORY_HEADER)
+    level: int | None = None
+    level_text = request.headers.get(CONCURRENCY_HEADER)
+    if level_text is not None:
+        level = _positive_int(level_text)
+        if level is None:
+            st.metrics.client_error(400)
+            return openai_error(400, f"header {CONCURRENCY_HEADER} must be an integer ≥ 1, "
+                                     f"got {level_text!r}")
+    # One trace per client request: the client's (W3C traceparent) when it sent one, else a new one.
+    # Every call the request makes (primary, shadow, verify) is a span of it with its own span id.
+    parent = client_trace_context(request.headers) if TRACEPARENT_HEADER in request.headers else None
+    trace_id = format(parent.trace_id, "032x") if parent is not None else secrets.token_hex(16)
     comparable = is_comparable(body)
     plan = st.router.plan(body, request.headers, comparable=comparable)
     primary = plan.primary
@@ -198,11 +216,11 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         dispatcher = st.dispatcher
         assert dispatcher is not None
         for copy in plan.copies:
-            rec = new_record(st.run_id, request_id, copy.arm, body, endpoint=endpoint,
-                             routed_as=copy.routed_as, category=category)
-            dispatcher.send(copy, body, rec, endpoint=endpoint, pair=pair)
-    record = new_record(st.run_id, request_id, primary, body, endpoint=endpoint,
-                        routed_as=plan.primary_routed_as, category=category)
+            rec = new_record(st.run_id, request_id, copy.arm, body, endpoint=endpoint, trace_id=trace_id,
+                             routed_as=copy.routed_as, category=category, concurrency_level=level)
+            dispatcher.send(copy, body, rec, endpoint=endpoint, pair=pair, parent=parent)
+    record = new_record(st.run_id, request_id, primary, body, endpoint=endpoint, trace_id=trace_id,
+                        routed_as=plan.primary_routed_as, category=category, concurrency_level=level)
     relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
     assert st.session is not None
     result: CallResult | None = None
@@ -220,34 +238,43 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
                                 client_gone=True)
         raise
     finally:
-        _after_primary(st, primary, record, result, pair)
+        _after_primary(st, primary, record, result, pair, parent)
         if st.capture is not None:
             st.capture.add(arrival_unix_s=arrival, request_id=request_id, path=request.path,
                            category=category, body=body, status=record.status,
                            response_text=result.text if result is not None else None)
 
 
+def _positive_int(text: str) -> int | None:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        return None
+    return value if value >= 1 else None
+
+
 def _after_primary(st: ProxyState, primary: Arm, record: SpanRecord, result: CallResult | None,
-                   pair: IdentityPair | None) -> None:
+                   pair: IdentityPair | None, parent: SpanContext | None) -> None:
     if pair is None:
-        st.finish(record)
+        st.finish(record, parent)
     elif primary.role == "baseline":
         pair.set_baseline(result)
-        st.finish(record)
+        st.finish(record, parent)
     elif result is None:
-        st.finish(record)
+        st.finish(record, parent)
     else:
         # A candidate served the client (split mode) and a verify copy went to the baseline: compare
         # when that copy ends, in the background; the client's response is already complete.
         assert st.dispatcher is not None
-        st.dispatcher.spawn(_check_then_finish(st, pair, result))
+        st.dispatcher.spawn(_check_then_finish(st, pair, result, parent))
 
 
-async def _check_then_finish(st: ProxyState, pair: IdentityPair, result: CallResult) -> None:
+async def _check_then_finish(st: ProxyState, pair: IdentityPair, result: CallResult,
+                             parent: SpanContext | None) -> None:
     try:
         await pair.check(result)
     finally:
-        st.finish(result.record)
+        st.finish(result.record, parent)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -393,7 +420,8 @@ async def _span_store(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
     s = st.settings
     exp = s.experiment
-    sink = SpanSink(s.db or exp.db, queue_size=exp.span_queue_size, otlp_endpoint=exp.otlp_endpoint)
+    sink = SpanSink(s.db or exp.db, queue_size=exp.span_queue_size, otlp_endpoint=exp.otlp_endpoint,
+                    memory_limit=s.db_memory_limit)
     await asyncio.to_thread(sink.start)
     st.sink = sink
     st.metrics.watch_sink(lambda: (sink.queue_depth, sink.dropped, sink.written))

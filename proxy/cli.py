@@ -51,12 +51,15 @@ def worker_path(path: str, index: int) -> str:
               help="Worker processes sharing the port (SO_REUSEPORT); worker i writes <db stem>.w<i>.duckdb.")
 @click.option("--run-id", default=None, help="Run id for the span store (default: a new one).")
 @click.option("--no-scrape", is_flag=True, help="Do not scrape the arms' /metrics into backend_metrics.")
+@click.option("--db-memory", default="256MB", show_default=True,
+              help="Memory cap of the span writer's DuckDB connection (DuckDB size: 256MB, 1GB); per worker.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Log verbosity (stderr).")
 @click.option("--worker-index", default=None, type=int, hidden=True)
 def serve(
     config_path: str, host: str, port: int, db: str | None, capture: str | None, capture_responses: bool,
-    workers: int, run_id: str | None, no_scrape: bool, log_level: str, worker_index: int | None,
+    workers: int, run_id: str | None, no_scrape: bool, db_memory: str, log_level: str,
+    worker_index: int | None,
 ) -> None:
     """Run the proxy in front of the experiment's arms (shadow or split mode) and write a span per
     upstream call to the DuckDB span store.
@@ -82,9 +85,9 @@ def serve(
         if port == 0:
             raise click.ClickException("--workers needs a fixed --port (with 0 each worker gets its own)")
         _run_workers(config_path, host, port, db_path, capture, capture_responses, workers, run_id,
-                     no_scrape, log_level)
+                     no_scrape, log_level, db_memory)
         return
-    _run_one(exp, host, port, db_path, capture, capture_responses, run_id, no_scrape, worker_index)
+    _run_one(exp, host, port, db_path, capture, capture_responses, run_id, no_scrape, worker_index, db_memory)
 
 
 class _EarlyStop:
@@ -99,7 +102,7 @@ class _EarlyStop:
 
 
 def _run_one(exp: Experiment, host: str, port: int, db: str, capture: str | None, capture_responses: bool,
-             run_id: str, no_scrape: bool, worker_index: int | None) -> None:
+             run_id: str, no_scrape: bool, worker_index: int | None, db_memory: str) -> None:
     signal.signal(signal.SIGTERM, _EarlyStop.note)
     signal.signal(signal.SIGINT, _EarlyStop.note)
     from .app import ProxySettings
@@ -107,7 +110,7 @@ def _run_one(exp: Experiment, host: str, port: int, db: str, capture: str | None
     settings = ProxySettings(
         experiment=exp, db=db, run_id=run_id, capture=capture, capture_responses=capture_responses,
         api_key=os.environ.get("SPECPROXY_API_KEY") or None, scrape_metrics=not no_scrape,
-        worker_index=worker_index,
+        worker_index=worker_index, db_memory_limit=db_memory,
     )
     try:
         import uvloop
@@ -163,7 +166,8 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
 
 
 def _run_workers(config_path: str, host: str, port: int, db: str, capture: str | None,
-                 capture_responses: bool, workers: int, run_id: str, no_scrape: bool, log_level: str) -> None:
+                 capture_responses: bool, workers: int, run_id: str, no_scrape: bool, log_level: str,
+                 db_memory: str) -> None:
     procs: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -176,7 +180,7 @@ def _run_workers(config_path: str, host: str, port: int, db: str, capture: str |
     for i in range(workers):
         argv = [sys.executable, "-m", "specproxy", "serve", "--config", config_path, "--host", host,
                 "--port", str(port), "--db", worker_path(db, i), "--run-id", run_id, "--worker-index", str(i),
-                "--log-level", log_level]
+                "--log-level", log_level, "--db-memory", db_memory]
         if capture:
             argv += ["--capture", worker_path(capture, i)]
             if capture_responses:

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import SpanContext, get_current_span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from specproxy.record import COLUMNS, OTEL_ATTRIBUTE, SpanRecord
@@ -259,6 +261,21 @@ def _convert(column: np.ndarray[Any, Any], kind: Any, null_fill: str | None) -> 
         column = column.copy()
         column[nulls] = 0
     return column.astype(kind), nulls if has_nulls else None
+
+
+TRACEPARENT_HEADER = "traceparent"
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def client_trace_context(headers: Mapping[str, str]) -> SpanContext | None:
+    """The trace context a client sent (W3C ``traceparent``/``tracestate``); None if absent or invalid."""
+    context = get_current_span(_PROPAGATOR.extract(headers)).get_span_context()
+    return context if context.is_valid else None
+
+
+def traceparent(trace_id: str, span_id: str) -> str:
+    """The W3C ``traceparent`` value naming a (sampled) span: what an arm's own tracing parents under."""
+    return f"00-{trace_id}-{span_id}-01"
 
 
 def otlp_exporter(endpoint: str | None) -> SpanExporter | None:

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+from opentelemetry.trace import SpanContext
 
 from specproxy.record import SpanRecord
 
@@ -77,7 +78,7 @@ class ShadowDispatcher:
         *,
         timeout: UpstreamTimeout,
         state: UpstreamState,
-        emit: Callable[[SpanRecord], None],
+        emit: Callable[[SpanRecord, SpanContext | None], None],
         capture_output: bool = False,
     ) -> None:
         self.session = session
@@ -96,8 +97,9 @@ class ShadowDispatcher:
         task.add_done_callback(self._tasks.discard)
 
     def send(self, copy: Copy, body: dict[str, Any], record: SpanRecord, *, endpoint: Endpoint,
-             pair: IdentityPair | None) -> bool:
-        """Start one copy; False (and a ``dropped`` span) when the arm is at its bound or we are closing."""
+             pair: IdentityPair | None, parent: SpanContext | None = None) -> bool:
+        """Start one copy; False (and a ``dropped`` span) when the arm is at its bound or we are closing.
+        ``parent``: the trace context the copy's span belongs under (the client's traceparent)."""
         arm = copy.arm
         n = self.inflight.get(arm.name, 0)
         if n >= arm.max_shadow_inflight or self._closing:
@@ -107,14 +109,14 @@ class ShadowDispatcher:
             record.t_start = datetime.fromtimestamp(record.t_start_ns / 1e9, UTC)
             if pair is not None and arm.role == "baseline":
                 pair.set_baseline(None)
-            self.emit(record)
+            self.emit(record, parent)
             return False
         self.inflight[arm.name] = n + 1
-        self.spawn(self._run(copy, body, record, endpoint, pair))
+        self.spawn(self._run(copy, body, record, endpoint, pair, parent))
         return True
 
     async def _run(self, copy: Copy, body: dict[str, Any], record: SpanRecord, endpoint: Endpoint,
-                   pair: IdentityPair | None) -> None:
+                   pair: IdentityPair | None, parent: SpanContext | None) -> None:
         is_baseline = copy.arm.role == "baseline"
         result: CallResult | None = None
         try:
@@ -139,7 +141,7 @@ class ShadowDispatcher:
             if pair is not None and is_baseline:
                 pair.set_baseline(None)
             self.inflight[copy.arm.name] -= 1
-            self.emit(record)
+            self.emit(record, parent)
 
     @property
     def pending(self) -> int:

@@ -48,10 +48,14 @@ import orjson
 from specproxy.config import Arm
 from specproxy.record import SpanRecord, decode_tok_s
 
+from .otel import TRACEPARENT_HEADER, traceparent
 from .sse import CompletionTap, Endpoint, SSEParser
 
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 CATEGORY_HEADER = "X-Specproxy-Category"
+# Sent by `specproxy replay` with each call: the concurrency level of its load phase, so that a proxy
+# in between (`specproxy replay --target`) labels its spans with it. serve never forwards it.
+CONCURRENCY_HEADER = "X-Specproxy-Concurrency-Level"
 REQUEST_ID_HEADER = "X-Request-Id"
 
 # Words in a 400/422 body that mean "this backend does not know vLLM's extensions".
@@ -131,6 +135,11 @@ class CallResult:
     @property
     def token_ids(self) -> list[int] | None:
         return self.tap.token_ids if self.tap.has_token_ids else None
+
+
+def level_header(level: int | None) -> dict[str, str] | None:
+    """The request header that tells a proxy the concurrency level of this call (None: no level)."""
+    return {CONCURRENCY_HEADER: str(level)} if level is not None else None
 
 
 def prompt_sha256(body: dict[str, Any], endpoint: str) -> str:
@@ -259,8 +268,12 @@ def _error_message(body: bytes) -> str:
     return body[:500].decode("utf-8", errors="replace")
 
 
-def _headers(arm: Arm, request_id: str, category: str | None, extra: dict[str, str] | None) -> dict[str, str]:
+def _headers(arm: Arm, request_id: str, category: str | None, extra: dict[str, str] | None,
+             trace_id: str = "", span_id: str = "") -> dict[str, str]:
     headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+    if trace_id and span_id:
+        # The arm's own tracing (vLLM --otlp-traces-endpoint) then nests under this call's span.
+        headers[TRACEPARENT_HEADER] = traceparent(trace_id, span_id)
     if category:
         headers[CATEGORY_HEADER] = category
     if extra:
@@ -293,7 +306,7 @@ async def call_arm(
     state = state or DEFAULT_STATE
     timeout = timeout or UpstreamTimeout()
     url = arm.url + ENDPOINT_PATHS[endpoint]
-    hdrs = _headers(arm, record.request_id, record.category, headers)
+    hdrs = _headers(arm, record.request_id, record.category, headers, record.trace_id, record.span_id)
     tap = tap if tap is not None else CompletionTap(endpoint)
     result = CallResult(record=record, tap=tap)
     inflight = state.inflight.get(arm.url, 0)

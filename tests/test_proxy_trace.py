@@ -1,0 +1,101 @@
+"""What a client request tells the proxy about itself: its OTel trace and its replay concurrency level."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from specproxy.config import Arm
+from specproxy.proxy.formats import ReplayItem
+from specproxy.proxy.replay import LoadPlan, ReplaySettings, run_replay
+from tests.backends import BackendConfig, running_backend
+from tests.test_proxy_app import running_proxy, spans
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+PARENT = "b7ad6b7169203331"
+BODY: Any = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "stream": True}
+
+
+async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_traceparent(tmp_path: Path) -> None:
+    cfg = BackendConfig(tokens=4)
+    async with running_backend(cfg) as base, running_backend(cfg) as cand, running_proxy(
+        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}]
+    ) as p:
+        assert p.state.sink is not None
+        seen = InMemorySpanExporter()
+        p.state.sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
+        async with aiohttp.ClientSession() as s:
+            headers = {"traceparent": f"00-{TRACE}-{PARENT}-01", "X-Request-Id": "with-parent"}
+            async with s.post(p.url + "/v1/chat/completions", json=BODY, headers=headers) as r:
+                assert r.status == 200
+                await r.read()
+            async with s.post(p.url + "/v1/chat/completions", json=BODY,
+                              headers={"X-Request-Id": "bare"}) as r:
+                await r.read()
+            # A malformed traceparent is ignored (a new trace), never an error.
+            async with s.post(p.url + "/v1/chat/completions", json=BODY,
+                              headers={"traceparent": "00-zz-yy-01", "X-Request-Id": "bad"}) as r:
+                assert r.status == 200
+                await r.read()
+    rows = spans(p.db)
+    by_request: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_request.setdefault(row["request_id"], []).append(row)
+    assert sorted(by_request) == ["bad", "bare", "with-parent"]
+    for rid, pair in by_request.items():
+        assert sorted(r["routed_as"] for r in pair) == ["primary", "shadow"]
+        assert len({r["trace_id"] for r in pair}) == 1, rid  # one trace per client request
+        assert len({r["span_id"] for r in pair}) == 2, rid  # each call its own span
+    assert {r["trace_id"] for r in by_request["with-parent"]} == {TRACE}
+    assert len({r["trace_id"] for r in rows}) == 3
+    # In OTel (what OTLP exports) the client's span is the parent of both calls; other requests are roots.
+    otel = {format(s.context.span_id, "016x"): s for s in seen.get_finished_spans()}
+    for r in rows:
+        span = otel[r["span_id"]]
+        assert format(span.context.trace_id, "032x") == r["trace_id"]
+        parent_id = format(span.parent.span_id, "016x") if span.parent is not None else None
+        assert parent_id == (PARENT if r["request_id"] == "with-parent" else None)
+    # Each arm is told its call's span, so its own tracing nests under it.
+    for backend, arm in ((base, "base"), (cand, "cand")):
+        sent = {h["X-Request-Id"]: h["traceparent"] for h in backend.stats.headers}
+        for r in rows:
+            if r["arm"] == arm:
+                assert sent[r["request_id"]] == f"00-{r['trace_id']}-{r['span_id']}-01"
+
+
+async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_path: Path) -> None:
+    cfg = BackendConfig(tokens=3)
+    async with running_backend(cfg) as base, running_backend(cfg) as cand, running_proxy(
+        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}]
+    ) as p, aiohttp.ClientSession() as s:
+        hdr = "X-Specproxy-Concurrency-Level"
+        async with s.post(p.url + "/v1/chat/completions", json=BODY, headers={hdr: "16"}) as r:
+            assert r.status == 200
+            await r.read()
+        for bad in ("sixteen", "0", "-3"):
+            async with s.post(p.url + "/v1/chat/completions", json=BODY, headers={hdr: bad}) as r:
+                assert r.status == 400 and hdr in (await r.json())["error"]["message"]
+        async with s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+            await r.read()
+        assert all(hdr not in h for h in base.stats.headers + cand.stats.headers)
+    assert sorted((r["routed_as"], r["concurrency_level"] or 0) for r in spans(p.db)) == [
+        ("primary", 0), ("primary", 16), ("shadow", 0), ("shadow", 16)]
+
+
+async def test_replay_through_the_proxy_labels_its_spans_with_each_level(tmp_path: Path) -> None:
+    async with running_backend(BackendConfig(tokens=3)) as base, running_proxy(
+        tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": base.url}]
+    ) as p:
+        items = [ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"q {i}"}]})
+                 for i in range(6)]
+        settings = ReplaySettings(arms=(Arm(name="target", url=p.url, role="baseline"),),
+                                  db_path=tmp_path / "replay.duckdb", show_progress=False,
+                                  load=LoadPlan(levels=(1, 3), warmup=0))
+        result = await run_replay(settings, items)
+        assert result.per_arm["target"].ok == 12
+    levels = sorted(r["concurrency_level"] for r in spans(p.db))
+    assert levels == [1] * 6 + [3] * 6
