@@ -47,7 +47,7 @@ from .loadgen import LoadStats, closed_loop, open_loop, poisson_offsets, timed_o
 from .progress import ReplayProgress
 from .scrape import MetricsScraper
 from .sink import SpanSink
-from .upstream import CallResult, UpstreamState, UpstreamTimeout, call_arm, new_record
+from .upstream import CallResult, UpstreamState, UpstreamTimeout, call_arm, level_header, new_record
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
@@ -267,7 +267,7 @@ class ReplayRunner:
         try:
             result = await call_arm(self.session, arm, body, endpoint=call.item.endpoint, record=record,
                                     timeout=self.s.timeout, capture_output=self.s.capture_output,
-                                    state=self.state)
+                                    state=self.state, headers=level_header(call.concurrency_level))
         except asyncio.CancelledError:
             # Stopped by the user mid-call: keep the span (status client_cancelled), never the output.
             if self._recording:
