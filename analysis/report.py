@@ -222,7 +222,8 @@ def _acceptance_by_category(store: SpanStore, ev: RunEvaluation, colors: dict[st
             "the /metrics-based columns of the table).</p>"
         )
     groups = sorted({r["category"] for r in rows})
-    arms = sorted({r["arm"] for r in rows})
+    order = _arm_order(colors)
+    arms = sorted({r["arm"] for r in rows}, key=lambda a: (order.get(a, len(order)), a))
     series = [
         Series(
             arm,
@@ -231,18 +232,18 @@ def _acceptance_by_category(store: SpanStore, ev: RunEvaluation, colors: dict[st
         )
         for arm in arms
     ]
+    # arm × category matrix: "3.11 (144)" = mean acceptance length over 144 calls
+    cells = {(r["arm"], r["category"]): f"{r['len']:.2f} ({r['n']})" for r in rows}
     table = _table(
-        ["arm", "category", "mean acceptance length", "calls"],
-        [
-            [r["arm"], r["category"], f"{r['len']:.2f}", str(r["n"])]
-            for r in sorted(rows, key=lambda r: (r["arm"], r["category"]))
-        ],
-        {0, 1},
+        ["arm", *groups],
+        [[arm, *(cells.get((arm, g), "—") for g in groups)] for arm in arms],
+        {0},
     )
     chart = bar_chart(
         groups, series, title="Mean acceptance length by category", y_label="tokens per step", reference_y=1.0
     )
-    return f'<div class="charts">{chart}<div>{table}</div></div>'
+    note = '<p class="muted">Cells: mean acceptance length (calls), from the per-request figures.</p>'
+    return f'<div class="charts">{chart}<div>{table}{note}</div></div>'
 
 
 def _deploy(ev: RunEvaluation) -> str:
@@ -252,7 +253,8 @@ def _deploy(ev: RunEvaluation) -> str:
             continue
         cls = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG"}.get(a.deploy.verdict, "")
         items.append(
-            f'<tr><td class="l"><b>{escape(a.arm)}</b></td><td class="{cls}">{escape(a.deploy.verdict)}</td>'
+            f'<tr><td class="l"><b>{escape(a.arm)}</b></td>'
+            f'<td class="l {cls}">{escape(a.deploy.verdict)}</td>'
             f'<td class="l wrap">{escape(a.deploy.text)}</td></tr>'
         )
     if not items:
@@ -297,6 +299,15 @@ def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
     # small multiples: one chart per category, decode speedup vs concurrency per arm with its CI band
     order = _arm_order(colors)
     arms = sorted({c.arm for c in ev.categories}, key=lambda a: (order.get(a, len(order)), a))
+    # one y axis for every category, so the panels compare at a glance
+    extent = [
+        v
+        for c in ev.categories
+        if c.concurrency_level and c.decode_speedup is not None
+        for v in (c.decode_speedup.point, c.decode_speedup.low, c.decode_speedup.high)
+        if v is not None
+    ]
+    y_extent = (min(extent), max(extent)) if extent else ()
     charts = []
     for cat in sorted({c.category for c in ev.categories}):
         series = []
@@ -325,6 +336,7 @@ def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
                     y_label="speedup (x)",
                     reference_y=1.0,
                     y_from_zero=False,
+                    y_extent=y_extent,
                 )
             )
     small = f'<div class="charts small">{"".join(charts)}</div>' if charts else ""

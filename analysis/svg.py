@@ -154,12 +154,17 @@ def line_chart(
     reference_y: float | None = None,
     y_from_zero: bool = True,
     x_tick_fmt: str = "{}",
+    y_extent: Sequence[float] = (),
 ) -> str:
-    """Lines with markers (and shaded bands where given); log2 x for concurrency levels."""
+    """Lines with markers (and shaded bands where given); log2 x for concurrency levels.
+
+    ``y_extent``: values the y axis must cover as well (small multiples share one axis this way).
+    """
     xs = [x for s in series for x, _ in s.points]
     ys = [y for s in series for _, y in s.points] + [
         v for s in series for _, lo, hi in s.band for v in (lo, hi)
     ]
+    ys += list(y_extent)
     if reference_y is not None:
         ys.append(reference_y)
     frame = _Frame(xs, ys, log_x, y_from_zero)

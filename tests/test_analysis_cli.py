@@ -116,6 +116,31 @@ def test_report_is_self_contained(store: Path, tmp_path: Path) -> None:
     assert re.sub(r'xmlns="http://www.w3.org/2000/svg"', "", html).count("http") == 0
     # mismatch snippets show where the candidate's captured text diverged
     assert "<mark>" in html
+    for needle in ("Deploy verdict", "Verdicts by workload category", "chat: P50 decode speedup"):
+        assert needle in html, needle
+
+
+def test_report_keeps_one_color_and_legend_order_per_arm(store: Path, tmp_path: Path) -> None:
+    """Every legend of every chart (both runs) gives an arm the same color, in the same order."""
+    out = write_report([store], tmp_path / "r.html")
+    html = out.read_text()
+    legends = re.findall(r"<svg .*?</svg>", html, re.S)
+    color_of: dict[str, set[str]] = {}
+    orders = []
+    for svg in legends:
+        entries = re.findall(
+            r'<rect x="[\d.]+" y="[\d.]+" width="12" height="12" fill="(#\w+)"/><text [^>]*>([^<]+)</text>',
+            svg,
+        )
+        for color, arm in entries:
+            color_of.setdefault(arm, set()).add(color)
+        orders.append([arm for _, arm in entries])
+    assert set(color_of) == {"baseline", "eagle3", "ngram"}
+    assert all(len(colors) == 1 for colors in color_of.values()), color_of
+    assert len({c for colors in color_of.values() for c in colors}) == 3
+    rank = {"baseline": 0, "eagle3": 1, "ngram": 2}
+    for order in orders:
+        assert order == sorted(order, key=rank.__getitem__), order
 
 
 def test_sql(store: Path) -> None:
