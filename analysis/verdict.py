@@ -9,10 +9,10 @@ Per candidate arm and concurrency level (issue 4), each level judged on its own 
 Identity is "checked" only where greedy outputs were compared; with none compared it does not block a
 WIN, and the reason says so.
 
-Per arm, the deploy verdict applies the issue's rule literally: the decode speedup must WIN at some
-level, and aggregate throughput at the run's PEAK level must not be lower (CI upper ≥ 1); LOSS when
-peak throughput is lower beyond the CI, identity fails, or no level wins and some level loses. Its
-sentence also says up to which level the arm pays, so "enable below c=X only" is visible.
+Per arm, the deploy verdict applies the issue's rule literally: the arm must WIN at some level (and
+lose at none), and aggregate throughput at the run's PEAK level must not be lower (CI upper ≥ 1);
+LOSS when peak throughput is lower beyond the CI, identity fails, or no level wins and some level
+loses. Its sentence also says up to which level the arm pays, so "enable below c=X only" is visible.
 """
 
 from __future__ import annotations
@@ -147,9 +147,10 @@ def deploy_verdict(
     compared: int,
     thresholds: Thresholds,
 ) -> DeployVerdict:
-    """WIN when the arm wins at some level and peak-level throughput is not lower (CI upper ≥ 1) and
-    identity holds; LOSS when peak throughput is lower beyond the CI, identity fails, or it wins
-    nowhere and loses somewhere; NO CLEAR GAIN otherwise."""
+    """WIN when the arm wins at some level, loses at none, peak-level throughput is not lower (CI upper
+    ≥ 1) and identity holds; LOSS when peak throughput is lower beyond the CI, identity fails, or it
+    wins nowhere and loses somewhere; NO CLEAR GAIN otherwise (a WIN at some levels and a LOSS at others
+    below the peak included: the sentence names both)."""
     peak = f"c={peak_level}" if peak_level.isdigit() else peak_level
     per_level = verdict_runs(verdicts) if verdicts else "no per-level verdicts"
     wins = [lv for lv, v in verdicts if v == WIN]
@@ -172,6 +173,14 @@ def deploy_verdict(
             f"; it pays below that only up to c={cross.pays_up_to}" if cross.pays_up_to is not None else ""
         )
         return DeployVerdict(LOSS, f"{head}: do not enable for peak load{below}")
+    losses = [lv for lv, v in verdicts if v == LOSS]
+    if wins and losses:
+        # it pays at some loads and costs at others: no blanket answer
+        return DeployVerdict(
+            NO_CLEAR_GAIN,
+            f"{head}: it loses at c={', c='.join(map(str, losses))}; enable only where the load matches the "
+            f"levels it wins at (c={', c='.join(map(str, wins))})",
+        )
     if wins and peak_throughput is not None and peak_throughput.high is not None:
         if cross.first_not_paying is None:
             return DeployVerdict(WIN, f"{head}: enable, it pays at every tested level")

@@ -198,6 +198,8 @@ def test_verdict_runs_merge_equal_neighbours() -> None:
         ([(1, WIN), (64, WIN)], Interval(1.1, 1.05, 1.15), 100, WIN, "pays at every tested level"),
         ([(1, WIN), (64, WIN)], Interval(1.1, 1.05, 1.15), 90, LOSS, "identical 90.00% < 99%"),
         ([(1, NO_CLEAR_GAIN), (64, LOSS)], Interval(1.0, 0.98, 1.02), 100, LOSS, "do not enable"),
+        # wins at c=1, decode slower at c=16, peak fine: no blanket WIN
+        ([(1, WIN), (16, LOSS), (64, WIN)], Interval(1.0, 0.98, 1.02), 100, NO_CLEAR_GAIN, "loses at c=16"),
         (
             [(1, NO_CLEAR_GAIN), (64, NO_CLEAR_GAIN)],
             Interval(1.0, 0.98, 1.02),
