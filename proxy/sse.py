@@ -59,6 +59,12 @@ class SSEParser:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if (
+            not self._buf and chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
+            and chunk.find(b"\n") == len(chunk) - 2 and b"\r" not in chunk
+        ):
+            # The common read: exactly one one-line `data: {...}` event (how vLLM flushes a chunk).
+            return [SSEEvent(chunk, chunk[6:-2])]
         buf = self._buf + chunk if self._buf else chunk
         held = b""
         if b"\r" in buf:

@@ -424,14 +424,20 @@ async def _read_stream(
     rewrite = relay is not None and strip.any
     if relay is not None:
         await _relay_start(relay, result, resp.status, resp.content_type)
+    # Only a usage object can need stripping when the proxy asked for nothing but the final usage: a read
+    # of whole events without one is forwarded as received (a JSON string holds `\"usage\"`, never `"usage"`).
+    usage_only = strip.usage and not strip.token_ids
     async for raw in resp.content.iter_any():
         now = perf()
-        if relay is not None and not rewrite:
+        rewrite_this = rewrite and not (
+            usage_only and not parser.pending and raw.endswith(b"\n\n") and b'"usage"' not in raw
+        )
+        if relay is not None and not rewrite_this:
             # Forward first, parse after: the client's latency does not include our parsing.
             await _relay_write(relay, raw)
         events = parser.feed(raw)
         was_done = tap.done
-        if rewrite:
+        if rewrite_this:
             out: list[bytes] = []
             for ev in events:
                 obj = tap.feed_data(ev.data, now) if ev.data is not None else None

@@ -7,6 +7,9 @@ Backend: tests/backends.py in its own process (TTFT 20 ms, 10 ms between tokens,
 per chunk). Three targets, each measured for ``--duration`` seconds per concurrency level, in turn:
 
 - ``direct``: the load generator talks to the backend;
+- ``direct+m``: the same, and the load generator also sends each request to the second backend at the same
+  moment (read to the end, discarded): the machine load of a shadow run without the proxy, the fair
+  reference for ``shadow`` on a shared box (``shadow`` rows also show ``% d+m``);
 - ``bare``: a bare aiohttp passthrough (forwards bytes, no parsing, no spans): the floor any Python
   relay costs on this machine, for scale;
 - ``split``: through ``specproxy serve`` in split mode (two arms, both the same backend, weights 1:1);
@@ -14,14 +17,14 @@ per chunk). Three targets, each measured for ``--duration`` seconds per concurre
   on a second backend process (so the machine also serves the mirrored copy: the real cost of a shadow
   on a shared box).
 
-The load generator is closed-loop (``c`` requests always in flight, streaming chat completions) and
-counts tokens as content chunks. It prints per target and level: p50/p99 TTFT, relayed tokens/s, the
-proxy-added p50 TTFT and throughput as % of direct, and the relay process's CPU time per relayed token
-(the figure the shared machine disturbs least; shadow's includes reading the mirrored copy); then
-the proxies' RSS before/after. Targets
-(issue 2): added p50 TTFT ≤ 1 ms at c=1 and ≤ 5 ms at c=64; throughput ≥ 90 % of direct at c=64 and
-256; memory flat. Load generator, backends and proxy share this machine's cores: numbers are noisy,
-compare rows of one run.
+``--repeats N`` measures every target N times, round-robin within each level, and prints the median of
+each figure (p99: the largest). The load generator is closed-loop (``c`` requests always in flight,
+streaming chat completions) and counts tokens as content chunks. It prints per target and level: p50/p99
+TTFT, relayed tokens/s, the proxy-added p50 TTFT and throughput as % of direct, and the relay process's
+CPU time per relayed token (the figure the shared machine disturbs least; shadow's includes reading the
+mirrored copy); then the proxies' RSS before/after. Targets (issue 2): added p50 TTFT ≤ 1 ms at c=1 and
+≤ 5 ms at c=64; throughput ≥ 90 % of direct at c=64 and 256; memory flat. Load generator, backends and
+proxy share this machine's cores: numbers are noisy, compare rows of one run.
 """
 
 from __future__ import annotations
@@ -66,12 +69,23 @@ class CaseResult:
         return self.tokens / self.duration if self.duration else 0.0
 
 
-async def run_load(url: str, concurrency: int, duration: float) -> CaseResult:
-    """Closed loop: ``concurrency`` workers, each sending streaming requests back to back."""
+async def run_load(url: str, concurrency: int, duration: float, mirror: str | None = None) -> CaseResult:
+    """Closed loop: ``concurrency`` workers, each sending streaming requests back to back. ``mirror``:
+    also send each request there at the same moment (read to the end and discarded, not waited for)."""
     res = CaseResult()
     connector = aiohttp.TCPConnector(limit=0)
     deadline = time.perf_counter() + duration
+    mirrored: set[asyncio.Task[None]] = set()
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+        async def copy(body: dict[str, object]) -> None:
+            assert mirror is not None
+            try:
+                async with s.post(mirror + "/v1/chat/completions", json=body) as r:
+                    async for _ in r.content.iter_any():
+                        pass
+            except (aiohttp.ClientError, TimeoutError):
+                pass
 
         async def worker(w: int) -> None:
             i = 0
@@ -79,6 +93,10 @@ async def run_load(url: str, concurrency: int, duration: float) -> CaseResult:
                 i += 1
                 body = {**BODY_TEMPLATE, "messages": [{"role": "user", "content": f"w{w} r{i} hello"}]}
                 t0 = time.perf_counter()
+                if mirror is not None:
+                    task = asyncio.create_task(copy(body))
+                    mirrored.add(task)
+                    task.add_done_callback(mirrored.discard)
                 first: float | None = None
                 chunks = 0
                 try:
@@ -103,6 +121,7 @@ async def run_load(url: str, concurrency: int, duration: float) -> CaseResult:
         t_start = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         res.duration = time.perf_counter() - t_start
+        await asyncio.gather(*mirrored)
     return res
 
 
@@ -190,6 +209,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per target and level")
     ap.add_argument("--levels", default="1,64,256", help="concurrency levels")
+    ap.add_argument("--repeats", type=int, default=1, help="measurements per target and level (medians)")
     ap.add_argument("--memory-soak", type=float, default=0.0,
                     help="instead: run the shadow proxy at c=64 this many seconds, printing its RSS")
     args = ap.parse_args()
@@ -208,9 +228,10 @@ def main() -> None:
         shadow_proc = proxy(shadow_cfg, p_shadow, tmp / "shadow.duckdb")
         bare_proc = bare(base, p_bare)
         procs += [split_proc, shadow_proc, bare_proc]
-        pids = {"direct": None, "bare": bare_proc.pid, "split": split_proc.pid, "shadow": shadow_proc.pid}
-        targets = {"direct": base, "bare": f"http://127.0.0.1:{p_bare}", "split": f"http://127.0.0.1:{p_split}",
-                   "shadow": f"http://127.0.0.1:{p_shadow}"}
+        pids = {"direct": None, "direct+m": None, "bare": bare_proc.pid, "split": split_proc.pid,
+                "shadow": shadow_proc.pid}
+        targets = {"direct": base, "direct+m": base, "bare": f"http://127.0.0.1:{p_bare}",
+                   "split": f"http://127.0.0.1:{p_split}", "shadow": f"http://127.0.0.1:{p_shadow}"}
         for url in targets.values():
             wait_http(url + "/health", 30)
         asyncio.run(run_load(targets["split"], 4, 1.0))  # warm up connections and code paths
@@ -221,27 +242,33 @@ def main() -> None:
             return
 
         rss0 = {"split": rss_mb(split_proc.pid), "shadow": rss_mb(shadow_proc.pid)}
-        print(f"backend: TTFT 20 ms, 10 ms/token, 64 tokens; {args.duration:.0f} s per target and level; "
-              f"{os.cpu_count()} cores shared by all processes\n")
-        header = (f"{'c':>4} {'target':<7} {'reqs':>6} {'err':>4} {'p50 TTFT ms':>12} {'p99 TTFT ms':>12} "
-                  f"{'added p50 ms':>13} {'tok/s':>9} {'% direct':>9} {'relay CPU us/tok':>17}")
+        print(f"backend: TTFT 20 ms, 10 ms/token, 64 tokens; {args.duration:.0f} s per target and level, "
+              f"x{args.repeats} round-robin (medians); {os.cpu_count()} cores shared by all processes; "
+              f"load average before: {os.getloadavg()[0]:.2f}\n")
+        header = (f"{'c':>4} {'target':<8} {'reqs':>6} {'err':>4} {'p50 TTFT ms':>12} {'p99 TTFT ms':>12} "
+                  f"{'added p50 ms':>13} {'tok/s':>9} {'% direct':>9} {'% d+m':>7} {'relay CPU us/tok':>17}")
         print(header)
         print("-" * len(header))
+        runs = [(name, url, base if name == "direct+m" else None) for name, url in targets.items()]
         for c in levels:
-            results: dict[str, CaseResult] = {}
-            cpu: dict[str, float] = {}
-            for name, url in targets.items():
-                before = cpu_s(pids[name])
-                results[name] = asyncio.run(run_load(url, c, args.duration))
-                cpu[name] = cpu_s(pids[name]) - before
-            d = results["direct"]
-            for name, r in results.items():
-                added = (r.p(0.5) - d.p(0.5)) * 1000 if name != "direct" else 0.0
-                pct = 100 * r.tok_s / d.tok_s if d.tok_s else float("nan")
-                per_tok = 1e6 * cpu[name] / r.tokens if r.tokens else float("nan")
-                print(f"{c:>4} {name:<7} {r.requests:>6} {r.errors:>4} {r.p(0.5) * 1000:>12.2f} "
-                      f"{r.p(0.99) * 1000:>12.2f} {added:>13.2f} {r.tok_s:>9.0f} {pct:>8.1f}% "
-                      f"{per_tok:>17.1f}")
+            samples: dict[str, list[tuple[CaseResult, float]]] = {name: [] for name in targets}
+            for _ in range(args.repeats):
+                for name, url, mirror in runs:
+                    before = cpu_s(pids[name])
+                    r = asyncio.run(run_load(url, c, args.duration, mirror=cand if mirror else None))
+                    samples[name].append((r, cpu_s(pids[name]) - before))
+            fig = {name: _figures(rs) for name, rs in samples.items()}
+            d, dm = fig["direct"], fig["direct+m"]
+            for name, f in fig.items():
+                added = (f["p50"] - d["p50"]) * 1000 if name != "direct" else 0.0
+                pct = 100 * f["tok_s"] / d["tok_s"] if d["tok_s"] else float("nan")
+                pct_m = f"{100 * f['tok_s'] / dm['tok_s']:>6.1f}%" if name == "shadow" else f"{'':>7}"
+                print(f"{c:>4} {name:<8} {f['reqs']:>6.0f} {f['err']:>4.0f} {f['p50'] * 1000:>12.2f} "
+                      f"{f['p99'] * 1000:>12.2f} {added:>13.2f} {f['tok_s']:>9.0f} {pct:>8.1f}% {pct_m} "
+                      f"{f['cpu_us_tok']:>17.1f}")
+            vs_m = (fig["shadow"]["p50"] - dm["p50"]) * 1000
+            print(f"     (shadow vs direct+m: added p50 TTFT {vs_m:.2f} ms; "
+                  f"load average {os.getloadavg()[0]:.2f})")
         rss1 = {"split": rss_mb(split_proc.pid), "shadow": rss_mb(shadow_proc.pid)}
         print()
         for name in rss0:
@@ -254,6 +281,17 @@ def main() -> None:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _figures(runs: list[tuple[CaseResult, float]]) -> dict[str, float]:
+    """Medians over repeated measurements of one target at one level (p99: the largest)."""
+    med = statistics.median
+    return {
+        "reqs": med(r.requests for r, _ in runs), "err": sum(r.errors for r, _ in runs),
+        "p50": med(r.p(0.5) for r, _ in runs), "p99": max(r.p(0.99) for r, _ in runs),
+        "tok_s": med(r.tok_s for r, _ in runs),
+        "cpu_us_tok": med(1e6 * cpu / r.tokens if r.tokens else float("nan") for r, cpu in runs),
+    }
 
 
 def soak(url: str, pid: int, seconds: float) -> None:
