@@ -108,7 +108,8 @@ def _settings(kw: dict[str, Any]) -> Settings:
 )
 @settings_options
 def analyze(dbs: tuple[str, ...], fmt: str, **kw: Any) -> None:
-    """The verdict table: per run, arm and concurrency level.
+    """The verdict table: per run, arm and concurrency level; then by workload category, and each
+    arm's deploy verdict (aggregate throughput at the peak level not lower).
 
     DB files default to specproxy.duckdb; each file's worker siblings (specproxy.w0.duckdb, ...) are
     read too, and several files (machines) are analysed as one store. Files are opened read-only.
