@@ -385,32 +385,39 @@ def _fill_comparisons(
         "q.completion_tokens IS NOT NULL AND q.baseline_completion_tokens IS NOT NULL"
         " AND q.e2e_s > 0 AND q.baseline_e2e_s > 0"
     )
+    # The filters are evaluated once per pair (dok, tok, sok), not once per aggregate and grouping set.
     groups = store.query(
         f"""
+        WITH q AS (
+            SELECT q.arm, q.level, q.kind, coalesce(q.category, '(none)') AS cat, q.identical,
+                   q.divergence_margin, q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
+                   q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s,
+                   ({both_ok} AND {dec_ok}) AS dok,
+                   ({both_ok} AND {thr_ok}) AS tok,
+                   ({both_ok} AND (coalesce(k.p, 1) >= 1
+                                   OR hash(q.request_id, $seed) % 1000000007 < k.p * 1000000007)) AS sok
+            FROM pairs q LEFT JOIN keep_pairs k ON k.arm = q.arm AND k.level = q.level
+            WHERE q.run_id = $run
+        )
         SELECT q.arm, q.level, q.kind, q.cat, grouping(q.cat) = 0 AS by_category,
                count(q.identical) AS compared,
                count(*) FILTER (WHERE q.identical) AS identical,
                count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin <= $margin) AS near_tie,
                count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin > $margin) AS gross,
                count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin IS NULL) AS margin_unknown,
-               count(*) FILTER (WHERE {both_ok} AND {dec_ok}) AS n_decode,
-               quantile_cont(q.decode_tok_s, 0.5) FILTER (WHERE {both_ok} AND {dec_ok}) AS c_med,
-               quantile_cont(q.baseline_decode_tok_s, 0.5) FILTER (WHERE {both_ok} AND {dec_ok}) AS b_med,
-               count(*) FILTER (WHERE {both_ok} AND {thr_ok}) AS n_thr,
-               sum(q.completion_tokens) FILTER (WHERE {both_ok} AND {thr_ok}) AS c_tokens,
+               count(*) FILTER (WHERE dok) AS n_decode,
+               quantile_cont(q.decode_tok_s, 0.5) FILTER (WHERE dok) AS c_med,
+               quantile_cont(q.baseline_decode_tok_s, 0.5) FILTER (WHERE dok) AS b_med,
+               count(*) FILTER (WHERE tok) AS n_thr,
+               sum(q.completion_tokens) FILTER (WHERE tok) AS c_tokens,
                -- e2e totals summed as integer nanoseconds: the same total (to the bit) whatever order
                -- the rows of several files arrive in, which a float sum does not promise
-               sum(CAST(round(q.e2e_s * 1e9) AS HUGEINT))
-                   FILTER (WHERE {both_ok} AND {thr_ok}) / 1e9 AS c_e2e,
-               sum(q.baseline_completion_tokens) FILTER (WHERE {both_ok} AND {thr_ok}) AS b_tokens,
-               sum(CAST(round(q.baseline_e2e_s * 1e9) AS HUGEINT))
-                   FILTER (WHERE {both_ok} AND {thr_ok}) / 1e9 AS b_e2e,
+               sum(CAST(round(q.e2e_s * 1e9) AS HUGEINT)) FILTER (WHERE tok) / 1e9 AS c_e2e,
+               sum(q.baseline_completion_tokens) FILTER (WHERE tok) AS b_tokens,
+               sum(CAST(round(q.baseline_e2e_s * 1e9) AS HUGEINT)) FILTER (WHERE tok) / 1e9 AS b_e2e,
                list([q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
-                     q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s])
-                   FILTER (WHERE {both_ok} AND (coalesce(k.p, 1) >= 1
-                           OR hash(q.request_id, $seed) % 1000000007 < k.p * 1000000007)) AS sample
-        FROM (SELECT *, coalesce(category, '(none)') AS cat FROM pairs WHERE run_id = $run) q
-        LEFT JOIN keep_pairs k ON k.arm = q.arm AND k.level = q.level
+                     q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s]) FILTER (WHERE sok) AS sample
+        FROM q
         GROUP BY GROUPING SETS ((q.arm, q.level, q.kind), (q.arm, q.level, q.kind, q.cat))
         """,
         {"margin": settings.near_tie_margin, "seed": seed, "run": run_id, "base": baseline},
