@@ -342,7 +342,7 @@ async def call_arm(
                     break
                 is_sse = resp.content_type == "text/event-stream"
                 if is_sse:
-                    await _read_stream(resp, tap, relay, strip, result)
+                    await _read_stream(resp, tap, relay, strip, result, timeout.read)
                     if not tap.done and tap.error is None:
                         record.status = "upstream_error"
                         record.error = "stream ended before data: [DONE]"
@@ -416,8 +416,62 @@ async def _relay_write(relay: Relay, data: bytes) -> None:
         raise ClientGone() from exc
 
 
+class _ReadWatchdog:
+    """The read timeout of a stream's body: at most one timer per timeout period, not one per read.
+
+    aiohttp's ``sock_read`` cancels and schedules a loop timer on every socket read (one per token on a
+    stream); here each read only stores its time, and the timer, when it fires, either ends the stream
+    with the same ``SocketTimeoutError`` aiohttp raises or sleeps again until ``last + timeout``.
+    """
+
+    __slots__ = ("last", "_timeout", "_content", "_loop", "_handle")
+
+    def __init__(self, content: aiohttp.StreamReader, timeout: float) -> None:
+        self.last = time.perf_counter()
+        self._timeout = timeout
+        self._content = content
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(timeout, self._check)
+
+    def _check(self) -> None:
+        idle = time.perf_counter() - self.last
+        if idle >= self._timeout:
+            self._handle = None
+            self._content.set_exception(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
+        else:
+            self._handle = self._loop.call_later(self._timeout - idle, self._check)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+def _own_read_timeout(resp: aiohttp.ClientResponse, read_timeout: float | None) -> _ReadWatchdog | None:
+    """Take the body's read timeout over from aiohttp (its per-read timer re-arming is per-token CPU)."""
+    conn = resp.connection
+    if read_timeout is None or conn is None or conn.protocol is None:
+        return None
+    # The next socket read cancels aiohttp's pending timer and, with no timeout set, arms none again.
+    conn.protocol.read_timeout = None
+    return _ReadWatchdog(resp.content, read_timeout)
+
+
 async def _read_stream(
-    resp: aiohttp.ClientResponse, tap: CompletionTap, relay: Relay | None, strip: _Strip, result: CallResult
+    resp: aiohttp.ClientResponse, tap: CompletionTap, relay: Relay | None, strip: _Strip, result: CallResult,
+    read_timeout: float | None = None,
+) -> None:
+    watchdog = _own_read_timeout(resp, read_timeout)
+    try:
+        await _relay_events(resp, tap, relay, strip, result, watchdog)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+
+
+async def _relay_events(
+    resp: aiohttp.ClientResponse, tap: CompletionTap, relay: Relay | None, strip: _Strip, result: CallResult,
+    watchdog: _ReadWatchdog | None,
 ) -> None:
     parser = SSEParser()
     perf = time.perf_counter
@@ -429,6 +483,8 @@ async def _read_stream(
     usage_only = strip.usage and not strip.token_ids
     async for raw in resp.content.iter_any():
         now = perf()
+        if watchdog is not None:
+            watchdog.last = now
         rewrite_this = rewrite and not (
             usage_only and not parser.pending and raw.endswith(b"\n\n") and b'"usage"' not in raw
         )

@@ -44,7 +44,8 @@ class BackendConfig:
     reject_extensions: bool = False  # 400 on stream_options / return_token_ids, like api.openai.com
     spec_metrics: bool = False  # attach metrics.speculative_decoding (k = tokens_per_chunk - 1)
     diverge_at: int | None = None  # token index from which this backend's output differs
-    fail: str | None = None  # "http500" | "http429" | "reset" (after 2 chunks) | "hang" | "garbage"
+    # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
+    fail: str | None = None
     eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
     version: str = "0.33.0"
 
@@ -201,6 +202,8 @@ async def _generate(
             assert request.transport is not None
             request.transport.close()
             return resp
+        if cfg.fail == "stall" and si == 2:
+            await asyncio.sleep(3600)
         done += len(step)
         text = "".join(token_text(t) for t in step)
         last = si == len(steps) - 1

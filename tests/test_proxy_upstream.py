@@ -198,6 +198,32 @@ async def test_call_arm_refused_and_timeout() -> None:
         assert rec.status == "timeout" and 0.25 < (rec.e2e_s or 0) < 2
 
 
+async def test_read_timeout_ends_a_stream_that_stalls_but_not_one_that_keeps_sending() -> None:
+    # The body's read timeout is the proxy's own watchdog (not aiohttp's per-read timer): a stream silent
+    # for longer than it times out; a stream whose whole length is many read timeouts but whose gaps are
+    # shorter does not.
+    timeout = UpstreamTimeout(read=0.3)
+    async with running_backend(BackendConfig(fail="stall", itl_s=0.01)) as b, aiohttp.ClientSession() as s:
+        arm = _arm(b.url)
+        body = {**CHAT, "stream": True}
+        rec = new_record("run", "r", arm, body, endpoint="chat", routed_as="primary")
+        relay = _Collect()
+        await call_arm(s, arm, body, endpoint="chat", record=rec, relay=relay, timeout=timeout)
+        assert rec.status == "timeout" and 0.3 < (rec.e2e_s or 0) < 1.5
+        assert rec.chunks == 2 and b"w" in relay.data
+        for _ in range(50):
+            if b.stats.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert b.stats.cancelled == 1  # the stalled connection was closed
+    async with running_backend(BackendConfig(itl_s=0.1, tokens=10)) as b, aiohttp.ClientSession() as s:
+        arm = _arm(b.url)
+        body = {**CHAT, "stream": True, "max_tokens": 10}
+        rec = new_record("run", "r", arm, body, endpoint="chat", routed_as="primary")
+        await call_arm(s, arm, body, endpoint="chat", record=rec, timeout=timeout)
+        assert rec.status == "ok" and rec.completion_tokens == 10 and (rec.e2e_s or 0) > 0.9
+
+
 async def test_cancelling_call_arm_aborts_the_upstream_generation() -> None:
     async with running_backend(BackendConfig(itl_s=0.05, tokens=100)) as b, aiohttp.ClientSession() as s:
         arm = _arm(b.url)
