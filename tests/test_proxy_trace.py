@@ -99,3 +99,28 @@ async def test_replay_through_the_proxy_labels_its_spans_with_each_level(tmp_pat
         assert result.per_arm["target"].ok == 12
     levels = sorted(r["concurrency_level"] for r in spans(p.db))
     assert levels == [1] * 6 + [3] * 6
+
+
+def test_spans_made_directly_are_the_rows_the_sdk_makes(tmp_path: Path) -> None:
+    # With no OTLP exporter and nobody holding the provider, the sink builds finished spans itself
+    # instead of through the SDK (per-request CPU); every column must come out the same, errors too.
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    from specproxy.proxy.sink import SpanSink
+    from tests.test_sink import full_record, read
+
+    parent = SpanContext(int(TRACE, 16), int(PARENT, 16), is_remote=True, trace_flags=TraceFlags(1))
+    records = [full_record(0), full_record(1, status="timeout", error="upstream timed out"), full_record(2)]
+    rows = []
+    for name, via_sdk in (("direct", False), ("sdk", True)):
+        db = tmp_path / f"{name}.duckdb"
+        with SpanSink(db) as sink:
+            if via_sdk:
+                sink.tracer_provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+            assert sink._direct is not via_sdk
+            for i, rec in enumerate(records):
+                ids = {"trace_id": f"{i + 1:032x}", "span_id": f"{i + 1:016x}"}
+                assert sink.emit(full_record(i, status=rec.status, error=rec.error, **ids),
+                                 parent if i == 2 else None)
+        rows.append(read(db, "SELECT * FROM requests ORDER BY request_id"))
+    assert len(rows[0]) == 3 and rows[0] == rows[1]
