@@ -190,7 +190,11 @@ def test_worker_files_and_several_dbs_are_read_as_one(tmp_path: Path) -> None:
     assert split.stdout == run("analyze", str(whole), "--format", "csv").stdout
     # metrics scraped by both workers are not counted twice
     acc = run(
-        "sql", str(tmp_path / "specproxy.duckdb"), "SELECT arm, drafts FROM acceptance ORDER BY arm", "--format", "json"
+        "sql",
+        str(tmp_path / "specproxy.duckdb"),
+        "SELECT arm, drafts FROM acceptance ORDER BY arm",
+        "--format",
+        "json",
     )
     acc_whole = run(
         "sql", str(whole), "SELECT arm, drafts FROM acceptance ORDER BY arm", "--format", "json"
