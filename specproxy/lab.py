@@ -5,7 +5,7 @@ so both cores work, launched and stopped by ``specproxy engines`` exactly as ``e
 would) on free local ports — the lab's four configurations:
 
     baseline     no speculation
-    ngram        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, ...}
+    ngram        {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, ...}
     draft_model  {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct", ...}
     eagle3       {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", ...}
 
@@ -66,8 +66,8 @@ MAX_CLOCK_LAG = 0.05
 # The lab's four configurations: (arm name, vLLM --speculative-config or None).
 LAB_ARMS: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("baseline", None),
-    ("ngram", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-               "prompt_lookup_max": 5}),
+    ("ngram", {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1,
+               "prompt_lookup_max": 4}),
     ("draft_model", {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct",
                      "num_speculative_tokens": 4}),
     ("eagle3", {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
