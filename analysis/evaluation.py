@@ -448,16 +448,7 @@ def _fill_comparisons(
         sample = _ordered(g["sample"], 6)
         rng = rng_for(seed, run_id, row.arm, row.level)
         if g["c_med"] and g["b_med"]:
-            dec = sample[(sample[:, 0] > 0) & (sample[:, 1] > 0)]
-            row.decode_speedup = paired_median_ratio(
-                dec[:, 0],
-                dec[:, 1],
-                point=g["c_med"] / g["b_med"],
-                n_total=n_decode,
-                iterations=settings.bootstrap_iterations,
-                rng=rng,
-                confidence=settings.confidence,
-            )
+            row.decode_speedup = _paired_decode_interval(sample, g, n_decode, settings, rng)
         # A replay level is a closed loop at a fixed concurrency: its wall-clock tok/s is the arm's
         # capacity. Live traffic arrives at the clients' pace (and shadows may be sampled), so there
         # the per-call token rate Σ tokens / Σ e2e over the pairs is compared instead.
@@ -468,25 +459,7 @@ def _fill_comparisons(
             point = (g["c_tokens"] / g["c_e2e"]) / (g["b_tokens"] / g["b_e2e"])
             row.throughput_basis = "per call"
         if point is not None:
-            thr = sample[
-                np.isfinite(sample[:, 2])
-                & np.isfinite(sample[:, 3])
-                & (sample[:, 4] > 0)
-                & (sample[:, 5] > 0)
-            ]
-            row.throughput_speedup = throughput_ratio(
-                thr[:, 2],
-                thr[:, 4],
-                thr[:, 3],
-                thr[:, 5],
-                point=point,
-                n_cand=max(int(g["n_thr"]), 1),
-                n_base=max(int(g["n_thr"]), 1),
-                paired=True,
-                iterations=settings.bootstrap_iterations,
-                rng=rng,
-                confidence=settings.confidence,
-            )
+            row.throughput_speedup = _paired_throughput_interval(sample, point, g, settings, rng)
     for row in rows:
         if row.arm != baseline and row.paired is None and (baseline, row.level) in by_key:
             row.paired = False
@@ -511,37 +484,51 @@ def _fill_comparisons(
         sample = _ordered(g["sample"], 6)
         rng = rng_for(seed, run_id, row.arm, row.level, g["cat"])
         if g["c_med"] and g["b_med"]:
-            dec = sample[(sample[:, 0] > 0) & (sample[:, 1] > 0)]
-            cat.decode_speedup = paired_median_ratio(
-                dec[:, 0],
-                dec[:, 1],
-                point=g["c_med"] / g["b_med"],
-                n_total=int(g["n_decode"]),
-                iterations=settings.bootstrap_iterations,
-                rng=rng,
-                confidence=settings.confidence,
-            )
+            cat.decode_speedup = _paired_decode_interval(sample, g, int(g["n_decode"]), settings, rng)
         if g["c_e2e"] and g["b_e2e"] and g["c_tokens"] and g["b_tokens"]:
-            thr = sample[
-                np.isfinite(sample[:, 2])
-                & np.isfinite(sample[:, 3])
-                & (sample[:, 4] > 0)
-                & (sample[:, 5] > 0)
-            ]
-            cat.throughput_speedup = throughput_ratio(
-                thr[:, 2],
-                thr[:, 4],
-                thr[:, 3],
-                thr[:, 5],
-                point=(g["c_tokens"] / g["c_e2e"]) / (g["b_tokens"] / g["b_e2e"]),
-                n_cand=max(int(g["n_thr"]), 1),
-                n_base=max(int(g["n_thr"]), 1),
-                paired=True,
-                iterations=settings.bootstrap_iterations,
-                rng=rng,
-                confidence=settings.confidence,
-            )
+            point = (g["c_tokens"] / g["c_e2e"]) / (g["b_tokens"] / g["b_e2e"])
+            cat.throughput_speedup = _paired_throughput_interval(sample, point, g, settings, rng)
     return noise_compared, noise_mismatched
+
+
+def _paired_decode_interval(
+    sample: np.ndarray[Any, np.dtype[np.float64]], g: dict[str, Any], n_total: int, settings: Settings,
+    rng: np.random.Generator,
+) -> Interval:
+    """Paired median-ratio interval of decode tok/s over a pair sample (columns 0: candidate, 1: baseline)."""
+    dec = sample[(sample[:, 0] > 0) & (sample[:, 1] > 0)]
+    return paired_median_ratio(
+        dec[:, 0],
+        dec[:, 1],
+        point=g["c_med"] / g["b_med"],
+        n_total=n_total,
+        iterations=settings.bootstrap_iterations,
+        rng=rng,
+        confidence=settings.confidence,
+    )
+
+
+def _paired_throughput_interval(
+    sample: np.ndarray[Any, np.dtype[np.float64]], point: float, g: dict[str, Any], settings: Settings,
+    rng: np.random.Generator,
+) -> Interval:
+    """Paired Σtokens/Σe2e ratio interval (columns 2, 3: tokens; 4, 5: e2e; candidate then baseline)."""
+    thr = sample[
+        np.isfinite(sample[:, 2]) & np.isfinite(sample[:, 3]) & (sample[:, 4] > 0) & (sample[:, 5] > 0)
+    ]
+    return throughput_ratio(
+        thr[:, 2],
+        thr[:, 4],
+        thr[:, 3],
+        thr[:, 5],
+        point=point,
+        n_cand=max(int(g["n_thr"]), 1),
+        n_base=max(int(g["n_thr"]), 1),
+        paired=True,
+        iterations=settings.bootstrap_iterations,
+        rng=rng,
+        confidence=settings.confidence,
+    )
 
 
 def _fill_unpaired(
