@@ -10,11 +10,12 @@ Endpoints::
     GET  /metrics                                the proxy's Prometheus metrics (specproxy.proxy.metrics)
 
 Long-lived resources are made and closed in ``cleanup_ctx`` (in this order, closed in reverse): the
-span sink (DuckDB writer thread; the run's row with each arm's stack), the client sessions (one for
-calls that serve clients, one for copies, so a slow shadow arm cannot take connections the client
-path needs) with the shadow dispatcher, the metrics scraper, and the capture writer. At shutdown the
-server first stops accepting and lets in-flight requests finish (``shutdown_grace_s``), then copies
-still running get the rest of the grace period, then the sink writes every accepted span and closes.
+span sink (DuckDB writer thread; the run's row with each arm's stack), the upstream clients
+(:mod:`.wire`: one for calls that serve clients, one for copies, so a slow shadow arm cannot take
+connections the client path needs) with the shadow dispatcher, the metrics scraper, and the capture
+writer. At shutdown the server first stops accepting and lets in-flight requests finish
+(``shutdown_grace_s``), then copies still running get the rest of the grace period, then the sink
+writes every accepted span and closes.
 
 Example::
 
@@ -40,6 +41,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 from opentelemetry.trace import SpanContext
 
 from specproxy.config import Arm, Experiment
@@ -61,11 +63,13 @@ from .upstream import (
     CONCURRENCY_HEADER,
     REQUEST_ID_HEADER,
     CallResult,
+    ClientGone,
     UpstreamState,
     UpstreamTimeout,
     call_arm,
     new_record,
 )
+from .wire import UpstreamClient
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +102,8 @@ class ProxyState:
     primary_timeout: UpstreamTimeout
     shadow_timeout: UpstreamTimeout
     sink: SpanSink | None = None
-    session: aiohttp.ClientSession | None = None
+    session: aiohttp.ClientSession | None = None  # GET /v1/models
+    client: UpstreamClient | None = None  # completions that serve clients
     dispatcher: ShadowDispatcher | None = None
     capture: CaptureWriter | None = None
     shutdown_started: float | None = None
@@ -115,14 +120,22 @@ STATE = web.AppKey("specproxy_state", ProxyState)
 
 
 class ClientRelay:
-    """Writes an upstream response to the client: SSE as it arrives, anything else in one piece."""
+    """Writes an upstream response to the client: SSE as it arrives, anything else in one piece.
 
-    __slots__ = ("request", "headers", "response", "status", "content_type", "parts")
+    A stream's bytes go straight to the client's socket from the upstream connection's read callback
+    (see :class:`~specproxy.proxy.upstream.Relay`): aiohttp sends the headers and, at the end, the last
+    chunk; in between this class frames each piece as an HTTP chunk itself, since a coroutine per
+    relayed token (``StreamResponse.write``) costs more CPU than everything else the proxy does for it.
+    """
+
+    __slots__ = ("request", "headers", "response", "writer", "chunked", "status", "content_type", "parts")
 
     def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
         self.request = request
         self.headers = headers
         self.response: web.StreamResponse | None = None
+        self.writer: AbstractStreamWriter | None = None
+        self.chunked = False
         self.status = 0
         self.content_type = "application/json"
         self.parts: list[bytes] = []
@@ -133,14 +146,29 @@ class ClientRelay:
             resp = web.StreamResponse(status=status, headers=self.headers)
             resp.content_type = content_type
             resp.headers["Cache-Control"] = "no-cache"
-            await resp.prepare(self.request)
-            self.response = resp
+            if self.request.version >= aiohttp.HttpVersion11:
+                resp.enable_chunked_encoding()  # (an HTTP/1.0 client gets the body until close)
+            writer = await resp.prepare(self.request)
+            assert writer is not None
+            writer.send_headers()  # aiohttp holds them for the first write(), which send() bypasses
+            self.response, self.writer, self.chunked = resp, writer, resp.chunked
 
-    async def write(self, data: bytes) -> None:
-        if self.response is not None:
-            await self.response.write(data)
-        else:
+    def send(self, data: bytes) -> bool:
+        if self.response is None:
             self.parts.append(data)
+            return False
+        if not data:
+            return False  # (an empty chunk would end the body)
+        protocol = self.request.protocol
+        transport = protocol.transport
+        if transport is None or transport.is_closing():
+            raise ClientGone()
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        return protocol.writing_paused
+
+    async def drain(self) -> None:
+        if self.writer is not None:
+            await self.writer.drain()
 
     async def finish(self, result: CallResult | None) -> web.StreamResponse:
         """The response to return from the handler, completing a stream or building a plain one."""
@@ -223,11 +251,11 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     record = new_record(st.run_id, request_id, primary, body, endpoint=endpoint, trace_id=trace_id,
                         routed_as=plan.primary_routed_as, category=category, concurrency_level=level)
     relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
-    assert st.session is not None
+    assert st.client is not None
     result: CallResult | None = None
     tap = CompletionTap(endpoint)
     try:
-        result = await call_arm(st.session, primary, body, endpoint=endpoint, record=record, relay=relay,
+        result = await call_arm(st.client, primary, body, endpoint=endpoint, record=record, relay=relay,
                                 timeout=st.primary_timeout, state=st.upstream,
                                 capture_output=st.capture is not None, tap=tap)
         return await relay.finish(result)
@@ -447,12 +475,11 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
     # Generations can be long: no total timeout here (each call sets connect/read limits itself).
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300)
-    shadow_connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
     no_cap = aiohttp.ClientTimeout(total=None)
     session = aiohttp.ClientSession(connector=connector, timeout=no_cap)
-    shadow_session = aiohttp.ClientSession(connector=shadow_connector, timeout=no_cap)
-    st.session = session
-    st.dispatcher = ShadowDispatcher(shadow_session, timeout=st.shadow_timeout, state=st.upstream,
+    client, shadow_client = UpstreamClient(), UpstreamClient()
+    st.session, st.client = session, client
+    st.dispatcher = ShadowDispatcher(shadow_client, timeout=st.shadow_timeout, state=st.upstream,
                                      emit=st.finish, capture_output=st.settings.capture is not None)
     try:
         yield
@@ -462,7 +489,8 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
             grace = max(1.0, grace - (time.monotonic() - st.shutdown_started))
         await st.dispatcher.close(grace)
         await session.close()
-        await shadow_session.close()
+        await client.close()
+        await shadow_client.close()
 
 
 async def _scraper(app: web.Application) -> AsyncIterator[None]:

@@ -48,6 +48,7 @@ from .progress import ReplayProgress
 from .scrape import MetricsScraper
 from .sink import SpanSink
 from .upstream import CallResult, UpstreamState, UpstreamTimeout, call_arm, level_header, new_record
+from .wire import UpstreamClient
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
@@ -200,7 +201,7 @@ _SAFE_ID = re.compile(r"[^A-Za-z0-9_.:-]+")
 
 
 class ReplayRunner:
-    session: aiohttp.ClientSession
+    client: UpstreamClient  # the calls (the proxy's own HTTP client: the same measurement as serve's)
     scraper: MetricsScraper
 
     def __init__(self, settings: ReplaySettings, items: Sequence[ReplayItem],
@@ -265,7 +266,7 @@ class ReplayRunner:
             source="replay", category=call.item.category, concurrency_level=call.concurrency_level,
         )
         try:
-            result = await call_arm(self.session, arm, body, endpoint=call.item.endpoint, record=record,
+            result = await call_arm(self.client, arm, body, endpoint=call.item.endpoint, record=record,
                                     timeout=self.s.timeout, capture_output=self.s.capture_output,
                                     state=self.state, headers=level_header(call.concurrency_level))
         except asyncio.CancelledError:
@@ -296,7 +297,7 @@ class ReplayRunner:
         rid = f"{self.run_id.removeprefix('replay-')[:6]}-warmup-{self._warmups:05d}"
         record = new_record(self.run_id, rid, arm, body, endpoint=item.endpoint, routed_as="replay",
                             source="replay", category=item.category)
-        await call_arm(self.session, arm, body, endpoint=item.endpoint, record=record,
+        await call_arm(self.client, arm, body, endpoint=item.endpoint, record=record,
                        timeout=self.s.timeout, state=self.state)
 
     def _emit(self, record: SpanRecord) -> None:
@@ -406,8 +407,8 @@ class ReplayRunner:
 
     async def run(self) -> ReplayResult:
         connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=False)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            self.session = session
+        async with aiohttp.ClientSession(connector=connector) as session, UpstreamClient() as client:
+            self.client = client
             exp = self.s.experiment or Experiment(name=self.s.run_name, arms=self.s.arms)
             stacks, served = await probe_arms(session, exp)
             for arm in self.s.arms:

@@ -1,6 +1,6 @@
 """Copies of a request sent alongside the one that serves the client: shadow and verify calls.
 
-:class:`ShadowDispatcher` launches each copy as its own task on its own client session with its own
+:class:`ShadowDispatcher` launches each copy as its own task on its own upstream client with its own
 timeouts, so a slow or dead arm cannot delay, alter or fail the client's response. Each arm has a bound
 on copies in flight (``max_shadow_inflight``); over it the copy is not sent and its span says
 ``dropped``. Every copy's span is emitted exactly once, when the copy ends (also when it is cancelled
@@ -27,7 +27,6 @@ from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
 from opentelemetry.trace import SpanContext
 
 from specproxy.record import SpanRecord
@@ -36,6 +35,7 @@ from .identity import compare
 from .routing import Copy
 from .sse import Endpoint
 from .upstream import CallResult, UpstreamState, UpstreamTimeout, call_arm
+from .wire import UpstreamClient
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +74,14 @@ class ShadowDispatcher:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         *,
         timeout: UpstreamTimeout,
         state: UpstreamState,
         emit: Callable[[SpanRecord, SpanContext | None], None],
         capture_output: bool = False,
     ) -> None:
-        self.session = session
+        self.client = client
         self.timeout = timeout
         self.state = state
         self.emit = emit
@@ -121,7 +121,7 @@ class ShadowDispatcher:
         result: CallResult | None = None
         try:
             result = await call_arm(
-                self.session, copy.arm, body, endpoint=endpoint, record=record, timeout=self.timeout,
+                self.client, copy.arm, body, endpoint=endpoint, record=record, timeout=self.timeout,
                 state=self.state, capture_output=self.capture_output,
             )
             if pair is not None:

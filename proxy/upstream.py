@@ -12,7 +12,9 @@ What :func:`call_arm` does:
   :class:`UpstreamState`;
 - relays the response to an optional :class:`Relay` (the proxy's client writer) as it arrives, with
   everything the client did not ask for stripped again, so the client gets what the backend would have
-  sent it; when nothing needs stripping the received bytes are forwarded untouched;
+  sent it; when nothing needs stripping the received bytes are forwarded untouched. A stream's bytes
+  are parsed and relayed inside the upstream connection's read callback (:mod:`.wire`): no task switch
+  per chunk; the call's coroutine only wakes at the end, or to wait for a slow client (backpressure);
 - never raises for upstream trouble: the record's ``status`` says ``ok``, ``http_error`` (upstream
   4xx/5xx, passed through to the relay as it is), ``upstream_error`` (refused, reset, bad stream),
   ``timeout`` or ``client_cancelled`` (the relay raised :class:`ClientGone`);
@@ -25,9 +27,9 @@ What :func:`call_arm` does:
 
 Example (replay-style, no relay)::
 
-    async with aiohttp.ClientSession() as session:
+    async with UpstreamClient() as client:
         rec = new_record(run_id, "req-1", arm, body, endpoint="chat", routed_as="replay", source="replay")
-        result = await call_arm(session, arm, body, endpoint="chat", record=rec)
+        result = await call_arm(client, arm, body, endpoint="chat", record=rec)
         result.record.status, result.record.ttft_s, result.text, result.token_ids
 """
 
@@ -50,6 +52,7 @@ from specproxy.record import SpanRecord, decode_tok_s
 
 from .otel import TRACEPARENT_HEADER, traceparent
 from .sse import CompletionTap, Endpoint, SSEParser
+from .wire import Exchange, UpstreamClient
 
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 CATEGORY_HEADER = "X-Specproxy-Category"
@@ -71,10 +74,14 @@ class Relay(Protocol):
     """Where a relayed response goes (the proxy's client response)."""
 
     async def start(self, status: int, content_type: str) -> None:
-        """Called once, before the first write, with the upstream status and content type."""
+        """Called once, before the first send, with the upstream status and content type."""
 
-    async def write(self, data: bytes) -> None:
-        """Bytes for the client, in order; awaiting it is the backpressure."""
+    def send(self, data: bytes) -> bool:
+        """Bytes for the client, in order, handed over at once (never blocks; raises
+        :class:`ClientGone`). True when the client's buffer is full: await :meth:`drain` before more."""
+
+    async def drain(self) -> None:
+        """Until the client has taken what was sent (the backpressure)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +293,7 @@ def _headers(arm: Arm, request_id: str, category: str | None, extra: dict[str, s
 
 
 async def call_arm(
-    session: aiohttp.ClientSession,
+    client: UpstreamClient,
     arm: Arm,
     body: dict[str, Any],
     *,
@@ -319,54 +326,55 @@ async def call_arm(
     result.t_send = t_send = time.perf_counter()
     t_end: float | None = None
     try:
-        while True:
-            data, strip = _upstream_body(arm, body, with_extensions=with_ext)
-            resp = await session.post(url, data=data, headers=hdrs, timeout=timeout.client_timeout())
-            try:
-                result.http_status = record.http_status = resp.status
-                if resp.status >= 400:
-                    err_body = await resp.read()
-                    if (
-                        with_ext and arm.vllm_extensions == "auto" and resp.status in (400, 422)
-                        and any(m in err_body for m in _REJECTION_MARKERS)
-                    ):
-                        state.rejects_extensions.add(arm.url)
-                        with_ext = False
-                        continue
+        async with asyncio.timeout(timeout.total):
+            while True:
+                data, strip = _upstream_body(arm, body, with_extensions=with_ext)
+                ex = await client.post(url, data, hdrs, connect_timeout=timeout.connect,
+                                       read_timeout=timeout.read)
+                try:
+                    result.http_status = record.http_status = ex.status
+                    if ex.status >= 400:
+                        err_body = await ex.read()
+                        if (
+                            with_ext and arm.vllm_extensions == "auto" and ex.status in (400, 422)
+                            and any(m in err_body for m in _REJECTION_MARKERS)
+                        ):
+                            state.rejects_extensions.add(arm.url)
+                            with_ext = False
+                            continue
+                        t_end = time.perf_counter()
+                        record.status = "http_error"
+                        record.error = _error_message(err_body)
+                        if relay is not None:
+                            await _relay_start(relay, result, ex.status, ex.content_type)
+                            await _relay_body(relay, err_body)
+                        break
+                    if ex.content_type == "text/event-stream":
+                        await _read_stream(ex, tap, relay, strip, result)
+                        if not tap.done and tap.error is None:
+                            record.status = "upstream_error"
+                            record.error = "stream ended before data: [DONE]"
+                    else:
+                        payload = await ex.read()
+                        now = time.perf_counter()
+                        if tap.feed_body(payload, now) is None:
+                            record.status = "upstream_error"
+                            record.error = "response is not a JSON object"
+                        if relay is not None:
+                            await _relay_start(relay, result, ex.status, ex.content_type)
+                            await _relay_body(relay, _strip_body(payload, strip))
+                    if tap.error is not None:
+                        record.status = "upstream_error"
+                        record.error = _error_message(orjson.dumps({"error": tap.error}))
                     t_end = time.perf_counter()
-                    record.status = "http_error"
-                    record.error = _error_message(err_body)
-                    if relay is not None:
-                        await _relay_start(relay, result, resp.status, resp.content_type)
-                        await _relay_write(relay, err_body)
                     break
-                is_sse = resp.content_type == "text/event-stream"
-                if is_sse:
-                    await _read_stream(resp, tap, relay, strip, result, timeout.read)
-                    if not tap.done and tap.error is None:
-                        record.status = "upstream_error"
-                        record.error = "stream ended before data: [DONE]"
-                else:
-                    payload = await resp.read()
-                    now = time.perf_counter()
-                    if tap.feed_body(payload, now) is None:
-                        record.status = "upstream_error"
-                        record.error = "response is not a JSON object"
-                    if relay is not None:
-                        await _relay_start(relay, result, resp.status, resp.content_type)
-                        await _relay_write(relay, _strip_body(payload, strip))
-                if tap.error is not None:
-                    record.status = "upstream_error"
-                    record.error = _error_message(orjson.dumps({"error": tap.error}))
-                t_end = time.perf_counter()
-                break
-            finally:
-                # A normal end leaves the connection reusable; anything else closes it, which makes
-                # vLLM abort the generation.
-                if t_end is None:
-                    resp.close()
-                else:
-                    resp.release()
+                finally:
+                    # A body read to its end leaves the connection reusable; anything else closes it,
+                    # which makes vLLM abort the generation.
+                    if t_end is None:
+                        ex.abort()
+                    else:
+                        ex.release()
     except ClientGone:
         result.client_gone = True
         if tap.relayed_done is not None:
@@ -381,10 +389,12 @@ async def call_arm(
             record.status = "client_cancelled"
             record.error = "cancelled"
         raise
-    except TimeoutError as exc:  # aiohttp's ServerTimeoutError is a TimeoutError too
+    except TimeoutError as exc:  # connect, read (wire.UpstreamReadTimeout) or the call's total
         record.status = "timeout"
-        record.error = f"upstream timed out ({exc.__class__.__name__})"
-    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        record.error = f"upstream timed out: {exc}" if str(exc) else (
+            f"upstream timed out (the call's limit of {timeout.total:g} s)" if timeout.total is not None
+            else "upstream timed out")
+    except (OSError, ValueError) as exc:  # refused, reset, closed early (wire.UpstreamDisconnected), bad HTTP
         record.status = "upstream_error"
         record.error = f"{exc.__class__.__name__}: {exc}"[:500]
     finally:
@@ -409,104 +419,86 @@ async def _relay_start(relay: Relay, result: CallResult, status: int, content_ty
         raise ClientGone() from exc
 
 
-async def _relay_write(relay: Relay, data: bytes) -> None:
+def _relay_send(relay: Relay, data: bytes) -> bool:
     try:
-        await relay.write(data)
+        return relay.send(data)
     except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
         raise ClientGone() from exc
 
 
-class _ReadWatchdog:
-    """The read timeout of a stream's body: at most one timer per timeout period, not one per read.
-
-    aiohttp's ``sock_read`` cancels and schedules a loop timer on every socket read (one per token on a
-    stream); here each read only stores its time, and the timer, when it fires, either ends the stream
-    with the same ``SocketTimeoutError`` aiohttp raises or sleeps again until ``last + timeout``.
-    """
-
-    __slots__ = ("last", "_timeout", "_content", "_loop", "_handle")
-
-    def __init__(self, content: aiohttp.StreamReader, timeout: float) -> None:
-        self.last = time.perf_counter()
-        self._timeout = timeout
-        self._content = content
-        self._loop = asyncio.get_running_loop()
-        self._handle: asyncio.TimerHandle | None = self._loop.call_later(timeout, self._check)
-
-    def _check(self) -> None:
-        idle = time.perf_counter() - self.last
-        if idle >= self._timeout:
-            self._handle = None
-            self._content.set_exception(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
-        else:
-            self._handle = self._loop.call_later(self._timeout - idle, self._check)
-
-    def stop(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+async def _relay_drain(relay: Relay) -> None:
+    try:
+        await relay.drain()
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+        raise ClientGone() from exc
 
 
-def _own_read_timeout(resp: aiohttp.ClientResponse, read_timeout: float | None) -> _ReadWatchdog | None:
-    """Take the body's read timeout over from aiohttp (its per-read timer re-arming is per-token CPU)."""
-    conn = resp.connection
-    if read_timeout is None or conn is None or conn.protocol is None:
-        return None
-    # The next socket read cancels aiohttp's pending timer and, with no timeout set, arms none again.
-    conn.protocol.read_timeout = None
-    return _ReadWatchdog(resp.content, read_timeout)
+async def _relay_body(relay: Relay, data: bytes) -> None:
+    if _relay_send(relay, data):
+        await _relay_drain(relay)
 
 
 async def _read_stream(
-    resp: aiohttp.ClientResponse, tap: CompletionTap, relay: Relay | None, strip: _Strip, result: CallResult,
-    read_timeout: float | None = None,
+    ex: Exchange, tap: CompletionTap, relay: Relay | None, strip: _Strip, result: CallResult
 ) -> None:
-    watchdog = _own_read_timeout(resp, read_timeout)
-    try:
-        await _relay_events(resp, tap, relay, strip, result, watchdog)
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-
-
-async def _relay_events(
-    resp: aiohttp.ClientResponse, tap: CompletionTap, relay: Relay | None, strip: _Strip, result: CallResult,
-    watchdog: _ReadWatchdog | None,
-) -> None:
-    parser = SSEParser()
-    perf = time.perf_counter
-    rewrite = relay is not None and strip.any
+    """Relay and tap a streamed body. The work per read happens in :class:`_StreamConsumer`, called from
+    the connection's read callback; this coroutine only waits for the end, or for a full client."""
     if relay is not None:
-        await _relay_start(relay, result, resp.status, resp.content_type)
-    # Only a usage object can need stripping when the proxy asked for nothing but the final usage: a read
-    # of whole events without one is forwarded as received (a JSON string holds `\"usage\"`, never `"usage"`).
-    usage_only = strip.usage and not strip.token_ids
-    async for raw in resp.content.iter_any():
-        now = perf()
-        if watchdog is not None:
-            watchdog.last = now
-        rewrite_this = rewrite and not (
-            usage_only and not parser.pending and raw.endswith(b"\n\n") and b'"usage"' not in raw
+        await _relay_start(relay, result, ex.status, ex.content_type)
+    consumer = _StreamConsumer(tap, relay, strip)
+    ex.consume(consumer)
+    while not await ex.wait():
+        assert relay is not None  # only a relay asks to pause
+        await _relay_drain(relay)
+        ex.resume()
+    consumer.flush()
+
+
+class _StreamConsumer:
+    """One read of a streamed body: forward it (or its stripped events) to the relay, feed the tap.
+
+    Runs inside the upstream connection's ``data_received``; returns True when the client's buffer is
+    full (the connection then stops reading until the client has caught up)."""
+
+    __slots__ = ("parser", "tap", "relay", "strip", "rewrite", "usage_only")
+
+    def __init__(self, tap: CompletionTap, relay: Relay | None, strip: _Strip) -> None:
+        self.parser = SSEParser()
+        self.tap = tap
+        self.relay = relay
+        self.strip = strip
+        self.rewrite = relay is not None and strip.any
+        # Only a usage object can need stripping when the proxy asked for nothing but the final usage: a
+        # read of whole events without one is forwarded as received (a JSON string holds `\"usage\"`,
+        # never `"usage"`).
+        self.usage_only = strip.usage and not strip.token_ids
+
+    def __call__(self, raw: bytes) -> bool:
+        now = time.perf_counter()
+        parser, tap, relay = self.parser, self.tap, self.relay
+        rewrite = self.rewrite and not (
+            self.usage_only and not parser.pending and raw.endswith(b"\n\n") and b'"usage"' not in raw
         )
-        if relay is not None and not rewrite_this:
+        pause = False
+        if relay is not None and not rewrite:
             # Forward first, parse after: the client's latency does not include our parsing.
-            await _relay_write(relay, raw)
+            pause = _relay_send(relay, raw)
         events = parser.feed(raw)
         was_done = tap.done
-        if rewrite_this:
+        if rewrite:
             out: list[bytes] = []
             for ev in events:
                 obj = tap.feed_data(ev.data, now) if ev.data is not None else None
                 if obj is None:
                     out.append(ev.raw)
                     continue
-                action = _strip_chunk(obj, strip)
+                action = _strip_chunk(obj, self.strip)
                 if action == KEEP:
                     out.append(ev.raw)
                 elif action == CHANGED:
                     out.append(b"data: " + orjson.dumps(obj) + b"\n\n")
             if out and relay is not None:
-                await _relay_write(relay, b"".join(out))
+                pause = _relay_send(relay, b"".join(out))
         else:
             for ev in events:
                 if ev.data is not None:
@@ -514,15 +506,20 @@ async def _relay_events(
         if tap.done and not was_done:
             # The final event has reached the client (or there is no client): the call is complete.
             tap.relayed_done = now
-    now = perf()
-    for ev in parser.flush():
-        was_done = tap.done
-        if ev.data is not None:
-            tap.feed_data(ev.data, now)
-        if rewrite and relay is not None:
-            await _relay_write(relay, ev.raw)
-        if tap.done and not was_done:
-            tap.relayed_done = now
+        return pause
+
+    def flush(self) -> None:
+        """The end of the body: an event left without its blank line (a truncated stream)."""
+        now = time.perf_counter()
+        tap = self.tap
+        for ev in self.parser.flush():
+            was_done = tap.done
+            if ev.data is not None:
+                tap.feed_data(ev.data, now)
+            if self.rewrite and self.relay is not None:
+                _relay_send(self.relay, ev.raw)
+            if tap.done and not was_done:
+                tap.relayed_done = now
 
 
 def _finish_record(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 
@@ -13,6 +12,7 @@ from specproxy.config import Arm
 from specproxy.proxy.identity import compare, first_difference, is_comparable
 from specproxy.proxy.sse import CompletionTap, SSEParser
 from specproxy.proxy.upstream import UpstreamState, UpstreamTimeout, call_arm, new_record
+from specproxy.proxy.wire import UpstreamClient
 from tests.backends import BackendConfig, running_backend, token_ids_for, token_text
 from tests.support import free_port
 
@@ -100,13 +100,17 @@ class _Collect:
     async def start(self, status: int, content_type: str) -> None:
         self.status = status
 
-    async def write(self, data: bytes) -> None:
+    def send(self, data: bytes) -> bool:
         self.data += data
+        return False
+
+    async def drain(self) -> None:
+        pass
 
 
 async def test_call_arm_stream_fills_span_and_relays_what_client_asked() -> None:
     cfg = BackendConfig(tokens_per_chunk=3, spec_metrics=False)
-    async with running_backend(cfg) as b, aiohttp.ClientSession() as s:
+    async with running_backend(cfg) as b, UpstreamClient() as s:
         arm = _arm(b.url, return_token_ids=True, speculative={"method": "ngram", "num_speculative_tokens": 2})
         body = {**CHAT, "stream": True}
         rec = new_record("run", "r1", arm, body, endpoint="chat", routed_as="primary", category="code")
@@ -133,7 +137,7 @@ async def test_call_arm_stream_fills_span_and_relays_what_client_asked() -> None
 
 async def test_call_arm_passes_usage_through_when_client_asked_and_reads_vllm_metrics() -> None:
     cfg = BackendConfig(tokens_per_chunk=2, spec_metrics=True)
-    async with running_backend(cfg) as b, aiohttp.ClientSession() as s:
+    async with running_backend(cfg) as b, UpstreamClient() as s:
         arm = _arm(b.url, speculative={"method": "eagle3", "model": "x", "num_speculative_tokens": 1})
         body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
         rec = new_record("run", "r2", arm, body, endpoint="chat", routed_as="primary")
@@ -148,7 +152,7 @@ async def test_call_arm_passes_usage_through_when_client_asked_and_reads_vllm_me
 
 async def test_call_arm_non_vllm_backend_rejecting_extensions_is_retried_and_remembered() -> None:
     async with running_backend(BackendConfig(reject_extensions=True, vllm=False)) as b, \
-            aiohttp.ClientSession() as s:
+            UpstreamClient() as s:
         arm, state = _arm(b.url, return_token_ids=True), UpstreamState()
         for i in range(2):
             body = {**CHAT, "stream": True}
@@ -160,7 +164,7 @@ async def test_call_arm_non_vllm_backend_rejecting_extensions_is_retried_and_rem
 
 
 async def test_call_arm_non_streaming_passes_body_through() -> None:
-    async with running_backend(BackendConfig()) as b, aiohttp.ClientSession() as s:
+    async with running_backend(BackendConfig()) as b, UpstreamClient() as s:
         arm = _arm(b.url)
         rec = new_record("run", "r", arm, CHAT, endpoint="chat", routed_as="primary")
         relay = _Collect()
@@ -176,7 +180,7 @@ async def test_call_arm_non_streaming_passes_body_through() -> None:
      ("garbage", "upstream_error", 200)],
 )
 async def test_call_arm_upstream_failures_become_statuses(fail: str, status: str, http_status: int) -> None:
-    async with running_backend(BackendConfig(fail=fail)) as b, aiohttp.ClientSession() as s:
+    async with running_backend(BackendConfig(fail=fail)) as b, UpstreamClient() as s:
         arm = _arm(b.url)
         body = {**CHAT, "stream": fail == "reset"}
         rec = new_record("run", "r", arm, body, endpoint="chat", routed_as="primary")
@@ -186,12 +190,12 @@ async def test_call_arm_upstream_failures_become_statuses(fail: str, status: str
 
 
 async def test_call_arm_refused_and_timeout() -> None:
-    async with aiohttp.ClientSession() as s:
+    async with UpstreamClient() as s:
         arm = _arm(f"http://127.0.0.1:{free_port()}")
         rec = new_record("run", "r", arm, CHAT, endpoint="chat", routed_as="primary")
         await call_arm(s, arm, CHAT, endpoint="chat", record=rec)
         assert rec.status == "upstream_error" and rec.http_status is None
-    async with running_backend(BackendConfig(fail="hang")) as b, aiohttp.ClientSession() as s:
+    async with running_backend(BackendConfig(fail="hang")) as b, UpstreamClient() as s:
         arm = _arm(b.url)
         rec = new_record("run", "r", arm, CHAT, endpoint="chat", routed_as="primary")
         await call_arm(s, arm, CHAT, endpoint="chat", record=rec, timeout=UpstreamTimeout(total=0.3))
@@ -199,11 +203,11 @@ async def test_call_arm_refused_and_timeout() -> None:
 
 
 async def test_read_timeout_ends_a_stream_that_stalls_but_not_one_that_keeps_sending() -> None:
-    # The body's read timeout is the proxy's own watchdog (not aiohttp's per-read timer): a stream silent
+    # The read timeout is a watchdog (one timer per period, not one per read): a stream silent
     # for longer than it times out; a stream whose whole length is many read timeouts but whose gaps are
     # shorter does not.
     timeout = UpstreamTimeout(read=0.3)
-    async with running_backend(BackendConfig(fail="stall", itl_s=0.01)) as b, aiohttp.ClientSession() as s:
+    async with running_backend(BackendConfig(fail="stall", itl_s=0.01)) as b, UpstreamClient() as s:
         arm = _arm(b.url)
         body = {**CHAT, "stream": True}
         rec = new_record("run", "r", arm, body, endpoint="chat", routed_as="primary")
@@ -216,7 +220,7 @@ async def test_read_timeout_ends_a_stream_that_stalls_but_not_one_that_keeps_sen
                 break
             await asyncio.sleep(0.02)
         assert b.stats.cancelled == 1  # the stalled connection was closed
-    async with running_backend(BackendConfig(itl_s=0.1, tokens=10)) as b, aiohttp.ClientSession() as s:
+    async with running_backend(BackendConfig(itl_s=0.1, tokens=10)) as b, UpstreamClient() as s:
         arm = _arm(b.url)
         body = {**CHAT, "stream": True, "max_tokens": 10}
         rec = new_record("run", "r", arm, body, endpoint="chat", routed_as="primary")
@@ -225,7 +229,7 @@ async def test_read_timeout_ends_a_stream_that_stalls_but_not_one_that_keeps_sen
 
 
 async def test_cancelling_call_arm_aborts_the_upstream_generation() -> None:
-    async with running_backend(BackendConfig(itl_s=0.05, tokens=100)) as b, aiohttp.ClientSession() as s:
+    async with running_backend(BackendConfig(itl_s=0.05, tokens=100)) as b, UpstreamClient() as s:
         arm = _arm(b.url)
         body = {"model": "m", "prompt": "p", "stream": True, "max_tokens": 100}
         rec = new_record("run", "r", arm, body, endpoint="completions", routed_as="primary")

@@ -20,13 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from specproxy.config import Arm
 from specproxy.proxy.loadgen import closed_loop, open_loop, poisson_offsets
 from specproxy.proxy.upstream import UpstreamState, call_arm, new_record
+from specproxy.proxy.wire import UpstreamClient
 from tests.support import free_port, wait_http
 
 BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
@@ -42,8 +41,7 @@ async def bench(url: str, rate: float, seconds: float, levels: list[int]) -> Non
     arm = Arm(name="fast", url=url, role="baseline")
     state = UpstreamState()
     failures = 0
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with UpstreamClient() as session:
 
         async def send(i: int) -> None:
             nonlocal failures

@@ -1,0 +1,457 @@
+"""A lean HTTP/1.1 client for calls to arms: the proxy's hot path, with no task switch per chunk.
+
+A streamed completion arrives as one small HTTP chunk per token. A general-purpose client (aiohttp's)
+hands each one to the reading coroutine through a buffer and a future: one task wake-up, one timer
+re-arm and several Python frames per token, which on a shared 2-core box costs as much CPU as the
+generation it relays. Here each call is an :class:`Exchange` on a pooled keep-alive connection
+(an ``asyncio.Protocol``): ``httptools`` (llhttp, the parser uvicorn uses) decodes the response, and
+every body piece goes straight from ``data_received`` to the caller's consumer callback, which can
+parse it and write it to the client's socket in the same call. The reading coroutine wakes only at the
+end of the body, or when the consumer asks to wait (the client's socket is full: backpressure).
+
+What it does, and nothing more: POST with a body, keep-alive connection reuse (LIFO, idle connections
+expire after ``keepalive_s``; a reused connection that dies before answering is retried once on a new
+one, which is what a server closing an idle connection looks like), ``Content-Length``, chunked and
+read-until-close bodies, https, and a read timeout that bounds every wait for the next bytes (one timer
+per timeout period, not one per read).
+
+Example::
+
+    client = UpstreamClient()
+    ex = await client.post("http://127.0.0.1:8000/v1/chat/completions", body, {"Content-Type": ...},
+                           connect_timeout=10, read_timeout=600)
+    ex.status, ex.content_type
+    ex.consume(lambda data: print(data) or False)     # True from the consumer: pause until resume()
+    while not await ex.wait():                        # False: the consumer asked to pause
+        ...; ex.resume()
+    ex.release()                                      # the connection goes back to the pool
+    await client.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+from specproxy import __version__
+
+# Called with each piece of the decoded body; returns True to pause reading (see Exchange.wait).
+Consumer = Callable[[bytes], bool]
+
+USER_AGENT = f"specproxy/{__version__}"
+
+
+class UpstreamReadTimeout(TimeoutError):
+    """No bytes from the upstream for the read timeout (before its headers, or between body reads)."""
+
+
+class UpstreamDisconnected(ConnectionError):
+    """The upstream closed the connection before the response was complete."""
+
+
+class BadResponse(ValueError):
+    """The upstream's bytes are not an HTTP/1.x response."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a URL's requests go: the pool key, and the Host header and path prefix they need."""
+
+    scheme: str
+    host: str
+    port: int
+    host_header: str
+    base_path: str
+
+    @classmethod
+    def of(cls, url: str) -> Origin:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        default = port == (443 if parts.scheme == "https" else 80)
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        return cls(parts.scheme, parts.hostname, port, host if default else f"{host}:{port}",
+                   parts.path.rstrip("/"))
+
+
+class Exchange:
+    """One request and its response on one connection. Made by :meth:`UpstreamClient.post`, which
+    returns it once the response headers are in; the body is then read with :meth:`consume` +
+    :meth:`wait`, or :meth:`read`. End it with :meth:`release` (reuse the connection when the body was
+    read to its end) or :meth:`abort` (close it: vLLM then aborts the generation)."""
+
+    __slots__ = ("status", "headers", "content_type", "_conn", "_head", "_done", "_waiter", "_consumer",
+                 "_early", "_paused", "_keep_alive", "_framed", "_got_bytes")
+
+    def __init__(self, conn: _Connection) -> None:
+        loop = conn.loop
+        self.status = 0
+        self.headers: dict[str, str] = {}  # lower-case names; a repeated header keeps its last value
+        self.content_type = ""  # the media type, lower-case, without parameters (like aiohttp's)
+        self._conn = conn
+        self._head: asyncio.Future[None] = loop.create_future()
+        self._done: asyncio.Future[None] = loop.create_future()
+        self._waiter: asyncio.Future[None] | None = None
+        self._consumer: Consumer | None = None
+        self._early: list[bytes] = []  # body bytes that arrived before consume()
+        self._paused = False
+        self._keep_alive = False
+        self._framed = False  # Content-Length or chunked: the end of the body is known
+        self._got_bytes = False
+
+    # -- the caller's side ------------------------------------------------------------------------
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived."""
+        return self._done.done() and self._done.exception() is None
+
+    def consume(self, consumer: Consumer) -> None:
+        """Hand every body piece to ``consumer`` from now on (what already arrived, first)."""
+        self._consumer = consumer
+        early, self._early = self._early, []
+        for data in early:
+            if self._deliver(data):
+                break
+
+    async def wait(self) -> bool:
+        """Until the body has ended (True) or the consumer asked to pause (False: call :meth:`resume`
+        when ready for more). Raises what ended the exchange: :class:`UpstreamReadTimeout`,
+        :class:`UpstreamDisconnected`, a consumer's exception."""
+        if self._done.done():
+            self._done.result()
+            return True
+        if self._paused:
+            return False
+        waiter = self._waiter = self._conn.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+        if self._done.done():
+            self._done.result()
+            return True
+        return False
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._conn.resume_reading()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts: list[bytes] = []
+
+        def keep(data: bytes) -> bool:
+            parts.append(data)
+            return False
+
+        self.consume(keep)
+        await self.wait()
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with it: the connection goes back to the pool when it can be reused, else closes."""
+        if self.complete and self._keep_alive and self._framed:
+            self._conn.release()
+        else:
+            self._conn.close()
+
+    def abort(self) -> None:
+        self._conn.close()
+
+    # -- the connection's side --------------------------------------------------------------------
+
+    def _on_headers(self, status: int, headers: dict[str, str], http11: bool) -> None:
+        self.status = status
+        self.headers = headers
+        self.content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        connection = headers.get("connection", "").lower()
+        self._keep_alive = http11 and "close" not in connection
+        self._framed = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "")
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def _on_body(self, data: bytes) -> None:
+        if self._consumer is None:
+            self._early.append(data)
+        else:
+            self._deliver(data)
+
+    def _deliver(self, data: bytes) -> bool:
+        assert self._consumer is not None
+        try:
+            pause = self._consumer(data)
+        except BaseException as exc:  # the consumer's failure ends the exchange (ClientGone, a bug)
+            self._fail(exc)
+            self._conn.close()
+            return True
+        if pause and not self._paused and not self._done.done():
+            self._paused = True
+            self._conn.pause_reading()
+            self._wake()
+        return pause
+
+    def _on_complete(self) -> None:
+        if not self._done.done():
+            self._done.set_result(None)
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._head.done():
+            self._head.set_exception(exc)
+        if not self._done.done():
+            self._done.set_exception(exc)
+            self._done.exception()  # retrieved: an exchange abandoned after its headers logs nothing
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to an origin; carries one :class:`Exchange` at a time."""
+
+    def __init__(self, client: UpstreamClient, origin: Origin, loop: asyncio.AbstractEventLoop) -> None:
+        self.client = client
+        self.origin = origin
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.exchange: Exchange | None = None
+        self.parser: httptools.HttpResponseParser | None = None
+        self.idle_since = 0.0
+        self.reused = False
+        self._header_items: list[tuple[bytes, bytes]] = []
+        self._read_timeout: float | None = None
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's transports are not subclasses)
+
+    def data_received(self, data: bytes) -> None:
+        ex = self.exchange
+        if ex is None or self.parser is None:
+            self.close()  # bytes nobody asked for: this connection cannot be trusted with a request
+            return
+        self._last_read = time.perf_counter()
+        ex._got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            ex._fail(BadResponse(f"malformed HTTP response from {self.origin.host_header}: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._stop_timer()
+        self.client._forget(self)
+        ex = self.exchange
+        if ex is None or ex._done.done():
+            return
+        if ex._head.done() and not ex._framed:
+            ex._on_complete()  # a body that runs until the connection closes: this is its end
+            return
+        reason = f": {exc}" if exc else ""
+        ex._fail(UpstreamDisconnected(f"{self.origin.host_header} closed the connection before the "
+                                      f"response was complete{reason}"))
+
+    def pause_writing(self) -> None:  # request bodies are written in one piece; nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks ----------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_items.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        assert self.parser is not None and self.exchange is not None
+        status = self.parser.get_status_code()
+        items, self._header_items = self._header_items, []
+        if 100 <= status < 200:
+            return  # an interim response (100 Continue): the real one follows
+        headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in items}
+        self.exchange._on_headers(status, headers, self.parser.get_http_version() == "1.1")
+
+    def on_body(self, body: bytes) -> None:
+        assert self.exchange is not None
+        self.exchange._on_body(body)
+
+    def on_message_complete(self) -> None:
+        ex = self.exchange
+        if ex is not None and ex._head.done():
+            self._stop_timer()
+            ex._on_complete()
+
+    # -- the client's side --------------------------------------------------------------------------
+
+    def start(self, request: bytes, read_timeout: float | None) -> Exchange:
+        assert self.transport is not None
+        ex = self.exchange = Exchange(self)
+        self.parser = httptools.HttpResponseParser(self)
+        self._read_timeout = read_timeout
+        self._last_read = time.perf_counter()
+        if read_timeout is not None:
+            self._timer = self.loop.call_later(read_timeout, self._check_read)
+        self.transport.write(request)
+        return ex
+
+    def _check_read(self) -> None:
+        """The read timeout: fires at most once per period; each read only stores its time."""
+        self._timer = None
+        ex, timeout = self.exchange, self._read_timeout
+        if ex is None or timeout is None or ex._done.done():
+            return
+        idle = time.perf_counter() - self._last_read
+        if idle < timeout or ex._paused:  # a paused read waits on the client, not on the upstream
+            self._timer = self.loop.call_later(max(timeout - idle, 0.001) if not ex._paused else timeout,
+                                               self._check_read)
+            return
+        ex._fail(UpstreamReadTimeout(f"no bytes from {self.origin.host_header} for {timeout:g} s"))
+        self.close()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def pause_reading(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None:
+            self._last_read = time.perf_counter()
+            self.transport.resume_reading()
+
+    def release(self) -> None:
+        self._stop_timer()
+        self.exchange = None
+        self.parser = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.reused = True
+        self.client._park(self)
+
+    def close(self) -> None:
+        self._stop_timer()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+            self.client._forget(self)
+
+
+class UpstreamClient:
+    """Pooled keep-alive HTTP/1.1 connections to arms; :meth:`post` starts one call."""
+
+    def __init__(self, *, keepalive_s: float = 15.0) -> None:
+        self.keepalive_s = keepalive_s
+        self._origins: dict[str, Origin] = {}
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._busy: set[_Connection] = set()
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> UpstreamClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *,
+                   connect_timeout: float | None = 10.0, read_timeout: float | None = None) -> Exchange:
+        """Send ``body`` and return the exchange once the response headers are in. Raises
+        ``OSError`` (refused, unreachable), ``TimeoutError`` (connect or read timeout),
+        :class:`UpstreamDisconnected` or :class:`BadResponse`."""
+        if self._closed:
+            raise RuntimeError("UpstreamClient is closed")
+        origin = self._origins.get(url)
+        if origin is None:
+            origin = self._origins[url] = Origin.of(url)
+        request = self._request_bytes(origin, url, body, headers)
+        for _attempt in range(2):
+            conn = self._idle_connection(origin) or await self._connect(origin, connect_timeout)
+            self._busy.add(conn)
+            ex = conn.start(request, read_timeout)
+            try:
+                await ex._head
+                return ex
+            except UpstreamDisconnected:
+                conn.close()
+                # A reused connection the server closed while idle, before reading our request: try
+                # once more on a fresh one. A fresh connection that fails is the upstream's answer.
+                if not conn.reused or ex._got_bytes:
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def _request_bytes(self, origin: Origin, url: str, body: bytes, headers: Mapping[str, str]) -> bytes:
+        path = urlsplit(url)
+        target = (path.path or "/") + (f"?{path.query}" if path.query else "")
+        lines = [f"POST {target} HTTP/1.1", f"Host: {origin.host_header}", f"Content-Length: {len(body)}",
+                 f"User-Agent: {USER_AGENT}", "Accept-Encoding: identity"]
+        lines += (f"{name}: {value}" for name, value in headers.items())
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+    def _idle_connection(self, origin: Origin) -> _Connection | None:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.transport is not None and not conn.transport.is_closing() \
+                    and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, origin: Origin, timeout: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
+        context: ssl.SSLContext | None = None
+        if origin.scheme == "https":
+            context = self._ssl = self._ssl or ssl.create_default_context()
+        async with asyncio.timeout(timeout):
+            # (asyncio and uvloop set TCP_NODELAY on TCP connections: each request leaves at once.)
+            _, conn = await loop.create_connection(lambda: _Connection(self, origin, loop), origin.host,
+                                                   origin.port, ssl=context)
+        return conn
+
+    def _park(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        if self._closed:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(conn.origin, []).append(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        idle = self._idle.get(conn.origin)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    async def close(self) -> None:
+        """Close every connection, idle or busy (calls still running fail)."""
+        self._closed = True
+        for conns in list(self._idle.values()):
+            for conn in list(conns):
+                conn.close()
+        for conn in list(self._busy):
+            conn.close()
+        self._idle.clear()
+        self._busy.clear()
