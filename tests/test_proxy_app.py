@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from specproxy.config import parse_experiment
-from specproxy.proxy.app import STATE, ProxySettings, ProxyState, create_app
+from specproxy.proxy.app import STATE, ClientRelay, ProxySettings, ProxyState, create_app
 from specproxy.proxy.formats import read_items
 from tests.backends import BackendConfig, RunningBackend, running_backend
 from tests.support import free_port
@@ -116,7 +117,7 @@ def _normalise(stream: bytes) -> bytes:
 async def test_client_gets_the_bytes_the_backend_would_have_sent(
     tmp_path: Path, extra: dict[str, Any]
 ) -> None:
-    async with running_backend(BackendConfig(tokens=6)) as base, running_proxy(
+    async with running_backend(BackendConfig(tokens=60000)) as base, running_proxy(
         tmp_path, [{"name": "base", "role": "baseline", "url": base.url, "return_token_ids": True}]
     ) as p, aiohttp.ClientSession() as s:
         body = {"model": "m", "messages": MSG, "stream": True, **extra}
@@ -133,6 +134,56 @@ async def test_client_gets_the_bytes_the_backend_would_have_sent(
         client_continuous = bool(extra.get("stream_options", {}).get("continuous_usage_stats"))
         assert base.stats.bodies[-1]["stream_options"]["continuous_usage_stats"] is client_continuous
         assert _normalise(proxied) == _normalise(direct)
+
+
+async def test_a_slow_client_slows_the_upstream_read_and_still_gets_every_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A long stream (~9 MB, more than the kernel's socket buffers hold) to a client that does not read
+    # for a while: the proxy's socket buffer fills, the relay waits for the client (drain) with the
+    # upstream read paused instead of buffering the stream, and the client still gets every byte.
+    drains = 0
+    real_drain = ClientRelay.drain
+
+    async def counting_drain(self: ClientRelay) -> None:
+        nonlocal drains
+        drains += 1
+        await real_drain(self)
+
+    monkeypatch.setattr(ClientRelay, "drain", counting_drain)
+    body = orjson.dumps({"model": "m", "prompt": "p", "stream": True, "max_tokens": 60000})
+    async with running_backend(BackendConfig(tokens=60000)) as base, running_proxy(
+        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]
+    ) as p, aiohttp.ClientSession() as s:
+        async with s.post(base.url + "/v1/completions", data=body, headers={"X-Request-Id": "r"}) as r:
+            direct = await r.read()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", int(p.url.rsplit(":", 1)[1])))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: r\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
+                     % (len(body), body))
+        for _ in range(500):  # not reading, until the proxy waits for this client
+            if drains:
+                break
+            await asyncio.sleep(0.02)
+        raw = await reader.read()
+        writer.close()
+    assert drains > 0
+    head, _, chunked = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    parts, at = [], 0
+    while True:  # undo the chunked framing
+        eol = chunked.index(b"\r\n", at)
+        size = int(chunked[at:eol], 16)
+        if size == 0:
+            break
+        parts.append(chunked[eol + 2:eol + 2 + size])
+        at = eol + 4 + size
+    proxied = b"".join(parts)
+    assert _normalise(proxied) == _normalise(direct)
 
 
 async def test_shadow_dead_and_slow_arms_never_touch_the_primary(tmp_path: Path) -> None:
@@ -174,7 +225,7 @@ async def test_client_disconnect_cancels_the_upstream_call(tmp_path: Path) -> No
     ) as p:
         async with aiohttp.ClientSession() as s:
             async with s.post(p.url + "/v1/completions",
-                              json={"model": "m", "prompt": "p", "stream": True, "max_tokens": 200}) as r:
+                              json={"model": "m", "prompt": "p", "stream": True, "max_tokens": 60000}) as r:
                 await r.content.readuntil(b"\n\n")
                 await r.content.readuntil(b"\n\n")
         for _ in range(100):
@@ -331,7 +382,7 @@ async def test_api_key_models_health_metrics(tmp_path: Path, monkeypatch: pytest
 
 async def test_capture_file_is_replayable_and_never_holds_keys(tmp_path: Path) -> None:
     capture = tmp_path / "capture.jsonl"
-    async with running_backend(BackendConfig(tokens=5)) as base, running_proxy(
+    async with running_backend(BackendConfig(tokens=60000)) as base, running_proxy(
         tmp_path, [{"name": "base", "role": "baseline", "url": base.url}],
         capture=str(capture), capture_responses=True, api_key="sekrit-key",
     ) as p:
