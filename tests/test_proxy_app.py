@@ -117,7 +117,7 @@ def _normalise(stream: bytes) -> bytes:
 async def test_client_gets_the_bytes_the_backend_would_have_sent(
     tmp_path: Path, extra: dict[str, Any]
 ) -> None:
-    async with running_backend(BackendConfig(tokens=60000)) as base, running_proxy(
+    async with running_backend(BackendConfig(tokens=6)) as base, running_proxy(
         tmp_path, [{"name": "base", "role": "baseline", "url": base.url, "return_token_ids": True}]
     ) as p, aiohttp.ClientSession() as s:
         body = {"model": "m", "messages": MSG, "stream": True, **extra}
@@ -382,7 +382,7 @@ async def test_api_key_models_health_metrics(tmp_path: Path, monkeypatch: pytest
 
 async def test_capture_file_is_replayable_and_never_holds_keys(tmp_path: Path) -> None:
     capture = tmp_path / "capture.jsonl"
-    async with running_backend(BackendConfig(tokens=60000)) as base, running_proxy(
+    async with running_backend(BackendConfig(tokens=5)) as base, running_proxy(
         tmp_path, [{"name": "base", "role": "baseline", "url": base.url}],
         capture=str(capture), capture_responses=True, api_key="sekrit-key",
     ) as p:
