@@ -146,12 +146,21 @@ async def _generate(
     created = int(time.time())
     model = body.get("model") or cfg.model
 
+    stream: web.StreamResponse | None = None
+    if body.get("stream"):
+        # Like vLLM (uvicorn sends a StreamingResponse's headers at once): the headers leave before the
+        # first token, so a proxy's work on them is not on the time to first token.
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                             "Cache-Control": "no-cache"})
+        writer = await stream.prepare(request)
+        assert writer is not None
+        writer.send_headers()
     if cfg.ttft_s:
         await asyncio.sleep(cfg.ttft_s)
     if cfg.fail == "hang":
         await asyncio.sleep(3600)
 
-    if not body.get("stream"):
+    if stream is None:
         text = "".join(token_text(t) for t in ids)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if chat:
@@ -175,8 +184,7 @@ async def _generate(
             return web.Response(body=b"<html>not json", content_type="application/json")
         return web.Response(body=orjson.dumps(out), content_type="application/json")
 
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    resp = stream
     obj_name = "chat.completion.chunk" if chat else "text_completion"
     done = 0
 
