@@ -62,13 +62,12 @@ class BadResponse(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Origin:
-    """Where a URL's requests go: the pool key, and the Host header and path prefix they need."""
+    """Where a URL's requests go (the pool key), and the Host header they carry."""
 
     scheme: str
     host: str
     port: int
     host_header: str
-    base_path: str
 
     @classmethod
     def of(cls, url: str) -> Origin:
@@ -78,8 +77,7 @@ class Origin:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         default = port == (443 if parts.scheme == "https" else 80)
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        return cls(parts.scheme, parts.hostname, port, host if default else f"{host}:{port}",
-                   parts.path.rstrip("/"))
+        return cls(parts.scheme, parts.hostname, port, host if default else f"{host}:{port}")
 
 
 class Exchange:
@@ -118,9 +116,10 @@ class Exchange:
         """Hand every body piece to ``consumer`` from now on (what already arrived, first)."""
         self._consumer = consumer
         early, self._early = self._early, []
-        for data in early:
-            if self._deliver(data):
+        for data in early:  # (a pause stops the socket reads; what was already read is handed over)
+            if self._done.done() and self._done.exception() is not None:
                 break
+            self._deliver(data)
 
     async def wait(self) -> bool:
         """Until the body has ended (True) or the consumer asked to pause (False: call :meth:`resume`
@@ -186,19 +185,18 @@ class Exchange:
         else:
             self._deliver(data)
 
-    def _deliver(self, data: bytes) -> bool:
+    def _deliver(self, data: bytes) -> None:
         assert self._consumer is not None
         try:
             pause = self._consumer(data)
         except BaseException as exc:  # the consumer's failure ends the exchange (ClientGone, a bug)
             self._fail(exc)
             self._conn.close()
-            return True
+            return
         if pause and not self._paused and not self._done.done():
             self._paused = True
             self._conn.pause_reading()
             self._wake()
-        return pause
 
     def _on_complete(self) -> None:
         if not self._done.done():
@@ -230,6 +228,7 @@ class _Connection(asyncio.Protocol):
         self.parser: httptools.HttpResponseParser | None = None
         self.idle_since = 0.0
         self.reused = False
+        self.reading_paused = False
         self._header_items: list[tuple[bytes, bytes]] = []
         self._read_timeout: float | None = None
         self._last_read = 0.0
@@ -330,11 +329,13 @@ class _Connection(asyncio.Protocol):
             self._timer = None
 
     def pause_reading(self) -> None:
-        if self.transport is not None:
+        if self.transport is not None and not self.reading_paused:
+            self.reading_paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self.transport is not None:
+        if self.transport is not None and self.reading_paused:
+            self.reading_paused = False
             self._last_read = time.perf_counter()
             self.transport.resume_reading()
 
@@ -344,6 +345,7 @@ class _Connection(asyncio.Protocol):
         self.parser = None
         if self.transport is None or self.transport.is_closing():
             return
+        self.resume_reading()  # (paused on the body's last piece: the next call must be read)
         self.reused = True
         self.client._park(self)
 
@@ -360,7 +362,7 @@ class UpstreamClient:
 
     def __init__(self, *, keepalive_s: float = 15.0) -> None:
         self.keepalive_s = keepalive_s
-        self._origins: dict[str, Origin] = {}
+        self._targets: dict[str, tuple[Origin, str]] = {}  # url -> (origin, request target)
         self._idle: dict[Origin, list[_Connection]] = {}
         self._busy: set[_Connection] = set()
         self._ssl: ssl.SSLContext | None = None
@@ -379,12 +381,16 @@ class UpstreamClient:
         :class:`UpstreamDisconnected` or :class:`BadResponse`."""
         if self._closed:
             raise RuntimeError("UpstreamClient is closed")
-        origin = self._origins.get(url)
-        if origin is None:
-            origin = self._origins[url] = Origin.of(url)
-        request = self._request_bytes(origin, url, body, headers)
-        for _attempt in range(2):
-            conn = self._idle_connection(origin) or await self._connect(origin, connect_timeout)
+        known = self._targets.get(url)
+        if known is None:
+            parts = urlsplit(url)
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            known = self._targets[url] = (Origin.of(url), target)
+        origin, target = known
+        request = self._request_bytes(origin, target, body, headers)
+        for attempt in range(2):
+            idle = self._idle_connection(origin) if attempt == 0 else None
+            conn = idle or await self._connect(origin, connect_timeout)
             self._busy.add(conn)
             ex = conn.start(request, read_timeout)
             try:
@@ -401,9 +407,7 @@ class UpstreamClient:
                 raise
         raise AssertionError("unreachable")
 
-    def _request_bytes(self, origin: Origin, url: str, body: bytes, headers: Mapping[str, str]) -> bytes:
-        path = urlsplit(url)
-        target = (path.path or "/") + (f"?{path.query}" if path.query else "")
+    def _request_bytes(self, origin: Origin, target: str, body: bytes, headers: Mapping[str, str]) -> bytes:
         lines = [f"POST {target} HTTP/1.1", f"Host: {origin.host_header}", f"Content-Length: {len(body)}",
                  f"User-Agent: {USER_AGENT}", "Accept-Encoding: identity"]
         lines += (f"{name}: {value}" for name, value in headers.items())

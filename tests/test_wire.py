@@ -153,7 +153,7 @@ async def test_a_consumer_that_asks_to_pause_stops_the_reads_until_resume() -> N
             await asyncio.sleep(0.005)
         w.write(b"0\r\n\r\n")
 
-    async with raw_server(handler) as (url, _), UpstreamClient() as client:
+    async with raw_server(handler) as (url, peers), UpstreamClient() as client:
         ex = await client.post(url, b"", {})
         got: list[bytes] = []
 
@@ -170,6 +170,18 @@ async def test_a_consumer_that_asks_to_pause_stops_the_reads_until_resume() -> N
         assert await ex.wait() is True
         assert b"".join(got) == b"".join(b"%02d" % i for i in range(20))
         ex.release()
+        # A consumer that pauses at every piece, the last one included: the connection goes back to the
+        # pool reading again, and the next call on it gets its answer.
+        ex = await client.post(url, b"", {})
+        pieces: list[bytes] = []
+        ex.consume(lambda data: pieces.append(data) is None)
+        while not await ex.wait():
+            ex.resume()
+        ex.release()
+        ex = await client.post(url, b"", {}, read_timeout=2)
+        assert len(await ex.read()) == 40
+        ex.release()
+        assert len(peers) == 3 and len(set(peers)) == 1
 
 
 async def test_cancelling_a_call_closes_its_connection() -> None:
