@@ -18,7 +18,16 @@ per chunk). Three targets, each measured for ``--duration`` seconds per concurre
   on a shared box).
 
 ``--repeats N`` measures every target N times, round-robin within each level, and prints the median of
-each figure (p99: the largest). The load generator is closed-loop (``c`` requests always in flight,
+each figure (p99: the largest).
+
+Concurrency 1 is measured in paired rounds instead (``--c1-rounds``): each round gives each of direct,
+bare, split and shadow in turn (the order rotates every round) a short closed loop of one request at a
+time: one warm-up request, then ``--c1-block`` measured ones, each read to its end. The added TTFT is
+the median over rounds of (target's block median - direct's block median of the same round): at c=1 the
+backend's timer jitter (~1 ms) is larger than a relay's cost, pairing cancels the drift that comparing
+two separate runs keeps, and the warm-up keeps a relay that sat idle while the others were measured
+from paying for cold caches that a c=1 client sending back to back would not see.
+ The load generator is closed-loop (``c`` requests always in flight,
 streaming chat completions) and counts tokens as content chunks. It prints per target and level: p50/p99
 TTFT, relayed tokens/s, the proxy-added p50 TTFT and throughput as % of direct, and the relay process's
 CPU time per relayed token (the figure the shared machine disturbs least; shadow's includes reading the
@@ -67,6 +76,53 @@ class CaseResult:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.duration if self.duration else 0.0
+
+
+async def one_ttft(s: aiohttp.ClientSession, url: str, i: int) -> float | None:
+    """One streaming request read to its end; its TTFT (first content chunk), None if it failed."""
+    body = {**BODY_TEMPLATE, "messages": [{"role": "user", "content": f"round {i} hello"}]}
+    t0 = time.perf_counter()
+    first: float | None = None
+    try:
+        async with s.post(url + "/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                await r.read()
+                return None
+            async for data in r.content.iter_any():
+                if first is None and data.count(b'"content":"') > data.count(b'"content":""'):
+                    first = time.perf_counter()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return None if first is None else first - t0
+
+
+async def paired_rounds(targets: dict[str, str], rounds: int, block: int) -> dict[str, list[list[float]]]:
+    """Concurrency 1, paired: per round a warm-up and ``block`` requests to each target in turn."""
+    names = list(targets)
+    out: dict[str, list[list[float]]] = {n: [] for n in names}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for k in range(rounds):
+            order = names[k % len(names):] + names[:k % len(names)]
+            for name in order:
+                await one_ttft(s, targets[name], -1)
+                ttfts = [await one_ttft(s, targets[name], k * block + i) for i in range(block)]
+                out[name].append([t for t in ttfts if t is not None])
+    return out
+
+
+def print_paired(res: dict[str, list[list[float]]], cpu: dict[str, float], block: int) -> None:
+    med = statistics.median
+    direct = [med(b) if b else None for b in res["direct"]]
+    for name, blocks in res.items():
+        ok = [t for b in blocks for t in b]
+        diffs = [med(b) - d for b, d in zip(blocks, direct, strict=True) if b and d is not None]
+        added = med(diffs) * 1000 if name != "direct" and diffs else 0.0
+        p50 = med(ok) * 1000 if ok else float("nan")
+        p99 = max(ok) * 1000 if ok else float("nan")
+        print(f"{1:>4} {name:<8} {len(ok):>6} {len(blocks) * block - len(ok):>4} {p50:>12.2f} {p99:>12.2f} "
+              f"{added:>13.2f} {'':>9} {'':>9} {'':>7} {cpu.get(name, float('nan')):>17.1f}")
+    print(f"     (c=1: {len(direct)} paired rounds of {block} requests per target; added = median over "
+          "rounds of the block median minus direct's; p99 column: the largest)")
 
 
 async def run_load(url: str, concurrency: int, duration: float, mirror: str | None = None) -> CaseResult:
@@ -210,6 +266,9 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per target and level")
     ap.add_argument("--levels", default="1,64,256", help="concurrency levels")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per target and level (medians)")
+    ap.add_argument("--c1-rounds", type=int, default=8,
+                    help="paired rounds at c=1 (a round: 1 + c1-block requests per target, ~0.7 s each)")
+    ap.add_argument("--c1-block", type=int, default=4, help="measured requests per target and round at c=1")
     ap.add_argument("--memory-soak", type=float, default=0.0,
                     help="instead: run the shadow proxy at c=64 this many seconds, printing its RSS")
     args = ap.parse_args()
@@ -251,6 +310,14 @@ def main() -> None:
         print("-" * len(header))
         runs = [(name, url, base if name == "direct+m" else None) for name, url in targets.items()]
         for c in levels:
+            if c == 1:
+                paired = {n: targets[n] for n in ("direct", "bare", "split", "shadow")}
+                before = {n: cpu_s(pids[n]) for n in paired}
+                res = asyncio.run(paired_rounds(paired, args.c1_rounds, args.c1_block))
+                tokens = 64 * args.c1_rounds * (args.c1_block + 1)
+                print_paired(res, {n: 1e6 * (cpu_s(pids[n]) - before[n]) / tokens for n in paired},
+                             args.c1_block)
+                continue
             samples: dict[str, list[tuple[CaseResult, float]]] = {name: [] for name in targets}
             for _ in range(args.repeats):
                 for name, url, mirror in runs:
