@@ -360,12 +360,13 @@ class _Connection(asyncio.Protocol):
 class UpstreamClient:
     """Pooled keep-alive HTTP/1.1 connections to arms; :meth:`post` starts one call."""
 
-    def __init__(self, *, keepalive_s: float = 15.0) -> None:
+    def __init__(self, *, keepalive_s: float = 15.0, ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: for https arms (default: the system's CAs, which honour ``SSL_CERT_FILE``)."""
         self.keepalive_s = keepalive_s
         self._targets: dict[str, tuple[Origin, str]] = {}  # url -> (origin, request target)
         self._idle: dict[Origin, list[_Connection]] = {}
         self._busy: set[_Connection] = set()
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self._closed = False
 
     async def __aenter__(self) -> UpstreamClient:

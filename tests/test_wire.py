@@ -7,12 +7,16 @@ framed (Content-Length, chunked, until close), when a connection closes, and wha
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
+import trustme
+from aiohttp import web
 
 from specproxy.proxy.wire import BadResponse, UpstreamClient, UpstreamDisconnected, UpstreamReadTimeout
+from tests.support import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -201,3 +205,36 @@ async def test_cancelling_a_call_closes_its_connection() -> None:
             await task
         ex.abort()
         await asyncio.wait_for(closed.wait(), 2)
+
+
+async def test_https_arms_are_called_over_tls() -> None:
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + await request.read() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=server_ctx).start()
+    try:
+        async with UpstreamClient(ssl_context=client_ctx) as client:
+            for _ in range(2):  # the second call reuses the TLS connection
+                ex = await client.post(f"https://127.0.0.1:{port}/v1/completions", b"{}", {})
+                assert (ex.status, await ex.read()) == (200, b"data: {}\n\n")
+                ex.release()
+        async with UpstreamClient() as client:  # the system's CAs do not know this one
+            with pytest.raises(ssl.SSLError):
+                await client.post(f"https://127.0.0.1:{port}/v1/completions", b"{}", {})
+    finally:
+        await runner.cleanup()
