@@ -75,6 +75,9 @@ log = logging.getLogger(__name__)
 
 ARM_HEADER = "X-Specproxy-Arm"
 SERVE_FLUSH_INTERVAL_S = 2.0
+# Live traffic writes a few hundred spans a second: checkpoint the span store's WAL often (every ~8k
+# spans) so the proxy's memory is flat, not climbing until the 64 MB bulk-ingest threshold.
+SERVE_CHECKPOINT_THRESHOLD = "4MB"
 
 
 @dataclass(frozen=True)
@@ -452,7 +455,8 @@ async def _span_store(app: web.Application) -> AsyncIterator[None]:
     # Batches every 2 s rather than the sink's 0.5 s: each INSERT has a fixed cost (~10 ms of CPU that
     # the relay shares), and nobody reads the file while serve holds it (DuckDB: one process per file).
     sink = SpanSink(s.db or exp.db, queue_size=exp.span_queue_size, otlp_endpoint=exp.otlp_endpoint,
-                    memory_limit=s.db_memory_limit, flush_interval_s=SERVE_FLUSH_INTERVAL_S)
+                    memory_limit=s.db_memory_limit, flush_interval_s=SERVE_FLUSH_INTERVAL_S,
+                    checkpoint_threshold=SERVE_CHECKPOINT_THRESHOLD)
     await asyncio.to_thread(sink.start)
     st.sink = sink
     st.metrics.watch_sink(lambda: (sink.queue_depth, sink.dropped, sink.written))

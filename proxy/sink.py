@@ -99,6 +99,8 @@ DEFAULT_BATCH_SIZE = 8192
 # proxy running for days would grow without bound. 256 MB holds a checkpoint's worth of spans (64 MB of
 # WAL) several times over; beyond it DuckDB evicts written blocks (and spills to <db>.tmp if it must).
 DEFAULT_MEMORY_LIMIT = "256MB"
+# WAL size at which DuckDB folds new rows into the file (its default is 16MB); see open_store().
+DEFAULT_CHECKPOINT_THRESHOLD = "64MB"
 DEFAULT_FLUSH_INTERVAL_S = 0.5
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # An empty context: a span without a parent never picks one up from the caller's current OTel context.
@@ -283,11 +285,13 @@ class SpanSink:
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         service_name: str | None = None,
         memory_limit: str = DEFAULT_MEMORY_LIMIT,
+        checkpoint_threshold: str = DEFAULT_CHECKPOINT_THRESHOLD,
     ) -> None:
         if queue_size < 1 or batch_size < 1 or flush_interval_s <= 0:
             raise ValueError("queue_size and batch_size must be ≥ 1 and flush_interval_s > 0")
         self.db_path = Path(db_path) if db_path is not None else None
         self.memory_limit = memory_limit
+        self.checkpoint_threshold = checkpoint_threshold
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._pending = _PendingWrites(queue_size, batch_size)
@@ -373,7 +377,8 @@ class SpanSink:
         cursor: Any = None
         exporter: DuckDBSpanExporter | None = None
         if self.db_path is not None:
-            self._conn = open_store(self.db_path, memory_limit=self.memory_limit)
+            self._conn = open_store(self.db_path, memory_limit=self.memory_limit,
+                                    checkpoint_threshold=self.checkpoint_threshold)
             # The writer's own connection to the file, made here so that a failure surfaces in start().
             try:
                 cursor = self._conn.cursor()
@@ -623,7 +628,8 @@ _BAD_ROW_ERRORS = (
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 
 
-def open_store(path: Path, *, memory_limit: str = DEFAULT_MEMORY_LIMIT) -> Any:
+def open_store(path: Path, *, memory_limit: str = DEFAULT_MEMORY_LIMIT,
+               checkpoint_threshold: str = DEFAULT_CHECKPOINT_THRESHOLD) -> Any:
     """Open (or create) a span store for writing, with the sink's settings, and migrate its schema.
 
     ``memory_limit`` caps DuckDB's memory on this connection (a DuckDB size: ``"256MB"``, ``"1GB"``).
@@ -647,9 +653,11 @@ def open_store(path: Path, *, memory_limit: str = DEFAULT_MEMORY_LIMIT) -> Any:
         ) from exc
     try:
         # DuckDB checkpoints its WAL into the file every 16 MB by default, each time rewriting the last,
-        # partly filled row group; at span rates that is most of the writer's time. 64 MB (~130k spans
-        # held in memory until checkpointed) makes sustained ingest ~40% faster; close() checkpoints.
-        conn.execute("SET checkpoint_threshold = '64MB'")
+        # partly filled row group; at bulk span rates (replay, ingest) that is most of the writer's time.
+        # 64 MB (~130k spans held in memory until checkpointed) makes sustained ingest ~40% faster;
+        # close() checkpoints. serve, at a few hundred spans/s, uses a small threshold instead: memory
+        # stays flat rather than climbing for the minutes it takes to reach 64 MB.
+        conn.execute("SET checkpoint_threshold = ?", [checkpoint_threshold])
         try:
             conn.execute("SET memory_limit = ?", [memory_limit])
         except duckdb.Error as exc:
