@@ -87,7 +87,7 @@ class Exchange:
     read to its end) or :meth:`abort` (close it: vLLM then aborts the generation)."""
 
     __slots__ = ("status", "headers", "content_type", "_conn", "_head", "_done", "_waiter", "_consumer",
-                 "_early", "_paused", "_keep_alive", "_framed", "_got_bytes")
+                 "_early", "_keep_alive", "_framed", "_got_bytes")
 
     def __init__(self, conn: _Connection) -> None:
         loop = conn.loop
@@ -100,7 +100,6 @@ class Exchange:
         self._waiter: asyncio.Future[None] | None = None
         self._consumer: Consumer | None = None
         self._early: list[bytes] = []  # body bytes that arrived before consume()
-        self._paused = False
         self._keep_alive = False
         self._framed = False  # Content-Length or chunked: the end of the body is known
         self._got_bytes = False
@@ -128,7 +127,7 @@ class Exchange:
         if self._done.done():
             self._done.result()
             return True
-        if self._paused:
+        if self._conn.reading_paused:
             return False
         waiter = self._waiter = self._conn.loop.create_future()
         try:
@@ -141,9 +140,7 @@ class Exchange:
         return False
 
     def resume(self) -> None:
-        if self._paused:
-            self._paused = False
-            self._conn.resume_reading()
+        self._conn.resume_reading()
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -193,8 +190,7 @@ class Exchange:
             self._fail(exc)
             self._conn.close()
             return
-        if pause and not self._paused and not self._done.done():
-            self._paused = True
+        if pause and not self._conn.reading_paused and not self._done.done():
             self._conn.pause_reading()
             self._wake()
 
@@ -316,9 +312,11 @@ class _Connection(asyncio.Protocol):
         if ex is None or timeout is None or ex._done.done():
             return
         idle = time.perf_counter() - self._last_read
-        if idle < timeout or ex._paused:  # a paused read waits on the client, not on the upstream
-            self._timer = self.loop.call_later(max(timeout - idle, 0.001) if not ex._paused else timeout,
-                                               self._check_read)
+        if self.reading_paused:  # waiting on the client, not on the upstream: check again later
+            self._timer = self.loop.call_later(timeout, self._check_read)
+            return
+        if idle < timeout:
+            self._timer = self.loop.call_later(timeout - idle, self._check_read)
             return
         ex._fail(UpstreamReadTimeout(f"no bytes from {self.origin.host_header} for {timeout:g} s"))
         self.close()
