@@ -78,6 +78,11 @@ class CaseResult:
         return self.tokens / self.duration if self.duration else 0.0
 
 
+def content_chunks(data: bytes) -> int:
+    """Chunks with non-empty content in a read of a chat stream (the role chunk's content is "")."""
+    return data.count(b'"content":"') - data.count(b'"content":""')
+
+
 async def one_ttft(s: aiohttp.ClientSession, url: str, i: int) -> float | None:
     """One streaming request read to its end; its TTFT (first content chunk), None if it failed."""
     body = {**BODY_TEMPLATE, "messages": [{"role": "user", "content": f"round {i} hello"}]}
@@ -89,7 +94,7 @@ async def one_ttft(s: aiohttp.ClientSession, url: str, i: int) -> float | None:
                 await r.read()
                 return None
             async for data in r.content.iter_any():
-                if first is None and data.count(b'"content":"') > data.count(b'"content":""'):
+                if first is None and content_chunks(data):
                     first = time.perf_counter()
     except (aiohttp.ClientError, TimeoutError):
         return None
@@ -162,7 +167,7 @@ async def run_load(url: str, concurrency: int, duration: float, mirror: str | No
                             await r.read()
                             continue
                         async for data in r.content.iter_any():
-                            n = data.count(b'"content":"') - data.count(b'"content":""')
+                            n = content_chunks(data)
                             if n and first is None:
                                 first = time.perf_counter()
                             chunks += n
