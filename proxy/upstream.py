@@ -415,21 +415,21 @@ async def _relay_start(relay: Relay, result: CallResult, status: int, content_ty
     result.relay_started = True
     try:
         await relay.start(status, content_type)
-    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+    except ConnectionError as exc:  # (aiohttp's ClientConnectionResetError is one)
         raise ClientGone() from exc
 
 
 def _relay_send(relay: Relay, data: bytes) -> bool:
     try:
         return relay.send(data)
-    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+    except ConnectionError as exc:  # (aiohttp's ClientConnectionResetError is one)
         raise ClientGone() from exc
 
 
 async def _relay_drain(relay: Relay) -> None:
     try:
         await relay.drain()
-    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+    except ConnectionError as exc:  # (aiohttp's ClientConnectionResetError is one)
         raise ClientGone() from exc
 
 
