@@ -1,7 +1,7 @@
 """Greedy-output identity: does a candidate arm produce exactly the baseline's output?
 
 Only temperature-0, n=1 requests are comparable (:func:`is_comparable`). :func:`compare` takes the
-baseline's and the candidate's :class:`~specproxy.proxy.sse.CompletionTap` (or anything with the same
+baseline's and the candidate's :class:`~specproxy.proxy.upstream.sse.CompletionTap` (or anything with the same
 ``text()``, ``token_ids``, ``has_token_ids``, ``margins``, ``token_texts``) for one ``request_id`` and
 returns an :class:`Identity`: token ids are compared when both sides returned them, text otherwise;
 ``first_divergence`` is a token index (token ids) or a character index (text); ``divergence_margin`` is

@@ -15,15 +15,15 @@ from specproxy import __version__
 
 # name -> (module, attribute, one-line help shown by `specproxy --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "serve": ("specproxy.proxy.cli", "serve", "Run the proxy (shadow or split) and write spans."),
-    "replay": ("specproxy.proxy.replay_cli", "replay", "Drive a traffic log against the arms."),
+    "serve": ("specproxy.proxy.server.cli", "serve", "Run the proxy (shadow or split) and write spans."),
+    "replay": ("specproxy.proxy.replay.cli", "replay", "Drive a traffic log against the arms."),
     "lab": ("specproxy.lab", "lab", "The whole evaluation in one command (simulated arms by default)."),
     "analyze": ("specproxy.analysis.cli", "analyze", "The verdict table per arm and concurrency level."),
     "report": ("specproxy.analysis.cli", "report", "A self-contained HTML report with plots."),
     "sql": ("specproxy.analysis.cli", "sql", "Query the span store with SQL."),
     "export": ("specproxy.analysis.cli", "export", "Export spans (Parquet) for a warehouse."),
     "sim": ("specproxy.engines.sim.cli", "sim", "A vLLM-shaped simulated backend with speculative decoding."),
-    "engines": ("specproxy.engines.cli", "engines", "Plan, launch and stop the vLLM arms of an experiment."),
+    "engines": ("specproxy.engines.launch.cli", "engines", "Plan, launch and stop the vLLM arms of an experiment."),
 }
 
 

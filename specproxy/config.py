@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
 from collections.abc import Mapping
@@ -356,3 +357,18 @@ def load_experiment(path: str | Path) -> Experiment:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
     return parse_experiment(data, str(p))
+
+
+def experiment_json(exp: Experiment) -> str:
+    """The experiment as JSON for ``runs.config_json`` (holds env var names, never keys)."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        return value
+
+    return json.dumps(plain(exp), sort_keys=True)

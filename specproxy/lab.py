@@ -9,10 +9,10 @@ would) on free local ports — the lab's four configurations:
     draft_model  {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct", ...}
     eagle3       {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", ...}
 
-then replays the built-in mixed workload (:mod:`specproxy.workload`) in paired mode at temperature 0
-over a closed-loop concurrency sweep, prints the analysis table and a per-category latency table, and
-writes the DuckDB span store and report.html into ``--out``. With ``--config`` it replays against the
-experiment's (running) arms instead.
+then replays the built-in mixed workload (:mod:`specproxy.proxy.replay.workload`) in paired mode at
+temperature 0 over a closed-loop concurrency sweep, prints the analysis table and a per-category
+latency table, and writes the DuckDB span store and report.html into ``--out``. With ``--config``
+it replays against the experiment's (running) arms instead.
 
 The sweep goes to 256, not only 64: on the h100-llama3.1-8b profile (the SpecDecode-Bench fit of vLLM on
 an H100) verifying k+1 tokens per request is still cheap enough at batch 64 for n-gram to pay on
@@ -43,20 +43,16 @@ from typing import Any
 import click
 from rich.console import Console
 
+from specproxy.commandline import ConcurrencyLevels, experiment_or_none, run_async
 from specproxy.config import Arm, EngineSettings, Experiment
-from specproxy.engines.plan import SimOptions, plan_arm
-from specproxy.engines.supervisor import EngineError, start_arms, stop_experiment
-from specproxy.proxy.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
-from specproxy.proxy.replay import LoadPlan, ReplayError, ReplaySettings
-from specproxy.proxy.replay_cli import (
-    ConcurrencyLevels,
-    experiment_or_none,
-    print_summary,
-    replay_until_stopped,
-    run_async,
-)
-from specproxy.proxy.sink import SpanSinkError
-from specproxy.workload import mixed_workload
+from specproxy.engine_state import EngineError
+from specproxy.engines.launch.plan import SimOptions, plan_arm
+from specproxy.engines.launch.supervisor import start_arms, stop_experiment
+from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
+from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
+from specproxy.proxy.replay.summary import print_summary
+from specproxy.proxy.replay.workload import mixed_workload
+from specproxy.proxy.spans.sink import SpanSinkError
 
 LAB_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_PROFILE = "h100-llama3.1-8b"

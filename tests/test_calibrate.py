@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from specproxy.engines.calibrate import main as calibrate_main
-from specproxy.engines.calibrate_fit import (
+from specproxy.engines.calibrate.fit import (
     Point,
     build_profile,
     fit_chain_drafter,
@@ -23,6 +22,7 @@ from specproxy.engines.calibrate_fit import (
     read_points,
     write_points,
 )
+from specproxy.engines.calibrate.measure import main as calibrate_main
 from specproxy.engines.profiles import PROFILE_DIR, load_profile
 
 H200 = "h200-llama3.1-8b"

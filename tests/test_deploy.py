@@ -21,10 +21,10 @@ from dockerfile_parse import DockerfileParser
 from prometheus_client.parser import text_string_to_metric_families
 
 from specproxy.config import load_experiment, parse_experiment
-from specproxy.engines.render import compose_document, render_k8s
+from specproxy.engines.launch.render import compose_document, render_k8s
+from specproxy.engines.launch.validate import check_experiment
 from specproxy.engines.sim.metrics import EngineMetrics
-from specproxy.engines.validate import check_experiment
-from specproxy.proxy.metrics import ProxyMetrics
+from specproxy.proxy.server.metrics import ProxyMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from specproxy.cli import main
 from specproxy.config import SPEC_METHODS, EngineSettings, load_experiment, parse_experiment
-from specproxy.engines.plan import PlanError, SimOptions, plan_experiment
-from specproxy.engines.render import experiment_toml, in_cluster_experiment, service_name
+from specproxy.engines.launch.plan import PlanError, SimOptions, plan_experiment
+from specproxy.engines.launch.render import experiment_toml, in_cluster_experiment, service_name
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

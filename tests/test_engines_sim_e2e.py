@@ -13,7 +13,7 @@ import duckdb
 import openai
 
 from specproxy.config import load_experiment
-from specproxy.engines.supervisor import read_state
+from specproxy.engine_state import read_state
 from tests.support import free_port, start_cli, stop, wait_http
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

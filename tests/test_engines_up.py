@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from specproxy.config import load_experiment
-from specproxy.engines.plan import ArmLaunch
-from specproxy.engines.stack import capture_stack, gpu_inventory
-from specproxy.engines.supervisor import read_state, recorded_stacks, state_path
+from specproxy.engine_state import read_state, recorded_stacks, state_path
+from specproxy.engines.launch.plan import ArmLaunch
+from specproxy.engines.launch.stack import capture_stack, gpu_inventory
 from tests.support import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

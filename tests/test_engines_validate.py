@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from specproxy.cli import main
 from specproxy.config import Experiment, load_experiment, parse_experiment
-from specproxy.engines.validate import Finding, check_experiment, engine_python, module_available
+from specproxy.engines.launch.validate import Finding, check_experiment, engine_python, module_available
 from tests.support import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

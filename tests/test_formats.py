@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specproxy.proxy.formats import FORMATS, FormatError, detect_format, read_items
+from specproxy.proxy.replay.formats import FORMATS, FormatError, detect_format, read_items
 
 
 def write_jsonl(path: Path, records: list[object]) -> Path:

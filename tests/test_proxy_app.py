@@ -20,8 +20,8 @@ import pytest
 from aiohttp import web
 
 from specproxy.config import parse_experiment
-from specproxy.proxy.app import STATE, ClientRelay, ProxySettings, ProxyState, create_app
-from specproxy.proxy.formats import read_items
+from specproxy.proxy.replay.formats import read_items
+from specproxy.proxy.server.app import STATE, ClientRelay, ProxySettings, ProxyState, create_app
 from tests.backends import BackendConfig, RunningBackend, running_backend
 from tests.support import free_port
 

@@ -6,7 +6,7 @@ import random
 from typing import Any
 
 from specproxy.config import parse_experiment
-from specproxy.proxy.routing import ArmRouter, key_point
+from specproxy.proxy.server.routing import ArmRouter, key_point
 
 
 def _router(mode: str, arms: list[dict[str, Any]], **exp: Any) -> ArmRouter:

@@ -10,8 +10,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from specproxy.config import Arm
-from specproxy.proxy.formats import ReplayItem
-from specproxy.proxy.replay import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.replay.formats import ReplayItem
+from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from tests.backends import BackendConfig, running_backend
 from tests.test_proxy_app import running_proxy, spans
 
@@ -106,7 +106,7 @@ def test_spans_made_directly_are_the_rows_the_sdk_makes(tmp_path: Path) -> None:
     # instead of through the SDK (per-request CPU); every column must come out the same, errors too.
     from opentelemetry.trace import SpanContext, TraceFlags
 
-    from specproxy.proxy.sink import SpanSink
+    from specproxy.proxy.spans.sink import SpanSink
     from tests.test_sink import full_record, read
 
     parent = SpanContext(int(TRACE, 16), int(PARENT, 16), is_remote=True, trace_flags=TraceFlags(1))

@@ -10,9 +10,9 @@ import pytest
 
 from specproxy.config import Arm
 from specproxy.proxy.identity import compare, first_difference, is_comparable
-from specproxy.proxy.sse import CompletionTap, SSEParser
-from specproxy.proxy.upstream import UpstreamState, UpstreamTimeout, call_arm, new_record
-from specproxy.proxy.wire import UpstreamClient
+from specproxy.proxy.upstream.calls import UpstreamState, UpstreamTimeout, call_arm, new_record
+from specproxy.proxy.upstream.sse import CompletionTap, SSEParser
+from specproxy.proxy.upstream.wire import UpstreamClient
 from tests.backends import BackendConfig, running_backend, token_ids_for, token_text
 from tests.support import free_port
 

@@ -11,11 +11,12 @@ from typing import Any
 import duckdb
 import pytest
 
+from specproxy.commandline import parse_levels
 from specproxy.config import Arm
-from specproxy.proxy.formats import ReplayItem, read_items
-from specproxy.proxy.loadgen import closed_loop, open_loop, poisson_offsets, timed_offsets
-from specproxy.proxy.replay import LoadPlan, ReplayError, ReplaySettings, parse_levels, run_replay
-from specproxy.workload import CATEGORIES, mixed_workload
+from specproxy.proxy.replay.formats import ReplayItem, read_items
+from specproxy.proxy.replay.loadgen import closed_loop, open_loop, poisson_offsets, timed_offsets
+from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, run_replay
+from specproxy.proxy.replay.workload import CATEGORIES, mixed_workload
 from tests.backends import BackendConfig, running_backend
 
 

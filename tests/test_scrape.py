@@ -16,7 +16,8 @@ import pytest
 from aiohttp import web
 
 from specproxy.config import Arm
-from specproxy.proxy.scrape import (
+from specproxy.proxy.spans.sink import SpanSink
+from specproxy.proxy.upstream.scrape import (
     SPEC_ACCEPTED,
     SPEC_ACCEPTED_PER_POS,
     SPEC_DRAFTS,
@@ -27,7 +28,6 @@ from specproxy.proxy.scrape import (
     parse_metrics,
     spec_decode_summary,
 )
-from specproxy.proxy.sink import SpanSink
 from tests.support import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -219,7 +219,7 @@ async def test_backends_without_metrics_are_tolerated_and_logged_once(
             Arm(name="garbage", url=bad_text), Arm(name="down", url=f"http://127.0.0.1:{free_port()}")]
     async with aiohttp.ClientSession() as session:
         scraper = MetricsScraper(arms, None, session, run_id="run-1", interval_s=1.0)
-        with caplog.at_level(logging.WARNING, logger="specproxy.proxy.scrape"):
+        with caplog.at_level(logging.WARNING, logger="specproxy.proxy.upstream.scrape"):
             first = await scraper.scrape_once()
             second = await scraper.scrape_once()
     assert first["baseline"].ok and second["baseline"].ok

@@ -24,8 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from specproxy import schema
-from specproxy.proxy import otel
-from specproxy.proxy.sink import BackendMetricRow, SpanSink, SpanSinkError, SpanStoreLocked
+from specproxy.proxy.spans import otel
+from specproxy.proxy.spans.sink import BackendMetricRow, SpanSink, SpanSinkError, SpanStoreLocked
 from specproxy.record import COLUMNS, SpanRecord
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
@@ -197,7 +197,7 @@ class _StalledExporter(otel.DuckDBSpanExporter):
 
 
 def test_full_queue_drops_and_counts_without_blocking(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("specproxy.proxy.sink.DuckDBSpanExporter", _StalledExporter)
+    monkeypatch.setattr("specproxy.proxy.spans.sink.DuckDBSpanExporter", _StalledExporter)
     _StalledExporter.release.clear()
     _StalledExporter.entered.clear()
     capacity, batch, n = 1000, 100, 6000
@@ -362,7 +362,7 @@ def test_a_failing_write_is_logged_and_counted_not_fatal(
         # The record type allows anything; a required column the store cannot take fails its batch.
         bad = minimal_record(0)
         bad.prompt_tokens = "many"  # type: ignore[assignment]
-        with caplog.at_level(logging.ERROR, logger="specproxy.proxy.sink"):
+        with caplog.at_level(logging.ERROR, logger="specproxy.proxy.spans.sink"):
             for i in range(1, 4):
                 sink.emit(minimal_record(i))
             sink.emit(bad)  # in the same batch as good spans: only it is lost
@@ -404,7 +404,7 @@ def _rss_bytes() -> int:
 @pytest.mark.slow
 def test_a_stalled_writer_keeps_memory_bounded(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Soak: 300k spans against a writer stalled from the start: memory holds the queue, no more."""
-    monkeypatch.setattr("specproxy.proxy.sink.DuckDBSpanExporter", _StalledExporter)
+    monkeypatch.setattr("specproxy.proxy.spans.sink.DuckDBSpanExporter", _StalledExporter)
     _StalledExporter.release.clear()
     _StalledExporter.entered.clear()
     capacity = 50_000

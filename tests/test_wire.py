@@ -15,7 +15,12 @@ import pytest
 import trustme
 from aiohttp import web
 
-from specproxy.proxy.wire import BadResponse, UpstreamClient, UpstreamDisconnected, UpstreamReadTimeout
+from specproxy.proxy.upstream.wire import (
+    BadResponse,
+    UpstreamClient,
+    UpstreamDisconnected,
+    UpstreamReadTimeout,
+)
 from tests.support import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]

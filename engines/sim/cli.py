@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from specproxy.commandline import run_async
 from specproxy.engines.profiles import ProfileError, load_profile
 from specproxy.engines.sim.config import Faults, SimConfig, SimConfigError, SpeculativeConfig
 
@@ -231,13 +232,7 @@ def sim(
     except (SimConfigError, ProfileError) as exc:
         raise click.ClickException(str(exc)) from exc
     try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        pass
-    try:
-        asyncio.run(_serve(config, cost.name, host, port))
+        run_async(_serve(config, cost.name, host, port))
     except KeyboardInterrupt:
         pass
     except OSError as exc:

@@ -40,8 +40,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanKind
 
 from specproxy import schema
-from specproxy.proxy.otel import DuckDBSpanExporter, record_attributes, span_name, span_row
-from specproxy.proxy.sink import SpanSink, open_store
+from specproxy.proxy.spans.otel import DuckDBSpanExporter, record_attributes, span_name, span_row
+from specproxy.proxy.spans.sink import SpanSink, open_store
 from specproxy.record import COLUMNS, SpanRecord
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from specproxy.config import Arm
-from specproxy.proxy.loadgen import closed_loop, open_loop, poisson_offsets
-from specproxy.proxy.upstream import UpstreamState, call_arm, new_record
-from specproxy.proxy.wire import UpstreamClient
+from specproxy.proxy.replay.loadgen import closed_loop, open_loop, poisson_offsets
+from specproxy.proxy.upstream.calls import UpstreamState, call_arm, new_record
+from specproxy.proxy.upstream.wire import UpstreamClient
 from tests.support import free_port, wait_http
 
 BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,

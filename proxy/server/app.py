@@ -7,7 +7,7 @@ Endpoints::
                                                  copies go to other arms (shadow / verify)
     GET  /v1/models                              the baseline's
     GET  /health                                 the proxy's own liveness
-    GET  /metrics                                the proxy's Prometheus metrics (specproxy.proxy.metrics)
+    GET  /metrics                                the proxy's Prometheus metrics (server.metrics)
 
 Long-lived resources are made and closed in ``cleanup_ctx`` (in this order, closed in reverse): the
 span sink (DuckDB writer thread; the run's row with each arm's stack), the upstream clients
@@ -26,15 +26,12 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
-import json
 import logging
-import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,21 +41,17 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from opentelemetry.trace import SpanContext
 
-from specproxy.config import Arm, Experiment
-from specproxy.record import SpanRecord
-
-from .capture import CaptureWriter
-from .errors import Handler, error_body, openai_error, openai_errors
-from .identity import is_comparable
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import ProxyMetrics
-from .otel import TRACEPARENT_HEADER, client_trace_context
-from .routing import ArmRouter
-from .scrape import MetricsScraper
-from .shadow import IdentityPair, ShadowDispatcher
-from .sink import DEFAULT_MEMORY_LIMIT, SpanSink
-from .sse import CompletionTap, Endpoint
-from .upstream import (
+from specproxy.config import Arm, Experiment, experiment_json
+from specproxy.proxy.identity import is_comparable
+from specproxy.proxy.server.capture import CaptureWriter
+from specproxy.proxy.server.errors import Handler, error_body, openai_error, openai_errors
+from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from specproxy.proxy.server.metrics import ProxyMetrics
+from specproxy.proxy.server.routing import ArmRouter
+from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
+from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, client_trace_context
+from specproxy.proxy.spans.sink import DEFAULT_MEMORY_LIMIT, SpanSink
+from specproxy.proxy.upstream.calls import (
     CATEGORY_HEADER,
     CONCURRENCY_HEADER,
     REQUEST_ID_HEADER,
@@ -69,7 +62,11 @@ from .upstream import (
     call_arm,
     new_record,
 )
-from .wire import UpstreamClient
+from specproxy.proxy.upstream.scrape import MetricsScraper
+from specproxy.proxy.upstream.sse import CompletionTap, Endpoint
+from specproxy.proxy.upstream.stacks import arm_auth, arm_stacks
+from specproxy.proxy.upstream.wire import UpstreamClient
+from specproxy.record import SpanRecord
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +123,7 @@ class ClientRelay:
     """Writes an upstream response to the client: SSE as it arrives, anything else in one piece.
 
     A stream's bytes go straight to the client's socket from the upstream connection's read callback
-    (see :class:`~specproxy.proxy.upstream.Relay`): aiohttp sends the headers and, at the end, the last
+    (see :class:`~specproxy.proxy.upstream.calls.Relay`): aiohttp sends the headers and, at the end, the last
     chunk; in between this class frames each piece as an HTTP chunk itself, since a coroutine per
     relayed token (``StreamResponse.write``) costs more CPU than everything else the proxy does for it.
     """
@@ -322,7 +319,7 @@ async def models(request: web.Request) -> web.StreamResponse:
     arm = st.settings.experiment.baseline
     assert st.session is not None
     try:
-        async with st.session.get(f"{arm.url}/v1/models", headers=_arm_auth(arm),
+        async with st.session.get(f"{arm.url}/v1/models", headers=arm_auth(arm),
                                   timeout=st.primary_timeout.client_timeout()) as resp:
             payload = await resp.read()
             return web.Response(status=resp.status, body=payload, content_type=resp.content_type)
@@ -342,11 +339,6 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
-def _arm_auth(arm: Arm) -> dict[str, str]:
-    key = os.environ.get(arm.api_key_env) if arm.api_key_env else None
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def _auth_middleware(api_key: str) -> Any:
     expected = f"Bearer {api_key}".encode()
 
@@ -361,56 +353,6 @@ def _auth_middleware(api_key: str) -> Any:
         return await handler(request)
 
     return require_api_key
-
-
-def experiment_json(exp: Experiment) -> str:
-    """The experiment as JSON for ``runs.config_json`` (holds env var names, never keys)."""
-
-    def plain(value: Any) -> Any:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if isinstance(value, Mapping):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [plain(v) for v in value]
-        return value
-
-    return json.dumps(plain(exp), sort_keys=True)
-
-
-async def arm_stacks(session: aiohttp.ClientSession, exp: Experiment, timeout_s: float = 3.0) -> str:
-    """Each arm's stack for ``runs.stacks_json``: GET /version and /v1/models (failures recorded, not
-    raised), its speculative config and description, and what `specproxy engines up` recorded."""
-    try:
-        from specproxy.engines.supervisor import recorded_stacks
-
-        engine_stacks = recorded_stacks(exp)
-    except Exception:  # the engines state is optional context; never a reason not to serve
-        engine_stacks = {}
-
-    async def get(url: str, headers: dict[str, str]) -> tuple[Any, str | None]:
-        try:
-            async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status >= 400:
-                    return None, f"HTTP {r.status}"
-                return await r.json(content_type=None), None
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            return None, f"{exc.__class__.__name__}: {exc}"
-
-    async def one(arm: Arm) -> tuple[str, dict[str, Any]]:
-        headers = _arm_auth(arm)
-        (version, verr), (models_, merr) = await asyncio.gather(
-            get(f"{arm.url}/version", headers), get(f"{arm.url}/v1/models", headers))
-        return arm.name, {
-            "url": arm.url, "role": arm.role, "speculative": dict(arm.speculative),
-            "description": arm.description,
-            "version": version.get("version") if isinstance(version, dict) else None,
-            "models": models_, "errors": {k: v for k, v in (("version", verr), ("models", merr)) if v},
-            "engine": engine_stacks.get(arm.name),
-        }
-
-    pairs = await asyncio.gather(*(one(a) for a in exp.arms))
-    return json.dumps(dict(pairs), sort_keys=True, default=str)
 
 
 def create_app(settings: ProxySettings) -> web.Application:

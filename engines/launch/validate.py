@@ -28,8 +28,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specproxy.config import Arm, ConfigError, Experiment, validate_speculative
-
-from .plan import MANAGED_FLAGS, Engine, PlanError, arm_bind_host, arm_port, served_model_name
+from specproxy.engines.launch.plan import (
+    MANAGED_FLAGS,
+    Engine,
+    PlanError,
+    arm_bind_host,
+    arm_port,
+    served_model_name,
+)
 
 Level = Literal["error", "warning"]
 

@@ -1,4 +1,4 @@
-"""`specproxy serve`: parse options, build :class:`~specproxy.proxy.app.ProxySettings`, run the app.
+"""`specproxy serve`: parse options, build :class:`~specproxy.proxy.server.app.ProxySettings`, run the app.
 
 One process by default. ``--workers N`` starts N worker processes on the same port (SO_REUSEPORT:
 the kernel spreads connections over them); each writes its own span store ``<stem>.w<i><suffix>``
@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 
 import click
 
+from specproxy.commandline import run_async
 from specproxy.config import ConfigError, Experiment, load_experiment
 
 if TYPE_CHECKING:
-    from .app import ProxySettings
+    from specproxy.proxy.server.app import ProxySettings
 
 log = logging.getLogger("specproxy.serve")
 
@@ -105,27 +106,21 @@ def _run_one(exp: Experiment, host: str, port: int, db: str, capture: str | None
              run_id: str, no_scrape: bool, worker_index: int | None, db_memory: str) -> None:
     signal.signal(signal.SIGTERM, _EarlyStop.note)
     signal.signal(signal.SIGINT, _EarlyStop.note)
-    from .app import ProxySettings
+    from specproxy.proxy.server.app import ProxySettings
 
     settings = ProxySettings(
         experiment=exp, db=db, run_id=run_id, capture=capture, capture_responses=capture_responses,
         api_key=os.environ.get("SPECPROXY_API_KEY") or None, scrape_metrics=not no_scrape,
         worker_index=worker_index, db_memory_limit=db_memory,
     )
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # Windows: the default loop works, slower
-        pass
-    asyncio.run(_serve(settings, host, port, reuse_port=worker_index is not None))
+    run_async(_serve(settings, host, port, reuse_port=worker_index is not None))
 
 
 async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: bool) -> None:
     from aiohttp import web
 
-    from .app import STATE, create_app
-    from .sink import SpanSinkError
+    from specproxy.proxy.server.app import STATE, create_app
+    from specproxy.proxy.spans.sink import SpanSinkError
 
     exp = settings.experiment
     stop = asyncio.Event()

@@ -6,9 +6,10 @@ and outlives the `up` command: what `up` started is written to a state file next
     <experiment dir>/.specproxy-engines/<experiment name>.json
 
 so `status` and `down` work from another shell, and `serve`/`replay` can read each arm's stack
-(:func:`recorded_stacks`). A process is identified by its pid *and* its start time, so a recycled
-pid is never signalled. `down` sends SIGTERM to each arm's whole process group (vLLM's engine core
-and workers are children of the API server) and SIGKILL to what is left after the grace period.
+(:mod:`specproxy.engine_state` holds that file's shape). A process is identified by its pid *and*
+its start time, so a recycled pid is never signalled. `down` sends SIGTERM to each arm's whole
+process group (vLLM's engine core and workers are children of the API server) and SIGKILL to what
+is left after the grace period.
 
 Errors are one tree::
 
@@ -19,7 +20,6 @@ Errors are one tree::
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -27,21 +27,28 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
 from specproxy.config import Experiment
+from specproxy.engine_state import (
+    ArmProcess,
+    EngineError,
+    EngineState,
+    StateError,
+    is_running,
+    pid_alive,
+    proc_stat,
+    process_start_ticks,
+    read_state,
+    state_path,
+    write_state,
+)
+from specproxy.engines.launch.plan import ArmLaunch
 
-from .plan import ArmLaunch
-
-STATE_DIR_NAME = ".specproxy-engines"
 LOG_TAIL_LINES = 40
-
-
-class EngineError(Exception):
-    """Base of the engines' errors; the message is a sentence for the user."""
 
 
 class EngineStartError(EngineError):
@@ -51,146 +58,16 @@ class EngineStartError(EngineError):
         self.log_tail = log_tail
 
 
-class StateError(EngineError):
-    pass
-
-
-@dataclass
-class ArmProcess:
-    """One started arm, as kept in the state file."""
-
-    arm: str
-    pid: int
-    port: int
-    url: str
-    health_url: str
-    log: str
-    argv: list[str]
-    env: dict[str, str]
-    engine: str
-    started_at: str
-    # Field 22 of /proc/<pid>/stat: with the pid, identifies the process across pid reuse.
-    start_ticks: int | None = None
-    stack: dict[str, Any] | None = None
-
-
-@dataclass
-class EngineState:
-    experiment: str
-    config_path: str | None
-    engine: str
-    created_at: str
-    arms: list[ArmProcess] = field(default_factory=list)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False)
-
-    @classmethod
-    def from_json(cls, text: str) -> EngineState:
-        data = json.loads(text)
-        arms = [ArmProcess(**a) for a in data.pop("arms", [])]
-        return cls(arms=arms, **data)
-
-
-def state_dir(exp: Experiment) -> Path:
-    """Where `up` keeps its state and (by default) the arms' logs: next to the experiment file."""
-    base = Path(exp.source_path).resolve().parent if exp.source_path else Path.cwd()
-    return base / STATE_DIR_NAME
-
-
-def state_path(exp: Experiment) -> Path:
-    return state_dir(exp) / f"{exp.name}.json"
-
-
-def read_state(exp: Experiment) -> EngineState | None:
-    path = state_path(exp)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise StateError(f"cannot read the engines state file {path}: {exc.strerror or exc}") from exc
-    try:
-        return EngineState.from_json(text)
-    except (ValueError, TypeError) as exc:
-        raise StateError(f"the engines state file {path} is damaged ({exc}); delete it after checking "
-                         f"no engine of this experiment still runs") from exc
-
-
-def write_state(exp: Experiment, state: EngineState) -> Path:
-    path = state_path(exp)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(state.to_json())
-    os.replace(tmp, path)  # atomic: a concurrent `status` never reads half a file
-    return path
-
-
-def recorded_stacks(exp: Experiment) -> dict[str, dict[str, Any]]:
-    """Each running arm's stack as `engines up` captured it ({} when the arms were not started by
-    `specproxy engines`). For the run record's ``stacks_json``.
-
-    Example::
-
-        stacks = recorded_stacks(exp)   # {"eagle3": {"vllm_version": "0.33.0", "gpus": [...], ...}}
-    """
-    try:
-        state = read_state(exp)
-    except StateError:
-        return {}
-    if state is None:
-        return {}
-    return {a.arm: a.stack for a in state.arms if a.stack is not None and is_running(a)}
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat split into fields (the command name, which may hold spaces, folded into one)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    head, _, tail = raw.rpartition(")")
-    pid_part, _, comm = head.partition(" (")
-    return [pid_part, comm, *tail.split()]
-
-
-def process_start_ticks(pid: int) -> int | None:
-    fields = _proc_stat(pid)
-    return int(fields[21]) if fields and len(fields) > 21 else None
-
-
-def _alive(pid: int) -> bool:
-    fields = _proc_stat(pid)
-    if fields is not None:
-        return fields[2] not in ("Z", "X")  # a zombie has exited; it only waits to be reaped
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def is_running(proc: ArmProcess) -> bool:
-    """Is this arm's process still the one `up` started, and alive?"""
-    if not _alive(proc.pid):
-        return False
-    if proc.start_ticks is not None:
-        return process_start_ticks(proc.pid) == proc.start_ticks
-    return True
-
-
 def _group_members(pgid: int) -> list[int]:
     """Live processes in process group `pgid` (Linux /proc; elsewhere just the leader if alive)."""
     proc_root = Path("/proc")
     if not proc_root.is_dir():
-        return [pgid] if _alive(pgid) else []
+        return [pgid] if pid_alive(pgid) else []
     members = []
     for entry in proc_root.iterdir():
         if not entry.name.isdigit():
             continue
-        fields = _proc_stat(int(entry.name))
+        fields = proc_stat(int(entry.name))
         if fields and len(fields) > 4 and fields[4] == str(pgid) and fields[2] not in ("Z", "X"):
             members.append(int(entry.name))
     return members
@@ -358,7 +235,7 @@ def stop_arms(
             targets.append(arm)
             _signal_group(arm.pid, signal.SIGTERM)
             results[arm.arm] = "SIGTERM"
-        elif not _alive(arm.pid) and _group_members(arm.pid):
+        elif not pid_alive(arm.pid) and _group_members(arm.pid):
             # The API server died but workers of its group live on (holding GPU memory). The group id
             # is the dead leader's pid, which no other process can own while the group exists.
             targets.append(arm)

@@ -15,19 +15,16 @@ from typing import Any
 import click
 
 from specproxy.config import ConfigError, Experiment, load_experiment
-
-from .plan import ENGINES, ArmLaunch, Engine, PlanError, SimOptions, plan_experiment
-from .render import FORMATS, render_compose, render_k8s, render_shell
-from .stack import capture_stack, gpu_inventory, installed_packages
-from .supervisor import (
-    EngineError,
+from specproxy.engine_state import EngineError, state_dir, state_path
+from specproxy.engines.launch.plan import ENGINES, ArmLaunch, Engine, PlanError, SimOptions, plan_experiment
+from specproxy.engines.launch.render import FORMATS, render_compose, render_k8s, render_shell
+from specproxy.engines.launch.stack import capture_stack, gpu_inventory, installed_packages
+from specproxy.engines.launch.supervisor import (
     experiment_status,
     start_arms,
-    state_dir,
-    state_path,
     stop_experiment,
 )
-from .validate import Finding, check_experiment, engine_python
+from specproxy.engines.launch.validate import Finding, check_experiment, engine_python
 
 _EXPERIMENT = click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 

@@ -1,6 +1,6 @@
 """The replay runner: drive replay items against the arms and record one span per upstream call.
 
-Replay calls every arm through :func:`~specproxy.proxy.upstream.call_arm`, the function the proxy
+Replay calls every arm through :func:`~specproxy.proxy.upstream.calls.call_arm`, the function the proxy
 uses, so a replayed call's span is measured exactly like a live one; it then adds what only replay
 knows (``source = replay``, ``routed_as``, ``concurrency_level``, ``category``) and, in paired mode,
 greedy identity against the baseline's output of the same ``request_id``.
@@ -37,18 +37,24 @@ from typing import Any, Literal
 
 import aiohttp
 
-from specproxy.config import Arm, Experiment
+from specproxy.config import Arm, Experiment, experiment_json
+from specproxy.proxy.identity import NOT_COMPARABLE, compare, is_comparable
+from specproxy.proxy.replay.formats import ItemSet, ReplayItem
+from specproxy.proxy.replay.loadgen import LoadStats, closed_loop, open_loop, poisson_offsets, timed_offsets
+from specproxy.proxy.replay.progress import ReplayProgress
+from specproxy.proxy.spans.sink import SpanSink
+from specproxy.proxy.upstream.calls import (
+    CallResult,
+    UpstreamState,
+    UpstreamTimeout,
+    call_arm,
+    level_header,
+    new_record,
+)
+from specproxy.proxy.upstream.scrape import MetricsScraper
+from specproxy.proxy.upstream.stacks import arm_stacks
+from specproxy.proxy.upstream.wire import UpstreamClient
 from specproxy.record import SpanRecord
-
-from .app import arm_stacks, experiment_json
-from .formats import ReplayItem
-from .identity import NOT_COMPARABLE, compare, is_comparable
-from .loadgen import LoadStats, closed_loop, open_loop, poisson_offsets, timed_offsets
-from .progress import ReplayProgress
-from .scrape import MetricsScraper
-from .sink import SpanSink
-from .upstream import CallResult, UpstreamState, UpstreamTimeout, call_arm, level_header, new_record
-from .wire import UpstreamClient
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
@@ -481,13 +487,8 @@ def stop_on_sigint(stop: asyncio.Event) -> Iterator[None]:
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-def parse_levels(text: str) -> tuple[int, ...]:
-    """``"1,4,16,64"`` → (1, 4, 16, 64); ValueError with a sentence otherwise."""
-    try:
-        levels = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError:
-        raise ValueError(f"concurrency must be a comma-separated list of integers, got {text!r}") from None
-    if not levels or any(c < 1 for c in levels):
-        raise ValueError(f"concurrency levels must be integers ≥ 1, got {text!r}")
-    return levels
-
+async def replay_until_stopped(settings: ReplaySettings, items: ItemSet) -> ReplayResult:
+    """Replay with Ctrl-C (and SIGTERM) turned into a clean stop that keeps the spans measured so far."""
+    stop = asyncio.Event()
+    with stop_on_sigint(stop):
+        return await run_replay(settings, items.items, stop)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from specproxy.proxy.formats import ReplayItem
+from specproxy.proxy.replay.formats import ReplayItem
 
 CATEGORIES: tuple[str, ...] = ("chat", "summarization", "code_edit", "extraction", "rag_qa")
 

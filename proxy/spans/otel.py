@@ -1,6 +1,6 @@
 """The OpenTelemetry side of the span pipeline: records ⇄ spans, the DuckDB span exporter, OTLP.
 
-:class:`~specproxy.proxy.sink.SpanSink` drives these pieces; nothing here owns a thread.
+:class:`~specproxy.proxy.spans.sink.SpanSink` drives these pieces; nothing here owns a thread.
 
 - :func:`record_attributes` turns a :class:`~specproxy.record.SpanRecord` into OTel span attributes,
   named by :data:`~specproxy.record.OTEL_ATTRIBUTE` (GenAI semantic conventions where they exist, e.g.

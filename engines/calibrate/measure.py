@@ -54,7 +54,7 @@ from typing import Any
 
 import click
 
-from specproxy.engines.calibrate_fit import POINT_COLUMNS, Point, build_profile, profile_problems, read_points
+from specproxy.engines.calibrate.fit import POINT_COLUMNS, Point, build_profile, profile_problems, read_points
 
 # Each KV-cache token of the 8B model takes 32 layers x (K, V) x 8 heads x 128 x 2 bytes = 128 KiB;
 # the cache is capped at this many tokens for the whole batch (64 GiB + the verification tokens),

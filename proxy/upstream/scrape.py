@@ -14,7 +14,7 @@
 A scrape parses the Prometheus text with ``prometheus_client``'s parser and keeps vLLM's ``vllm:*``
 samples (``_created`` series are dropped: they are timestamps, not values). Each kept sample becomes one
 ``backend_metrics`` row (arm, scraped_at, phase, name, labels as sorted JSON with ``engine`` kept, value)
-sent to the :class:`~specproxy.proxy.sink.SpanSink`, which never blocks.
+sent to the :class:`~specproxy.proxy.spans.sink.SpanSink`, which never blocks.
 
 Backends without ``/metrics`` (llama.cpp-style servers, vLLM with ``--disable-log-stats``), refused
 connections, timeouts and text that does not parse are tolerated: the arm's :class:`Snapshot` has
@@ -43,7 +43,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from specproxy.config import Arm
-from specproxy.proxy.sink import BackendMetricRow, SpanSink
+from specproxy.proxy.spans.sink import BackendMetricRow, SpanSink
 
 log = logging.getLogger(__name__)
 

@@ -1,91 +1,19 @@
-"""`specproxy replay LOGS`: the click layer over :mod:`specproxy.proxy.replay`; it parses and calls."""
+"""`specproxy replay LOGS`: the click layer over :mod:`specproxy.proxy.replay.runner`; it parses and calls."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 from rich.console import Console
 
-from specproxy.config import Arm, ConfigError, Experiment, load_experiment
-
-from .formats import FORMATS, FormatError, ItemSet, read_items
-from .replay import (
-    LoadPlan,
-    ReplayError,
-    ReplayResult,
-    ReplaySettings,
-    parse_levels,
-    run_replay,
-    stop_on_sigint,
-)
-from .sink import SpanSinkError
-
-T = TypeVar("T")
-
-
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """Run on uvloop where it is installed (it is on Linux and macOS), else on asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
-
-
-# (click ≥ 8.2 makes ParamType generic for type checkers; subscripting it would break click 8.1.)
-class ConcurrencyLevels(click.ParamType):  # type: ignore[type-arg]
-    """``1,4,16,64`` on the command line → ``(1, 4, 16, 64)``."""
-
-    name = "LIST"
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> tuple[int, ...]:
-        if isinstance(value, tuple):
-            return value
-        try:
-            return parse_levels(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-def experiment_or_none(path: Path | None) -> Experiment | None:
-    """The experiment file, loaded; a mistake in it becomes the user's error sentence."""
-    if path is None:
-        return None
-    try:
-        return load_experiment(path)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
-async def replay_until_stopped(settings: ReplaySettings, items: ItemSet) -> ReplayResult:
-    """Replay with Ctrl-C (and SIGTERM) turned into a clean stop that keeps the spans measured so far."""
-    stop = asyncio.Event()
-    with stop_on_sigint(stop):
-        return await run_replay(settings, items.items, stop)
-
-
-def print_summary(result: ReplayResult, items: ItemSet | None, console: Console) -> None:
-    """What the run did, per arm, and where its spans are."""
-    for arm, t in result.per_arm.items():
-        ident = f"  identical {t.compared - t.mismatches}/{t.compared}" if t.compared else ""
-        console.print(
-            f"  {arm:<14} ok {t.ok:>6}  errors {t.errors:>4}  tokens {t.completion_tokens:>8}{ident}",
-            highlight=False,
-        )
-    if items is not None and items.skipped:
-        console.print(f"skipped {items.skipped} bad record(s); first: {items.first_skip}", highlight=False)
-    if result.lag_p99_s is not None:
-        console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms", highlight=False)
-    dropped = f" ({result.spans_dropped} dropped: the writer fell behind)" if result.spans_dropped else ""
-    console.print(f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}",
-                  highlight=False)
+from specproxy.commandline import ConcurrencyLevels, experiment_or_none, run_async
+from specproxy.config import Arm
+from specproxy.proxy.replay.formats import FORMATS, FormatError, read_items
+from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
+from specproxy.proxy.replay.summary import print_summary
+from specproxy.proxy.spans.sink import SpanSinkError
 
 
 @click.command("replay")

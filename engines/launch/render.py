@@ -1,6 +1,6 @@
 """Deploy files for one experiment: a shell script, a compose file, Kubernetes manifests.
 
-The same launch plans as `up` (:mod:`specproxy.engines.plan`), written for somewhere else:
+The same launch plans as `up` (:mod:`specproxy.engines.launch.plan`), written for somewhere else:
 
 - ``shell``: the commands, each with its environment, started in the background, then ``wait``;
 - ``compose``: one service per arm (the official ``vllm/vllm-openai`` image with a GPU reservation,
@@ -25,8 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from specproxy.config import Arm, EngineSettings, Experiment
-
-from .plan import ArmLaunch, Engine, arm_port, sim_argv, vllm_argv
+from specproxy.engines.launch.plan import ArmLaunch, Engine, arm_port, sim_argv, vllm_argv
 
 Format = Literal["shell", "compose", "k8s"]
 FORMATS: tuple[Format, ...] = ("shell", "compose", "k8s")

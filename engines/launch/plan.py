@@ -6,7 +6,7 @@ URL. The same plan drives every way of running the arms:
 - ``vllm``: ``vllm serve MODEL --port P --served-model-name NAME --speculative-config '<json>'
   --per-request-spec-decode-metrics summary`` plus the arm's ``[arms.engine]`` settings;
 - ``sim``: ``specproxy sim`` with the same model name, port and speculative config (no GPU);
-- the renderers in :mod:`specproxy.engines.render` turn vLLM plans into a shell script, a compose
+- the renderers in :mod:`specproxy.engines.launch.render` turn vLLM plans into a shell script, a compose
   file or Kubernetes manifests.
 
 Example::

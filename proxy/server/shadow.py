@@ -29,13 +29,12 @@ from typing import Any
 
 from opentelemetry.trace import SpanContext
 
+from specproxy.proxy.identity import compare
+from specproxy.proxy.server.routing import Copy
+from specproxy.proxy.upstream.calls import CallResult, UpstreamState, UpstreamTimeout, call_arm
+from specproxy.proxy.upstream.sse import Endpoint
+from specproxy.proxy.upstream.wire import UpstreamClient
 from specproxy.record import SpanRecord
-
-from .identity import compare
-from .routing import Copy
-from .sse import Endpoint
-from .upstream import CallResult, UpstreamState, UpstreamTimeout, call_arm
-from .wire import UpstreamClient
 
 log = logging.getLogger(__name__)
 

@@ -14,19 +14,19 @@ One :class:`SpanSink` per process holds the span store (a DuckDB file has one wr
 
 The path of a span. :meth:`SpanSink.emit` starts and ends a real OTel span on the sink's own
 ``TracerProvider`` (start and end time from the record, attributes from
-:func:`~specproxy.proxy.otel.record_attributes`). The span keeps the record's ``trace_id`` and
-``span_id`` when they are valid hex ids (:func:`~specproxy.proxy.upstream.new_record` makes them, so
+:func:`~specproxy.proxy.spans.otel.record_attributes`). The span keeps the record's ``trace_id`` and
+``span_id`` when they are valid hex ids (:func:`~specproxy.proxy.upstream.calls.new_record` makes them, so
 the proxy can give a request's primary and shadow calls one trace, and tell each arm its span's id in a
 ``traceparent`` header); otherwise new ones are made and written back into the record. With ``parent``
 the span is that context's child, in its trace. The provider has two span processors:
 
-- the sink's queue: ``on_end`` turns the span into a row (:func:`~specproxy.proxy.otel.span_row`) and
+- the sink's queue: ``on_end`` turns the span into a row (:func:`~specproxy.proxy.spans.otel.span_row`) and
   appends it to a bounded list, which the writer thread drains through
-  :class:`~specproxy.proxy.otel.DuckDBSpanExporter` on its own DuckDB connection: one columnar insert
+  :class:`~specproxy.proxy.spans.otel.DuckDBSpanExporter` on its own DuckDB connection: one columnar insert
   per batch of up to ``batch_size`` rows, whenever ``batch_size`` rows wait and at least every
   ``flush_interval_s`` (:meth:`SpanSink.flush` waits for everything accepted so far);
 - when OTLP is configured (``otlp_endpoint``, or the standard ``OTEL_*`` variables, see
-  :func:`~specproxy.proxy.otel.otlp_exporter`), the SDK's ``BatchSpanProcessor`` with the OTLP/HTTP
+  :func:`~specproxy.proxy.spans.otel.otlp_exporter`), the SDK's ``BatchSpanProcessor`` with the OTLP/HTTP
   exporter, on its own thread.
 
 The queue holds at most ``queue_size`` spans waiting for the writer. :meth:`emit` reserves a place before
@@ -79,7 +79,7 @@ from opentelemetry.trace import (
 )
 
 from specproxy import __version__, schema
-from specproxy.proxy.otel import (
+from specproxy.proxy.spans.otel import (
     DuckDBSpanExporter,
     column_array,
     epoch_us_to_timestamptz,

@@ -3,7 +3,7 @@
 A speedup is a fact about a stack, not about a method: the same EAGLE3 head gives different numbers
 on another vLLM, driver or GPU. `specproxy engines up` captures this for each arm once it is healthy
 and keeps it in the engines state file, where `serve` and `replay` pick it up for the run's
-``stacks_json`` (see :func:`specproxy.engines.supervisor.recorded_stacks`).
+``stacks_json`` (see :func:`specproxy.engines.launch.supervisor.recorded_stacks`).
 
 Example::
 
@@ -25,8 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from specproxy import __version__
-
-from .plan import ArmLaunch
+from specproxy.engines.launch.plan import ArmLaunch
 
 _FREEZE = (
     "import importlib.metadata as m\n"

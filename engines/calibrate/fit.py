@@ -14,7 +14,7 @@ non-negative: a negative per-token cost would make the simulator reward bigger b
 shorter steps outside the measured range.
 
 The raw measurements live in a CSV (`POINT_COLUMNS`), one row per timed configuration, written by
-`specproxy.engines.calibrate` on the GPU and re-read here:
+`specproxy.engines.calibrate.measure` on the GPU and re-read here:
 
     >>> pts = read_points("engines/profiles/h200-llama3.1-8b.points.csv")   # doctest: +SKIP
     >>> profile = build_profile(pts, stack={...}, name="h200-llama3.1-8b")   # doctest: +SKIP

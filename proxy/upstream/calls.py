@@ -48,11 +48,10 @@ import aiohttp
 import orjson
 
 from specproxy.config import Arm
+from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, traceparent
+from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, SSEParser
+from specproxy.proxy.upstream.wire import Exchange, UpstreamClient
 from specproxy.record import SpanRecord, decode_tok_s
-
-from .otel import TRACEPARENT_HEADER, traceparent
-from .sse import CompletionTap, Endpoint, SSEParser
-from .wire import Exchange, UpstreamClient
 
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 CATEGORY_HEADER = "X-Specproxy-Category"

@@ -1,0 +1,25 @@
+"""The few lines a replay prints when it ends: per arm, calls and identity; where the spans went."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from specproxy.proxy.replay.formats import ItemSet
+from specproxy.proxy.replay.runner import ReplayResult
+
+
+def print_summary(result: ReplayResult, items: ItemSet | None, console: Console) -> None:
+    """What the run did, per arm, and where its spans are."""
+    for arm, t in result.per_arm.items():
+        ident = f"  identical {t.compared - t.mismatches}/{t.compared}" if t.compared else ""
+        console.print(
+            f"  {arm:<14} ok {t.ok:>6}  errors {t.errors:>4}  tokens {t.completion_tokens:>8}{ident}",
+            highlight=False,
+        )
+    if items is not None and items.skipped:
+        console.print(f"skipped {items.skipped} bad record(s); first: {items.first_skip}", highlight=False)
+    if result.lag_p99_s is not None:
+        console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms", highlight=False)
+    dropped = f" ({result.spans_dropped} dropped: the writer fell behind)" if result.spans_dropped else ""
+    console.print(f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}",
+                  highlight=False)

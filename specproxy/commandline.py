@@ -1,0 +1,61 @@
+"""What every command shares: running a coroutine on uvloop, option types, loading the experiment file."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from specproxy.config import ConfigError, Experiment, load_experiment
+
+T = TypeVar("T")
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop where it is installed (it is on Linux and macOS), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    """``"1,4,16,64"`` → (1, 4, 16, 64); ValueError with a sentence otherwise."""
+    try:
+        levels = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ValueError(f"concurrency must be a comma-separated list of integers, got {text!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise ValueError(f"concurrency levels must be integers ≥ 1, got {text!r}")
+    return levels
+
+
+# (click ≥ 8.2 makes ParamType generic for type checkers; subscripting it would break click 8.1.)
+class ConcurrencyLevels(click.ParamType):  # type: ignore[type-arg]
+    """``1,4,16,64`` on the command line → ``(1, 4, 16, 64)``."""
+
+    name = "LIST"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_levels(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def experiment_or_none(path: Path | None) -> Experiment | None:
+    """The experiment file, loaded; a mistake in it becomes the user's error sentence."""
+    if path is None:
+        return None
+    try:
+        return load_experiment(path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
