@@ -492,7 +492,10 @@ def _fill_comparisons(
 
 
 def _paired_decode_interval(
-    sample: np.ndarray[Any, np.dtype[np.float64]], g: dict[str, Any], n_total: int, settings: Settings,
+    sample: np.ndarray[Any, np.dtype[np.float64]],
+    g: dict[str, Any],
+    n_total: int,
+    settings: Settings,
     rng: np.random.Generator,
 ) -> Interval:
     """Paired median-ratio interval of decode tok/s over a pair sample (columns 0: candidate, 1: baseline)."""
@@ -509,7 +512,10 @@ def _paired_decode_interval(
 
 
 def _paired_throughput_interval(
-    sample: np.ndarray[Any, np.dtype[np.float64]], point: float, g: dict[str, Any], settings: Settings,
+    sample: np.ndarray[Any, np.dtype[np.float64]],
+    point: float,
+    g: dict[str, Any],
+    settings: Settings,
     rng: np.random.Generator,
 ) -> Interval:
     """Paired Σtokens/Σe2e ratio interval (columns 2, 3: tokens; 4, 5: e2e; candidate then baseline)."""

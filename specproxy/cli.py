@@ -23,7 +23,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sql": ("specproxy.analysis.cli", "sql", "Query the span store with SQL."),
     "export": ("specproxy.analysis.cli", "export", "Export spans (Parquet) for a warehouse."),
     "sim": ("specproxy.engines.sim.cli", "sim", "A vLLM-shaped simulated backend with speculative decoding."),
-    "engines": ("specproxy.engines.launch.cli", "engines", "Plan, launch and stop the vLLM arms of an experiment."),
+    "engines": (
+        "specproxy.engines.launch.cli",
+        "engines",
+        "Plan, launch and stop the vLLM arms of an experiment.",
+    ),
 }
 
 

@@ -41,8 +41,9 @@ class ConcurrencyLevels(click.ParamType):  # type: ignore[type-arg]
 
     name = "LIST"
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> tuple[int, ...]:
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, ...]:
         if isinstance(value, tuple):
             return value
         try:

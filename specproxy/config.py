@@ -176,8 +176,14 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if set(kinds) == {int, float}:
         return "a number"
-    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "a table",
-             list: "a list"}
+    names = {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        dict: "a table",
+        list: "a list",
+    }
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
@@ -208,8 +214,10 @@ def validate_speculative(spec: Mapping[str, Any], where: str, path: str) -> None
 
 def _frozen_map(d: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(
-        {k: _frozen_map(v) if isinstance(v, Mapping) else tuple(v) if isinstance(v, list) else v
-         for k, v in d.items()}
+        {
+            k: _frozen_map(v) if isinstance(v, Mapping) else tuple(v) if isinstance(v, list) else v
+            for k, v in d.items()
+        }
     )
 
 
@@ -237,9 +245,14 @@ def _load_engine(where: str, table: Mapping[str, Any], path: str) -> EngineSetti
         raise r.fail("env", "values must be strings")
     r.check_unknown(r.used)
     return EngineSettings(
-        port=port, gpus=tuple(gpus), tensor_parallel_size=tp, max_num_seqs=mns,
-        gpu_memory_utilization=float(gmu) if gmu is not None else None, max_model_len=mml,
-        extra_args=tuple(extra), env=MappingProxyType(dict(env)),
+        port=port,
+        gpus=tuple(gpus),
+        tensor_parallel_size=tp,
+        max_num_seqs=mns,
+        gpu_memory_utilization=float(gmu) if gmu is not None else None,
+        max_model_len=mml,
+        extra_args=tuple(extra),
+        env=MappingProxyType(dict(env)),
     )
 
 
@@ -277,9 +290,18 @@ def _load_arm(where: str, table: Any, index: int) -> Arm:
     engine = _load_engine(where, r.get("engine", dict, {}), f"{path}.engine")
     r.check_unknown(r.used)
     return Arm(
-        name=name, url=url, role=role, weight=weight, speculative=_frozen_map(spec), sample=sample,
-        max_shadow_inflight=msi, api_key_env=key_env, vllm_extensions=ext, return_token_ids=rti,
-        description=desc, engine=engine,
+        name=name,
+        url=url,
+        role=role,
+        weight=weight,
+        speculative=_frozen_map(spec),
+        sample=sample,
+        max_shadow_inflight=msi,
+        api_key_env=key_env,
+        vllm_extensions=ext,
+        return_token_ids=rti,
+        description=desc,
+        engine=engine,
     )
 
 
@@ -300,7 +322,7 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
     baselines = [i for i, a in enumerate(arms) if a.role == "baseline"]
     if len(baselines) != 1:
         raise ConfigError(
-            f"{where}: arms: exactly one arm must have role = \"baseline\" (found {len(baselines)})"
+            f'{where}: arms: exactly one arm must have role = "baseline" (found {len(baselines)})'
         )
     seen: set[str] = set()
     for i, a in enumerate(arms):

@@ -22,6 +22,7 @@ from specproxy.config import Experiment
 
 STATE_DIR_NAME = ".specproxy-engines"
 
+
 class EngineError(Exception):
     """Base of the engines' errors; the message is a sentence for the user."""
 
@@ -88,8 +89,10 @@ def read_state(exp: Experiment) -> EngineState | None:
     try:
         return EngineState.from_json(text)
     except (ValueError, TypeError) as exc:
-        raise StateError(f"the engines state file {path} is damaged ({exc}); delete it after checking "
-                         f"no engine of this experiment still runs") from exc
+        raise StateError(
+            f"the engines state file {path} is damaged ({exc}); delete it after checking "
+            f"no engine of this experiment still runs"
+        ) from exc
 
 
 def write_state(exp: Experiment, state: EngineState) -> Path:

@@ -62,12 +62,18 @@ MAX_CLOCK_LAG = 0.05
 # The lab's four configurations: (arm name, vLLM --speculative-config or None).
 LAB_ARMS: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("baseline", None),
-    ("ngram", {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1,
-               "prompt_lookup_max": 4}),
-    ("draft_model", {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct",
-                     "num_speculative_tokens": 4}),
-    ("eagle3", {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
-                "num_speculative_tokens": 3}),
+    (
+        "ngram",
+        {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
+    ),
+    (
+        "draft_model",
+        {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct", "num_speculative_tokens": 4},
+    ),
+    (
+        "eagle3",
+        {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 3},
+    ),
 )
 
 
@@ -85,10 +91,20 @@ class LabPlan:
         return max(self.min_items_per_level, self.waves_per_level * level)
 
 
-QUICK = LabPlan(levels=(1, 4, 16, 64, 256), min_items_per_level=20, waves_per_level=2, time_scale=1.0,
-                max_tokens_scale=0.5)
-FULL = LabPlan(levels=(1, 2, 4, 8, 16, 32, 64, 128, 256), min_items_per_level=40, waves_per_level=3,
-               time_scale=1.0, max_tokens_scale=1.0)
+QUICK = LabPlan(
+    levels=(1, 4, 16, 64, 256),
+    min_items_per_level=20,
+    waves_per_level=2,
+    time_scale=1.0,
+    max_tokens_scale=0.5,
+)
+FULL = LabPlan(
+    levels=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    min_items_per_level=40,
+    waves_per_level=3,
+    time_scale=1.0,
+    max_tokens_scale=1.0,
+)
 
 
 # -- simulated arms ------------------------------------------------------------------------------
@@ -105,13 +121,19 @@ def lab_experiment(out: Path, profile: str, time_scale: float) -> Experiment:
     arms = []
     for name, spec in LAB_ARMS:
         port = _free_port()
-        arms.append(Arm(
-            name=name, url=f"http://127.0.0.1:{port}", role="baseline" if spec is None else "candidate",
-            speculative=spec or {}, engine=EngineSettings(port=port),
-            description=f"specproxy sim, profile {profile}, time scale {time_scale:g}",
-        ))
-    return Experiment(name="lab", arms=tuple(arms), model=LAB_MODEL,
-                      source_path=str(out.resolve() / "lab.toml"))
+        arms.append(
+            Arm(
+                name=name,
+                url=f"http://127.0.0.1:{port}",
+                role="baseline" if spec is None else "candidate",
+                speculative=spec or {},
+                engine=EngineSettings(port=port),
+                description=f"specproxy sim, profile {profile}, time scale {time_scale:g}",
+            )
+        )
+    return Experiment(
+        name="lab", arms=tuple(arms), model=LAB_MODEL, source_path=str(out.resolve() / "lab.toml")
+    )
 
 
 @contextlib.contextmanager
@@ -125,8 +147,14 @@ def simulated_arms(out: Path, profile: str, time_scale: float, seed: int) -> Ite
     launches = [plan_arm(exp, arm, engine="sim", sim=options) for arm in exp.arms]
     try:
         # The exact simulator command goes into the run's stacks (profile, time scale, seed).
-        start_arms(exp, launches, log_dir=out, health_timeout_s=60.0, engine="sim",
-                   stack_of=lambda launch: {"engine": "sim", "argv": list(launch.argv)})
+        start_arms(
+            exp,
+            launches,
+            log_dir=out,
+            health_timeout_s=60.0,
+            engine="sim",
+            stack_of=lambda launch: {"engine": "sim", "argv": list(launch.argv)},
+        )
     except EngineError as exc:
         raise click.ClickException(str(exc)) from None
     try:
@@ -169,7 +197,8 @@ class SimClocks:
             before = self.marks.get(f"{label}:before", {})
             out[label] = {
                 arm: (lag - before[arm][0]) / (busy - before[arm][1])
-                for arm, (lag, busy) in after.items() if arm in before and busy > before[arm][1]
+                for arm, (lag, busy) in after.items()
+                if arm in before and busy > before[arm][1]
             }
         return out
 
@@ -182,14 +211,19 @@ def print_clock_lag(lag: dict[str, dict[str, float]], console: Console) -> None:
         if arms:
             worst = max(arms, key=lambda a: arms[a])
             cells.append(f"{label} {arms[worst]:.1%} ({worst})")
-    console.print("simulator clock lag by level (worst arm; share of busy time behind the profile's clock): "
-                  + ", ".join(cells), highlight=False)
+    console.print(
+        "simulator clock lag by level (worst arm; share of busy time behind the profile's clock): "
+        + ", ".join(cells),
+        highlight=False,
+    )
     late = [label for label, arms in lag.items() if arms and max(arms.values()) > MAX_CLOCK_LAG]
     if late:
-        console.print(f"[yellow]warning: at {', '.join(late)} a simulator fell more than {MAX_CLOCK_LAG:.0%} "
-                      "behind its clock (this machine could not keep up): those rows' times are stretched "
-                      "and their ratios less certain; rerun on a quieter machine or with --time-scale "
-                      "0.5[/yellow]")
+        console.print(
+            f"[yellow]warning: at {', '.join(late)} a simulator fell more than {MAX_CLOCK_LAG:.0%} "
+            "behind its clock (this machine could not keep up): those rows' times are stretched "
+            "and their ratios less certain; rerun on a quieter machine or with --time-scale "
+            "0.5[/yellow]"
+        )
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -223,29 +257,71 @@ def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayIt
 
 
 @click.command("lab")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Experiment file with running arms (default: start four simulated arms).")
-@click.option("--workload", type=click.Path(dir_okay=False, path_type=Path),
-              help=f"A traffic log to use instead of the built-in mixed workload ({', '.join(FORMATS)}).")
-@click.option("--concurrency", "levels", type=ConcurrencyLevels(), help="Concurrency levels of the sweep "
-              "(default 1,2,4,8,16,32,64,128,256; with --quick 1,4,16,64,256).")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("lab-out"),
-              show_default=True, help="Folder for the span store, report.html and the simulators' logs.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Experiment file with running arms (default: start four simulated arms).",
+)
+@click.option(
+    "--workload",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help=f"A traffic log to use instead of the built-in mixed workload ({', '.join(FORMATS)}).",
+)
+@click.option(
+    "--concurrency",
+    "levels",
+    type=ConcurrencyLevels(),
+    help="Concurrency levels of the sweep (default 1,2,4,8,16,32,64,128,256; with --quick 1,4,16,64,256).",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("lab-out"),
+    show_default=True,
+    help="Folder for the span store, report.html and the simulators' logs.",
+)
 @click.option("--quick", is_flag=True, help="A smaller run: under 2 minutes on a 2-core machine.")
-@click.option("--profile", default=DEFAULT_PROFILE, show_default=True,
-              help="Simulator cost profile (hardware × model), e.g. h200-llama3.1-8b.")
-@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Simulated arms run this many times faster than the profile's clock (default 1); "
-                   "ratios between arms are kept, absolute tok/s are multiplied by it.")
-@click.option("--items", type=click.IntRange(min=1), default=None,
-              help="At least this many requests per arm and level (default 40; 20 with --quick).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
-              help="Cap every answer at N tokens (default: the workload's own lengths).")
+@click.option(
+    "--profile",
+    default=DEFAULT_PROFILE,
+    show_default=True,
+    help="Simulator cost profile (hardware × model), e.g. h200-llama3.1-8b.",
+)
+@click.option(
+    "--time-scale",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Simulated arms run this many times faster than the profile's clock (default 1); "
+    "ratios between arms are kept, absolute tok/s are multiplied by it.",
+)
+@click.option(
+    "--items",
+    type=click.IntRange(min=1),
+    default=None,
+    help="At least this many requests per arm and level (default 40; 20 with --quick).",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Cap every answer at N tokens (default: the workload's own lengths).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the workload and simulators.")
 @click.option("--no-progress", is_flag=True, help="No live progress display.")
-def lab(config_path: Path | None, workload: Path | None, levels: tuple[int, ...] | None, out: Path,
-        quick: bool, profile: str, time_scale: float | None, items: int | None, max_tokens: int | None,
-        seed: int, no_progress: bool) -> None:
+def lab(
+    config_path: Path | None,
+    workload: Path | None,
+    levels: tuple[int, ...] | None,
+    out: Path,
+    quick: bool,
+    profile: str,
+    time_scale: float | None,
+    items: int | None,
+    max_tokens: int | None,
+    seed: int,
+    no_progress: bool,
+) -> None:
     """The whole evaluation in one command: four speculative configs, a concurrency sweep, a verdict.
 
     \b
@@ -256,9 +332,13 @@ def lab(config_path: Path | None, workload: Path | None, levels: tuple[int, ...]
     """
     console = Console(stderr=True, soft_wrap=True)
     plan = QUICK if quick else FULL
-    plan = LabPlan(levels=levels or plan.levels, min_items_per_level=items or plan.min_items_per_level,
-                   waves_per_level=plan.waves_per_level, time_scale=time_scale or plan.time_scale,
-                   max_tokens_scale=plan.max_tokens_scale)
+    plan = LabPlan(
+        levels=levels or plan.levels,
+        min_items_per_level=items or plan.min_items_per_level,
+        waves_per_level=plan.waves_per_level,
+        time_scale=time_scale or plan.time_scale,
+        max_tokens_scale=plan.max_tokens_scale,
+    )
     experiment = experiment_or_none(config_path)
     out.mkdir(parents=True, exist_ok=True)
     db_path = out / "specproxy.duckdb"
@@ -267,21 +347,30 @@ def lab(config_path: Path | None, workload: Path | None, levels: tuple[int, ...]
     with contextlib.ExitStack() as stack:
         simulated = experiment is None
         if experiment is None:
-            console.print(f"starting 4 simulated arms ({profile}, time scale {plan.time_scale:g}) ...",
-                          highlight=False)
+            console.print(
+                f"starting 4 simulated arms ({profile}, time scale {plan.time_scale:g}) ...", highlight=False
+            )
             experiment = stack.enter_context(simulated_arms(out, profile, plan.time_scale, seed))
         arms = experiment.arms
         clocks = SimClocks(arms) if simulated else None
         settings = ReplaySettings(
-            arms=arms, db_path=db_path, run_name="lab-quick" if quick else "lab", mode="paired",
+            arms=arms,
+            db_path=db_path,
+            run_name="lab-quick" if quick else "lab",
+            mode="paired",
             load=LoadPlan(kind="closed", levels=plan.levels, items_per_level=plan.items_per_level),
-            temperature=0.0, max_tokens=max_tokens, seed=seed, experiment=experiment,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            seed=seed,
+            experiment=experiment,
             on_phase=clocks.mark if clocks is not None else None,
             show_progress=not no_progress,
         )
         n_calls = sum(plan.items_per_level(c) for c in plan.levels)
-        console.print(f"sweep {','.join(map(str, plan.levels))} in paired mode, {n_calls} requests per arm",
-                      highlight=False)
+        console.print(
+            f"sweep {','.join(map(str, plan.levels))} in paired mode, {n_calls} requests per arm",
+            highlight=False,
+        )
         try:
             result = run_async(replay_until_stopped(settings, ItemSet("lab", lab_items)))
         except ReplayError as exc:
@@ -294,9 +383,11 @@ def lab(config_path: Path | None, workload: Path | None, levels: tuple[int, ...]
     if result.interrupted:
         console.print("interrupted: what was measured so far is analysed below", highlight=False)
     if simulated and plan.time_scale != 1:
-        console.print(f"note: the simulated arms ran {plan.time_scale:g}x faster than the {profile} clock: "
-                      f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
-                      highlight=False)
+        console.print(
+            f"note: the simulated arms ran {plan.time_scale:g}x faster than the {profile} clock: "
+            f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
+            highlight=False,
+        )
     if clocks is not None:
         print_clock_lag(clocks.lag_by_level(), console)
     report = analysis_outputs(db_path, out, result.run_id, console)

@@ -82,9 +82,7 @@ COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SpanRecord))
 
 # OpenTelemetry attribute name for each record field: GenAI semantic conventions where one exists,
 # `specproxy.*` otherwise.
-OTEL_ATTRIBUTE: dict[str, str] = {
-    name: f"specproxy.{name}" for name in COLUMNS
-} | {
+OTEL_ATTRIBUTE: dict[str, str] = {name: f"specproxy.{name}" for name in COLUMNS} | {
     "model": "gen_ai.request.model",
     "temperature": "gen_ai.request.temperature",
     "max_tokens": "gen_ai.request.max_tokens",

@@ -128,10 +128,11 @@ async def _generate(
     usage_cont = usage_final and bool(opts.get("continuous_usage_stats"))
     lp_n = _logprobs_n(body, chat)
     k = max(cfg.tokens_per_chunk - 1, 0)
-    steps = [ids[i:i + cfg.tokens_per_chunk] for i in range(0, len(ids), cfg.tokens_per_chunk)]
+    steps = [ids[i : i + cfg.tokens_per_chunk] for i in range(0, len(ids), cfg.tokens_per_chunk)]
     if steps and cfg.tokens_per_chunk > 1:
-        steps = [ids[:1]] + [ids[1 + i:1 + i + cfg.tokens_per_chunk]
-                             for i in range(0, len(ids) - 1, cfg.tokens_per_chunk)]
+        steps = [ids[:1]] + [
+            ids[1 + i : 1 + i + cfg.tokens_per_chunk] for i in range(0, len(ids) - 1, cfg.tokens_per_chunk)
+        ]
     spec = None
     if cfg.spec_metrics and k:
         spec_steps = max(len(steps) - 1, 0)
@@ -139,8 +140,11 @@ async def _generate(
         spec = {
             "mean_acceptance_length": 1 + accepted / spec_steps if spec_steps else 1.0,
             "draft_acceptance_rate": accepted / (spec_steps * k) if spec_steps else 0.0,
-            "acceptance_histogram": [], "num_spec_steps": spec_steps, "num_accepted_draft_tokens": accepted,
-            "num_draft_tokens": spec_steps * k, "num_spec_tokens": k,
+            "acceptance_histogram": [],
+            "num_spec_steps": spec_steps,
+            "num_accepted_draft_tokens": accepted,
+            "num_draft_tokens": spec_steps * k,
+            "num_spec_tokens": k,
         }
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.headers.get('X-Request-Id', 'x')}"
     created = int(time.time())
@@ -150,8 +154,9 @@ async def _generate(
     if body.get("stream"):
         # Like vLLM (uvicorn sends a StreamingResponse's headers at once): the headers leave before the
         # first token, so a proxy's work on them is not on the time to first token.
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                             "Cache-Control": "no-cache"})
+        stream = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         writer = await stream.prepare(request)
         assert writer is not None
         writer.send_headers()
@@ -172,10 +177,16 @@ async def _generate(
         if want_ids:
             choice["token_ids"] = ids
         out: dict[str, Any] = {
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
-                      "total_tokens": prompt_tokens + len(ids)},
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(ids),
+                "total_tokens": prompt_tokens + len(ids),
+            },
         }
         if spec:
             out["metrics"] = {"speculative_decoding": spec}
@@ -189,18 +200,30 @@ async def _generate(
     done = 0
 
     def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
-        c: dict[str, Any] = {"id": rid, "object": obj_name, "created": created, "model": model,
-                             "choices": choices}
+        c: dict[str, Any] = {
+            "id": rid,
+            "object": obj_name,
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
         if usage_cont:
-            c["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                          "total_tokens": prompt_tokens + done}
+            c["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": done,
+                "total_tokens": prompt_tokens + done,
+            }
         if extra:
             c.update(extra)
         return b"data: " + orjson.dumps(c) + b"\n\n"
 
     if chat:
-        first: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}
+        first: dict[str, Any] = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         head = chunk([first], {"prompt_token_ids": [1, 2, 3]} if want_ids else None)
         await resp.write(head)
     for si, step in enumerate(steps):
@@ -227,9 +250,16 @@ async def _generate(
         await resp.write(chunk([c]))
     if usage_final:
         final: dict[str, Any] = {
-            "id": rid, "object": obj_name, "created": created, "model": model, "choices": [],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                      "total_tokens": prompt_tokens + done},
+            "id": rid,
+            "object": obj_name,
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": done,
+                "total_tokens": prompt_tokens + done,
+            },
         }
         if spec:
             final["metrics"] = {"speculative_decoding": spec}
@@ -256,19 +286,31 @@ def _logprobs(ids: list[int], n: int, chat: bool) -> dict[str, Any]:
         return [(token_text(t), 0.0), (token_text(t + 1), second)][: max(n, 1)]
 
     if chat:
-        return {"content": [
-            {"token": token_text(t), "logprob": 0.0, "bytes": None,
-             "top_logprobs": [{"token": a, "logprob": b, "bytes": None} for a, b in tops(t)]}
-            for t in ids
-        ]}
-    return {"tokens": [token_text(t) for t in ids], "token_logprobs": [0.0] * len(ids),
-            "top_logprobs": [dict(tops(t)) for t in ids], "text_offset": [0] * len(ids)}
+        return {
+            "content": [
+                {
+                    "token": token_text(t),
+                    "logprob": 0.0,
+                    "bytes": None,
+                    "top_logprobs": [{"token": a, "logprob": b, "bytes": None} for a, b in tops(t)],
+                }
+                for t in ids
+            ]
+        }
+    return {
+        "tokens": [token_text(t) for t in ids],
+        "token_logprobs": [0.0] * len(ids),
+        "top_logprobs": [dict(tops(t)) for t in ids],
+        "text_offset": [0] * len(ids),
+    }
 
 
 async def _models(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
-    data = {"object": "list", "data": [{"id": cfg.model, "object": "model", "owned_by": "vllm",
-                                        "max_model_len": 8192}]}
+    data = {
+        "object": "list",
+        "data": [{"id": cfg.model, "object": "model", "owned_by": "vllm", "max_model_len": 8192}],
+    }
     return web.json_response(data)
 
 
@@ -339,8 +381,13 @@ def main() -> None:
     ap.add_argument("--tokens-per-chunk", type=int, default=1)
     ap.add_argument("--diverge-at", type=int, default=None)
     args = ap.parse_args()
-    cfg = BackendConfig(ttft_s=args.ttft_ms / 1000, itl_s=args.itl_ms / 1000, tokens=args.tokens,
-                        tokens_per_chunk=args.tokens_per_chunk, diverge_at=args.diverge_at)
+    cfg = BackendConfig(
+        ttft_s=args.ttft_ms / 1000,
+        itl_s=args.itl_ms / 1000,
+        tokens=args.tokens,
+        tokens_per_chunk=args.tokens_per_chunk,
+        diverge_at=args.diverge_at,
+    )
     app = make_backend_app(cfg)
     app[STATS].keep_requests = False
     try:

@@ -196,9 +196,7 @@ def test_worker_files_and_several_dbs_are_read_as_one(tmp_path: Path) -> None:
         "--format",
         "json",
     )
-    acc_whole = run(
-        "sql", str(whole), "SELECT arm, drafts FROM acceptance ORDER BY arm", "--format", "json"
-    )
+    acc_whole = run("sql", str(whole), "SELECT arm, drafts FROM acceptance ORDER BY arm", "--format", "json")
     assert json.loads(acc.stdout) == json.loads(acc_whole.stdout)
     # two files given explicitly (two machines)
     other = write_db(tmp_path / "other.duckdb", [make_run(ARMS, levels=(1,), n_per_level=20, run_id="m2")])

@@ -58,12 +58,21 @@ def test_good_file_loads_typed_and_frozen(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("replace", "by", "message"),
     [
-        ("num_speculative_tokens = 4", "num_speculative_tokens = 0",
-         "arms[2].speculative.num_speculative_tokens: must be ≥ 1"),
-        ("prompt_lookup_min = 2", "prompt_lookup_min = 7",
-         "arms[2].speculative.prompt_lookup_min: must be ≤"),
-        ('method = "eagle3"', 'method = "medusa"',
-         "arms[1].speculative.method: 'medusa' was removed in vLLM 0.33"),
+        (
+            "num_speculative_tokens = 4",
+            "num_speculative_tokens = 0",
+            "arms[2].speculative.num_speculative_tokens: must be ≥ 1",
+        ),
+        (
+            "prompt_lookup_min = 2",
+            "prompt_lookup_min = 7",
+            "arms[2].speculative.prompt_lookup_min: must be ≤",
+        ),
+        (
+            'method = "eagle3"',
+            'method = "medusa"',
+            "arms[1].speculative.method: 'medusa' was removed in vLLM 0.33",
+        ),
         ('method = "eagle3"', 'method = "magic"', "arms[1].speculative.method: unknown method 'magic'"),
         ('mode = "shadow"', 'mode = "mirror"', "experiment.mode: must be 'shadow' or 'split'"),
         ('url = "http://127.0.0.1:8002"', 'url = "127.0.0.1:8002"', "arms[1].url: must start with http://"),

@@ -101,8 +101,15 @@ def test_compose_arms_are_the_engines_plan(engine: str) -> None:
 def test_vllm_compose_stack() -> None:
     doc = yaml.safe_load(COMPOSE_FILES["vllm"].read_text())
     services = doc["services"]
-    assert {"arm-baseline", "arm-ngram", "arm-eagle3", "specproxy", "otel-collector", "prometheus",
-            "grafana"} <= set(services)
+    assert {
+        "arm-baseline",
+        "arm-ngram",
+        "arm-eagle3",
+        "specproxy",
+        "otel-collector",
+        "prometheus",
+        "grafana",
+    } <= set(services)
     gpu_ids = []
     for arm in ("arm-baseline", "arm-ngram", "arm-eagle3"):
         svc = services[arm]
@@ -111,8 +118,12 @@ def test_vllm_compose_stack() -> None:
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         gpu_ids += device["device_ids"]
     assert sorted(gpu_ids) == ["0", "1", "2"]
-    spec = {a: json.loads(services[f"arm-{a}"]["command"][services[f"arm-{a}"]["command"].index(
-        "--speculative-config") + 1])["method"] for a in ("ngram", "eagle3")}
+    spec = {
+        a: json.loads(
+            services[f"arm-{a}"]["command"][services[f"arm-{a}"]["command"].index("--speculative-config") + 1]
+        )["method"]
+        for a in ("ngram", "eagle3")
+    }
     assert spec == {"ngram": "ngram", "eagle3": "eagle3"}
     inner = parse_experiment(tomllib.loads(doc["configs"]["experiment"]["content"]))
     assert inner.mode == "shadow"
@@ -237,11 +248,12 @@ def test_dockerfile_is_slim_non_root_with_a_healthcheck() -> None:
     instructions = [(i["instruction"], i["value"]) for i in parser.structure]
     froms = [v for k, v in instructions if k == "FROM"]
     assert froms and all("-slim" in f for f in froms)
-    final = instructions[max(i for i, (k, _) in enumerate(instructions) if k == "FROM"):]
+    final = instructions[max(i for i, (k, _) in enumerate(instructions) if k == "FROM") :]
     users = [v for k, v in final if k == "USER"]
     assert users and not users[-1].startswith(("root", "0"))
     assert any(k == "HEALTHCHECK" and "/health" in v for k, v in instructions) or any(
-        k == "ENV" and "/health" in v for k, v in final)
+        k == "ENV" and "/health" in v for k, v in final
+    )
     assert any(k == "HEALTHCHECK" for k, _ in final)
     assert json.loads(next(v for k, v in final if k == "ENTRYPOINT")) == ["specproxy"]
     for k, v in instructions:

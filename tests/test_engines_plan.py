@@ -25,12 +25,18 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 METHOD_CONFIGS: dict[str, dict[str, Any]] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "ngram_gpu": {"method": "ngram_gpu", "num_speculative_tokens": 4},
-    "draft_model": {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct",
-                    "num_speculative_tokens": 5},
+    "draft_model": {
+        "method": "draft_model",
+        "model": "meta-llama/Llama-3.2-1B-Instruct",
+        "num_speculative_tokens": 5,
+    },
     "suffix": {"method": "suffix", "num_speculative_tokens": 32, "suffix_decoding_max_tree_depth": 24},
     "eagle": {"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 5},
-    "eagle3": {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
-               "num_speculative_tokens": 3},
+    "eagle3": {
+        "method": "eagle3",
+        "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        "num_speculative_tokens": 3,
+    },
     "mtp": {"method": "mtp", "num_speculative_tokens": 1},
     "dflash": {"method": "dflash", "model": "z-lab/dflash-draft", "num_speculative_tokens": 8},
     "dspark": {"method": "dspark", "num_speculative_tokens": 4},
@@ -54,7 +60,9 @@ def _toml_inline(d: dict[str, Any]) -> str:
 
 
 def _exp_with(tmp_path: Path, spec: dict[str, Any], engine: str = "") -> Path:
-    return _write(tmp_path, f"""
+    return _write(
+        tmp_path,
+        f"""
 [experiment]
 name = "m"
 model = "{MODEL}"
@@ -70,7 +78,8 @@ name = "cand"
 url = "http://127.0.0.1:8002"
 speculative = {_toml_inline(spec)}
 engine = {{ gpus = [1] {engine} }}
-""")
+""",
+    )
 
 
 def _run(*args: str) -> Any:
@@ -111,10 +120,11 @@ def test_plan_passes_the_speculative_config_verbatim(tmp_path: Path, method: str
 
 def test_plan_carries_engine_settings(tmp_path: Path) -> None:
     path = _exp_with(
-        tmp_path, METHOD_CONFIGS["eagle3"],
-        engine=', tensor_parallel_size = 1, max_num_seqs = 64, gpu_memory_utilization = 0.85, '
-               'max_model_len = 8192, extra_args = ["--enable-prefix-caching"], port = 9002, '
-               'env = { VLLM_LOGGING_LEVEL = "DEBUG" }',
+        tmp_path,
+        METHOD_CONFIGS["eagle3"],
+        engine=", tensor_parallel_size = 1, max_num_seqs = 64, gpu_memory_utilization = 0.85, "
+        'max_model_len = 8192, extra_args = ["--enable-prefix-caching"], port = 9002, '
+        'env = { VLLM_LOGGING_LEVEL = "DEBUG" }',
     )
     exp = load_experiment(path)
     launch = plan_experiment(exp)[1]
@@ -131,11 +141,19 @@ def test_plan_carries_engine_settings(tmp_path: Path) -> None:
 
 
 def test_tensor_parallel_arm(tmp_path: Path) -> None:
-    exp = parse_experiment({
-        "experiment": {"model": MODEL},
-        "arms": [{"name": "b", "role": "baseline", "url": "http://127.0.0.1:8001",
-                  "engine": {"gpus": [2, 3], "tensor_parallel_size": 2}}],
-    })
+    exp = parse_experiment(
+        {
+            "experiment": {"model": MODEL},
+            "arms": [
+                {
+                    "name": "b",
+                    "role": "baseline",
+                    "url": "http://127.0.0.1:8001",
+                    "engine": {"gpus": [2, 3], "tensor_parallel_size": 2},
+                }
+            ],
+        }
+    )
     launch = plan_experiment(exp)[0]
     assert launch.env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert launch.argv[launch.argv.index("--tensor-parallel-size") + 1] == "2"
@@ -156,19 +174,23 @@ def test_sim_plan_uses_the_same_model_port_and_config(tmp_path: Path) -> None:
 
 
 def test_plan_without_model_or_port_is_a_sentence(tmp_path: Path) -> None:
-    path = _write(tmp_path, """
+    path = _write(
+        tmp_path,
+        """
 [[arms]]
 name = "baseline"
 role = "baseline"
 url = "http://127.0.0.1:8001"
-""")
+""",
+    )
     result = _run("engines", "plan", str(path))
     assert result.exit_code == 1
     assert "experiment.model is not set" in result.output
     assert "Traceback" not in result.output
 
-    exp = parse_experiment({"experiment": {"model": MODEL},
-                            "arms": [{"name": "b", "role": "baseline", "url": "http://gpu-box"}]})
+    exp = parse_experiment(
+        {"experiment": {"model": MODEL}, "arms": [{"name": "b", "role": "baseline", "url": "http://gpu-box"}]}
+    )
     with pytest.raises(PlanError, match="names no port"):
         plan_experiment(exp)
 

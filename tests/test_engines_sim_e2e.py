@@ -21,8 +21,9 @@ EAGLE3_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "specproxy", *args], capture_output=True, text=True,
-                          timeout=90)
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=90
+    )
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> str:
@@ -61,8 +62,9 @@ speculative = {{ method = "eagle3", model = "{EAGLE3_HEAD}", num_speculative_tok
 """)
     proxy = None
     try:
-        up = _cli("engines", "up", str(path), "--engine", "sim", "--sim-time-scale", "20",
-                  "--health-timeout", "60")
+        up = _cli(
+            "engines", "up", str(path), "--engine", "sim", "--sim-time-scale", "20", "--health-timeout", "60"
+        )
         assert up.returncode == 0, up.stderr
         for port in ports:
             wait_http(f"http://127.0.0.1:{port}/health", timeout=5)
@@ -70,8 +72,10 @@ speculative = {{ method = "eagle3", model = "{EAGLE3_HEAD}", num_speculative_tok
         # Each arm answers as vLLM would, with per-request speculation stats on the candidates.
         with openai.OpenAI(base_url=f"http://127.0.0.1:{ports[2]}/v1", api_key="none") as direct:
             reply = direct.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Name three rivers."}],
-                max_tokens=16, temperature=0,
+                model=MODEL,
+                messages=[{"role": "user", "content": "Name three rivers."}],
+                max_tokens=16,
+                temperature=0,
             )
             assert reply.usage is not None and reply.usage.completion_tokens == 16
             spec = (reply.model_extra or {})["metrics"]["speculative_decoding"]
@@ -81,14 +85,26 @@ speculative = {{ method = "eagle3", model = "{EAGLE3_HEAD}", num_speculative_tok
         assert status.returncode == 0
         assert [a["arm"] for a in json.loads(status.stdout)["arms"]] == ["baseline", "ngram", "eagle3"]
 
-        proxy = start_cli(["serve", "--config", str(path), "--port", str(proxy_port),
-                           "--db", str(tmp_path / "spans.duckdb")])
+        proxy = start_cli(
+            [
+                "serve",
+                "--config",
+                str(path),
+                "--port",
+                str(proxy_port),
+                "--db",
+                str(tmp_path / "spans.duckdb"),
+            ]
+        )
         wait_http(f"http://127.0.0.1:{proxy_port}/health", timeout=20, proc=proxy)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key="none") as client:
             for i in range(4):
                 stream = client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": f"Summarise request number {i}."}],
-                    max_tokens=24, temperature=0, stream=True,
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"Summarise request number {i}."}],
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
                 )
                 text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
                 assert text

@@ -89,8 +89,13 @@ def _experiment(tmp_path: Path, arms: list[dict[str, Any]], name: str = "e") -> 
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "specproxy", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ})
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ},
+    )
 
 
 @pytest.fixture
@@ -114,13 +119,19 @@ def test_up_status_down_with_vllm(tmp_path: Path, fake_vllm: Path, cleanup: list
     p1, p2 = free_port(), free_port()
     record = tmp_path / "ngram-argv.json"
     worker_pid_file = tmp_path / "worker.pid"
-    path = _experiment(tmp_path, [
-        {"name": "baseline", "port": p1, "engine": "{ gpus = [0] }"},
-        {"name": "ngram", "port": p2,
-         "speculative": '{ method = "ngram", num_speculative_tokens = 4, prompt_lookup_max = 5 }',
-         "engine": f'{{ gpus = [1], max_num_seqs = 32, env = {{ FAKE_VLLM_RECORD = "{record}", '
-                   f'FAKE_VLLM_WORKER_PID = "{worker_pid_file}" }} }}'},
-    ])
+    path = _experiment(
+        tmp_path,
+        [
+            {"name": "baseline", "port": p1, "engine": "{ gpus = [0] }"},
+            {
+                "name": "ngram",
+                "port": p2,
+                "speculative": '{ method = "ngram", num_speculative_tokens = 4, prompt_lookup_max = 5 }',
+                "engine": f'{{ gpus = [1], max_num_seqs = 32, env = {{ FAKE_VLLM_RECORD = "{record}", '
+                f'FAKE_VLLM_WORKER_PID = "{worker_pid_file}" }} }}',
+            },
+        ],
+    )
     cleanup.append(path)
     up = _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--health-timeout", "30")
     assert up.returncode == 0, up.stderr
@@ -131,7 +142,10 @@ def test_up_status_down_with_vllm(tmp_path: Path, fake_vllm: Path, cleanup: list
     assert seen["cuda"] == "1"
     assert seen["argv"][:2] == ["serve", MODEL]
     assert json.loads(seen["argv"][seen["argv"].index("--speculative-config") + 1]) == {
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 5,
+    }
     assert seen["argv"][seen["argv"].index("--max-num-seqs") + 1] == "32"
 
     # The state file next to the experiment lets another shell (and serve) find the arms and stacks.
@@ -180,12 +194,18 @@ def test_engine_that_crashes_on_start_is_reported_with_its_log_tail(
     tmp_path: Path, fake_vllm: Path, cleanup: list[Path]
 ) -> None:
     p1, p2 = free_port(), free_port()
-    path = _experiment(tmp_path, [
-        {"name": "baseline", "port": p1, "engine": "{ gpus = [0] }"},
-        {"name": "eagle3", "port": p2,
-         "speculative": '{ method = "eagle3", model = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B" }',
-         "engine": '{ gpus = [1], env = { FAKE_VLLM_CRASH = "1" } }'},
-    ])
+    path = _experiment(
+        tmp_path,
+        [
+            {"name": "baseline", "port": p1, "engine": "{ gpus = [0] }"},
+            {
+                "name": "eagle3",
+                "port": p2,
+                "speculative": '{ method = "eagle3", model = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B" }',
+                "engine": '{ gpus = [1], env = { FAKE_VLLM_CRASH = "1" } }',
+            },
+        ],
+    )
     cleanup.append(path)
     up = _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--health-timeout", "30")
     assert up.returncode == 1
@@ -201,9 +221,16 @@ def test_engine_that_crashes_on_start_is_reported_with_its_log_tail(
 
 
 def test_health_timeout_shows_the_log_tail(tmp_path: Path, fake_vllm: Path, cleanup: list[Path]) -> None:
-    path = _experiment(tmp_path, [
-        {"name": "baseline", "port": free_port(), "engine": '{ gpus = [0], env = { FAKE_VLLM_HANG = "1" } }'},
-    ])
+    path = _experiment(
+        tmp_path,
+        [
+            {
+                "name": "baseline",
+                "port": free_port(),
+                "engine": '{ gpus = [0], env = { FAKE_VLLM_HANG = "1" } }',
+            },
+        ],
+    )
     cleanup.append(path)
     up = _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--health-timeout", "2")
     assert up.returncode == 1
@@ -216,10 +243,16 @@ def test_health_timeout_shows_the_log_tail(tmp_path: Path, fake_vllm: Path, clea
 def test_down_kills_an_engine_that_ignores_sigterm(
     tmp_path: Path, fake_vllm: Path, cleanup: list[Path]
 ) -> None:
-    path = _experiment(tmp_path, [
-        {"name": "baseline", "port": free_port(),
-         "engine": '{ gpus = [0], env = { FAKE_VLLM_IGNORE_TERM = "1" } }'},
-    ])
+    path = _experiment(
+        tmp_path,
+        [
+            {
+                "name": "baseline",
+                "port": free_port(),
+                "engine": '{ gpus = [0], env = { FAKE_VLLM_IGNORE_TERM = "1" } }',
+            },
+        ],
+    )
     cleanup.append(path)
     up = _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--no-stack")
     assert up.returncode == 0, up.stderr
@@ -252,10 +285,16 @@ def test_down_stops_the_workers_of_an_engine_that_died(
     tmp_path: Path, fake_vllm: Path, cleanup: list[Path]
 ) -> None:
     worker_pid_file = tmp_path / "worker.pid"
-    path = _experiment(tmp_path, [
-        {"name": "baseline", "port": free_port(),
-         "engine": f'{{ gpus = [0], env = {{ FAKE_VLLM_WORKER_PID = "{worker_pid_file}" }} }}'},
-    ])
+    path = _experiment(
+        tmp_path,
+        [
+            {
+                "name": "baseline",
+                "port": free_port(),
+                "engine": f'{{ gpus = [0], env = {{ FAKE_VLLM_WORKER_PID = "{worker_pid_file}" }} }}',
+            },
+        ],
+    )
     cleanup.append(path)
     assert _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--no-stack").returncode == 0
     state = read_state(load_experiment(path))
@@ -278,18 +317,26 @@ def test_down_stops_the_workers_of_an_engine_that_died(
 def test_stack_reads_gpus_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # nvidia-smi's answer to stack.py's query, as captured on an H200 host.
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\n"
-                   "echo '0, GPU-122ef966-d249-165e-83be-8b5eb3f4e8b9, NVIDIA H200, 580.159.04, 143771'\n"
-                   "echo '1, GPU-0b7c2a1e-0000-0000-0000-000000000001, NVIDIA H200, 580.159.04, 143771'\n")
+    smi.write_text(
+        "#!/bin/sh\n"
+        "echo '0, GPU-122ef966-d249-165e-83be-8b5eb3f4e8b9, NVIDIA H200, 580.159.04, 143771'\n"
+        "echo '1, GPU-0b7c2a1e-0000-0000-0000-000000000001, NVIDIA H200, 580.159.04, 143771'\n"
+    )
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
     inventory = gpu_inventory()
     assert inventory is not None and [g["index"] for g in inventory] == [0, 1]
-    assert inventory[0] == {"index": 0, "uuid": "GPU-122ef966-d249-165e-83be-8b5eb3f4e8b9",
-                            "name": "NVIDIA H200", "driver_version": "580.159.04", "memory_total_mib": 143771}
-    launch = ArmLaunch(arm="eagle3", engine="vllm", argv=("vllm", "serve", MODEL), port=free_port(),
-                       gpus=(1,))
+    assert inventory[0] == {
+        "index": 0,
+        "uuid": "GPU-122ef966-d249-165e-83be-8b5eb3f4e8b9",
+        "name": "NVIDIA H200",
+        "driver_version": "580.159.04",
+        "memory_total_mib": 143771,
+    }
+    launch = ArmLaunch(
+        arm="eagle3", engine="vllm", argv=("vllm", "serve", MODEL), port=free_port(), gpus=(1,)
+    )
     stack = capture_stack(launch, packages=["click==8.1.7"])
     assert [g["index"] for g in stack["gpus"]] == [1]
     assert stack["driver_version"] == "580.159.04"

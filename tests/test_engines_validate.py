@@ -43,17 +43,23 @@ def _no_probe(_bin: str, _module: str) -> bool:
 
 
 def test_a_clean_experiment_has_no_findings() -> None:
-    exp = _exp({"engine": {"gpus": [0]}},
-               {"speculative": {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"},
-                "engine": {"gpus": [1]}})
+    exp = _exp(
+        {"engine": {"gpus": [0]}},
+        {
+            "speculative": {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"},
+            "engine": {"gpus": [1]},
+        },
+    )
     assert check_experiment(exp, local=False) == []
 
 
 def test_unknown_and_removed_methods_are_rejected_when_the_file_loads(tmp_path: Path) -> None:
     # The loader rejects them already; `plan` turns that into a sentence, not a traceback.
-    for method, expected in (("medusa", "'medusa' was removed in vLLM 0.33; use eagle3, mtp"),
-                             ("mlp_speculator", "'mlp_speculator' was removed in vLLM 0.33"),
-                             ("lookahead", "unknown method 'lookahead' (one of:")):
+    for method, expected in (
+        ("medusa", "'medusa' was removed in vLLM 0.33; use eagle3, mtp"),
+        ("mlp_speculator", "'mlp_speculator' was removed in vLLM 0.33"),
+        ("lookahead", "unknown method 'lookahead' (one of:"),
+    ):
         path = tmp_path / f"{method}.toml"
         path.write_text(f"""
 [experiment]
@@ -91,8 +97,9 @@ speculative = {{ method = "ngram", prompt_lookup_min = 6, prompt_lookup_max = 3 
 
 def test_experiments_built_in_code_get_the_speculative_checks_too() -> None:
     exp = _exp({})
-    bad = exp.arms[0].__class__(name="x", url="http://127.0.0.1:18009",
-                                speculative={"method": "medusa", "num_speculative_tokens": 2})
+    bad = exp.arms[0].__class__(
+        name="x", url="http://127.0.0.1:18009", speculative={"method": "medusa", "num_speculative_tokens": 2}
+    )
     exp = exp.__class__(name="v", model=MODEL, arms=(exp.arms[0], bad))
     errors = _messages(check_experiment(exp, local=False), "error")
     assert any("'medusa' was removed in vLLM 0.33" in e for e in errors)
@@ -100,14 +107,21 @@ def test_experiments_built_in_code_get_the_speculative_checks_too() -> None:
 
 def test_missing_model() -> None:
     errors = _messages(check_experiment(_exp({}, model=None), local=False), "error")
-    assert errors == ["error: experiment.model is not set: engines need the model to serve "
-                      "(e.g. model = \"meta-llama/Llama-3.1-8B-Instruct\" under [experiment])"]
+    assert errors == [
+        "error: experiment.model is not set: engines need the model to serve "
+        '(e.g. model = "meta-llama/Llama-3.1-8B-Instruct" under [experiment])'
+    ]
 
 
 def test_suffix_without_arctic_inference() -> None:
-    exp = _exp({"engine": {"gpus": [0]}},
-               {"name": "suffix", "speculative": {"method": "suffix", "num_speculative_tokens": 32},
-                "engine": {"gpus": [1]}})
+    exp = _exp(
+        {"engine": {"gpus": [0]}},
+        {
+            "name": "suffix",
+            "speculative": {"method": "suffix", "num_speculative_tokens": 32},
+            "engine": {"gpus": [1]},
+        },
+    )
     # Planning for elsewhere: a warning that names the package.
     (warning,) = check_experiment(exp, local=False)
     assert warning.level == "warning" and warning.arm == "suffix"
@@ -115,10 +129,17 @@ def test_suffix_without_arctic_inference() -> None:
     # Launching here, with a vllm whose Python lacks it: an error that says how to fix it.
     found = check_experiment(exp, local=True, vllm_bin=sys.executable, module_probe=_no_probe)
     errors = _messages(found, "error")
-    assert any("arm 'suffix': method 'suffix' needs the arctic-inference package, which the Python running"
-               in e and "pip install arctic-inference" in e for e in errors), errors
-    assert check_experiment(exp, local=True, vllm_bin=sys.executable,
-                            module_probe=lambda _b, m: m == "arctic_inference") == []
+    assert any(
+        "arm 'suffix': method 'suffix' needs the arctic-inference package, which the Python running" in e
+        and "pip install arctic-inference" in e
+        for e in errors
+    ), errors
+    assert (
+        check_experiment(
+            exp, local=True, vllm_bin=sys.executable, module_probe=lambda _b, m: m == "arctic_inference"
+        )
+        == []
+    )
 
 
 def test_module_probe_asks_the_engines_own_python(tmp_path: Path) -> None:
@@ -161,8 +182,10 @@ def test_mtp_on_a_model_without_mtp_heads_warns(tmp_path: Path, monkeypatch: pyt
 
 
 def test_two_arms_on_one_gpu_without_a_memory_split() -> None:
-    exp = _exp({"name": "baseline", "engine": {"gpus": [0]}},
-               {"name": "ngram", "speculative": {"method": "ngram"}, "engine": {"gpus": [0]}})
+    exp = _exp(
+        {"name": "baseline", "engine": {"gpus": [0]}},
+        {"name": "ngram", "speculative": {"method": "ngram"}, "engine": {"gpus": [0]}},
+    )
     (error,) = check_experiment(exp, local=False)
     assert error.level == "error"
     assert str(error) == (
@@ -175,13 +198,17 @@ def test_two_arms_on_one_gpu_without_a_memory_split() -> None:
     (error,) = check_experiment(implicit, local=False)
     assert "share GPU 0 (an arm without engine.gpus uses GPUs 0…tp-1) without a memory split" in error.message
     # A split that over-commits the GPU.
-    over = _exp({"engine": {"gpus": [0], "gpu_memory_utilization": 0.6}},
-                {"speculative": {"method": "ngram"}, "engine": {"gpus": [0], "gpu_memory_utilization": 0.6}})
+    over = _exp(
+        {"engine": {"gpus": [0], "gpu_memory_utilization": 0.6}},
+        {"speculative": {"method": "ngram"}, "engine": {"gpus": [0], "gpu_memory_utilization": 0.6}},
+    )
     (error,) = check_experiment(over, local=False)
     assert "adds up to 1.2 > 1" in error.message
     # A real split is allowed, with a warning that the arms compete for compute.
-    ok = _exp({"engine": {"gpus": [0], "gpu_memory_utilization": 0.45}},
-              {"speculative": {"method": "ngram"}, "engine": {"gpus": [0], "gpu_memory_utilization": 0.45}})
+    ok = _exp(
+        {"engine": {"gpus": [0], "gpu_memory_utilization": 0.45}},
+        {"speculative": {"method": "ngram"}, "engine": {"gpus": [0], "gpu_memory_utilization": 0.45}},
+    )
     (warning,) = check_experiment(ok, local=False)
     assert warning.level == "warning" and "compete for its compute" in warning.message
     # Simulated arms use no GPU.
@@ -203,8 +230,10 @@ def test_extra_args_may_not_fight_the_plan() -> None:
 
 
 def test_ports_shared_or_taken() -> None:
-    exp = _exp({"url": "http://127.0.0.1:18050", "engine": {"gpus": [0]}},
-               {"url": "http://127.0.0.1:18050", "engine": {"gpus": [1]}})
+    exp = _exp(
+        {"url": "http://127.0.0.1:18050", "engine": {"gpus": [0]}},
+        {"url": "http://127.0.0.1:18050", "engine": {"gpus": [1]}},
+    )
     (error,) = check_experiment(exp, engine="sim", local=False)
     assert "port 18050 is also used by arm 'arm0'" in error.message
     port = free_port()

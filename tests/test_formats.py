@@ -16,14 +16,31 @@ def write_jsonl(path: Path, records: list[object]) -> Path:
 
 
 def test_capture_file(tmp_path: Path) -> None:
-    p = write_jsonl(tmp_path / "capture.jsonl", [
-        {"request_id": "r1", "arrival_unix_s": 1700000000.5, "path": "/v1/chat/completions",
-         "category": "summarization",
-         "body": {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}],
-                  "max_tokens": 32, "temperature": 0.7}},
-        {"request_id": "r2", "arrival_unix_s": 1700000002.0, "path": "/v1/completions",
-         "headers": {"X-Specproxy-Category": "code_edit"}, "body": {"prompt": "def f():", "max_tokens": 8}},
-    ])
+    p = write_jsonl(
+        tmp_path / "capture.jsonl",
+        [
+            {
+                "request_id": "r1",
+                "arrival_unix_s": 1700000000.5,
+                "path": "/v1/chat/completions",
+                "category": "summarization",
+                "body": {
+                    "model": "m",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 32,
+                    "temperature": 0.7,
+                },
+            },
+            {
+                "request_id": "r2",
+                "arrival_unix_s": 1700000002.0,
+                "path": "/v1/completions",
+                "headers": {"X-Specproxy-Category": "code_edit"},
+                "body": {"prompt": "def f():", "max_tokens": 8},
+            },
+        ],
+    )
     got = read_items(p)
     assert got.format == "capture"
     a, b = got.items
@@ -36,22 +53,36 @@ def test_capture_file(tmp_path: Path) -> None:
 
 
 def test_openai_batch(tmp_path: Path) -> None:
-    p = write_jsonl(tmp_path / "batch.jsonl", [
-        {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hello"}],
-                  "max_tokens": 100}},
-        {"custom_id": "request-2", "body": {"model": "x", "prompt": "Once upon", "max_tokens": 5}},
-    ])
+    p = write_jsonl(
+        tmp_path / "batch.jsonl",
+        [
+            {
+                "custom_id": "request-1",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "gpt-4o-mini",
+                    "messages": [{"role": "user", "content": "Hello"}],
+                    "max_tokens": 100,
+                },
+            },
+            {"custom_id": "request-2", "body": {"model": "x", "prompt": "Once upon", "max_tokens": 5}},
+        ],
+    )
     got = read_items(p)
     assert got.format == "openai-batch"
     assert [(i.item_id, i.endpoint) for i in got.items] == [
-        ("request-1", "chat"), ("request-2", "completions")]
+        ("request-1", "chat"),
+        ("request-2", "completions"),
+    ]
     assert "model" not in got.items[0].body and got.items[0].body["max_tokens"] == 100
 
 
 def test_vllm_custom(tmp_path: Path) -> None:
-    p = write_jsonl(tmp_path / "custom.jsonl", [{"prompt": "What is 2+2?", "output_tokens": 12},
-                                               {"prompt": "Tell me a story"}])
+    p = write_jsonl(
+        tmp_path / "custom.jsonl",
+        [{"prompt": "What is 2+2?", "output_tokens": 12}, {"prompt": "Tell me a story"}],
+    )
     got = read_items(p)
     assert got.format == "vllm-custom"
     assert got.items[0].body == {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 12}
@@ -59,23 +90,36 @@ def test_vllm_custom(tmp_path: Path) -> None:
 
 
 def test_spec_bench(tmp_path: Path) -> None:
-    p = write_jsonl(tmp_path / "question.jsonl", [
-        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorten it."]},
-        {"question_id": 161, "category": "summarization", "turns": ["Summarize: the cat sat."]},
-    ])
+    p = write_jsonl(
+        tmp_path / "question.jsonl",
+        [
+            {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorten it."]},
+            {"question_id": 161, "category": "summarization", "turns": ["Summarize: the cat sat."]},
+        ],
+    )
     got = read_items(p)
     assert got.format == "spec-bench"
     assert [(i.item_id, i.category) for i in got.items] == [
-        ("81", "writing"), ("81-t2", "writing"), ("161", "summarization")]
+        ("81", "writing"),
+        ("81-t2", "writing"),
+        ("161", "summarization"),
+    ]
     assert got.items[1].body["messages"] == [{"role": "user", "content": "Now shorten it."}]
 
 
 def test_sharegpt_array_and_line_numbers(tmp_path: Path) -> None:
     data = [
-        {"id": "a", "conversations": [{"from": "human", "value": "Hi there"},
-                                      {"from": "gpt", "value": "x" * 400}]},
-        {"id": "b", "conversations": [{"from": "system", "value": "be nice"},
-                                      {"from": "human", "value": "Question?"}]},
+        {
+            "id": "a",
+            "conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "x" * 400}],
+        },
+        {
+            "id": "b",
+            "conversations": [
+                {"from": "system", "value": "be nice"},
+                {"from": "human", "value": "Question?"},
+            ],
+        },
         {"id": "c", "conversations": [{"from": "robot", "value": "??"}]},
     ]
     p = tmp_path / "sharegpt.json"
@@ -93,11 +137,14 @@ def test_sharegpt_array_and_line_numbers(tmp_path: Path) -> None:
 
 
 def test_mooncake_shared_prefix(tmp_path: Path) -> None:
-    p = write_jsonl(tmp_path / "mooncake.jsonl", [
-        {"timestamp": 27482, "input_length": 1000, "output_length": 40, "hash_ids": [46, 47]},
-        {"timestamp": 30535, "input_length": 700, "output_length": 12, "hash_ids": [46, 48]},
-        {"timestamp": 31000, "input_length": 600, "output_length": 5, "hash_ids": [99, 100]},
-    ])
+    p = write_jsonl(
+        tmp_path / "mooncake.jsonl",
+        [
+            {"timestamp": 27482, "input_length": 1000, "output_length": 40, "hash_ids": [46, 47]},
+            {"timestamp": 30535, "input_length": 700, "output_length": 12, "hash_ids": [46, 48]},
+            {"timestamp": 31000, "input_length": 600, "output_length": 5, "hash_ids": [99, 100]},
+        ],
+    )
     got = read_items(p)
     assert got.format == "mooncake"
     a, b, c = (i.body["prompt"].split(" ") for i in got.items)
@@ -111,9 +158,12 @@ def test_mooncake_shared_prefix(tmp_path: Path) -> None:
 
 def test_azure_csv(tmp_path: Path) -> None:
     p = tmp_path / "AzureLLMInferenceTrace_conv.csv"
-    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                 "2023-11-16 18:15:46.6805900,374,44\n"
-                 "2023-11-16 18:15:50.9951690,396,109\n", encoding="utf-8")
+    p.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n",
+        encoding="utf-8",
+    )
     got = read_items(p)
     assert got.format == "azure"
     assert [len(i.body["prompt"].split(" ")) for i in got.items] == [374, 396]
@@ -123,10 +173,13 @@ def test_azure_csv(tmp_path: Path) -> None:
 
 def test_burstgpt_csv(tmp_path: Path) -> None:
     p = tmp_path / "BurstGPT_1.csv"
-    p.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
-                 "5,ChatGPT,472,18,490,Conversation log\n"
-                 "45,GPT-4,1087,0,1087,Conversation log\n"
-                 "47,ChatGPT,abc,3,3,Conversation log\n", encoding="utf-8")
+    p.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,472,18,490,Conversation log\n"
+        "45,GPT-4,1087,0,1087,Conversation log\n"
+        "47,ChatGPT,abc,3,3,Conversation log\n",
+        encoding="utf-8",
+    )
     with pytest.raises(FormatError, match=rf"^{p}:4: request tokens: expected a number, got 'abc'"):
         read_items(p)
     got = read_items(p, on_error="skip")
@@ -150,12 +203,15 @@ def test_limit(tmp_path: Path) -> None:
     assert len(read_items(p, limit=3).items) == 3
 
 
-@pytest.mark.parametrize("content, why", [
-    ("", "the file is empty"),
-    ("   \n\n", "the file is empty"),
-    ("hello,world\n1,2\n", "unrecognised first line"),
-    ('{"foo": 1}\n', "unrecognised record keys"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("", "the file is empty"),
+        ("   \n\n", "the file is empty"),
+        ("hello,world\n1,2\n", "unrecognised first line"),
+        ('{"foo": 1}\n', "unrecognised record keys"),
+    ],
+)
 def test_empty_or_unknown_names_the_formats(tmp_path: Path, content: str, why: str) -> None:
     p = tmp_path / "log.txt"
     p.write_text(content, encoding="utf-8")

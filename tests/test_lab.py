@@ -21,8 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def lab(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "specproxy", "lab", "--no-progress", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", "lab", "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def verdicts(stdout: str) -> dict[tuple[str, str], str]:
@@ -42,16 +46,19 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert time.monotonic() - t0 < 100
     table = verdicts(res.stdout)
-    assert set(table) == {(lv, arm) for lv in ("c=1", "c=4")
-                          for arm in ("baseline", "ngram", "draft_model", "eagle3")}
+    assert set(table) == {
+        (lv, arm) for lv in ("c=1", "c=4") for arm in ("baseline", "ngram", "draft_model", "eagle3")
+    }
     assert table[("c=1", "baseline")] == "baseline"
     assert "by category: P50 decode speedup" in res.stdout and "deploy verdict" in res.stdout
     assert re.search(r"simulator clock lag by level .*: c=1 [0-9.]+% \(\w+\), c=4 [0-9.]+%", res.stderr)
     assert (out / "report.html").stat().st_size > 1000
     db = out / "specproxy.duckdb"
     with duckdb.connect(str(db), read_only=True) as conn:
-        rows = conn.execute("SELECT arm, concurrency_level, count(*), count(*) FILTER (status = 'ok'), "
-                            "count(*) FILTER (identical) FROM requests GROUP BY ALL ORDER BY ALL").fetchall()
+        rows = conn.execute(
+            "SELECT arm, concurrency_level, count(*), count(*) FILTER (status = 'ok'), "
+            "count(*) FILTER (identical) FROM requests GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
         run_id, stacks = conn.execute("SELECT run_id, stacks_json FROM runs").fetchone()  # type: ignore[misc]
         phases = {p for (p,) in conn.execute("SELECT DISTINCT phase FROM backend_metrics").fetchall()}
     # 5 items at c=1, 2 waves of 4 at c=4; every candidate output identical to the baseline's
@@ -73,28 +80,63 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
 
 def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
     ports = [free_port(), free_port()]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.backends", "--port", str(p), "--ttft-ms", "1",
-                               "--itl-ms", "2", "--tokens", "6", *extra], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for p, extra in zip(ports, ([], ["--tokens-per-chunk", "3"]), strict=True)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.backends",
+                "--port",
+                str(p),
+                "--ttft-ms",
+                "1",
+                "--itl-ms",
+                "2",
+                "--tokens",
+                "6",
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p, extra in zip(ports, ([], ["--tokens-per-chunk", "3"]), strict=True)
+    ]
     try:
         for p in ports:
             wait_http(f"http://127.0.0.1:{p}/health")
         cfg = tmp_path / "exp.toml"
-        cfg.write_text(f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://127.0.0.1:{ports[0]}"\n\n'
-                       f'[[arms]]\nname = "fast"\nurl = "http://127.0.0.1:{ports[1]}"\n'
-                       'speculative = { method = "ngram", num_speculative_tokens = 2 }\n')
+        cfg.write_text(
+            f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://127.0.0.1:{ports[0]}"\n\n'
+            f'[[arms]]\nname = "fast"\nurl = "http://127.0.0.1:{ports[1]}"\n'
+            'speculative = { method = "ngram", num_speculative_tokens = 2 }\n'
+        )
         work = tmp_path / "question.jsonl"
         questions = [{"question_id": i, "category": "writing", "turns": [f"q{i}"]} for i in range(6)]
         work.write_text("".join(json.dumps(q) + "\n" for q in questions))
-        res = lab("--config", str(cfg), "--workload", str(work), "--concurrency", "2", "--items", "6",
-                  "--max-tokens", "6", "--out", str(tmp_path / "o"), timeout=60)
+        res = lab(
+            "--config",
+            str(cfg),
+            "--workload",
+            str(work),
+            "--concurrency",
+            "2",
+            "--items",
+            "6",
+            "--max-tokens",
+            "6",
+            "--out",
+            str(tmp_path / "o"),
+            timeout=60,
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         assert verdicts(res.stdout)[("c=2", "base")] == "baseline"
         assert re.search(r"^fast\s+writing\s+[0-9.]+x (WIN|NCG|LOSS)$", res.stdout, re.M), res.stdout
         with duckdb.connect(str(tmp_path / "o" / "specproxy.duckdb"), read_only=True) as conn:
-            got = conn.execute("SELECT arm, count(*), max(completion_tokens), min(category) FROM requests "
-                               "GROUP BY ALL ORDER BY ALL").fetchall()
+            got = conn.execute(
+                "SELECT arm, count(*), max(completion_tokens), min(category) FROM requests "
+                "GROUP BY ALL ORDER BY ALL"
+            ).fetchall()
         assert got == [("base", 6, 6, "writing"), ("fast", 6, 6, "writing")]
     finally:
         for proc in procs:
@@ -128,8 +170,9 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
     assert (out / "report.html").exists()
     with duckdb.connect(str(db), read_only=True) as conn:
         run_id = conn.execute("SELECT run_id FROM runs").fetchone()[0]  # type: ignore[index]
-        same, compared = conn.execute("SELECT count(*) FILTER (identical), count(identical) FROM requests "
-                                      "WHERE arm_role <> 'baseline'").fetchone()  # type: ignore[misc]
+        same, compared = conn.execute(
+            "SELECT count(*) FILTER (identical), count(identical) FROM requests WHERE arm_role <> 'baseline'"
+        ).fetchone()  # type: ignore[misc]
     assert compared > 0 and same == compared  # outputs identical
     lag_line = next(line for line in res.stderr.splitlines() if "clock lag" in line)
     # The n-gram simulator's own search costs it about 10 % at c=256; far beyond that, the machine was

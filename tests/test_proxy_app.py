@@ -40,8 +40,9 @@ async def running_proxy(
     tmp_path: Path, arms: list[dict[str, Any]], **experiment: Any
 ) -> AsyncIterator[RunningProxy]:
     """The proxy on a free port; keyword arguments are [experiment] fields or ProxySettings fields."""
-    settings_kw = {k: experiment.pop(k) for k in ("capture", "capture_responses", "api_key")
-                   if k in experiment}
+    settings_kw = {
+        k: experiment.pop(k) for k in ("capture", "capture_responses", "api_key") if k in experiment
+    }
     exp = parse_experiment({"experiment": {"name": "t", **experiment}, "arms": arms})
     tmp_path.mkdir(parents=True, exist_ok=True)
     db = tmp_path / "spans.duckdb"
@@ -64,21 +65,27 @@ def spans(db: Path, where: str = "true") -> list[dict[str, Any]]:
 
 
 def shadow_arms(base: RunningBackend, cand: RunningBackend, **cand_kw: Any) -> list[dict[str, Any]]:
-    return [{"name": "base", "role": "baseline", "url": base.url},
-            {"name": "cand", "url": cand.url, **cand_kw}]
+    return [
+        {"name": "base", "role": "baseline", "url": base.url},
+        {"name": "cand", "url": cand.url, **cand_kw},
+    ]
 
 
 async def test_openai_clients_sync_and_async_streaming_and_not(tmp_path: Path) -> None:
-    async with running_backend(BackendConfig(tokens=12)) as base, \
-            running_backend(BackendConfig(tokens=12, tokens_per_chunk=3)) as cand, \
-            running_proxy(tmp_path, shadow_arms(base, cand, speculative={"method": "ngram",
-                                                                         "num_speculative_tokens": 2})) as p:
+    async with (
+        running_backend(BackendConfig(tokens=12)) as base,
+        running_backend(BackendConfig(tokens=12, tokens_per_chunk=3)) as cand,
+        running_proxy(
+            tmp_path, shadow_arms(base, cand, speculative={"method": "ngram", "num_speculative_tokens": 2})
+        ) as p,
+    ):
         aclient = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
         r = await aclient.chat.completions.create(model="m", messages=MSG, temperature=0)
         assert r.choices[0].message.content and r.usage and r.usage.completion_tokens == 12
         text = ""
-        stream = await aclient.completions.create(model="m", prompt="abc", temperature=0, stream=True,
-                                                  max_tokens=7)
+        stream = await aclient.completions.create(
+            model="m", prompt="abc", temperature=0, stream=True, max_tokens=7
+        )
         async for chunk in stream:
             text += chunk.choices[0].text if chunk.choices else ""
         assert len(text.split()) == 7
@@ -87,8 +94,13 @@ async def test_openai_clients_sync_and_async_streaming_and_not(tmp_path: Path) -
         def sync_calls() -> tuple[str, int]:
             with openai.OpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0) as client:
                 c = client.completions.create(model="m", prompt="abc", temperature=0, max_tokens=7)
-                pieces = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
-                    model="m", messages=MSG, temperature=0, stream=True) if ch.choices]
+                pieces = [
+                    ch.choices[0].delta.content or ""
+                    for ch in client.chat.completions.create(
+                        model="m", messages=MSG, temperature=0, stream=True
+                    )
+                    if ch.choices
+                ]
                 return c.choices[0].text, len("".join(pieces).split())
 
         sync_text, n_stream = await asyncio.to_thread(sync_calls)
@@ -108,18 +120,25 @@ def _normalise(stream: bytes) -> bytes:
     return re.sub(rb'"created":\d+', b'"created":0', stream)
 
 
-@pytest.mark.parametrize("extra", [
-    {},
-    {"stream_options": {"include_usage": True}},
-    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-    {"return_token_ids": True},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"stream_options": {"include_usage": True}},
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        {"return_token_ids": True},
+    ],
+)
 async def test_client_gets_the_bytes_the_backend_would_have_sent(
     tmp_path: Path, extra: dict[str, Any]
 ) -> None:
-    async with running_backend(BackendConfig(tokens=6)) as base, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url, "return_token_ids": True}]
-    ) as p, aiohttp.ClientSession() as s:
+    async with (
+        running_backend(BackendConfig(tokens=6)) as base,
+        running_proxy(
+            tmp_path, [{"name": "base", "role": "baseline", "url": base.url, "return_token_ids": True}]
+        ) as p,
+        aiohttp.ClientSession() as s,
+    ):
         body = {"model": "m", "messages": MSG, "stream": True, **extra}
         headers = {"X-Request-Id": "same"}
         async with s.post(base.url + "/v1/chat/completions", json=body, headers=headers) as r:
@@ -152,9 +171,11 @@ async def test_a_slow_client_slows_the_upstream_read_and_still_gets_every_byte(
 
     monkeypatch.setattr(ClientRelay, "drain", counting_drain)
     body = orjson.dumps({"model": "m", "prompt": "p", "stream": True, "max_tokens": 60000})
-    async with running_backend(BackendConfig(tokens=60000)) as base, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]
-    ) as p, aiohttp.ClientSession() as s:
+    async with (
+        running_backend(BackendConfig(tokens=60000)) as base,
+        running_proxy(tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]) as p,
+        aiohttp.ClientSession() as s,
+    ):
         async with s.post(base.url + "/v1/completions", data=body, headers={"X-Request-Id": "r"}) as r:
             direct = await r.read()
         sock = socket.socket()
@@ -162,9 +183,10 @@ async def test_a_slow_client_slows_the_upstream_read_and_still_gets_every_byte(
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", int(p.url.rsplit(":", 1)[1])))
         reader, writer = await asyncio.open_connection(sock=sock)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"X-Request-Id: r\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
-                     % (len(body), body))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Request-Id: r\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
         for _ in range(500):  # not reading, until the proxy waits for this client
             if drains:
                 break
@@ -180,7 +202,7 @@ async def test_a_slow_client_slows_the_upstream_read_and_still_gets_every_byte(
         size = int(chunked[at:eol], 16)
         if size == 0:
             break
-        parts.append(chunked[eol + 2:eol + 2 + size])
+        parts.append(chunked[eol + 2 : eol + 2 + size])
         at = eol + 4 + size
     proxied = b"".join(parts)
     assert _normalise(proxied) == _normalise(direct)
@@ -189,18 +211,25 @@ async def test_a_slow_client_slows_the_upstream_read_and_still_gets_every_byte(
 async def test_shadow_dead_and_slow_arms_never_touch_the_primary(tmp_path: Path) -> None:
     fast = BackendConfig(ttft_s=0.02, itl_s=0.005, tokens=10)
     slow = BackendConfig(ttft_s=0.2, itl_s=0.05, tokens=10)  # 10x the primary's latency
-    async with running_backend(fast) as base, running_backend(slow) as slow_arm, running_proxy(
-        tmp_path,
-        [{"name": "base", "role": "baseline", "url": base.url},
-         {"name": "dead", "url": f"http://127.0.0.1:{free_port()}"},
-         {"name": "slow", "url": slow_arm.url, "max_shadow_inflight": 4}],
-    ) as p:
+    async with (
+        running_backend(fast) as base,
+        running_backend(slow) as slow_arm,
+        running_proxy(
+            tmp_path,
+            [
+                {"name": "base", "role": "baseline", "url": base.url},
+                {"name": "dead", "url": f"http://127.0.0.1:{free_port()}"},
+                {"name": "slow", "url": slow_arm.url, "max_shadow_inflight": 4},
+            ],
+        ) as p,
+    ):
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
 
         async def one(i: int) -> float:
             t0 = time.perf_counter()
             stream = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"q{i}"}], stream=True, temperature=0)
+                model="m", messages=[{"role": "user", "content": f"q{i}"}], stream=True, temperature=0
+            )
             n = len([1 async for c in stream if c.choices and c.choices[0].delta.content])
             assert n == 10
             return time.perf_counter() - t0
@@ -220,12 +249,15 @@ async def test_shadow_dead_and_slow_arms_never_touch_the_primary(tmp_path: Path)
 
 
 async def test_client_disconnect_cancels_the_upstream_call(tmp_path: Path) -> None:
-    async with running_backend(BackendConfig(itl_s=0.05, tokens=200)) as base, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]
-    ) as p:
+    async with (
+        running_backend(BackendConfig(itl_s=0.05, tokens=200)) as base,
+        running_proxy(tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]) as p,
+    ):
         async with aiohttp.ClientSession() as s:
-            async with s.post(p.url + "/v1/completions",
-                              json={"model": "m", "prompt": "p", "stream": True, "max_tokens": 60000}) as r:
+            async with s.post(
+                p.url + "/v1/completions",
+                json={"model": "m", "prompt": "p", "stream": True, "max_tokens": 60000},
+            ) as r:
                 await r.content.readuntil(b"\n\n")
                 await r.content.readuntil(b"\n\n")
         for _ in range(100):
@@ -239,13 +271,17 @@ async def test_client_disconnect_cancels_the_upstream_call(tmp_path: Path) -> No
 
 
 async def test_client_disconnect_cancels_a_non_streaming_upstream_call(tmp_path: Path) -> None:
-    async with running_backend(BackendConfig(ttft_s=3.0)) as base, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]
-    ) as p:
+    async with (
+        running_backend(BackendConfig(ttft_s=3.0)) as base,
+        running_proxy(tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]) as p,
+    ):
         async with aiohttp.ClientSession() as s:
             with pytest.raises(TimeoutError):
-                await s.post(p.url + "/v1/completions", json={"model": "m", "prompt": "p"},
-                             timeout=aiohttp.ClientTimeout(total=0.3))
+                await s.post(
+                    p.url + "/v1/completions",
+                    json={"model": "m", "prompt": "p"},
+                    timeout=aiohttp.ClientTimeout(total=0.3),
+                )
         for _ in range(100):
             if base.stats.cancelled:
                 break
@@ -256,18 +292,27 @@ async def test_client_disconnect_cancels_a_non_streaming_upstream_call(tmp_path:
 
 
 async def test_candidate_that_diverges_is_caught_with_token_index_and_margin(tmp_path: Path) -> None:
-    async with running_backend(BackendConfig(tokens=20)) as base, \
-            running_backend(BackendConfig(tokens=20, diverge_at=7)) as cand, running_proxy(
-        tmp_path,
-        [{"name": "base", "role": "baseline", "url": base.url, "return_token_ids": True},
-         {"name": "cand", "url": cand.url, "return_token_ids": True}],
-    ) as p:
+    async with (
+        running_backend(BackendConfig(tokens=20)) as base,
+        running_backend(BackendConfig(tokens=20, diverge_at=7)) as cand,
+        running_proxy(
+            tmp_path,
+            [
+                {"name": "base", "role": "baseline", "url": base.url, "return_token_ids": True},
+                {"name": "cand", "url": cand.url, "return_token_ids": True},
+            ],
+        ) as p,
+    ):
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
-        stream = await client.chat.completions.create(model="m", messages=MSG, temperature=0, stream=True,
-                                                      logprobs=True, top_logprobs=2)
+        stream = await client.chat.completions.create(
+            model="m", messages=MSG, temperature=0, stream=True, logprobs=True, top_logprobs=2
+        )
         chunks = [c async for c in stream]
-        assert all(not hasattr(c.choices[0], "token_ids") or c.choices[0].token_ids is None
-                   for c in chunks if c.choices)
+        assert all(
+            not hasattr(c.choices[0], "token_ids") or c.choices[0].token_ids is None
+            for c in chunks
+            if c.choices
+        )
         # Not greedy: not compared.
         await client.chat.completions.create(model="m", messages=MSG, temperature=0.8)
         await client.close()
@@ -282,13 +327,21 @@ async def test_candidate_that_diverges_is_caught_with_token_index_and_margin(tmp
 
 
 async def test_split_mode_weights_stickiness_and_verify(tmp_path: Path) -> None:
-    async with running_backend(BackendConfig(tokens=4)) as base, \
-            running_backend(BackendConfig(tokens=4, diverge_at=2)) as cand, running_proxy(
-        tmp_path,
-        [{"name": "base", "role": "baseline", "url": base.url, "weight": 1},
-         {"name": "cand", "url": cand.url, "weight": 3}],
-        mode="split", sticky_key="header:X-Session-ID", verify_fraction=1.0,
-    ) as p, aiohttp.ClientSession() as s:
+    async with (
+        running_backend(BackendConfig(tokens=4)) as base,
+        running_backend(BackendConfig(tokens=4, diverge_at=2)) as cand,
+        running_proxy(
+            tmp_path,
+            [
+                {"name": "base", "role": "baseline", "url": base.url, "weight": 1},
+                {"name": "cand", "url": cand.url, "weight": 3},
+            ],
+            mode="split",
+            sticky_key="header:X-Session-ID",
+            verify_fraction=1.0,
+        ) as p,
+        aiohttp.ClientSession() as s,
+    ):
         served: dict[str, set[str]] = {}
         for i in range(80):
             session_id = f"user-{i % 20}"
@@ -309,9 +362,10 @@ async def test_split_mode_weights_stickiness_and_verify(tmp_path: Path) -> None:
 
 
 async def test_bad_input_and_upstream_failures_are_openai_shaped(tmp_path: Path) -> None:
-    async with running_backend(BackendConfig(fail="http429")) as bad, running_backend(
-        BackendConfig(fail="hang")
-    ) as hang:
+    async with (
+        running_backend(BackendConfig(fail="http429")) as bad,
+        running_backend(BackendConfig(fail="hang")) as hang,
+    ):
         exp_arms = [{"name": "base", "role": "baseline", "url": bad.url}]
         async with running_proxy(tmp_path, exp_arms, max_body_bytes=1000) as p, aiohttp.ClientSession() as s:
             cases: list[tuple[str, str, Any, int]] = [
@@ -327,8 +381,10 @@ async def test_bad_input_and_upstream_failures_are_openai_shaped(tmp_path: Path)
                     assert r.status == status, (path, await r.text())
                     err = (await r.json())["error"]
                     assert err["message"] and err["type"]
-        for dead_url, experiment, status in ((f"http://127.0.0.1:{free_port()}", {}, 502),
-                                             (hang.url, {"upstream_read_timeout_s": 0.3}, 504)):
+        for dead_url, experiment, status in (
+            (f"http://127.0.0.1:{free_port()}", {}, 502),
+            (hang.url, {"upstream_read_timeout_s": 0.3}, 504),
+        ):
             arms = [{"name": "base", "role": "baseline", "url": dead_url}]
             async with running_proxy(tmp_path / str(status), arms, **experiment) as p:
                 client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
@@ -342,9 +398,10 @@ async def test_bad_input_and_upstream_failures_are_openai_shaped(tmp_path: Path)
 
 
 async def test_mid_stream_failure_ends_the_stream_with_an_error(tmp_path: Path) -> None:
-    async with running_backend(BackendConfig(fail="reset", tokens=10)) as base, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]
-    ) as p:
+    async with (
+        running_backend(BackendConfig(fail="reset", tokens=10)) as base,
+        running_proxy(tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]) as p,
+    ):
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
         stream = await client.chat.completions.create(model="m", messages=MSG, stream=True)
         with pytest.raises(openai.APIError):
@@ -356,10 +413,14 @@ async def test_mid_stream_failure_ends_the_stream_with_an_error(tmp_path: Path) 
 
 async def test_api_key_models_health_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ARM_KEY", "upstream-secret")
-    async with running_backend(BackendConfig()) as base, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url, "api_key_env": "ARM_KEY"}],
-        api_key="proxy-secret",
-    ) as p:
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url, "api_key_env": "ARM_KEY"}],
+            api_key="proxy-secret",
+        ) as p,
+    ):
         bad = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
@@ -382,13 +443,20 @@ async def test_api_key_models_health_metrics(tmp_path: Path, monkeypatch: pytest
 
 async def test_capture_file_is_replayable_and_never_holds_keys(tmp_path: Path) -> None:
     capture = tmp_path / "capture.jsonl"
-    async with running_backend(BackendConfig(tokens=5)) as base, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}],
-        capture=str(capture), capture_responses=True, api_key="sekrit-key",
-    ) as p:
+    async with (
+        running_backend(BackendConfig(tokens=5)) as base,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url}],
+            capture=str(capture),
+            capture_responses=True,
+            api_key="sekrit-key",
+        ) as p,
+    ):
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="sekrit-key", max_retries=0)
-        await client.chat.completions.create(model="m", messages=MSG, temperature=0,
-                                             extra_headers={"X-Specproxy-Category": "poetry"})
+        await client.chat.completions.create(
+            model="m", messages=MSG, temperature=0, extra_headers={"X-Specproxy-Category": "poetry"}
+        )
         await client.completions.create(model="m", prompt="hello", max_tokens=3)
         await client.close()
     raw = capture.read_bytes()
@@ -404,8 +472,10 @@ async def test_capture_file_is_replayable_and_never_holds_keys(tmp_path: Path) -
 
 
 async def test_non_vllm_backend_works_without_extensions(tmp_path: Path) -> None:
-    async with running_backend(BackendConfig(vllm=False, reject_extensions=True, tokens=6)) as base, \
-            running_proxy(tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]) as p:
+    async with (
+        running_backend(BackendConfig(vllm=False, reject_extensions=True, tokens=6)) as base,
+        running_proxy(tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]) as p,
+    ):
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
         for _ in range(2):
             stream = await client.chat.completions.create(model="m", messages=MSG, stream=True)

@@ -26,13 +26,18 @@ def _sync_streams(url: str, n: int, completions: bool = False) -> list[int]:
     with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
         for i in range(n):
             if completions:
-                stream: Any = client.completions.create(model="m", prompt=f"p{i}", stream=True, max_tokens=6,
-                                                     temperature=0)
+                stream: Any = client.completions.create(
+                    model="m", prompt=f"p{i}", stream=True, max_tokens=6, temperature=0
+                )
                 counts.append(sum(1 for c in stream if c.choices and c.choices[0].text))
             else:
                 stream = client.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": f"q{i}"}], stream=True, max_tokens=6,
-                    temperature=0)
+                    model="m",
+                    messages=[{"role": "user", "content": f"q{i}"}],
+                    stream=True,
+                    max_tokens=6,
+                    temperature=0,
+                )
                 counts.append(sum(1 for c in stream if c.choices and c.choices[0].delta.content))
     return counts
 
@@ -40,9 +45,14 @@ def _sync_streams(url: str, n: int, completions: bool = False) -> list[int]:
 async def test_client_closing_right_after_done_is_not_a_cancellation(tmp_path: Path) -> None:
     # The backend ends its body 50 ms after [DONE]: the sync client has closed the connection by then.
     cfg = BackendConfig(tokens=6, eof_delay_s=0.05)
-    async with running_backend(cfg) as base, running_backend(cfg) as cand, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}]
-    ) as p:
+    async with (
+        running_backend(cfg) as base,
+        running_backend(cfg) as cand,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
+        ) as p,
+    ):
         counts = await asyncio.to_thread(_sync_streams, p.url, 6)
         counts += await asyncio.to_thread(_sync_streams, p.url, 2, True)
         assert counts == [6] * 8
@@ -50,8 +60,12 @@ async def test_client_closing_right_after_done_is_not_a_cancellation(tmp_path: P
 
         async def one(i: int) -> int:
             stream = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"a{i}"}], stream=True, max_tokens=6,
-                temperature=0)
+                model="m",
+                messages=[{"role": "user", "content": f"a{i}"}],
+                stream=True,
+                max_tokens=6,
+                temperature=0,
+            )
             return len([1 async for c in stream if c.choices and c.choices[0].delta.content])
 
         assert await asyncio.gather(*(one(i) for i in range(8))) == [6] * 8
@@ -67,9 +81,10 @@ async def test_client_closing_right_after_done_is_not_a_cancellation(tmp_path: P
 
 
 async def test_many_openai_streams_through_the_proxy_in_front_of_the_simulator(tmp_path: Path) -> None:
-    async with running_sim(SimConfig(time_scale=100)) as base, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]
-    ) as p:
+    async with (
+        running_sim(SimConfig(time_scale=100)) as base,
+        running_proxy(tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]) as p,
+    ):
         async with aiohttp.ClientSession() as s, s.get(base.url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
 
@@ -77,20 +92,26 @@ async def test_many_openai_streams_through_the_proxy_in_front_of_the_simulator(t
             with openai.OpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0) as client:
                 for i in range(20):
                     stream = client.chat.completions.create(
-                        model=model, messages=[{"role": "user", "content": f"s{i}"}], stream=True,
-                        max_tokens=8, temperature=0)
+                        model=model,
+                        messages=[{"role": "user", "content": f"s{i}"}],
+                        stream=True,
+                        max_tokens=8,
+                        temperature=0,
+                    )
                     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
             return 20
 
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
 
         async def one(i: int) -> None:
-            stream = await client.completions.create(model=model, prompt=f"a{i}", stream=True, max_tokens=8,
-                                                     temperature=0)
+            stream = await client.completions.create(
+                model=model, prompt=f"a{i}", stream=True, max_tokens=8, temperature=0
+            )
             assert "".join([c.choices[0].text async for c in stream if c.choices])
 
-        n_sync, _ = await asyncio.gather(asyncio.to_thread(sync_calls),
-                                         asyncio.gather(*(one(i) for i in range(20))))
+        n_sync, _ = await asyncio.gather(
+            asyncio.to_thread(sync_calls), asyncio.gather(*(one(i) for i in range(20)))
+        )
         await client.close()
     rows = spans(p.db)
     assert len(rows) == n_sync + 20

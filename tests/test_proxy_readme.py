@@ -21,7 +21,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def _section() -> str:
     text = README.read_text()
-    return text[text.index("<!-- section: serve -->"):text.index("<!-- /section: serve -->")]
+    return text[text.index("<!-- section: serve -->") : text.index("<!-- /section: serve -->")]
 
 
 def _find(pattern: str, text: str) -> str:
@@ -39,12 +39,15 @@ async def test_readme_shadow_walkthrough(tmp_path: Path) -> None:
 
     doc = tomllib.loads(toml_text)
     assert doc["experiment"]["mode"] == "shadow" and [a["name"] for a in doc["arms"]] == ["baseline", "ngram"]
-    async with running_backend(BackendConfig(tokens=64)) as b1, \
-            running_backend(BackendConfig(tokens=64, tokens_per_chunk=3)) as b2:
+    async with (
+        running_backend(BackendConfig(tokens=64)) as b1,
+        running_backend(BackendConfig(tokens=64, tokens_per_chunk=3)) as b2,
+    ):
         arms = [{**doc["arms"][0], "url": b1.url}, {**doc["arms"][1], "url": b2.url}]
         async with running_proxy(tmp_path, arms, **doc["experiment"]) as p, aiohttp.ClientSession() as s:
-            async with s.post(p.url + "/v1/chat/completions", json=body,
-                              headers={"X-Specproxy-Category": "code"}) as r:
+            async with s.post(
+                p.url + "/v1/chat/completions", json=body, headers={"X-Specproxy-Category": "code"}
+            ) as r:
                 assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
     with duckdb.connect(str(p.db), read_only=True) as con:
         rows = con.execute(sql).fetchall()

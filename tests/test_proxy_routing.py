@@ -14,9 +14,11 @@ def _router(mode: str, arms: list[dict[str, Any]], **exp: Any) -> ArmRouter:
     return ArmRouter(experiment, rng=random.Random(7))
 
 
-ARMS = [{"name": "base", "role": "baseline", "url": "http://b"},
-        {"name": "half", "url": "http://h", "sample": 0.5, "weight": 3},
-        {"name": "never", "url": "http://n", "sample": 0.0, "weight": 0}]
+ARMS = [
+    {"name": "base", "role": "baseline", "url": "http://b"},
+    {"name": "half", "url": "http://h", "sample": 0.5, "weight": 3},
+    {"name": "never", "url": "http://n", "sample": 0.0, "weight": 0},
+]
 
 
 def test_shadow_mode_serves_from_the_baseline_and_samples_copies() -> None:
@@ -34,8 +36,9 @@ def test_split_mode_weights_and_sticky_keys() -> None:
     assert "never" not in chosen and 2850 < chosen.count("half") < 3150  # weight 3 of 4
     # The same key always lands on the same arm, on any router built from the same weights.
     other = _router("split", ARMS, sticky_key="user")
-    assert all(other.plan({"user": f"u{i}"}, {}, comparable=False).primary.name == chosen[i]
-               for i in range(200))
+    assert all(
+        other.plan({"user": f"u{i}"}, {}, comparable=False).primary.name == chosen[i] for i in range(200)
+    )
     assert key_point("u1") == key_point("u1") and 0 <= key_point("x") < 1
 
 

@@ -38,8 +38,10 @@ def _write_config(path: Path, base_url: str, cand_url: str | None, db: Path) -> 
 async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_path: Path) -> None:
     db = tmp_path / "spans.duckdb"
     n = 24
-    async with running_backend(BackendConfig(itl_s=0.02, tokens=30)) as base, \
-            running_backend(BackendConfig(itl_s=0.02, tokens=30, tokens_per_chunk=3)) as cand:
+    async with (
+        running_backend(BackendConfig(itl_s=0.02, tokens=30)) as base,
+        running_backend(BackendConfig(itl_s=0.02, tokens=30, tokens_per_chunk=3)) as cand,
+    ):
         cfg = _write_config(tmp_path / "exp.toml", base.url, cand.url, db)
         port = free_port()
         proc = start_cli(["serve", "--config", str(cfg), "--port", str(port)])
@@ -68,8 +70,9 @@ async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_pa
     assert code == 0, out
     assert f"{2 * n} spans written, 0 dropped" in out
     with duckdb.connect(str(db), read_only=True) as con:
-        rows = con.execute("SELECT arm, status, count(*), count(DISTINCT request_id) FROM requests "
-                           "GROUP BY ALL ORDER BY arm").fetchall()
+        rows = con.execute(
+            "SELECT arm, status, count(*), count(DISTINCT request_id) FROM requests GROUP BY ALL ORDER BY arm"
+        ).fetchall()
         run = con.execute("SELECT name, mode, ended_at IS NOT NULL FROM runs").fetchall()
         scraped = con.execute("SELECT DISTINCT arm, name FROM backend_metrics ORDER BY arm").fetchall()
     assert rows == [("base", "ok", n, n), ("cand", "ok", n, n)]
@@ -83,8 +86,9 @@ async def test_workers_share_the_port_and_write_one_store_each(tmp_path: Path) -
     async with running_backend(BackendConfig(tokens=3)) as base:
         cfg = _write_config(tmp_path / "exp.toml", base.url, None, db)
         port = free_port()
-        proc = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--workers", "2",
-                          "--run-id", "shared-run"])
+        proc = start_cli(
+            ["serve", "--config", str(cfg), "--port", str(port), "--workers", "2", "--run-id", "shared-run"]
+        )
         try:
             await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", 40.0, proc)
             files = [tmp_path / f"spans.w{i}.duckdb" for i in (0, 1)]
@@ -132,8 +136,9 @@ def test_sigterm_while_starting_still_records_the_run(tmp_path: Path) -> None:
 
 def test_a_span_store_held_by_another_process_is_a_sentence(tmp_path: Path) -> None:
     db = tmp_path / "held.duckdb"
-    hold = ("import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); "
-            "time.sleep(9)")
+    hold = (
+        "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(9)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", hold, str(db)], stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"held\n"

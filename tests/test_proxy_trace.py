@@ -22,9 +22,14 @@ BODY: Any = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tem
 
 async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_traceparent(tmp_path: Path) -> None:
     cfg = BackendConfig(tokens=4)
-    async with running_backend(cfg) as base, running_backend(cfg) as cand, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}]
-    ) as p:
+    async with (
+        running_backend(cfg) as base,
+        running_backend(cfg) as cand,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
+        ) as p,
+    ):
         assert p.state.sink is not None
         seen = InMemorySpanExporter()
         p.state.sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
@@ -33,12 +38,16 @@ async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_tracepar
             async with s.post(p.url + "/v1/chat/completions", json=BODY, headers=headers) as r:
                 assert r.status == 200
                 await r.read()
-            async with s.post(p.url + "/v1/chat/completions", json=BODY,
-                              headers={"X-Request-Id": "bare"}) as r:
+            async with s.post(
+                p.url + "/v1/chat/completions", json=BODY, headers={"X-Request-Id": "bare"}
+            ) as r:
                 await r.read()
             # A malformed traceparent is ignored (a new trace), never an error.
-            async with s.post(p.url + "/v1/chat/completions", json=BODY,
-                              headers={"traceparent": "00-zz-yy-01", "X-Request-Id": "bad"}) as r:
+            async with s.post(
+                p.url + "/v1/chat/completions",
+                json=BODY,
+                headers={"traceparent": "00-zz-yy-01", "X-Request-Id": "bad"},
+            ) as r:
                 assert r.status == 200
                 await r.read()
     rows = spans(p.db)
@@ -69,9 +78,15 @@ async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_tracepar
 
 async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_path: Path) -> None:
     cfg = BackendConfig(tokens=3)
-    async with running_backend(cfg) as base, running_backend(cfg) as cand, running_proxy(
-        tmp_path, [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}]
-    ) as p, aiohttp.ClientSession() as s:
+    async with (
+        running_backend(cfg) as base,
+        running_backend(cfg) as cand,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
+        ) as p,
+        aiohttp.ClientSession() as s,
+    ):
         hdr = "X-Specproxy-Concurrency-Level"
         async with s.post(p.url + "/v1/chat/completions", json=BODY, headers={hdr: "16"}) as r:
             assert r.status == 200
@@ -83,18 +98,28 @@ async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_pa
             await r.read()
         assert all(hdr not in h for h in base.stats.headers + cand.stats.headers)
     assert sorted((r["routed_as"], r["concurrency_level"] or 0) for r in spans(p.db)) == [
-        ("primary", 0), ("primary", 16), ("shadow", 0), ("shadow", 16)]
+        ("primary", 0),
+        ("primary", 16),
+        ("shadow", 0),
+        ("shadow", 16),
+    ]
 
 
 async def test_replay_through_the_proxy_labels_its_spans_with_each_level(tmp_path: Path) -> None:
-    async with running_backend(BackendConfig(tokens=3)) as base, running_proxy(
-        tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": base.url}]
-    ) as p:
-        items = [ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"q {i}"}]})
-                 for i in range(6)]
-        settings = ReplaySettings(arms=(Arm(name="target", url=p.url, role="baseline"),),
-                                  db_path=tmp_path / "replay.duckdb", show_progress=False,
-                                  load=LoadPlan(levels=(1, 3), warmup=0))
+    async with (
+        running_backend(BackendConfig(tokens=3)) as base,
+        running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": base.url}]) as p,
+    ):
+        items = [
+            ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"q {i}"}]})
+            for i in range(6)
+        ]
+        settings = ReplaySettings(
+            arms=(Arm(name="target", url=p.url, role="baseline"),),
+            db_path=tmp_path / "replay.duckdb",
+            show_progress=False,
+            load=LoadPlan(levels=(1, 3), warmup=0),
+        )
         result = await run_replay(settings, items)
         assert result.per_arm["target"].ok == 12
     levels = sorted(r["concurrency_level"] for r in spans(p.db))
@@ -120,7 +145,8 @@ def test_spans_made_directly_are_the_rows_the_sdk_makes(tmp_path: Path) -> None:
             assert sink._direct is not via_sdk
             for i, rec in enumerate(records):
                 ids = {"trace_id": f"{i + 1:032x}", "span_id": f"{i + 1:016x}"}
-                assert sink.emit(full_record(i, status=rec.status, error=rec.error, **ids),
-                                 parent if i == 2 else None)
+                assert sink.emit(
+                    full_record(i, status=rec.status, error=rec.error, **ids), parent if i == 2 else None
+                )
         rows.append(read(db, "SELECT * FROM requests ORDER BY request_id"))
     assert len(rows[0]) == 3 and rows[0] == rows[1]

@@ -56,8 +56,10 @@ def test_tap_counts_tokens_from_token_ids_then_usage_then_chunks() -> None:
 
     usage_tap = CompletionTap("completions")
     for i, cum in enumerate((2, 5, 6)):
-        usage_tap.feed_data(orjson.dumps({"choices": [{"index": 0, "text": "x"}],
-                                          "usage": {"completion_tokens": cum}}), float(i))
+        usage_tap.feed_data(
+            orjson.dumps({"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": cum}}),
+            float(i),
+        )
     final = {"choices": [], "usage": {"completion_tokens": 6, "prompt_tokens": 3}}
     usage_tap.feed_data(orjson.dumps(final), 9.0)
     assert usage_tap.tokens_per_chunk == [2, 3, 1] and usage_tap.completion_tokens == 6
@@ -74,8 +76,12 @@ def test_tap_counts_tokens_from_token_ids_then_usage_then_chunks() -> None:
 def test_identity_tokens_text_and_margin() -> None:
     a, b = CompletionTap("chat"), CompletionTap("chat")
     for tap, ids in ((a, [1, 2, 3]), (b, [1, 2, 9])):
-        lp = {"content": [{"token": f"t{i}", "logprob": 0.0,
-                           "top_logprobs": [{"logprob": 0.0}, {"logprob": -0.25}]} for i in ids]}
+        lp = {
+            "content": [
+                {"token": f"t{i}", "logprob": 0.0, "top_logprobs": [{"logprob": 0.0}, {"logprob": -0.25}]}
+                for i in ids
+            ]
+        }
         tap.feed_data(_chunk("x", token_ids=ids, logprobs=lp), 1.0)
     assert compare(a, b) == (False, 2, 0.25)
     assert compare(a, a) == (True, None, None)
@@ -151,8 +157,7 @@ async def test_call_arm_passes_usage_through_when_client_asked_and_reads_vllm_me
 
 
 async def test_call_arm_non_vllm_backend_rejecting_extensions_is_retried_and_remembered() -> None:
-    async with running_backend(BackendConfig(reject_extensions=True, vllm=False)) as b, \
-            UpstreamClient() as s:
+    async with running_backend(BackendConfig(reject_extensions=True, vllm=False)) as b, UpstreamClient() as s:
         arm, state = _arm(b.url, return_token_ids=True), UpstreamState()
         for i in range(2):
             body = {**CHAT, "stream": True}
@@ -176,8 +181,12 @@ async def test_call_arm_non_streaming_passes_body_through() -> None:
 
 @pytest.mark.parametrize(
     ("fail", "status", "http_status"),
-    [("http500", "http_error", 500), ("http429", "http_error", 429), ("reset", "upstream_error", 200),
-     ("garbage", "upstream_error", 200)],
+    [
+        ("http500", "http_error", 500),
+        ("http429", "http_error", 429),
+        ("reset", "upstream_error", 200),
+        ("garbage", "upstream_error", 200),
+    ],
 )
 async def test_call_arm_upstream_failures_become_statuses(fail: str, status: str, http_status: int) -> None:
     async with running_backend(BackendConfig(fail=fail)) as b, UpstreamClient() as s:

@@ -22,9 +22,16 @@ from tests.backends import BackendConfig, running_backend
 
 def items(n: int) -> list[ReplayItem]:
     cats = ("chat", "summarization")
-    return [ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"question {i}"}],
-                                         "max_tokens": 6}, cats[i % 2], arrival_s=i * 0.01)
-            for i in range(n)]
+    return [
+        ReplayItem(
+            f"q{i}",
+            "chat",
+            {"messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 6},
+            cats[i % 2],
+            arrival_s=i * 0.01,
+        )
+        for i in range(n)
+    ]
 
 
 def rows(db: Path, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
@@ -33,17 +40,30 @@ def rows(db: Path, sql: str, params: list[Any] | None = None) -> list[tuple[Any,
 
 
 def arms(base_url: str, cand_url: str) -> tuple[Arm, ...]:
-    return (Arm(name="base", url=base_url, role="baseline"),
-            Arm(name="spec", url=cand_url, speculative={"method": "ngram", "num_speculative_tokens": 2},
-                description="three tokens per chunk"))
+    return (
+        Arm(name="base", url=base_url, role="baseline"),
+        Arm(
+            name="spec",
+            url=cand_url,
+            speculative={"method": "ngram", "num_speculative_tokens": 2},
+            description="three tokens per chunk",
+        ),
+    )
 
 
 async def test_paired_sweep_writes_one_span_per_arm_and_checks_identity(tmp_path: Path) -> None:
     db = tmp_path / "spans.duckdb"
-    async with running_backend(BackendConfig(itl_s=0.001)) as base, \
-            running_backend(BackendConfig(itl_s=0.001, tokens_per_chunk=3, spec_metrics=True)) as cand:
-        settings = ReplaySettings(arms=arms(base.url, cand.url), db_path=db, run_name="t",
-                                  show_progress=False, load=LoadPlan(levels=(1, 4), warmup=2))
+    async with (
+        running_backend(BackendConfig(itl_s=0.001)) as base,
+        running_backend(BackendConfig(itl_s=0.001, tokens_per_chunk=3, spec_metrics=True)) as cand,
+    ):
+        settings = ReplaySettings(
+            arms=arms(base.url, cand.url),
+            db_path=db,
+            run_name="t",
+            show_progress=False,
+            load=LoadPlan(levels=(1, 4), warmup=2),
+        )
         result = await run_replay(settings, items(8))
         # temperature 0 is sent explicitly, streaming is on, the category header reaches the backend
         body = cand.stats.bodies[-1]
@@ -54,19 +74,30 @@ async def test_paired_sweep_writes_one_span_per_arm_and_checks_identity(tmp_path
         assert base.stats.requests == cand.stats.requests == 2 * (8 + 2)
     assert result.phases == ["c=1", "c=4"]
     assert result.per_arm["spec"].compared == 16 and result.per_arm["spec"].mismatches == 0
-    got = rows(db, "SELECT arm, concurrency_level, count(*), count(DISTINCT request_id) FROM requests "
-                   "WHERE run_id = ? GROUP BY ALL ORDER BY ALL", [result.run_id])
+    got = rows(
+        db,
+        "SELECT arm, concurrency_level, count(*), count(DISTINCT request_id) FROM requests "
+        "WHERE run_id = ? GROUP BY ALL ORDER BY ALL",
+        [result.run_id],
+    )
     assert got == [("base", 1, 8, 8), ("base", 4, 8, 8), ("spec", 1, 8, 8), ("spec", 4, 8, 8)]
     # both arms share request ids, the candidate's outputs match the baseline's
-    spans = rows(db, "SELECT source, routed_as, category, status, identical, arm_role, completion_tokens, "
-                     "ttft_s > 0, decode_tok_s > 0, chunks FROM requests WHERE arm = 'spec'")
-    assert {s[:6] for s in spans} == {("replay", "replay", c, "ok", True, "candidate")
-                                      for c in ("chat", "summarization")}
+    spans = rows(
+        db,
+        "SELECT source, routed_as, category, status, identical, arm_role, completion_tokens, "
+        "ttft_s > 0, decode_tok_s > 0, chunks FROM requests WHERE arm = 'spec'",
+    )
+    assert {s[:6] for s in spans} == {
+        ("replay", "replay", c, "ok", True, "candidate") for c in ("chat", "summarization")
+    }
     assert all(s[6] == 6 and s[7] and s[8] and s[9] == 3 for s in spans)  # 6 tokens in chunks of 1 + 3 + 2
     base_identical = rows(db, "SELECT DISTINCT identical FROM requests WHERE arm = 'base'")
     assert base_identical == [(None,)]
-    assert rows(db, "SELECT count(*) FROM requests r JOIN requests b USING (request_id) "
-                    "WHERE r.arm = 'spec' AND b.arm = 'base'") == [(16,)]
+    assert rows(
+        db,
+        "SELECT count(*) FROM requests r JOIN requests b USING (request_id) "
+        "WHERE r.arm = 'spec' AND b.arm = 'base'",
+    ) == [(16,)]
     # the run records each arm's stack
     (name, mode, source, stacks) = rows(db, "SELECT name, mode, source, stacks_json FROM runs")[0]
     assert (name, mode, source) == ("t", "replay-paired", "replay")
@@ -84,8 +115,9 @@ async def test_paired_identity_catches_a_diverging_candidate(tmp_path: Path) -> 
     async with running_backend(BackendConfig()) as base, running_backend(BackendConfig(diverge_at=3)) as cand:
         # with token ids on both sides the divergence is a token index
         with_ids = tuple(dataclasses.replace(a, return_token_ids=True) for a in arms(base.url, cand.url))
-        settings = ReplaySettings(arms=with_ids, db_path=db, show_progress=False,
-                                  load=LoadPlan(levels=(2,), warmup=0))
+        settings = ReplaySettings(
+            arms=with_ids, db_path=db, show_progress=False, load=LoadPlan(levels=(2,), warmup=0)
+        )
         result = await run_replay(settings, items(4))
     assert result.per_arm["spec"].mismatches == 4
     got = rows(db, "SELECT DISTINCT identical, first_divergence FROM requests WHERE arm = 'spec'")
@@ -97,8 +129,13 @@ async def test_split_mode_sends_each_item_to_one_arm_by_weight(tmp_path: Path) -
     async with running_backend() as base, running_backend() as cand:
         a, b = arms(base.url, cand.url)
         split_arms = (a, Arm(name=b.name, url=b.url, weight=3.0))
-        settings = ReplaySettings(arms=split_arms, db_path=db, mode="split", show_progress=False,
-                                  load=LoadPlan(levels=(4,), warmup=0))
+        settings = ReplaySettings(
+            arms=split_arms,
+            db_path=db,
+            mode="split",
+            show_progress=False,
+            load=LoadPlan(levels=(4,), warmup=0),
+        )
         await run_replay(settings, items(200))
         assert base.stats.requests + cand.stats.requests == 200
     counts = dict(rows(db, "SELECT arm, count(*) FROM requests GROUP BY arm"))
@@ -116,15 +153,18 @@ async def test_poisson_rate_and_timed_runs(tmp_path: Path) -> None:
             assert result.lag_p99_s is not None and result.lag_p99_s < 0.25
             assert rows(db, "SELECT count(*), count(concurrency_level) FROM requests") == [(20, 0)]
             phase = "rate=200" if load.kind == "rate" else "timed x2"
-            assert rows(db, "SELECT count(*) > 0 FROM backend_metrics WHERE phase = ?", [f"{phase}:after"]) \
-                == [(True,)]
+            assert rows(
+                db, "SELECT count(*) > 0 FROM backend_metrics WHERE phase = ?", [f"{phase}:after"]
+            ) == [(True,)]
 
 
 async def test_duration_bounds_each_level_and_items_per_level_cycles(tmp_path: Path) -> None:
     db = tmp_path / "d.duckdb"
     async with running_backend(BackendConfig(itl_s=0.02)) as base:
         settings = ReplaySettings(
-            arms=(Arm(name="b", url=base.url, role="baseline"),), db_path=db, show_progress=False,
+            arms=(Arm(name="b", url=base.url, role="baseline"),),
+            db_path=db,
+            show_progress=False,
             load=LoadPlan(levels=(1, 2), warmup=0, duration_s=0.4, items_per_level=lambda c: 1000),
         )
         await run_replay(settings, items(3))
@@ -136,8 +176,12 @@ async def test_duration_bounds_each_level_and_items_per_level_cycles(tmp_path: P
 
 async def test_timed_needs_timestamps(tmp_path: Path) -> None:
     async with running_backend() as base:
-        settings = ReplaySettings(arms=(Arm(name="b", url=base.url, role="baseline"),),
-                                  db_path=tmp_path / "x", show_progress=False, load=LoadPlan(kind="timed"))
+        settings = ReplaySettings(
+            arms=(Arm(name="b", url=base.url, role="baseline"),),
+            db_path=tmp_path / "x",
+            show_progress=False,
+            load=LoadPlan(kind="timed"),
+        )
         untimed = [ReplayItem("a", "chat", {"messages": [{"role": "user", "content": "x"}]}, where="f:1")]
         with pytest.raises(ReplayError, match="f:1: --timed needs arrival times"):
             await run_replay(settings, untimed)
@@ -148,8 +192,9 @@ async def test_unreachable_arm_fails_before_the_run_naming_its_url(tmp_path: Pat
 
     url = f"http://127.0.0.1:{free_port()}"
     async with running_backend() as base:
-        settings = ReplaySettings(arms=arms(base.url, url), db_path=tmp_path / "x.duckdb",
-                                  show_progress=False)
+        settings = ReplaySettings(
+            arms=arms(base.url, url), db_path=tmp_path / "x.duckdb", show_progress=False
+        )
         with pytest.raises(ReplayError, match=f"arm 'spec' at {url} is not reachable"):
             await run_replay(settings, items(2))
         assert base.stats.requests == 0
@@ -160,36 +205,51 @@ async def test_stop_keeps_what_was_measured(tmp_path: Path) -> None:
     db = tmp_path / "spans.duckdb"
     stop = asyncio.Event()
     async with running_backend(BackendConfig(itl_s=0.02)) as base:
-        settings = ReplaySettings(arms=(Arm(name="b", url=base.url, role="baseline"),), db_path=db,
-                                  show_progress=False, load=LoadPlan(levels=(2,), warmup=0))
+        settings = ReplaySettings(
+            arms=(Arm(name="b", url=base.url, role="baseline"),),
+            db_path=db,
+            show_progress=False,
+            load=LoadPlan(levels=(2,), warmup=0),
+        )
         loop = asyncio.get_running_loop()
         loop.call_later(0.5, stop.set)
         result = await run_replay(settings, items(1000), stop)
     assert result.interrupted
-    (ok, cancelled, total) = rows(db, "SELECT count(*) FILTER (status = 'ok'), count(*) FILTER "
-                                      "(status = 'client_cancelled'), count(*) FROM requests")[0]
+    (ok, cancelled, total) = rows(
+        db,
+        "SELECT count(*) FILTER (status = 'ok'), count(*) FILTER "
+        "(status = 'client_cancelled'), count(*) FROM requests",
+    )[0]
     assert 2 <= ok < 1000 and cancelled <= 2 and total == ok + cancelled
     assert rows(db, "SELECT ended_at IS NOT NULL FROM runs") == [(True,)]
 
 
 def test_replay_of_every_synthesized_format_reaches_the_backend(tmp_path: Path) -> None:
     p = tmp_path / "mooncake.jsonl"
-    p.write_text("".join(json.dumps({"timestamp": 10 * i, "input_length": 50, "output_length": 3,
-                                     "hash_ids": [1]}) + "\n" for i in range(5)))
+    p.write_text(
+        "".join(
+            json.dumps({"timestamp": 10 * i, "input_length": 50, "output_length": 3, "hash_ids": [1]}) + "\n"
+            for i in range(5)
+        )
+    )
     got = read_items(p)
 
     async def go() -> list[dict[str, Any]]:
         async with running_backend() as base:
-            settings = ReplaySettings(arms=(Arm(name="b", url=base.url, role="baseline"),),
-                                      db_path=tmp_path / "m.duckdb", show_progress=False,
-                                      load=LoadPlan(kind="timed", speedup=10))
+            settings = ReplaySettings(
+                arms=(Arm(name="b", url=base.url, role="baseline"),),
+                db_path=tmp_path / "m.duckdb",
+                show_progress=False,
+                load=LoadPlan(kind="timed", speedup=10),
+            )
             await run_replay(settings, got.items)
             return base.stats.bodies
 
     bodies = asyncio.run(go())
     assert len(bodies) == 5 and all(b["max_tokens"] == 3 and len(b["prompt"].split()) == 50 for b in bodies)
     assert rows(tmp_path / "m.duckdb", "SELECT DISTINCT endpoint, completion_tokens FROM requests") == [
-        ("completions", 3)]
+        ("completions", 3)
+    ]
 
 
 async def test_closed_loop_holds_its_level() -> None:

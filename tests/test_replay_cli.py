@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "specproxy", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_in_process(*args: str) -> Result:
@@ -34,9 +35,24 @@ def run_in_process(*args: str) -> Result:
 def backend_url() -> Iterator[str]:
     """A vLLM-shaped test backend in its own process (8 tokens, 5 ms apart)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.backends", "--port", str(port), "--ttft-ms", "2",
-                             "--itl-ms", "5", "--tokens", "8"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.backends",
+            "--port",
+            str(port),
+            "--ttft-ms",
+            "2",
+            "--itl-ms",
+            "5",
+            "--tokens",
+            "8",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc=None)
         yield f"http://127.0.0.1:{port}"
@@ -56,14 +72,29 @@ def write_custom(path: Path, n: int, bad_line: int | None = None) -> Path:
 def test_replay_through_target_writes_spans(tmp_path: Path, backend_url: str) -> None:
     log = write_custom(tmp_path / "log.jsonl", 12, bad_line=5)
     db = tmp_path / "out.duckdb"
-    res = run_cli("replay", str(log), "--target", backend_url, "--concurrency", "1,3", "--db", str(db),
-                  "--on-error", "skip", "--no-progress", "--run-name", "cli")
+    res = run_cli(
+        "replay",
+        str(log),
+        "--target",
+        backend_url,
+        "--concurrency",
+        "1,3",
+        "--db",
+        str(db),
+        "--on-error",
+        "skip",
+        "--no-progress",
+        "--run-name",
+        "cli",
+    )
     assert res.returncode == 0, res.stderr
     assert f"skipped 1 bad record(s); first: {log}:5: prompt: expected a non-empty string" in res.stderr
     assert "target" in res.stderr and "22 spans" in res.stderr
     with duckdb.connect(str(db), read_only=True) as conn:
-        got = conn.execute("SELECT concurrency_level, count(*), min(status), max(status), min(temperature) "
-                           "FROM requests GROUP BY 1 ORDER BY 1").fetchall()
+        got = conn.execute(
+            "SELECT concurrency_level, count(*), min(status), max(status), min(temperature) "
+            "FROM requests GROUP BY 1 ORDER BY 1"
+        ).fetchall()
         assert got == [(1, 11, "ok", "ok", 0.0), (3, 11, "ok", "ok", 0.0)]
         assert conn.execute("SELECT name, mode FROM runs").fetchall() == [("cli", "replay-paired")]
 
@@ -87,21 +118,32 @@ def test_empty_file_names_the_formats(tmp_path: Path) -> None:
 def test_unreachable_arm_names_its_url(tmp_path: Path, backend_url: str) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     cfg = tmp_path / "exp.toml"
-    cfg.write_text(f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{backend_url}"\n\n'
-                   f'[[arms]]\nname = "eagle3"\nurl = "{dead}"\n')
-    res = run_cli("replay", str(write_custom(tmp_path / "l.jsonl", 2)), "--config", str(cfg),
-                  "--db", str(tmp_path / "x.duckdb"))
+    cfg.write_text(
+        f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{backend_url}"\n\n'
+        f'[[arms]]\nname = "eagle3"\nurl = "{dead}"\n'
+    )
+    res = run_cli(
+        "replay",
+        str(write_custom(tmp_path / "l.jsonl", 2)),
+        "--config",
+        str(cfg),
+        "--db",
+        str(tmp_path / "x.duckdb"),
+    )
     assert res.returncode == 1
     assert f"arm 'eagle3' at {dead} is not reachable" in res.stderr and "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "give exactly one of --config"),
-    (["--target", "http://x", "--rate", "2", "--timed"], "choose one"),
-    (["--target", "http://x", "--concurrency", "0"], "integers ≥ 1"),
-    (["--target", "ftp://x"], "must start with http://"),
-    (["--target", "http://x", "--mode", "split"], "--mode split needs the arms"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "give exactly one of --config"),
+        (["--target", "http://x", "--rate", "2", "--timed"], "choose one"),
+        (["--target", "http://x", "--concurrency", "0"], "integers ≥ 1"),
+        (["--target", "ftp://x"], "must start with http://"),
+        (["--target", "http://x", "--mode", "split"], "--mode split needs the arms"),
+    ],
+)
 def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
     res = run_in_process("replay", str(write_custom(tmp_path / "l.jsonl", 1)), *args)
     assert res.exit_code == 2 and message in res.stderr
@@ -110,8 +152,9 @@ def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
 def test_ctrl_c_stops_cleanly_and_keeps_spans(tmp_path: Path, backend_url: str) -> None:
     log = write_custom(tmp_path / "log.jsonl", 5000)
     db = tmp_path / "out.duckdb"
-    proc = start_cli(["replay", str(log), "--target", backend_url, "--concurrency", "4", "--db", str(db),
-                      "--no-progress"])
+    proc = start_cli(
+        ["replay", str(log), "--target", backend_url, "--concurrency", "4", "--db", str(db), "--no-progress"]
+    )
     try:
         deadline = time.monotonic() + 30
         # wait until the run is under way (the run row exists once the sink started)
@@ -127,8 +170,9 @@ def test_ctrl_c_stops_cleanly_and_keeps_spans(tmp_path: Path, backend_url: str) 
     assert proc.returncode == 130, out
     assert "interrupted: the spans measured so far are kept" in out and "Traceback" not in out
     with duckdb.connect(str(db), read_only=True) as conn:
-        ok, other = conn.execute("SELECT count(*) FILTER (status = 'ok'), count(*) FILTER (status <> 'ok') "
-                                 "FROM requests").fetchone()  # type: ignore[misc]
+        ok, other = conn.execute(
+            "SELECT count(*) FILTER (status = 'ok'), count(*) FILTER (status <> 'ok') FROM requests"
+        ).fetchone()  # type: ignore[misc]
         assert 4 <= ok < 5000 and other <= 4
         assert conn.execute("SELECT ended_at IS NOT NULL FROM runs").fetchall() == [(True,)]
 
@@ -136,29 +180,61 @@ def test_ctrl_c_stops_cleanly_and_keeps_spans(tmp_path: Path, backend_url: str) 
 def test_help_lists_every_option() -> None:
     res = run_in_process("replay", "--help")
     assert res.exit_code == 0
-    for opt in ("--config", "--target", "--format", "--concurrency", "--rate", "--timed", "--speedup",
-                "--mode", "--temperature", "--max-tokens", "--limit", "--duration", "--db", "--run-name",
-                "--seed", "--on-error"):
+    for opt in (
+        "--config",
+        "--target",
+        "--format",
+        "--concurrency",
+        "--rate",
+        "--timed",
+        "--speedup",
+        "--mode",
+        "--temperature",
+        "--max-tokens",
+        "--limit",
+        "--duration",
+        "--db",
+        "--run-name",
+        "--seed",
+        "--on-error",
+    ):
         assert opt in res.stdout
 
 
 def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str) -> None:
     """replay --target a real `specproxy serve` (shadow mode), then replay the capture it wrote."""
     cfg = tmp_path / "exp.toml"
-    cfg.write_text(f'[experiment]\nmode = "shadow"\n\n[[arms]]\nname = "base"\nrole = "baseline"\n'
-                   f'url = "{backend_url}"\n\n[[arms]]\nname = "cand"\nurl = "{backend_url}"\n')
+    cfg.write_text(
+        f'[experiment]\nmode = "shadow"\n\n[[arms]]\nname = "base"\nrole = "baseline"\n'
+        f'url = "{backend_url}"\n\n[[arms]]\nname = "cand"\nurl = "{backend_url}"\n'
+    )
     port = free_port()
     proxy_db, client_db = tmp_path / "proxy.duckdb", tmp_path / "client.duckdb"
     capture = tmp_path / "cap.jsonl"
-    serve = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--db", str(proxy_db),
-                       "--capture", str(capture)])
+    serve = start_cli(
+        ["serve", "--config", str(cfg), "--port", str(port), "--db", str(proxy_db), "--capture", str(capture)]
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc=serve)
         log = tmp_path / "question.jsonl"
-        log.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"q {i}"]}) + "\n"
-                               for i in range(6)))
-        res = run_cli("replay", str(log), "--target", f"http://127.0.0.1:{port}", "--concurrency", "2",
-                      "--max-tokens", "5", "--db", str(client_db), "--no-progress")
+        log.write_text(
+            "".join(
+                json.dumps({"question_id": i, "category": "qa", "turns": [f"q {i}"]}) + "\n" for i in range(6)
+            )
+        )
+        res = run_cli(
+            "replay",
+            str(log),
+            "--target",
+            f"http://127.0.0.1:{port}",
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "5",
+            "--db",
+            str(client_db),
+            "--no-progress",
+        )
         assert res.returncode == 0, res.stderr
     finally:
         out = stop(serve)
@@ -174,7 +250,17 @@ def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str)
     # calls: through a proxy they are off unless asked for)
     assert {(a, r, c) for a, r, c in proxy} == {(a, r, "qa") for a in ("base", "cand") for r in client_ids}
     # the capture the proxy wrote is a replay log: detected, timed, sent to both arms
-    res = run_cli("replay", str(capture), "--config", str(cfg), "--timed", "--speedup", "10",
-                  "--db", str(tmp_path / "again.duckdb"), "--no-progress")
+    res = run_cli(
+        "replay",
+        str(capture),
+        "--config",
+        str(cfg),
+        "--timed",
+        "--speedup",
+        "10",
+        "--db",
+        str(tmp_path / "again.duckdb"),
+        "--no-progress",
+    )
     assert res.returncode == 0, res.stderr
     assert "replaying 6 capture items" in res.stderr and "12 spans" in res.stderr

@@ -48,36 +48,84 @@ def vllm_metrics_text(engines: Mapping[str, Mapping[str, float]]) -> str:
     def base(engine: str) -> dict[str, str]:
         return {"engine": engine, "model_name": MODEL}
 
-    family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
-           [("vllm:num_requests_running", base(e), v["running"]) for e, v in engines.items()])
-    family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-           [("vllm:kv_cache_usage_perc", base(e), 0.25) for e in engines])
-    for short, key in [("spec_decode_num_drafts", "drafts"), ("spec_decode_num_draft_tokens", "draft_tokens"),
-                       ("spec_decode_num_accepted_tokens", "accepted"), ("generation_tokens", "generated")]:
+    family(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        [("vllm:num_requests_running", base(e), v["running"]) for e, v in engines.items()],
+    )
+    family(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        [("vllm:kv_cache_usage_perc", base(e), 0.25) for e in engines],
+    )
+    for short, key in [
+        ("spec_decode_num_drafts", "drafts"),
+        ("spec_decode_num_draft_tokens", "draft_tokens"),
+        ("spec_decode_num_accepted_tokens", "accepted"),
+        ("generation_tokens", "generated"),
+    ]:
         name = f"vllm:{short}"
-        family(f"{name}", "counter", f"Number of {short}.",
-               [(f"{name}_total", base(e), v[key]) for e, v in engines.items()])
-        family(f"{name}_created", "gauge", f"Number of {short}.",
-               [(f"{name}_created", base(e), 1.7724e9) for e in engines])
-    family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
-           [(SPEC_ACCEPTED_PER_POS, {**base(e), "position": str(p)}, v[f"pos{p}"])
-            for e, v in engines.items() for p in range(3)])
-    family("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
-           [s for e in engines for s in [
-               ("vllm:time_to_first_token_seconds_bucket", {**base(e), "le": "0.05"}, 3.0),
-               ("vllm:time_to_first_token_seconds_bucket", {**base(e), "le": "+Inf"}, 4.0),
-               ("vllm:time_to_first_token_seconds_count", base(e), 4.0),
-               ("vllm:time_to_first_token_seconds_sum", base(e), 0.31),
-           ]])
-    family("python_gc_objects_collected", "counter", "Objects collected during gc",
-           [("python_gc_objects_collected_total", {"generation": "0"}, 123.0)])
+        family(
+            f"{name}",
+            "counter",
+            f"Number of {short}.",
+            [(f"{name}_total", base(e), v[key]) for e, v in engines.items()],
+        )
+        family(
+            f"{name}_created",
+            "gauge",
+            f"Number of {short}.",
+            [(f"{name}_created", base(e), 1.7724e9) for e in engines],
+        )
+    family(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "counter",
+        "Accepted tokens per draft position.",
+        [
+            (SPEC_ACCEPTED_PER_POS, {**base(e), "position": str(p)}, v[f"pos{p}"])
+            for e, v in engines.items()
+            for p in range(3)
+        ],
+    )
+    family(
+        "vllm:time_to_first_token_seconds",
+        "histogram",
+        "Histogram of time to first token in seconds.",
+        [
+            s
+            for e in engines
+            for s in [
+                ("vllm:time_to_first_token_seconds_bucket", {**base(e), "le": "0.05"}, 3.0),
+                ("vllm:time_to_first_token_seconds_bucket", {**base(e), "le": "+Inf"}, 4.0),
+                ("vllm:time_to_first_token_seconds_count", base(e), 4.0),
+                ("vllm:time_to_first_token_seconds_sum", base(e), 0.31),
+            ]
+        ],
+    )
+    family(
+        "python_gc_objects_collected",
+        "counter",
+        "Objects collected during gc",
+        [("python_gc_objects_collected_total", {"generation": "0"}, 123.0)],
+    )
     return "\n".join(out) + "\n"
 
 
-def engine_state(drafts: float, draft_tokens: float, accepted: float, pos: tuple[float, float, float],
-                 running: float = 2.0) -> dict[str, float]:
-    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted, "generated": accepted * 2,
-            "running": running, "pos0": pos[0], "pos1": pos[1], "pos2": pos[2]}
+def engine_state(
+    drafts: float, draft_tokens: float, accepted: float, pos: tuple[float, float, float], running: float = 2.0
+) -> dict[str, float]:
+    return {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted": accepted,
+        "generated": accepted * 2,
+        "running": running,
+        "pos0": pos[0],
+        "pos1": pos[1],
+        "pos2": pos[2],
+    }
 
 
 class FakeVllm:
@@ -121,33 +169,62 @@ def test_spec_decode_summary_is_vllms_arithmetic() -> None:
         return (("engine", e), ("position", p))
 
     e0, e1 = (("engine", "0"),), (("engine", "1"),)
-    before = snap({SPEC_DRAFTS: {e0: 10, e1: 10}, "vllm:spec_decode_num_draft_tokens_total": {e0: 30, e1: 30},
-                   SPEC_ACCEPTED: {e0: 20, e1: 20},
-                   SPEC_ACCEPTED_PER_POS: {pos("0", "0"): 9, pos("1", "0"): 7, pos("2", "0"): 4,
-                                           pos("0", "1"): 9, pos("1", "1"): 7, pos("2", "1"): 4}})
-    after = snap({SPEC_DRAFTS: {e0: 60, e1: 110},
-                  "vllm:spec_decode_num_draft_tokens_total": {e0: 180, e1: 330},
-                  SPEC_ACCEPTED: {e0: 120, e1: 220},
-                  SPEC_ACCEPTED_PER_POS: {pos("0", "0"): 54, pos("1", "0"): 42, pos("2", "0"): 24,
-                                          pos("0", "1"): 99, pos("1", "1"): 77, pos("2", "1"): 44}})
+    before = snap(
+        {
+            SPEC_DRAFTS: {e0: 10, e1: 10},
+            "vllm:spec_decode_num_draft_tokens_total": {e0: 30, e1: 30},
+            SPEC_ACCEPTED: {e0: 20, e1: 20},
+            SPEC_ACCEPTED_PER_POS: {
+                pos("0", "0"): 9,
+                pos("1", "0"): 7,
+                pos("2", "0"): 4,
+                pos("0", "1"): 9,
+                pos("1", "1"): 7,
+                pos("2", "1"): 4,
+            },
+        }
+    )
+    after = snap(
+        {
+            SPEC_DRAFTS: {e0: 60, e1: 110},
+            "vllm:spec_decode_num_draft_tokens_total": {e0: 180, e1: 330},
+            SPEC_ACCEPTED: {e0: 120, e1: 220},
+            SPEC_ACCEPTED_PER_POS: {
+                pos("0", "0"): 54,
+                pos("1", "0"): 42,
+                pos("2", "0"): 24,
+                pos("0", "1"): 99,
+                pos("1", "1"): 77,
+                pos("2", "1"): 44,
+            },
+        }
+    )
     summary = spec_decode_summary(before, after)
     # Δdrafts = 50 + 100 = 150, Δdraft_tokens = 450, Δaccepted = 300, Δper_pos = 135, 105, 60.
     assert summary == {
-        "num_drafts": 150.0, "draft_tokens": 450.0, "accepted_tokens": 300.0,
-        "acceptance_rate": 300 / 450, "mean_acceptance_length": 1 + 300 / 150,
+        "num_drafts": 150.0,
+        "draft_tokens": 450.0,
+        "accepted_tokens": 300.0,
+        "acceptance_rate": 300 / 450,
+        "mean_acceptance_length": 1 + 300 / 150,
         "per_position_rates": [135 / 150, 105 / 150, 60 / 150],
     }
     # An arm without speculative decoding: nothing to report, no division by zero.
     plain = snap({"vllm:num_requests_running": {e0: 1.0}})
     assert spec_decode_summary(plain, plain) == {
-        "num_drafts": None, "draft_tokens": None, "accepted_tokens": None, "acceptance_rate": None,
-        "mean_acceptance_length": None, "per_position_rates": [],
+        "num_drafts": None,
+        "draft_tokens": None,
+        "accepted_tokens": None,
+        "acceptance_rate": None,
+        "mean_acceptance_length": None,
+        "per_position_rates": [],
     }
 
 
 def test_parse_keeps_vllm_series_and_drops_created() -> None:
-    text = vllm_metrics_text({"0": engine_state(10, 30, 20, (9, 7, 4)),
-                              "1": engine_state(1, 3, 2, (1, 1, 0))})
+    text = vllm_metrics_text(
+        {"0": engine_state(10, 30, 20, (9, 7, 4)), "1": engine_state(1, 3, 2, (1, 1, 0))}
+    )
     s = parse_metrics("eagle3", text)
     assert s.ok and s.arm == "eagle3"
     assert not any(n.endswith("_created") or not n.startswith("vllm:") for n in s.series)
@@ -169,12 +246,20 @@ async def test_scrapes_land_in_backend_metrics_and_give_deltas(aiohttp_server: A
     try:
         async with aiohttp.ClientSession() as session:
             scraper = MetricsScraper(arms, sink, session, run_id="run-1", interval_s=5.0)
-            vllm.text = vllm_metrics_text({"0": engine_state(100, 300, 200, (90, 70, 40)),
-                                           "1": engine_state(1000, 3000, 2000, (900, 700, 400))})
+            vllm.text = vllm_metrics_text(
+                {
+                    "0": engine_state(100, 300, 200, (90, 70, 40)),
+                    "1": engine_state(1000, 3000, 2000, (900, 700, 400)),
+                }
+            )
             before = await scraper.scrape_once("c=16:before")
             # Engine 0 moves on; engine 1 restarted and has counted a little since.
-            vllm.text = vllm_metrics_text({"0": engine_state(150, 450, 300, (135, 105, 60)),
-                                           "1": engine_state(50, 150, 100, (45, 35, 20))})
+            vllm.text = vllm_metrics_text(
+                {
+                    "0": engine_state(150, 450, 300, (135, 105, 60)),
+                    "1": engine_state(50, 150, 100, (45, 35, 20)),
+                }
+            )
             after = await scraper.scrape_once("c=16:after")
     finally:
         sink.close()
@@ -188,16 +273,21 @@ async def test_scrapes_land_in_backend_metrics_and_give_deltas(aiohttp_server: A
     assert summary["per_position_rates"] == pytest.approx([90 / 100, 70 / 100, 40 / 100])
 
     with duckdb.connect(str(db), read_only=True) as conn:
-        rows = conn.execute("SELECT run_id, arm, phase, name, labels_json, value, scraped_at "
-                            "FROM backend_metrics").fetchall()
+        rows = conn.execute(
+            "SELECT run_id, arm, phase, name, labels_json, value, scraped_at FROM backend_metrics"
+        ).fetchall()
     per_scrape = sum(len(v) for v in a.series.values())
     assert len(rows) == 2 * per_scrape
     assert {r[2] for r in rows} == {"c=16:before", "c=16:after"}
     assert all(r[0] == "run-1" and r[1] == "eagle3" and r[3].startswith("vllm:") for r in rows)
     assert not any(r[3].endswith("_created") for r in rows)
     drafts = {(r[2], json.loads(r[4])["engine"]): r[5] for r in rows if r[3] == SPEC_DRAFTS}
-    assert drafts == {("c=16:before", "0"): 100.0, ("c=16:before", "1"): 1000.0,
-                      ("c=16:after", "0"): 150.0, ("c=16:after", "1"): 50.0}
+    assert drafts == {
+        ("c=16:before", "0"): 100.0,
+        ("c=16:before", "1"): 1000.0,
+        ("c=16:after", "0"): 150.0,
+        ("c=16:after", "1"): 50.0,
+    }
     labels = next(json.loads(r[4]) for r in rows if r[3] == SPEC_ACCEPTED_PER_POS)
     assert set(labels) == {"engine", "model_name", "position"}
     assert {r[6] for r in rows if r[2] == "c=16:after"} == {a.scraped_at}
@@ -215,8 +305,12 @@ async def test_backends_without_metrics_are_tolerated_and_logged_once(
     good = await start(aiohttp_server, {"/metrics": vllm.metrics})
     no_metrics = await start(aiohttp_server, {"/health": vllm.metrics})  # /metrics → 404
     bad_text = await start(aiohttp_server, {"/metrics": garbage})
-    arms = [Arm(name="baseline", url=good, role="baseline"), Arm(name="llamacpp", url=no_metrics),
-            Arm(name="garbage", url=bad_text), Arm(name="down", url=f"http://127.0.0.1:{free_port()}")]
+    arms = [
+        Arm(name="baseline", url=good, role="baseline"),
+        Arm(name="llamacpp", url=no_metrics),
+        Arm(name="garbage", url=bad_text),
+        Arm(name="down", url=f"http://127.0.0.1:{free_port()}"),
+    ]
     async with aiohttp.ClientSession() as session:
         scraper = MetricsScraper(arms, None, session, run_id="run-1", interval_s=1.0)
         with caplog.at_level(logging.WARNING, logger="specproxy.proxy.upstream.scrape"):

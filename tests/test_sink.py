@@ -35,24 +35,60 @@ T0_NS = 1_772_366_400_123_456_789  # 2026-03-01T12:00:00.123456789Z
 def full_record(i: int = 0, **overrides: Any) -> SpanRecord:
     """A record with every column set (so a round trip checks every column)."""
     fields: dict[str, Any] = dict(
-        run_id="run-1", request_id=f"req-{i}", arm="eagle3", arm_role="candidate",
-        backend_url="http://127.0.0.1:8002", spec_method="eagle3", num_speculative_tokens=3,
-        source="replay", routed_as="shadow", category="code", concurrency_level=16, inflight_at_start=5,
-        endpoint="chat", model="meta-llama/Llama-3.1-8B-Instruct", stream=True, temperature=0.0,
-        max_tokens=256, seed=1234567890123, prompt_sha256="a" * 64, prompt_tokens=321,
-        t_start=T0, t_start_ns=T0_NS + i, ttft_s=0.0213, e2e_s=1.875, decode_tok_s=97.25, chunks=70,
-        completion_tokens=256, finish_reason="length", output_sha256="b" * 64, output_text="héllo ✓",
-        num_drafts=60, draft_tokens=180, accepted_tokens=130, acceptance_length=3.1666,
-        spec_source="vllm_request_metrics", identical=False, first_divergence=17, divergence_margin=0.03125,
-        status="ok", http_status=200, error=None,
+        run_id="run-1",
+        request_id=f"req-{i}",
+        arm="eagle3",
+        arm_role="candidate",
+        backend_url="http://127.0.0.1:8002",
+        spec_method="eagle3",
+        num_speculative_tokens=3,
+        source="replay",
+        routed_as="shadow",
+        category="code",
+        concurrency_level=16,
+        inflight_at_start=5,
+        endpoint="chat",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        stream=True,
+        temperature=0.0,
+        max_tokens=256,
+        seed=1234567890123,
+        prompt_sha256="a" * 64,
+        prompt_tokens=321,
+        t_start=T0,
+        t_start_ns=T0_NS + i,
+        ttft_s=0.0213,
+        e2e_s=1.875,
+        decode_tok_s=97.25,
+        chunks=70,
+        completion_tokens=256,
+        finish_reason="length",
+        output_sha256="b" * 64,
+        output_text="héllo ✓",
+        num_drafts=60,
+        draft_tokens=180,
+        accepted_tokens=130,
+        acceptance_length=3.1666,
+        spec_source="vllm_request_metrics",
+        identical=False,
+        first_divergence=17,
+        divergence_margin=0.03125,
+        status="ok",
+        http_status=200,
+        error=None,
     )
     fields.update(overrides)
     return SpanRecord(**fields)
 
 
 def minimal_record(i: int, run_id: str = "run-1") -> SpanRecord:
-    return SpanRecord(run_id=run_id, request_id=f"req-{i}", arm="baseline", arm_role="baseline",
-                      backend_url="http://127.0.0.1:8001")
+    return SpanRecord(
+        run_id=run_id,
+        request_id=f"req-{i}",
+        arm="baseline",
+        arm_role="baseline",
+        backend_url="http://127.0.0.1:8001",
+    )
 
 
 def read(path: Path, sql: str) -> list[tuple[Any, ...]]:
@@ -108,8 +144,11 @@ def test_t_start_alone_sets_the_start_and_none_fields_stay_null(db: Path) -> Non
     with SpanSink(db) as sink:
         sink.emit(record)
         sink.emit(minimal_record(1))  # no start at all: now
-    rows = read(db, "SELECT request_id, t_start, t_start_ns, model, stream, ttft_s, identical, status "
-                    "FROM requests ORDER BY request_id")
+    rows = read(
+        db,
+        "SELECT request_id, t_start, t_start_ns, model, stream, ttft_s, identical, status "
+        "FROM requests ORDER BY request_id",
+    )
     assert rows[0] == ("req-0", T0, T0_NS // 1000 * 1000, None, False, None, None, "ok")
     assert abs((rows[1][1] - datetime.now(UTC)).total_seconds()) < 60
 
@@ -119,8 +158,11 @@ def test_otel_spans_carry_genai_names(db: Path) -> None:
     with SpanSink(db) as sink:
         sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
         sink.emit(full_record(0))
-        sink.emit(full_record(1, status="upstream_error", error="connection reset", http_status=None,
-                              endpoint="completions"))
+        sink.emit(
+            full_record(
+                1, status="upstream_error", error="connection reset", http_status=None, endpoint="completions"
+            )
+        )
     ok, failed = sorted(seen.get_finished_spans(), key=lambda s: s.start_time or 0)
     assert ok.name == "chat meta-llama/Llama-3.1-8B-Instruct"
     assert ok.kind is SpanKind.CLIENT
@@ -233,26 +275,51 @@ def test_emit_after_close_is_dropped_and_counted(db: Path) -> None:
 
 
 def test_runs_and_backend_metrics_rows(sink: SpanSink, db: Path) -> None:
-    sink.begin_run("run-1", name="llama8b-spec", mode="shadow", source="live",
-                   config_json='{"name": "llama8b-spec"}', stacks_json='{"baseline": {}}')
+    sink.begin_run(
+        "run-1",
+        name="llama8b-spec",
+        mode="shadow",
+        source="live",
+        config_json='{"name": "llama8b-spec"}',
+        stacks_json='{"baseline": {}}',
+    )
     with pytest.raises(SpanSinkError, match="already in"):
-        sink.begin_run("run-1", name="again", mode="shadow", source="live", config_json="{}",
-                       stacks_json="{}")
+        sink.begin_run(
+            "run-1", name="again", mode="shadow", source="live", config_json="{}", stacks_json="{}"
+        )
     rows = [
-        BackendMetricRow("run-1", "eagle3", T0, "c=16:before", "vllm:spec_decode_num_drafts_total",
-                         '{"engine":"0","model_name":"m"}', 812.0),
-        BackendMetricRow("run-1", "eagle3", T0, "c=16:before", "vllm:num_requests_running",
-                         '{"engine":"1","model_name":"m"}', 3.0),
+        BackendMetricRow(
+            "run-1",
+            "eagle3",
+            T0,
+            "c=16:before",
+            "vllm:spec_decode_num_drafts_total",
+            '{"engine":"0","model_name":"m"}',
+            812.0,
+        ),
+        BackendMetricRow(
+            "run-1",
+            "eagle3",
+            T0,
+            "c=16:before",
+            "vllm:num_requests_running",
+            '{"engine":"1","model_name":"m"}',
+            3.0,
+        ),
     ]
     assert sink.emit_backend_metrics(rows)
     sink.end_run("run-1")
     sink.close()
-    (run,) = read(db, "SELECT run_id, name, mode, source, started_at, ended_at, config_json, "
-                      "specproxy_version FROM runs")
+    (run,) = read(
+        db,
+        "SELECT run_id, name, mode, source, started_at, ended_at, config_json, specproxy_version FROM runs",
+    )
     assert run[:4] == ("run-1", "llama8b-spec", "shadow", "live")
     assert run[4] <= run[5] and run[6] == '{"name": "llama8b-spec"}' and run[7]
-    got = read(db, "SELECT run_id, arm, scraped_at, phase, name, labels_json, value FROM backend_metrics "
-                   "ORDER BY name")
+    got = read(
+        db,
+        "SELECT run_id, arm, scraped_at, phase, name, labels_json, value FROM backend_metrics ORDER BY name",
+    )
     assert got == sorted((tuple(r) for r in rows), key=lambda r: r[4])
 
 
@@ -270,10 +337,16 @@ def test_sdk_disabled_by_environment_still_fills_the_store(db: Path, monkeypatch
 
 def test_a_file_locked_by_another_process_is_a_clear_error(db: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('ready', flush=True); sys.stdin.read()",
-         str(db)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import duckdb, sys; c = duckdb.connect(sys.argv[1]); "
+            "print('ready', flush=True); sys.stdin.read()",
+            str(db),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
@@ -355,9 +428,7 @@ async def test_otlp_export_reaches_a_collector(
     assert count(db) == 3  # OTLP is in addition to the span store
 
 
-def test_a_failing_write_is_logged_and_counted_not_fatal(
-    db: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_failing_write_is_logged_and_counted_not_fatal(db: Path, caplog: pytest.LogCaptureFixture) -> None:
     with SpanSink(db, flush_interval_s=0.02) as sink:
         # The record type allows anything; a required column the store cannot take fails its batch.
         bad = minimal_record(0)
@@ -389,8 +460,9 @@ def test_readme_spans_example_runs(tmp_path: Path) -> None:
     section = readme.split("<!-- section: spans -->")[1].split("<!-- /section: spans -->")[0]
     blocks = [block.split("```")[0] for block in section.split("```python\n")[1:]]
     example = next(block for block in blocks if "SpanSink(" in block)
-    done = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert "baseline" in done.stdout and "0.66" in done.stdout
     assert count(tmp_path / "spans.duckdb") == 1
@@ -454,8 +526,11 @@ def test_records_keep_their_ids_and_a_parent_makes_a_child(db: Path) -> None:
     assert (child.trace_id, child.span_id) == (format(0xABC, "032x"), "3" * 16)  # the parent's trace wins
     assert len(fresh.trace_id) == 32 and len(fresh.span_id) == 16
     rows = read(db, "SELECT request_id, trace_id, span_id FROM requests ORDER BY request_id")
-    assert [r[1:] for r in rows] == [("1" * 32, "2" * 16), (child.trace_id, "3" * 16),
-                                     (fresh.trace_id, fresh.span_id)]
+    assert [r[1:] for r in rows] == [
+        ("1" * 32, "2" * 16),
+        (child.trace_id, "3" * 16),
+        (fresh.trace_id, fresh.span_id),
+    ]
     parents = {format(s.context.span_id, "016x"): s.parent for s in seen.get_finished_spans()}
     assert parents["2" * 16] is None and parents[fresh.span_id] is None
     assert parents["3" * 16] is not None and parents["3" * 16].span_id == 0xDEF

@@ -66,8 +66,9 @@ def chunked(*parts: bytes) -> bytes:
 
 async def test_keep_alive_reuses_one_connection_for_sequential_calls() -> None:
     async def handler(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\n"
-                b"Content-Length: 2\r\n\r\n{}")
+        w.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: 2\r\n\r\n{}"
+        )
 
     async with raw_server(handler) as (url, peers), UpstreamClient() as client:
         for _ in range(3):
@@ -81,8 +82,10 @@ async def test_keep_alive_reuses_one_connection_for_sequential_calls() -> None:
 async def test_chunked_and_until_close_bodies_and_an_interim_response() -> None:
     async def handler(_r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
         if n == 0:  # 100 Continue first, then a chunked body
-            w.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
-                    b"Content-Type: text/event-stream\r\n\r\n" + chunked(b"data: 1\n\n", b"data: 2\n\n"))
+            w.write(
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+                b"Content-Type: text/event-stream\r\n\r\n" + chunked(b"data: 1\n\n", b"data: 2\n\n")
+            )
         else:  # no framing: the body ends when the connection does
             w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil ")
             await w.drain()

@@ -37,13 +37,26 @@ def _load(path: Path) -> Experiment:
 
 
 _ENGINE = click.option(
-    "--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
+    "--engine",
+    type=click.Choice(ENGINES),
+    default="vllm",
+    show_default=True,
     help="vllm: real vLLM servers; sim: `specproxy sim` arms from the same plan (no GPU needed).",
 )
-_ARMS = click.option("--arm", "arms", multiple=True, metavar="NAME",
-                     help="Only this arm (repeat for several); default: every arm.")
-_VLLM_BIN = click.option("--vllm-bin", default="vllm", show_default=True, metavar="PATH",
-                         help="The vllm executable to run (another virtualenv's, for example).")
+_ARMS = click.option(
+    "--arm",
+    "arms",
+    multiple=True,
+    metavar="NAME",
+    help="Only this arm (repeat for several); default: every arm.",
+)
+_VLLM_BIN = click.option(
+    "--vllm-bin",
+    default="vllm",
+    show_default=True,
+    metavar="PATH",
+    help="The vllm executable to run (another virtualenv's, for example).",
+)
 
 
 def _report_findings(findings: list[Finding], *, fatal: bool) -> None:
@@ -73,15 +86,33 @@ def engines() -> None:
 @engines.command()
 @_EXPERIMENT
 @_ENGINE
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="shell", show_default=True,
-              help="shell: the commands; compose: a docker compose file; k8s: Kubernetes manifests.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default="shell",
+    show_default=True,
+    help="shell: the commands; compose: a docker compose file; k8s: Kubernetes manifests.",
+)
 @_ARMS
 @_VLLM_BIN
 @click.option("--namespace", default=None, help="k8s: put every object in this namespace.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, path_type=Path), default=None,
-              help="Write to this file instead of standard output.")
-def plan(experiment: Path, engine: Engine, fmt: str, arms: tuple[str, ...], vllm_bin: str,
-         namespace: str | None, output: Path | None) -> None:
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    default=None,
+    help="Write to this file instead of standard output.",
+)
+def plan(
+    experiment: Path,
+    engine: Engine,
+    fmt: str,
+    arms: tuple[str, ...],
+    vllm_bin: str,
+    namespace: str | None,
+    output: Path | None,
+) -> None:
     """Print the launch command of every arm (or deploy files with --format), after checking them.
 
     Problems are printed to standard error and never stop the plan: the commands may be meant for
@@ -89,8 +120,10 @@ def plan(experiment: Path, engine: Engine, fmt: str, arms: tuple[str, ...], vllm
     """
     exp = _load(experiment)
     if fmt == "k8s" and engine == "sim":
-        raise click.ClickException("--format k8s renders vLLM arms only; simulated arms need no cluster "
-                                   "(use --format compose --engine sim)")
+        raise click.ClickException(
+            "--format k8s renders vLLM arms only; simulated arms need no cluster "
+            "(use --format compose --engine sim)"
+        )
     findings = check_experiment(exp, engine=engine, local=False, vllm_bin=vllm_bin, arms=arms or None)
     _report_findings(findings, fatal=False)
     try:
@@ -115,8 +148,10 @@ def _only(exp: Experiment, arms: tuple[str, ...]) -> Experiment:
     names = {a.name for a in exp.arms}
     unknown = [a for a in arms if a not in names]
     if unknown:
-        raise click.ClickException(f"no arm named {unknown[0]!r} in {experiment_label(exp)} "
-                                   f"(arms: {', '.join(a.name for a in exp.arms)})")
+        raise click.ClickException(
+            f"no arm named {unknown[0]!r} in {experiment_label(exp)} "
+            f"(arms: {', '.join(a.name for a in exp.arms)})"
+        )
     return dataclasses.replace(exp, arms=tuple(a for a in exp.arms if a.name in arms))
 
 
@@ -129,20 +164,50 @@ def experiment_label(exp: Experiment) -> str:
 @_ENGINE
 @_ARMS
 @_VLLM_BIN
-@click.option("--health-timeout", type=click.FloatRange(min=1), default=900.0, show_default=True, metavar="S",
-              help="Seconds each arm gets to answer /health (loading a large model takes minutes).")
-@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where each arm's log goes  [default: .specproxy-engines/logs next to the experiment].")
-@click.option("--sim-profile", default=None, metavar="NAME",
-              help="--engine sim: the simulator's cost profile.")
-@click.option("--sim-time-scale", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
-              help="--engine sim: run the simulated engine clock X times faster than the profile's.")
+@click.option(
+    "--health-timeout",
+    type=click.FloatRange(min=1),
+    default=900.0,
+    show_default=True,
+    metavar="S",
+    help="Seconds each arm gets to answer /health (loading a large model takes minutes).",
+)
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where each arm's log goes  [default: .specproxy-engines/logs next to the experiment].",
+)
+@click.option(
+    "--sim-profile", default=None, metavar="NAME", help="--engine sim: the simulator's cost profile."
+)
+@click.option(
+    "--sim-time-scale",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="X",
+    help="--engine sim: run the simulated engine clock X times faster than the profile's.",
+)
 @click.option("--sim-seed", type=int, default=None, metavar="N", help="--engine sim: random seed.")
-@click.option("--stack/--no-stack", "capture", default=True, show_default=True,
-              help="Record each arm's stack (engine version, GPUs and driver, installed packages).")
-def up(experiment: Path, engine: Engine, arms: tuple[str, ...], vllm_bin: str, health_timeout: float,
-       log_dir: Path | None, sim_profile: str | None, sim_time_scale: float | None, sim_seed: int | None,
-       capture: bool) -> None:
+@click.option(
+    "--stack/--no-stack",
+    "capture",
+    default=True,
+    show_default=True,
+    help="Record each arm's stack (engine version, GPUs and driver, installed packages).",
+)
+def up(
+    experiment: Path,
+    engine: Engine,
+    arms: tuple[str, ...],
+    vllm_bin: str,
+    health_timeout: float,
+    log_dir: Path | None,
+    sim_profile: str | None,
+    sim_time_scale: float | None,
+    sim_seed: int | None,
+    capture: bool,
+) -> None:
     """Start every arm as a background process, wait until each answers /health, record its stack.
 
     The arms keep running after this command returns; `status` and `down` find them through
@@ -169,8 +234,15 @@ def up(experiment: Path, engine: Engine, arms: tuple[str, ...], vllm_bin: str, h
             return capture_stack(launch, python=python, gpus=gpus, packages=packages)
 
     try:
-        state = start_arms(exp, launches, log_dir=logs, health_timeout_s=health_timeout, engine=engine,
-                           report=lambda msg: click.echo(msg, err=True), stack_of=stack_of)
+        state = start_arms(
+            exp,
+            launches,
+            log_dir=logs,
+            health_timeout_s=health_timeout,
+            engine=engine,
+            report=lambda msg: click.echo(msg, err=True),
+            stack_of=stack_of,
+        )
     except EngineError as exc:  # EngineStartError carries the failing arm's log tail in its message
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
@@ -178,8 +250,11 @@ def up(experiment: Path, engine: Engine, arms: tuple[str, ...], vllm_bin: str, h
     for a in state.arms:
         version = (a.stack or {}).get("server_version") or (a.stack or {}).get("vllm_version") or "?"
         click.echo(f"{a.arm}\t{a.url}\tpid {a.pid}\tversion {version}\tlog {a.log}")
-    click.echo(f"state: {state_path(exp)}\nnext: specproxy serve --config {experiment}   "
-               f"(stop the arms with: specproxy engines down {experiment})", err=True)
+    click.echo(
+        f"state: {state_path(exp)}\nnext: specproxy serve --config {experiment}   "
+        f"(stop the arms with: specproxy engines down {experiment})",
+        err=True,
+    )
 
 
 @engines.command()
@@ -203,25 +278,40 @@ def status(experiment: Path, as_json: bool) -> None:
         return
     state, rows = found
     if as_json:
-        click.echo(json.dumps({
-            "experiment": state.experiment, "engine": state.engine, "state_file": str(state_path(exp)),
-            "arms": [row.__dict__ for row in rows],
-        }, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "experiment": state.experiment,
+                    "engine": state.engine,
+                    "state_file": str(state_path(exp)),
+                    "arms": [row.__dict__ for row in rows],
+                },
+                indent=2,
+            )
+        )
     else:
         click.echo(f"experiment {state.experiment!r} ({state.engine}), started {state.created_at}")
         width = max(len(r.arm) for r in rows)
         for r in rows:
             state_word = "healthy" if r.healthy else "running, /health failing" if r.running else "stopped"
-            click.echo(f"  {r.arm:<{width}}  {state_word:<24}  pid {r.pid:<7}  {r.url}  "
-                       f"version {r.server_version or '?'}  log {r.log}")
+            click.echo(
+                f"  {r.arm:<{width}}  {state_word:<24}  pid {r.pid:<7}  {r.url}  "
+                f"version {r.server_version or '?'}  log {r.log}"
+            )
     if not all(r.healthy for r in rows):
         sys.exit(1)
 
 
 @engines.command()
 @_EXPERIMENT
-@click.option("--grace", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="S",
-              help="Seconds between SIGTERM and SIGKILL.")
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    metavar="S",
+    help="Seconds between SIGTERM and SIGKILL.",
+)
 def down(experiment: Path, grace: float) -> None:
     """Stop the arms that `up` started (SIGTERM to each engine and its workers, SIGKILL after --grace)."""
     exp = _load(experiment)
@@ -233,7 +323,10 @@ def down(experiment: Path, grace: float) -> None:
         click.echo(f"nothing to stop: no engines recorded for experiment {exp.name!r}")
         return
     for r in results:
-        verb = {"SIGTERM": "stopped", "SIGKILL": f"killed (still running {grace:g} s after SIGTERM)",
-                "orphans": "had exited; its leftover worker processes were stopped",
-                "not running": "was not running"}[r.how]
+        verb = {
+            "SIGTERM": "stopped",
+            "SIGKILL": f"killed (still running {grace:g} s after SIGTERM)",
+            "orphans": "had exited; its leftover worker processes were stopped",
+            "not running": "was not running",
+        }[r.how]
         click.echo(f"{r.arm} (pid {r.pid}) {verb}")

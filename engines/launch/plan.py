@@ -108,8 +108,7 @@ def arm_port(arm: Arm) -> int:
         raise PlanError(f"arm {arm.name!r}: url {arm.url!r} has an invalid port") from exc
     if port is None:
         raise PlanError(
-            f"arm {arm.name!r}: url {arm.url!r} names no port; add one to the url or set "
-            f"[arms.engine] port"
+            f"arm {arm.name!r}: url {arm.url!r} names no port; add one to the url or set [arms.engine] port"
         )
     return port
 
@@ -126,7 +125,7 @@ def served_model_name(exp: Experiment) -> str:
     if not exp.model:
         raise PlanError(
             "experiment.model is not set: engines need the model to serve "
-            "(e.g. model = \"meta-llama/Llama-3.1-8B-Instruct\" under [experiment])"
+            '(e.g. model = "meta-llama/Llama-3.1-8B-Instruct" under [experiment])'
         )
     return exp.model
 
@@ -135,10 +134,15 @@ def vllm_argv(exp: Experiment, arm: Arm, *, vllm_bin: str = "vllm", host: str | 
     """`vllm serve ...` for one arm, without the environment (see :func:`plan_arm`)."""
     model = served_model_name(exp)
     argv = [
-        vllm_bin, "serve", model,
-        "--host", host if host is not None else arm_bind_host(arm),
-        "--port", str(arm_port(arm)),
-        "--served-model-name", model,
+        vllm_bin,
+        "serve",
+        model,
+        "--host",
+        host if host is not None else arm_bind_host(arm),
+        "--port",
+        str(arm_port(arm)),
+        "--served-model-name",
+        model,
     ]
     if arm.speculative:
         # Per-request acceptance reaches the proxy only with this flag; it is about speculation,
@@ -157,16 +161,24 @@ def vllm_argv(exp: Experiment, arm: Arm, *, vllm_bin: str = "vllm", host: str | 
     return argv
 
 
-def sim_argv(exp: Experiment, arm: Arm, options: SimOptions = SimOptions(), *,
-             python: str = sys.executable) -> list[str]:
+def sim_argv(
+    exp: Experiment, arm: Arm, options: SimOptions = SimOptions(), *, python: str = sys.executable
+) -> list[str]:
     """`specproxy sim ...` for one arm: same model name, port and speculative config as vLLM would get."""
     model = served_model_name(exp)
     argv = [
-        python, "-m", "specproxy", "sim",
-        "--host", arm_bind_host(arm),
-        "--port", str(arm_port(arm)),
-        "--model", model,
-        "--served-model-name", model,
+        python,
+        "-m",
+        "specproxy",
+        "sim",
+        "--host",
+        arm_bind_host(arm),
+        "--port",
+        str(arm_port(arm)),
+        "--model",
+        model,
+        "--served-model-name",
+        model,
     ]
     if arm.speculative:
         argv += ["--speculative-config", arm.speculative_json, "--per-request-spec-decode-metrics", "summary"]

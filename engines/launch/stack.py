@@ -33,9 +33,7 @@ _FREEZE = (
     "print('\\n'.join(sorted(names, key=str.lower)))\n"
 )
 _VERSION_OF = (
-    "import importlib.metadata as m, sys\n"
-    "try: print(m.version(sys.argv[1]))\n"
-    "except Exception: pass\n"
+    "import importlib.metadata as m, sys\ntry: print(m.version(sys.argv[1]))\nexcept Exception: pass\n"
 )
 
 
@@ -64,8 +62,9 @@ def gpu_inventory() -> list[dict[str, Any]] | None:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
-    out = _run([smi, "--query-gpu=index,uuid,name,driver_version,memory.total",
-                "--format=csv,noheader,nounits"])
+    out = _run(
+        [smi, "--query-gpu=index,uuid,name,driver_version,memory.total", "--format=csv,noheader,nounits"]
+    )
     if out is None:
         return None
     gpus: list[dict[str, Any]] = []
@@ -77,8 +76,15 @@ def gpu_inventory() -> list[dict[str, Any]] | None:
             index, memory = int(cells[0]), int(float(cells[4]))
         except ValueError:
             continue
-        gpus.append({"index": index, "uuid": cells[1], "name": cells[2], "driver_version": cells[3],
-                     "memory_total_mib": memory})
+        gpus.append(
+            {
+                "index": index,
+                "uuid": cells[1],
+                "name": cells[2],
+                "driver_version": cells[3],
+                "memory_total_mib": memory,
+            }
+        )
     return gpus
 
 
@@ -120,8 +126,10 @@ def capture_stack(
         "server_version": server_version(launch.base_url),
         "vllm_version": package_version(python, "vllm") if launch.engine == "vllm" else None,
         "engine_python": python,
-        "python_version": (_run([python, "-c", "import platform; print(platform.python_version())"])
-                           or "").strip() or None,
+        "python_version": (
+            _run([python, "-c", "import platform; print(platform.python_version())"]) or ""
+        ).strip()
+        or None,
         "gpus": visible,
         "driver_version": visible[0]["driver_version"] if visible else None,
         "packages": packages if packages is not None else installed_packages(python),

@@ -134,12 +134,21 @@ def start_arms(
             log_path = log_dir / f"{exp.name}-{launch.arm}.log"
             proc = _spawn(launch, log_path)
             popens[launch.arm] = proc
-            state.arms.append(ArmProcess(
-                arm=launch.arm, pid=proc.pid, port=launch.port, url=launch.base_url,
-                health_url=launch.health_url, log=str(log_path), argv=list(launch.argv),
-                env=dict(launch.env), engine=engine, started_at=_now(),
-                start_ticks=process_start_ticks(proc.pid),
-            ))
+            state.arms.append(
+                ArmProcess(
+                    arm=launch.arm,
+                    pid=proc.pid,
+                    port=launch.port,
+                    url=launch.base_url,
+                    health_url=launch.health_url,
+                    log=str(log_path),
+                    argv=list(launch.argv),
+                    env=dict(launch.env),
+                    engine=engine,
+                    started_at=_now(),
+                    start_ticks=process_start_ticks(proc.pid),
+                )
+            )
             report(f"started {launch.arm} (pid {proc.pid}) on port {launch.port}, log {log_path}")
         # Written before the wait, so `down` from another shell can stop arms that hang in start-up.
         write_state(exp, state)
@@ -175,7 +184,8 @@ def _spawn(launch: ArmLaunch, log_path: Path) -> subprocess.Popen[bytes]:
         except OSError as exc:
             raise EngineStartError(
                 f"arm {launch.arm!r} could not be started: {launch.argv[0]}: {exc.strerror or exc}",
-                launch.arm, "",
+                launch.arm,
+                "",
             ) from exc
 
 
@@ -195,7 +205,8 @@ def _wait_healthy(
                 raise EngineStartError(
                     f"arm {name!r} exited with code {code} while starting; "
                     f"the last lines of {arm.log}:\n{tail}",
-                    name, tail,
+                    name,
+                    tail,
                 )
             if _health_ok(arm.health_url):
                 report(f"{name} is healthy at {arm.url}")
@@ -208,7 +219,8 @@ def _wait_healthy(
             raise EngineStartError(
                 f"arm {name!r} did not answer {arm.health_url} within {timeout_s:g} s "
                 f"(raise --health-timeout for large models); the last lines of {arm.log}:\n{tail}",
-                name, tail,
+                name,
+                tail,
             )
         time.sleep(0.2)
 
@@ -300,9 +312,16 @@ def experiment_status(exp: Experiment) -> tuple[EngineState, list[ArmStatus]] | 
     rows = []
     for a in state.arms:
         running = is_running(a)
-        rows.append(ArmStatus(
-            arm=a.arm, pid=a.pid, running=running, healthy=running and _health_ok(a.health_url), url=a.url,
-            log=a.log, started_at=a.started_at,
-            server_version=(a.stack or {}).get("server_version"),
-        ))
+        rows.append(
+            ArmStatus(
+                arm=a.arm,
+                pid=a.pid,
+                running=running,
+                healthy=running and _health_ok(a.health_url),
+                url=a.url,
+                log=a.log,
+                started_at=a.started_at,
+                server_version=(a.stack or {}).get("server_version"),
+            )
+        )
     return state, rows

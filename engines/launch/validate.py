@@ -46,8 +46,21 @@ VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # families that ship them (used when the config cannot be read here).
 _MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers", "mtp_num_layers")
 MTP_MODEL_FAMILIES = (
-    "deepseek-v3", "deepseek-r1", "deepseek-v3.1", "deepseek-v3.2", "glm-4.5", "glm-4.6", "glm-4.7",
-    "glm-5", "qwen3-next", "qwen3.5", "mimo", "ernie-4.5", "longcat", "step-3.5", "minimax-m2",
+    "deepseek-v3",
+    "deepseek-r1",
+    "deepseek-v3.1",
+    "deepseek-v3.2",
+    "glm-4.5",
+    "glm-4.6",
+    "glm-4.7",
+    "glm-5",
+    "qwen3-next",
+    "qwen3.5",
+    "mimo",
+    "ernie-4.5",
+    "longcat",
+    "step-3.5",
+    "minimax-m2",
 )
 
 
@@ -128,11 +141,13 @@ def check_experiment(
         have_vllm = True
         if local and shutil.which(vllm_bin) is None:
             have_vllm = False
-            found.append(Finding(
-                "error",
-                f"{vllm_bin!r} is not on PATH: install vLLM (pip install 'specproxy[vllm]'), pass "
-                f"--vllm-bin /path/to/vllm, or try the flow on simulated arms with --engine sim",
-            ))
+            found.append(
+                Finding(
+                    "error",
+                    f"{vllm_bin!r} is not on PATH: install vLLM (pip install 'specproxy[vllm]'), pass "
+                    f"--vllm-bin /path/to/vllm, or try the flow on simulated arms with --engine sim",
+                )
+            )
         for arm in chosen:
             if arm.spec_method == "suffix":
                 found += _check_suffix(arm, local=local and have_vllm, vllm_bin=vllm_bin, probe=module_probe)
@@ -158,50 +173,63 @@ def _check_arm_config(exp: Experiment, arm: Arm, engine: Engine) -> list[Finding
     for i, a in enumerate(eng.extra_args):
         flag = a.split("=", 1)[0]
         if flag in MANAGED_FLAGS:
-            out.append(Finding(
-                "error",
-                f"engine.extra_args[{i}] sets {flag}, which the plan sets from the experiment file; "
-                f"use the [arms.engine] field (port, tensor_parallel_size, max_num_seqs, "
-                f"gpu_memory_utilization, max_model_len) or the arm's speculative table instead",
-                arm.name,
-            ))
+            out.append(
+                Finding(
+                    "error",
+                    f"engine.extra_args[{i}] sets {flag}, which the plan sets from the experiment file; "
+                    f"use the [arms.engine] field (port, tensor_parallel_size, max_num_seqs, "
+                    f"gpu_memory_utilization, max_model_len) or the arm's speculative table instead",
+                    arm.name,
+                )
+            )
     if engine == "vllm" and eng.gpus:
         if len(set(eng.gpus)) != len(eng.gpus):
             out.append(Finding("error", f"engine.gpus lists a GPU twice: {list(eng.gpus)}", arm.name))
         elif len(eng.gpus) < eng.tensor_parallel_size:
-            out.append(Finding(
-                "error",
-                f"tensor_parallel_size = {eng.tensor_parallel_size} needs {eng.tensor_parallel_size} GPUs, "
-                f"but engine.gpus lists {len(eng.gpus)} ({list(eng.gpus)})",
-                arm.name,
-            ))
+            out.append(
+                Finding(
+                    "error",
+                    f"tensor_parallel_size = {eng.tensor_parallel_size} needs "
+                    f"{eng.tensor_parallel_size} GPUs, "
+                    f"but engine.gpus lists {len(eng.gpus)} ({list(eng.gpus)})",
+                    arm.name,
+                )
+            )
         elif len(eng.gpus) > eng.tensor_parallel_size and not _sets_parallelism(eng.extra_args):
-            out.append(Finding(
-                "warning",
-                f"engine.gpus lists {len(eng.gpus)} GPUs but tensor_parallel_size = "
-                f"{eng.tensor_parallel_size}: the extra GPUs stay idle",
-                arm.name,
-            ))
+            out.append(
+                Finding(
+                    "warning",
+                    f"engine.gpus lists {len(eng.gpus)} GPUs but tensor_parallel_size = "
+                    f"{eng.tensor_parallel_size}: the extra GPUs stay idle",
+                    arm.name,
+                )
+            )
     if any(k in arm.speculative for k in ("synthetic_acceptance_rate", "synthetic_acceptance_rates")):
-        out.append(Finding(
-            "warning",
-            "speculative sets synthetic_acceptance_rate(s): vLLM then forces acceptance and the outputs "
-            "are NOT lossless; use it to test, never to judge a method",
-            arm.name,
-        ))
+        out.append(
+            Finding(
+                "warning",
+                "speculative sets synthetic_acceptance_rate(s): vLLM then forces acceptance and the outputs "
+                "are NOT lossless; use it to test, never to judge a method",
+                arm.name,
+            )
+        )
     if engine == "vllm" and arm_bind_host(arm) == "0.0.0.0":
-        out.append(Finding(
-            "warning",
-            f"url {arm.url} is not a loopback address: `up` starts the engine on this machine, "
-            f"listening on all interfaces",
-            arm.name,
-        ))
+        out.append(
+            Finding(
+                "warning",
+                f"url {arm.url} is not a loopback address: `up` starts the engine on this machine, "
+                f"listening on all interfaces",
+                arm.name,
+            )
+        )
     return out
 
 
 def _sets_parallelism(extra_args: Iterable[str]) -> bool:
-    return any(a.split("=", 1)[0] in ("--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
-               for a in extra_args)
+    return any(
+        a.split("=", 1)[0] in ("--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
+        for a in extra_args
+    )
 
 
 def _check_ports(arms: list[Arm], *, local: bool) -> list[Finding]:
@@ -213,21 +241,25 @@ def _check_ports(arms: list[Arm], *, local: bool) -> list[Finding]:
         except PlanError:
             continue  # reported by _check_arm_config
         if port in by_port:
-            out.append(Finding(
-                "error",
-                f"port {port} is also used by arm {by_port[port]!r}; give each arm its own port "
-                f"(in its url or [arms.engine] port)",
-                arm.name,
-            ))
+            out.append(
+                Finding(
+                    "error",
+                    f"port {port} is also used by arm {by_port[port]!r}; give each arm its own port "
+                    f"(in its url or [arms.engine] port)",
+                    arm.name,
+                )
+            )
             continue
         by_port[port] = arm.name
         if local and _port_in_use(arm_bind_host(arm), port):
-            out.append(Finding(
-                "error",
-                f"port {port} is already in use on this machine (an engine still running? see "
-                f"`specproxy engines status`); stop what holds it or change the arm's port",
-                arm.name,
-            ))
+            out.append(
+                Finding(
+                    "error",
+                    f"port {port} is already in use on this machine (an engine still running? see "
+                    f"`specproxy engines status`); stop what holds it or change the arm's port",
+                    arm.name,
+                )
+            )
     return out
 
 
@@ -265,48 +297,60 @@ def _check_gpu_sharing(arms: list[Arm]) -> list[Finding]:
         unset = [a.name for a in sharing if a.engine.gpu_memory_utilization is None]
         total = sum(a.engine.gpu_memory_utilization or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION for a in sharing)
         listed = ", ".join(repr(n) for n in names)
-        implicit = ("" if all(a.engine.gpus for a in sharing)
-                    else " (an arm without engine.gpus uses GPUs 0…tp-1)")
+        implicit = (
+            "" if all(a.engine.gpus for a in sharing) else " (an arm without engine.gpus uses GPUs 0…tp-1)"
+        )
         if unset:
             share = round(0.9 / len(sharing), 2)
-            out.append(Finding(
-                "error",
-                f"arms {listed} share GPU {gpu}{implicit} without a memory split: each takes vLLM's "
-                f"default {VLLM_DEFAULT_GPU_MEMORY_UTILIZATION:g} of it and the second fails to start; "
-                f"set engine.gpu_memory_utilization = {share:g} on each of them, or give them "
-                f"different engine.gpus",
-            ))
+            out.append(
+                Finding(
+                    "error",
+                    f"arms {listed} share GPU {gpu}{implicit} without a memory split: each takes vLLM's "
+                    f"default {VLLM_DEFAULT_GPU_MEMORY_UTILIZATION:g} of it and the second fails to start; "
+                    f"set engine.gpu_memory_utilization = {share:g} on each of them, or give them "
+                    f"different engine.gpus",
+                )
+            )
         elif total > 1.0 + 1e-9:
-            out.append(Finding(
-                "error",
-                f"arms {listed} share GPU {gpu}{implicit} and their gpu_memory_utilization adds up to "
-                f"{total:g} > 1; lower them so the sum is at most 1 (leave some headroom, e.g. 0.9 in all)",
-            ))
+            out.append(
+                Finding(
+                    "error",
+                    f"arms {listed} share GPU {gpu}{implicit} and their gpu_memory_utilization adds up to "
+                    f"{total:g} > 1; lower them so the sum is at most 1 "
+                    f"(leave some headroom, e.g. 0.9 in all)",
+                )
+            )
         else:
-            out.append(Finding(
-                "warning",
-                f"arms {listed} share GPU {gpu}: they compete for its compute, so their speed is not what "
-                f"each would get alone; use separate GPUs for numbers you will act on",
-            ))
+            out.append(
+                Finding(
+                    "warning",
+                    f"arms {listed} share GPU {gpu}: they compete for its compute, so their speed is "
+                    f"not what each would get alone; use separate GPUs for numbers you will act on",
+                )
+            )
     return out
 
 
 def _check_suffix(arm: Arm, *, local: bool, vllm_bin: str, probe: ModuleProbe) -> list[Finding]:
     if not local:
-        return [Finding(
-            "warning",
-            "method 'suffix' needs the arctic-inference package where vLLM runs "
-            "(pip install arctic-inference)",
-            arm.name,
-        )]
+        return [
+            Finding(
+                "warning",
+                "method 'suffix' needs the arctic-inference package where vLLM runs "
+                "(pip install arctic-inference)",
+                arm.name,
+            )
+        ]
     if probe(vllm_bin, "arctic_inference"):
         return []
-    return [Finding(
-        "error",
-        f"method 'suffix' needs the arctic-inference package, which the Python running {vllm_bin!r} cannot "
-        f"import; install it there (pip install arctic-inference) or drop this arm",
-        arm.name,
-    )]
+    return [
+        Finding(
+            "error",
+            f"method 'suffix' needs the arctic-inference package, which the Python running "
+            f"{vllm_bin!r} cannot import; install it there (pip install arctic-inference) or drop this arm",
+            arm.name,
+        )
+    ]
 
 
 def _check_mtp(exp: Experiment, arm: Arm) -> list[Finding]:
@@ -320,12 +364,15 @@ def _check_mtp(exp: Experiment, arm: Arm) -> list[Finding]:
         if any(family in model.lower() for family in MTP_MODEL_FAMILIES):
             return []
         why = "it is not a model family known to ship MTP heads"
-    return [Finding(
-        "warning",
-        f"method 'mtp' needs a model that carries multi-token-prediction heads (DeepSeek-V3/R1, GLM-4.5+, "
-        f"Qwen3-Next, MiMo, ...); {model!r} may not: {why}. vLLM will refuse to start if it has none",
-        arm.name,
-    )]
+    return [
+        Finding(
+            "warning",
+            f"method 'mtp' needs a model that carries multi-token-prediction heads "
+            f"(DeepSeek-V3/R1, GLM-4.5+, Qwen3-Next, MiMo, ...); {model!r} may not: {why}. "
+            f"vLLM will refuse to start if it has none",
+            arm.name,
+        )
+    ]
 
 
 def _config_has_mtp(config: dict[str, Any]) -> bool:

@@ -18,46 +18,127 @@ from specproxy.proxy.spans.sink import SpanSinkError
 
 @click.command("replay")
 @click.argument("logs", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Experiment file: replay directly against its arms.")
-@click.option("--target", metavar="URL", help="Replay through a running specproxy (or any OpenAI-compatible "
-              "server) at URL instead of the arms of --config.")
-@click.option("--format", "fmt", default="auto", show_default=True, type=click.Choice(["auto", *FORMATS]),
-              help="Input format; auto detects it from the first record.")
-@click.option("--concurrency", "levels", type=ConcurrencyLevels(), default="1,4,16,64", show_default=True,
-              help="Closed loop: the concurrency levels of the sweep, one phase each.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Experiment file: replay directly against its arms.",
+)
+@click.option(
+    "--target",
+    metavar="URL",
+    help="Replay through a running specproxy (or any OpenAI-compatible "
+    "server) at URL instead of the arms of --config.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", *FORMATS]),
+    help="Input format; auto detects it from the first record.",
+)
+@click.option(
+    "--concurrency",
+    "levels",
+    type=ConcurrencyLevels(),
+    default="1,4,16,64",
+    show_default=True,
+    help="Closed loop: the concurrency levels of the sweep, one phase each.",
+)
 @click.option("--rate", type=float, metavar="R", help="Open loop: Poisson arrivals at R requests/s.")
 @click.option("--timed", is_flag=True, help="Open loop at the log's recorded timestamps.")
-@click.option("--speedup", type=float, default=1.0, show_default=True, metavar="X",
-              help="With --timed: replay X times faster than recorded.")
-@click.option("--mode", type=click.Choice(["paired", "split"]), default="paired", show_default=True,
-              help="paired: every item to every arm at once; split: each item to one arm by weight.")
-@click.option("--temperature", type=float, default=0.0, show_default=True,
-              help="Temperature sent with every request (0 keeps outputs comparable for identity).")
+@click.option(
+    "--speedup",
+    type=float,
+    default=1.0,
+    show_default=True,
+    metavar="X",
+    help="With --timed: replay X times faster than recorded.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["paired", "split"]),
+    default="paired",
+    show_default=True,
+    help="paired: every item to every arm at once; split: each item to one arm by weight.",
+)
+@click.option(
+    "--temperature",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Temperature sent with every request (0 keeps outputs comparable for identity).",
+)
 @click.option("--keep-temperature", is_flag=True, help="Send each record's own temperature instead.")
-@click.option("--max-tokens", type=click.IntRange(min=1), metavar="N",
-              help="Override every request's max_tokens (default: as recorded, else 256).")
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Override every request's max_tokens (default: as recorded, else 256).",
+)
 @click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Replay only the first N items.")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), metavar="S",
-              help="Stop sending after S seconds (per level in a closed-loop sweep).")
-@click.option("--warmup", type=click.IntRange(min=0), metavar="N",
-              help="Closed loop: unrecorded calls per arm before each level (default: one per slot; "
-                   "none with --target, where the proxy would record them).")
-@click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Span store (default: the experiment's db, else specproxy.duckdb).")
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="S",
+    help="Stop sending after S seconds (per level in a closed-loop sweep).",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="Closed loop: unrecorded calls per arm before each level (default: one per slot; "
+    "none with --target, where the proxy would record them).",
+)
+@click.option(
+    "--db",
+    "db_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Span store (default: the experiment's db, else specproxy.duckdb).",
+)
 @click.option("--run-name", default=None, help="Name of the run in the span store (default: the log's name).")
 @click.option("--model", default=None, help="Model name to send (default: each arm's first served model).")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed for Poisson arrivals, split assignment and synthesized prompts.")
-@click.option("--on-error", type=click.Choice(["stop", "skip"]), default="stop", show_default=True,
-              help="A bad input record: stop with file:line, or skip it and count it.")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed for Poisson arrivals, split assignment and synthesized prompts.",
+)
+@click.option(
+    "--on-error",
+    type=click.Choice(["stop", "skip"]),
+    default="stop",
+    show_default=True,
+    help="A bad input record: stop with file:line, or skip it and count it.",
+)
 @click.option("--capture-output", is_flag=True, help="Store each response's text in the span store.")
 @click.option("--no-progress", is_flag=True, help="No live progress display.")
-def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, levels: tuple[int, ...],
-           rate: float | None, timed: bool, speedup: float, mode: str, temperature: float,
-           keep_temperature: bool, max_tokens: int | None, limit: int | None, duration: float | None,
-           warmup: int | None, db_path: Path | None, run_name: str | None, model: str | None, seed: int,
-           on_error: str, capture_output: bool, no_progress: bool) -> None:
+def replay(
+    logs: Path,
+    config_path: Path | None,
+    target: str | None,
+    fmt: str,
+    levels: tuple[int, ...],
+    rate: float | None,
+    timed: bool,
+    speedup: float,
+    mode: str,
+    temperature: float,
+    keep_temperature: bool,
+    max_tokens: int | None,
+    limit: int | None,
+    duration: float | None,
+    warmup: int | None,
+    db_path: Path | None,
+    run_name: str | None,
+    model: str | None,
+    seed: int,
+    on_error: str,
+    capture_output: bool,
+    no_progress: bool,
+) -> None:
     """Drive a traffic log against the arms and write one span per upstream call.
 
     LOGS is a specproxy capture file or a public trace (OpenAI Batch JSONL, vLLM bench custom JSONL,
@@ -82,21 +163,26 @@ def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, l
     else:
         assert target is not None
         if not target.startswith(("http://", "https://")):
-            raise click.BadParameter(f"must start with http:// or https://, got {target!r}",
-                                     param_hint="--target")
+            raise click.BadParameter(
+                f"must start with http:// or https://, got {target!r}", param_hint="--target"
+            )
         if mode == "split":
             raise click.UsageError(
                 "--mode split needs the arms of --config; a --target proxy splits by itself"
             )
         arms = (Arm(name="target", url=target.rstrip("/"), role="baseline"),)
     try:
-        items = read_items(logs, fmt, on_error="skip" if on_error == "skip" else "stop", limit=limit,
-                           seed=seed)
+        items = read_items(
+            logs, fmt, on_error="skip" if on_error == "skip" else "stop", limit=limit, seed=seed
+        )
     except FormatError as exc:
         raise click.ClickException(str(exc)) from None
     load = LoadPlan(
         kind="rate" if rate is not None else "timed" if timed else "closed",
-        levels=levels, rate_per_s=rate, speedup=speedup, duration_s=duration,
+        levels=levels,
+        rate_per_s=rate,
+        speedup=speedup,
+        duration_s=duration,
         warmup=0 if warmup is None and target is not None else warmup,
     )
     settings = ReplaySettings(
@@ -113,8 +199,11 @@ def replay(logs: Path, config_path: Path | None, target: str | None, fmt: str, l
         capture_output=capture_output,
         show_progress=not no_progress,
     )
-    console.print(f"replaying {len(items.items)} {items.format} items from {logs} against "
-                  f"{', '.join(a.name for a in arms)} ({mode})", highlight=False)
+    console.print(
+        f"replaying {len(items.items)} {items.format} items from {logs} against "
+        f"{', '.join(a.name for a in arms)} ({mode})",
+        highlight=False,
+    )
     try:
         result = run_async(replay_until_stopped(settings, items))
     except (ReplayError, SpanSinkError) as exc:

@@ -42,7 +42,14 @@ Endpoint = Literal["chat", "completions"]
 OnError = Literal["stop", "skip"]
 
 FORMATS: tuple[str, ...] = (
-    "capture", "openai-batch", "vllm-custom", "spec-bench", "sharegpt", "mooncake", "azure", "burstgpt",
+    "capture",
+    "openai-batch",
+    "vllm-custom",
+    "spec-bench",
+    "sharegpt",
+    "mooncake",
+    "azure",
+    "burstgpt",
 )
 # Mooncake's block size: each hash_id stands for this many prompt tokens.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -378,14 +385,26 @@ def _parse_spec_bench(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[
     category = _opt_str(rec.get("category"))
     # Later turns would need the model's own earlier answers; each turn is replayed as its own request.
     return [
-        ReplayItem(f"{qid}" if i == 0 else f"{qid}-t{i + 1}", "chat",
-                   {"messages": [{"role": "user", "content": turn}]}, category)
+        ReplayItem(
+            f"{qid}" if i == 0 else f"{qid}-t{i + 1}",
+            "chat",
+            {"messages": [{"role": "user", "content": turn}]},
+            category,
+        )
         for i, turn in enumerate(turns)
     ]
 
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                   "assistant": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "system": "system",
+}
 
 
 def _parse_sharegpt(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[ReplayItem]:
@@ -396,7 +415,7 @@ def _parse_sharegpt(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[Re
     messages: list[dict[str, str]] = []
     for i, turn in enumerate(conv):
         if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise _BadRecord(f"conversations[{i}]: expected {{\"from\": ..., \"value\": \"...\"}}")
+            raise _BadRecord(f'conversations[{i}]: expected {{"from": ..., "value": "..."}}')
         role = _SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
         if role is None:
             raise _BadRecord(f"conversations[{i}].from: unknown speaker {turn.get('from')!r}")
@@ -406,7 +425,7 @@ def _parse_sharegpt(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[Re
     if first_user is None:
         raise _BadRecord("conversations: no human turn")
     body: dict[str, Any] = {"messages": messages[: first_user + 1]}
-    reply = next((m for m in messages[first_user + 1:] if m["role"] == "assistant"), None)
+    reply = next((m for m in messages[first_user + 1 :] if m["role"] == "assistant"), None)
     if reply is not None:
         body["max_tokens"] = max(1, round(len(reply["content"]) / CHARS_PER_TOKEN))
     rid = rec.get("id", f"line-{line_no}")
@@ -422,8 +441,15 @@ def _parse_mooncake(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[Re
     if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
         raise _BadRecord("hash_ids: expected a list of integers")
     prompt = synth.prompt(n_in, hash_ids, MOONCAKE_BLOCK_TOKENS, salt=line_no)
-    return [ReplayItem(f"line-{line_no}", "completions", {"prompt": prompt, "max_tokens": n_out,
-                                                          "ignore_eos": True}, None, ts_ms / 1000.0)]
+    return [
+        ReplayItem(
+            f"line-{line_no}",
+            "completions",
+            {"prompt": prompt, "max_tokens": n_out, "ignore_eos": True},
+            None,
+            ts_ms / 1000.0,
+        )
+    ]
 
 
 def _csv_timestamp(value: str, key: str) -> float:
@@ -437,8 +463,9 @@ def _csv_timestamp(value: str, key: str) -> float:
         raise _BadRecord(f"{key}: not a timestamp: {value!r}") from None
 
 
-def _synthesized(rec: Mapping[str, Any], line_no: int, synth: PromptSynthesizer, ts_key: str,
-                 in_key: str, out_key: str) -> list[ReplayItem]:
+def _synthesized(
+    rec: Mapping[str, Any], line_no: int, synth: PromptSynthesizer, ts_key: str, in_key: str, out_key: str
+) -> list[ReplayItem]:
     if isinstance(rec, _BadRecord):
         raise rec
     if ts_key not in rec:
@@ -448,8 +475,15 @@ def _synthesized(rec: Mapping[str, Any], line_no: int, synth: PromptSynthesizer,
     # A failed request in BurstGPT records 0 output tokens; it still made the server prefill.
     n_out = max(1, _int_field(rec, out_key))
     prompt = synth.prompt(n_in, [], MOONCAKE_BLOCK_TOKENS, salt=line_no)
-    return [ReplayItem(f"line-{line_no}", "completions",
-                       {"prompt": prompt, "max_tokens": n_out, "ignore_eos": True}, None, t)]
+    return [
+        ReplayItem(
+            f"line-{line_no}",
+            "completions",
+            {"prompt": prompt, "max_tokens": n_out, "ignore_eos": True},
+            None,
+            t,
+        )
+    ]
 
 
 def _parse_azure(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[ReplayItem]:

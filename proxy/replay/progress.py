@@ -52,8 +52,9 @@ class ReplayProgress:
             self._live.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
@@ -80,8 +81,8 @@ class ReplayProgress:
             # Up to the arm's last call: a fast arm's rate does not decay while slower arms finish.
             rate = p.tok_s(self._t0, p.last_done or self._t0)
             self.console.print(
-                f"{self.label:>8}  {arm:<14} done {p.done:>5}  {rate:>9.1f} tok/s  "
-                f"errors {p.errors}", highlight=False,
+                f"{self.label:>8}  {arm:<14} done {p.done:>5}  {rate:>9.1f} tok/s  errors {p.errors}",
+                highlight=False,
             )
 
     def __rich__(self) -> Table:
@@ -96,6 +97,7 @@ class ReplayProgress:
         for arm, p in self.per_arm.items():
             finished = self.calls_per_arm is not None and p.done >= self.calls_per_arm
             rate = p.tok_s(self._t0, (p.last_done or now) if finished else now)
-            table.add_row(arm, f"{p.done}{total}", f"{rate:.1f}",
-                          f"[red]{p.errors}[/red]" if p.errors else "0")
+            table.add_row(
+                arm, f"{p.done}{total}", f"{rate:.1f}", f"[red]{p.errors}[/red]" if p.errors else "0"
+            )
         return table

@@ -135,11 +135,14 @@ async def probe_arms(session: aiohttp.ClientSession, exp: Experiment) -> tuple[s
         info = parsed[arm.name]
         error = info.get("errors", {}).get("models")
         if error:
-            raise ReplayError(f"arm {arm.name!r} at {arm.url} is not reachable (GET /v1/models: {error}); "
-                              "start it or fix its url")
+            raise ReplayError(
+                f"arm {arm.name!r} at {arm.url} is not reachable (GET /v1/models: {error}); "
+                "start it or fix its url"
+            )
         data = info["models"].get("data") if isinstance(info["models"], dict) else None
-        served[arm.name] = [m["id"] for m in data or ()
-                            if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        served[arm.name] = [
+            m["id"] for m in data or () if isinstance(m, dict) and isinstance(m.get("id"), str)
+        ]
     return stacks, served
 
 
@@ -210,8 +213,9 @@ class ReplayRunner:
     client: UpstreamClient  # the calls (the proxy's own HTTP client: the same measurement as serve's)
     scraper: MetricsScraper
 
-    def __init__(self, settings: ReplaySettings, items: Sequence[ReplayItem],
-                 stop: asyncio.Event | None = None) -> None:
+    def __init__(
+        self, settings: ReplaySettings, items: Sequence[ReplayItem], stop: asyncio.Event | None = None
+    ) -> None:
         if not settings.arms:
             raise ReplayError("no arms to replay against")
         if not items:
@@ -220,13 +224,14 @@ class ReplayRunner:
         self.items = list(items)
         self.stop = stop or asyncio.Event()
         self.run_id = f"replay-{secrets.token_hex(6)}"
-        self.result = ReplayResult(run_id=self.run_id, db_path=settings.db_path,
-                                   per_arm={a.name: ArmTotals() for a in settings.arms})
+        self.result = ReplayResult(
+            run_id=self.run_id, db_path=settings.db_path, per_arm={a.name: ArmTotals() for a in settings.arms}
+        )
         self.state = UpstreamState()
         self.models: dict[str, str | None] = {}
         has_baseline = any(a.role == "baseline" for a in settings.arms)
         if settings.mode == "paired" and len(settings.arms) > 1 and not has_baseline:
-            raise ReplayError("paired mode needs a baseline arm (role = \"baseline\")")
+            raise ReplayError('paired mode needs a baseline arm (role = "baseline")')
         self.progress = ReplayProgress([a.name for a in settings.arms], enabled=settings.show_progress)
         self._rng = random.Random(settings.seed)
         self._sink: SpanSink | None = None
@@ -253,8 +258,12 @@ class ReplayRunner:
     def _calls(self, tag: str, items: Sequence[ReplayItem], level: int | None) -> list[_Call]:
         short = self.run_id.removeprefix("replay-")[:6]
         return [
-            _Call(f"{short}-{tag}-{i:05d}-{_SAFE_ID.sub('_', it.item_id)[:48]}", it,
-                  self._body(it, warmup=False), level)
+            _Call(
+                f"{short}-{tag}-{i:05d}-{_SAFE_ID.sub('_', it.item_id)[:48]}",
+                it,
+                self._body(it, warmup=False),
+                level,
+            )
             for i, it in enumerate(items)
         ]
 
@@ -268,13 +277,28 @@ class ReplayRunner:
     async def _send(self, arm: Arm, call: _Call, *, routed_as: str, joiner: PairJoiner | None) -> None:
         body = self._for_arm(arm, call.body)
         record = new_record(
-            self.run_id, call.request_id, arm, body, endpoint=call.item.endpoint, routed_as=routed_as,
-            source="replay", category=call.item.category, concurrency_level=call.concurrency_level,
+            self.run_id,
+            call.request_id,
+            arm,
+            body,
+            endpoint=call.item.endpoint,
+            routed_as=routed_as,
+            source="replay",
+            category=call.item.category,
+            concurrency_level=call.concurrency_level,
         )
         try:
-            result = await call_arm(self.client, arm, body, endpoint=call.item.endpoint, record=record,
-                                    timeout=self.s.timeout, capture_output=self.s.capture_output,
-                                    state=self.state, headers=level_header(call.concurrency_level))
+            result = await call_arm(
+                self.client,
+                arm,
+                body,
+                endpoint=call.item.endpoint,
+                record=record,
+                timeout=self.s.timeout,
+                capture_output=self.s.capture_output,
+                state=self.state,
+                headers=level_header(call.concurrency_level),
+            )
         except asyncio.CancelledError:
             # Stopped by the user mid-call: keep the span (status client_cancelled), never the output.
             if self._recording:
@@ -301,10 +325,25 @@ class ReplayRunner:
         body = self._for_arm(arm, self._body(item, warmup=True))
         self._warmups += 1
         rid = f"{self.run_id.removeprefix('replay-')[:6]}-warmup-{self._warmups:05d}"
-        record = new_record(self.run_id, rid, arm, body, endpoint=item.endpoint, routed_as="replay",
-                            source="replay", category=item.category)
-        await call_arm(self.client, arm, body, endpoint=item.endpoint, record=record,
-                       timeout=self.s.timeout, state=self.state)
+        record = new_record(
+            self.run_id,
+            rid,
+            arm,
+            body,
+            endpoint=item.endpoint,
+            routed_as="replay",
+            source="replay",
+            category=item.category,
+        )
+        await call_arm(
+            self.client,
+            arm,
+            body,
+            endpoint=item.endpoint,
+            record=record,
+            timeout=self.s.timeout,
+            state=self.state,
+        )
 
     def _emit(self, record: SpanRecord) -> None:
         assert self._sink is not None
@@ -323,9 +362,12 @@ class ReplayRunner:
         arms = [a for a in self.s.arms if a.weight > 0] or list(self.s.arms)
         return self._rng.choices(arms, weights=[a.weight or 1.0 for a in arms])[0]
 
-    async def _phase(self, label: str, calls: list[_Call],
-                     drive: Callable[[Sequence[Any], Callable[[Any], Awaitable[None]]], Awaitable[LoadStats]]
-                     ) -> list[LoadStats]:
+    async def _phase(
+        self,
+        label: str,
+        calls: list[_Call],
+        drive: Callable[[Sequence[Any], Callable[[Any], Awaitable[None]]], Awaitable[LoadStats]],
+    ) -> list[LoadStats]:
         """Run one measured phase: scrape, send every call as ``drive`` schedules it, scrape again."""
         await self._mark(f"{label}:before")
         self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
@@ -335,10 +377,17 @@ class ReplayRunner:
             if self.s.mode == "paired":
                 joiner = PairJoiner(len(self.s.arms), self._emit) if len(self.s.arms) > 1 else None
                 try:
-                    stats = list(await asyncio.gather(*(
-                        drive(calls, functools.partial(self._send, arm, routed_as="replay", joiner=joiner))
-                        for arm in self.s.arms
-                    )))
+                    stats = list(
+                        await asyncio.gather(
+                            *(
+                                drive(
+                                    calls,
+                                    functools.partial(self._send, arm, routed_as="replay", joiner=joiner),
+                                )
+                                for arm in self.s.arms
+                            )
+                        )
+                    )
                 finally:
                     if joiner is not None:
                         joiner.flush()
@@ -369,16 +418,19 @@ class ReplayRunner:
             n_warm = level if plan.warmup is None else plan.warmup
             if n_warm > 0:
                 warm_items = [items[i % len(items)] for i in range(n_warm)]
-                await asyncio.gather(*(
-                    closed_loop(warm_items, level, functools.partial(self._warm, arm), stop=self.stop)
-                    for arm in self.s.arms
-                ))
+                await asyncio.gather(
+                    *(
+                        closed_loop(warm_items, level, functools.partial(self._warm, arm), stop=self.stop)
+                        for arm in self.s.arms
+                    )
+                )
             if self.stop.is_set():
                 break
             calls = self._calls(f"c{level}", items, level)
 
-            def drive(seq: Sequence[Any], send: Callable[[Any], Awaitable[None]],
-                      level: int = level) -> Awaitable[LoadStats]:
+            def drive(
+                seq: Sequence[Any], send: Callable[[Any], Awaitable[None]], level: int = level
+            ) -> Awaitable[LoadStats]:
                 return closed_loop(seq, level, send, deadline_s=plan.duration_s, stop=self.stop)
 
             await self._phase(f"c={level}", calls, drive)
@@ -403,8 +455,10 @@ class ReplayRunner:
         def drive(seq: Sequence[Any], send: Callable[[Any], Awaitable[None]]) -> Awaitable[LoadStats]:
             def rid(x: Any) -> str:
                 return str(x[1].request_id if isinstance(x, tuple) else x.request_id)
-            return open_loop(seq, [schedule[rid(x)] for x in seq], send,
-                             deadline_s=plan.duration_s, stop=self.stop)
+
+            return open_loop(
+                seq, [schedule[rid(x)] for x in seq], send, deadline_s=plan.duration_s, stop=self.stop
+            )
 
         stats = await self._phase(label, calls, drive)
         lags = sorted(lag for s in stats for lag in s.lag_s)
@@ -423,9 +477,12 @@ class ReplayRunner:
             sink.start()
             try:
                 sink.begin_run(
-                    self.run_id, name=self.s.run_name,
-                    mode=f"replay-{self.s.mode}", source="replay",
-                    config_json=experiment_json(exp), stacks_json=stacks,
+                    self.run_id,
+                    name=self.s.run_name,
+                    mode=f"replay-{self.s.mode}",
+                    source="replay",
+                    config_json=experiment_json(exp),
+                    stacks_json=stacks,
                 )
                 # Replay scrapes only around phases (scrape_once); the interval bounds each scrape's timeout.
                 self.scraper = MetricsScraper(self.s.arms, sink, session, run_id=self.run_id, interval_s=5.0)
@@ -464,8 +521,9 @@ class ReplayRunner:
         return served[0] if served else wanted
 
 
-async def run_replay(settings: ReplaySettings, items: Sequence[ReplayItem],
-                     stop: asyncio.Event | None = None) -> ReplayResult:
+async def run_replay(
+    settings: ReplaySettings, items: Sequence[ReplayItem], stop: asyncio.Event | None = None
+) -> ReplayResult:
     """Replay ``items`` against ``settings.arms``; see the module docstring."""
     return await ReplayRunner(settings, items, stop).run()
 

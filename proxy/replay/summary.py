@@ -21,5 +21,6 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
     if result.lag_p99_s is not None:
         console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms", highlight=False)
     dropped = f" ({result.spans_dropped} dropped: the writer fell behind)" if result.spans_dropped else ""
-    console.print(f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}",
-                  highlight=False)
+    console.print(
+        f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}", highlight=False
+    )

@@ -190,8 +190,12 @@ class ClientRelay:
                 pass
             return self.response
         if self.status:
-            return web.Response(status=self.status, body=b"".join(self.parts), headers=self.headers,
-                                content_type=self.content_type)
+            return web.Response(
+                status=self.status,
+                body=b"".join(self.parts),
+                headers=self.headers,
+                content_type=self.content_type,
+            )
         if rec is not None and rec.status == "timeout":
             return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.headers)
         arm = rec.arm if rec is not None else "?"
@@ -206,14 +210,20 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     length = request.content_length
     if length is not None and length > exp.max_body_bytes:
         st.metrics.client_error(413)
-        return openai_error(413, f"request body is {length} bytes; the limit is {exp.max_body_bytes} "
-                                 "(max_body_bytes in the experiment file)")
+        return openai_error(
+            413,
+            f"request body is {length} bytes; the limit is {exp.max_body_bytes} "
+            "(max_body_bytes in the experiment file)",
+        )
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         st.metrics.client_error(413)
-        return openai_error(413, f"request body is over the limit of {exp.max_body_bytes} bytes "
-                                 "(max_body_bytes in the experiment file)")
+        return openai_error(
+            413,
+            f"request body is over the limit of {exp.max_body_bytes} bytes "
+            "(max_body_bytes in the experiment file)",
+        )
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -230,8 +240,9 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         level = _positive_int(level_text)
         if level is None:
             st.metrics.client_error(400)
-            return openai_error(400, f"header {CONCURRENCY_HEADER} must be an integer ≥ 1, "
-                                     f"got {level_text!r}")
+            return openai_error(
+                400, f"header {CONCURRENCY_HEADER} must be an integer ≥ 1, got {level_text!r}"
+            )
     # One trace per client request: the client's (W3C traceparent) when it sent one, else a new one.
     # Every call the request makes (primary, shadow, verify) is a span of it with its own span id.
     parent = client_trace_context(request.headers) if TRACEPARENT_HEADER in request.headers else None
@@ -245,33 +256,67 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         dispatcher = st.dispatcher
         assert dispatcher is not None
         for copy in plan.copies:
-            rec = new_record(st.run_id, request_id, copy.arm, body, endpoint=endpoint, trace_id=trace_id,
-                             routed_as=copy.routed_as, category=category, concurrency_level=level)
+            rec = new_record(
+                st.run_id,
+                request_id,
+                copy.arm,
+                body,
+                endpoint=endpoint,
+                trace_id=trace_id,
+                routed_as=copy.routed_as,
+                category=category,
+                concurrency_level=level,
+            )
             dispatcher.send(copy, body, rec, endpoint=endpoint, pair=pair, parent=parent)
-    record = new_record(st.run_id, request_id, primary, body, endpoint=endpoint, trace_id=trace_id,
-                        routed_as=plan.primary_routed_as, category=category, concurrency_level=level)
+    record = new_record(
+        st.run_id,
+        request_id,
+        primary,
+        body,
+        endpoint=endpoint,
+        trace_id=trace_id,
+        routed_as=plan.primary_routed_as,
+        category=category,
+        concurrency_level=level,
+    )
     relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
     assert st.client is not None
     result: CallResult | None = None
     tap = CompletionTap(endpoint)
     try:
-        result = await call_arm(st.client, primary, body, endpoint=endpoint, record=record, relay=relay,
-                                timeout=st.primary_timeout, state=st.upstream,
-                                capture_output=st.capture is not None, tap=tap)
+        result = await call_arm(
+            st.client,
+            primary,
+            body,
+            endpoint=endpoint,
+            record=record,
+            relay=relay,
+            timeout=st.primary_timeout,
+            state=st.upstream,
+            capture_output=st.capture is not None,
+            tap=tap,
+        )
         return await relay.finish(result)
     except asyncio.CancelledError:
         if result is None and tap.relayed_done is not None:
             # The client left after the final event reached it: the call is complete (call_arm kept the
             # record's status), and its output still counts for identity and capture.
-            result = CallResult(record=record, tap=tap, http_status=record.http_status, relay_started=True,
-                                client_gone=True)
+            result = CallResult(
+                record=record, tap=tap, http_status=record.http_status, relay_started=True, client_gone=True
+            )
         raise
     finally:
         _after_primary(st, primary, record, result, pair, parent)
         if st.capture is not None:
-            st.capture.add(arrival_unix_s=arrival, request_id=request_id, path=request.path,
-                           category=category, body=body, status=record.status,
-                           response_text=result.text if result is not None else None)
+            st.capture.add(
+                arrival_unix_s=arrival,
+                request_id=request_id,
+                path=request.path,
+                category=category,
+                body=body,
+                status=record.status,
+                response_text=result.text if result is not None else None,
+            )
 
 
 def _positive_int(text: str) -> int | None:
@@ -282,8 +327,14 @@ def _positive_int(text: str) -> int | None:
     return value if value >= 1 else None
 
 
-def _after_primary(st: ProxyState, primary: Arm, record: SpanRecord, result: CallResult | None,
-                   pair: IdentityPair | None, parent: SpanContext | None) -> None:
+def _after_primary(
+    st: ProxyState,
+    primary: Arm,
+    record: SpanRecord,
+    result: CallResult | None,
+    pair: IdentityPair | None,
+    parent: SpanContext | None,
+) -> None:
     if pair is None:
         st.finish(record, parent)
     elif primary.role == "baseline":
@@ -298,8 +349,9 @@ def _after_primary(st: ProxyState, primary: Arm, record: SpanRecord, result: Cal
         st.dispatcher.spawn(_check_then_finish(st, pair, result, parent))
 
 
-async def _check_then_finish(st: ProxyState, pair: IdentityPair, result: CallResult,
-                             parent: SpanContext | None) -> None:
+async def _check_then_finish(
+    st: ProxyState, pair: IdentityPair, result: CallResult, parent: SpanContext | None
+) -> None:
     try:
         await pair.check(result)
     finally:
@@ -319,8 +371,9 @@ async def models(request: web.Request) -> web.StreamResponse:
     arm = st.settings.experiment.baseline
     assert st.session is not None
     try:
-        async with st.session.get(f"{arm.url}/v1/models", headers=arm_auth(arm),
-                                  timeout=st.primary_timeout.client_timeout()) as resp:
+        async with st.session.get(
+            f"{arm.url}/v1/models", headers=arm_auth(arm), timeout=st.primary_timeout.client_timeout()
+        ) as resp:
             payload = await resp.read()
             return web.Response(status=resp.status, body=payload, content_type=resp.content_type)
     except TimeoutError:
@@ -348,8 +401,12 @@ def _auth_middleware(api_key: str) -> Any:
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 request.app[STATE].metrics.client_error(401)
-                return openai_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                         "with the key in SPECPROXY_API_KEY", code="invalid_api_key")
+                return openai_error(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                    "with the key in SPECPROXY_API_KEY",
+                    code="invalid_api_key",
+                )
         return await handler(request)
 
     return require_api_key
@@ -367,10 +424,14 @@ def create_app(settings: ProxySettings) -> web.Application:
         router=ArmRouter(exp),
         upstream=upstream,
         metrics=ProxyMetrics(upstream.inflight, arm_urls),
-        primary_timeout=UpstreamTimeout(connect=exp.upstream_connect_timeout_s,
-                                        read=exp.upstream_read_timeout_s, total=None),
-        shadow_timeout=UpstreamTimeout(connect=exp.upstream_connect_timeout_s,
-                                       read=exp.upstream_read_timeout_s, total=exp.shadow_timeout_s),
+        primary_timeout=UpstreamTimeout(
+            connect=exp.upstream_connect_timeout_s, read=exp.upstream_read_timeout_s, total=None
+        ),
+        shadow_timeout=UpstreamTimeout(
+            connect=exp.upstream_connect_timeout_s,
+            read=exp.upstream_read_timeout_s,
+            total=exp.shadow_timeout_s,
+        ),
     )
     middlewares: list[Any] = [openai_errors]
     if settings.api_key:
@@ -396,17 +457,28 @@ async def _span_store(app: web.Application) -> AsyncIterator[None]:
     exp = s.experiment
     # Batches every 2 s rather than the sink's 0.5 s: each INSERT has a fixed cost (~10 ms of CPU that
     # the relay shares), and nobody reads the file while serve holds it (DuckDB: one process per file).
-    sink = SpanSink(s.db or exp.db, queue_size=exp.span_queue_size, otlp_endpoint=exp.otlp_endpoint,
-                    memory_limit=s.db_memory_limit, flush_interval_s=SERVE_FLUSH_INTERVAL_S,
-                    checkpoint_threshold=SERVE_CHECKPOINT_THRESHOLD)
+    sink = SpanSink(
+        s.db or exp.db,
+        queue_size=exp.span_queue_size,
+        otlp_endpoint=exp.otlp_endpoint,
+        memory_limit=s.db_memory_limit,
+        flush_interval_s=SERVE_FLUSH_INTERVAL_S,
+        checkpoint_threshold=SERVE_CHECKPOINT_THRESHOLD,
+    )
     await asyncio.to_thread(sink.start)
     st.sink = sink
     st.metrics.watch_sink(lambda: (sink.queue_depth, sink.dropped, sink.written))
     try:
         async with aiohttp.ClientSession() as probe:
             stacks = await arm_stacks(probe, exp)
-        sink.begin_run(st.run_id, name=exp.name, mode=exp.mode, source="live",
-                       config_json=experiment_json(exp), stacks_json=stacks)
+        sink.begin_run(
+            st.run_id,
+            name=exp.name,
+            mode=exp.mode,
+            source="live",
+            config_json=experiment_json(exp),
+            stacks_json=stacks,
+        )
         yield
     finally:
         try:
@@ -425,8 +497,13 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, timeout=no_cap)
     client, shadow_client = UpstreamClient(), UpstreamClient()
     st.session, st.client = session, client
-    st.dispatcher = ShadowDispatcher(shadow_client, timeout=st.shadow_timeout, state=st.upstream,
-                                     emit=st.finish, capture_output=st.settings.capture is not None)
+    st.dispatcher = ShadowDispatcher(
+        shadow_client,
+        timeout=st.shadow_timeout,
+        state=st.upstream,
+        emit=st.finish,
+        capture_output=st.settings.capture is not None,
+    )
     try:
         yield
     finally:
@@ -447,8 +524,9 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
         return
     exp = st.settings.experiment
     async with aiohttp.ClientSession() as session:
-        scraper = MetricsScraper(exp.arms, st.sink, session, run_id=st.run_id,
-                                 interval_s=exp.scrape_interval_s)
+        scraper = MetricsScraper(
+            exp.arms, st.sink, session, run_id=st.run_id, interval_s=exp.scrape_interval_s
+        )
         task = asyncio.create_task(scraper.run())
         try:
             yield

@@ -42,10 +42,25 @@ class CaptureWriter:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._flush_periodically())
 
-    def add(self, *, arrival_unix_s: float, request_id: str, path: str, category: str | None,
-            body: dict[str, Any], status: str, response_text: str | None) -> None:
-        line: dict[str, Any] = {"arrival_unix_s": arrival_unix_s, "request_id": request_id, "path": path,
-                                "category": category, "body": body, "status": status}
+    def add(
+        self,
+        *,
+        arrival_unix_s: float,
+        request_id: str,
+        path: str,
+        category: str | None,
+        body: dict[str, Any],
+        status: str,
+        response_text: str | None,
+    ) -> None:
+        line: dict[str, Any] = {
+            "arrival_unix_s": arrival_unix_s,
+            "request_id": request_id,
+            "path": path,
+            "category": category,
+            "body": body,
+            "status": status,
+        }
         if self.with_responses and response_text is not None:
             line["response_text"] = response_text
         data = orjson.dumps(line) + b"\n"

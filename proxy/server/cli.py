@@ -37,29 +37,67 @@ def worker_path(path: str, index: int) -> str:
 
 
 @click.command("serve")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
-              help="The experiment file (TOML): mode, arms, timeouts.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (0.0.0.0 for every interface).")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
-              help="Port to listen on.")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The experiment file (TOML): mode, arms, timeouts.",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (0.0.0.0 for every interface).",
+)
+@click.option(
+    "--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on."
+)
 @click.option("--db", default=None, help="Span store (DuckDB file); default: the experiment's `db`.")
-@click.option("--capture", default=None, type=click.Path(dir_okay=False),
-              help="Append every client request to this JSONL file (the format `specproxy replay` reads).")
-@click.option("--capture-responses", is_flag=True,
-              help="With --capture: also keep the text each client received.")
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256),
-              help="Worker processes sharing the port (SO_REUSEPORT); worker i writes <db stem>.w<i>.duckdb.")
+@click.option(
+    "--capture",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Append every client request to this JSONL file (the format `specproxy replay` reads).",
+)
+@click.option(
+    "--capture-responses", is_flag=True, help="With --capture: also keep the text each client received."
+)
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Worker processes sharing the port (SO_REUSEPORT); worker i writes <db stem>.w<i>.duckdb.",
+)
 @click.option("--run-id", default=None, help="Run id for the span store (default: a new one).")
 @click.option("--no-scrape", is_flag=True, help="Do not scrape the arms' /metrics into backend_metrics.")
-@click.option("--db-memory", default="256MB", show_default=True,
-              help="Memory cap of the span writer's DuckDB connection (DuckDB size: 256MB, 1GB); per worker.")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]), help="Log verbosity (stderr).")
+@click.option(
+    "--db-memory",
+    default="256MB",
+    show_default=True,
+    help="Memory cap of the span writer's DuckDB connection (DuckDB size: 256MB, 1GB); per worker.",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    help="Log verbosity (stderr).",
+)
 @click.option("--worker-index", default=None, type=int, hidden=True)
 def serve(
-    config_path: str, host: str, port: int, db: str | None, capture: str | None, capture_responses: bool,
-    workers: int, run_id: str | None, no_scrape: bool, db_memory: str, log_level: str,
+    config_path: str,
+    host: str,
+    port: int,
+    db: str | None,
+    capture: str | None,
+    capture_responses: bool,
+    workers: int,
+    run_id: str | None,
+    no_scrape: bool,
+    db_memory: str,
+    log_level: str,
     worker_index: int | None,
 ) -> None:
     """Run the proxy in front of the experiment's arms (shadow or split mode) and write a span per
@@ -78,15 +116,29 @@ def serve(
         raise click.ClickException(str(exc)) from exc
     for arm in exp.arms:
         if arm.api_key_env and not os.environ.get(arm.api_key_env):
-            click.echo(f"warning: arm {arm.name!r}: environment variable {arm.api_key_env} is not set; "
-                       "calls go without an API key", err=True)
+            click.echo(
+                f"warning: arm {arm.name!r}: environment variable {arm.api_key_env} is not set; "
+                "calls go without an API key",
+                err=True,
+            )
     db_path = db or exp.db
     run_id = run_id or uuid.uuid4().hex
     if workers > 1:
         if port == 0:
             raise click.ClickException("--workers needs a fixed --port (with 0 each worker gets its own)")
-        _run_workers(config_path, host, port, db_path, capture, capture_responses, workers, run_id,
-                     no_scrape, log_level, db_memory)
+        _run_workers(
+            config_path,
+            host,
+            port,
+            db_path,
+            capture,
+            capture_responses,
+            workers,
+            run_id,
+            no_scrape,
+            log_level,
+            db_memory,
+        )
         return
     _run_one(exp, host, port, db_path, capture, capture_responses, run_id, no_scrape, worker_index, db_memory)
 
@@ -102,16 +154,32 @@ class _EarlyStop:
         cls.requested = True
 
 
-def _run_one(exp: Experiment, host: str, port: int, db: str, capture: str | None, capture_responses: bool,
-             run_id: str, no_scrape: bool, worker_index: int | None, db_memory: str) -> None:
+def _run_one(
+    exp: Experiment,
+    host: str,
+    port: int,
+    db: str,
+    capture: str | None,
+    capture_responses: bool,
+    run_id: str,
+    no_scrape: bool,
+    worker_index: int | None,
+    db_memory: str,
+) -> None:
     signal.signal(signal.SIGTERM, _EarlyStop.note)
     signal.signal(signal.SIGINT, _EarlyStop.note)
     from specproxy.proxy.server.app import ProxySettings
 
     settings = ProxySettings(
-        experiment=exp, db=db, run_id=run_id, capture=capture, capture_responses=capture_responses,
-        api_key=os.environ.get("SPECPROXY_API_KEY") or None, scrape_metrics=not no_scrape,
-        worker_index=worker_index, db_memory_limit=db_memory,
+        experiment=exp,
+        db=db,
+        run_id=run_id,
+        capture=capture,
+        capture_responses=capture_responses,
+        api_key=os.environ.get("SPECPROXY_API_KEY") or None,
+        scrape_metrics=not no_scrape,
+        worker_index=worker_index,
+        db_memory_limit=db_memory,
     )
     run_async(_serve(settings, host, port, reuse_port=worker_index is not None))
 
@@ -132,8 +200,9 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
     app = create_app(settings)
     st = app[STATE]
     where = f" (worker {settings.worker_index})" if settings.worker_index is not None else ""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=exp.shutdown_grace_s)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=exp.shutdown_grace_s
+    )
     try:
         await runner.setup()
     except SpanSinkError as exc:
@@ -148,9 +217,12 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
         # the collector's sight so that full collections under load do not walk it again and again.
         gc.collect()
         gc.freeze()
-        click.echo(f"specproxy serve{where}: listening on http://{host}:{port}, mode {exp.mode}, "
-                   f"baseline {exp.baseline.name} at {exp.baseline.url}, run {st.run_id}, "
-                   f"spans -> {settings.db or exp.db}", err=True)
+        click.echo(
+            f"specproxy serve{where}: listening on http://{host}:{port}, mode {exp.mode}, "
+            f"baseline {exp.baseline.name} at {exp.baseline.url}, run {st.run_id}, "
+            f"spans -> {settings.db or exp.db}",
+            err=True,
+        )
         await stop.wait()
         click.echo(f"specproxy serve{where}: shutting down (grace {exp.shutdown_grace_s:.0f}s)", err=True)
     finally:
@@ -160,9 +232,19 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
         click.echo(f"specproxy serve{where}: {sink.written} spans written, {sink.dropped} dropped", err=True)
 
 
-def _run_workers(config_path: str, host: str, port: int, db: str, capture: str | None,
-                 capture_responses: bool, workers: int, run_id: str, no_scrape: bool, log_level: str,
-                 db_memory: str) -> None:
+def _run_workers(
+    config_path: str,
+    host: str,
+    port: int,
+    db: str,
+    capture: str | None,
+    capture_responses: bool,
+    workers: int,
+    run_id: str,
+    no_scrape: bool,
+    log_level: str,
+    db_memory: str,
+) -> None:
     procs: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -173,9 +255,28 @@ def _run_workers(config_path: str, host: str, port: int, db: str, capture: str |
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     for i in range(workers):
-        argv = [sys.executable, "-m", "specproxy", "serve", "--config", config_path, "--host", host,
-                "--port", str(port), "--db", worker_path(db, i), "--run-id", run_id, "--worker-index", str(i),
-                "--log-level", log_level, "--db-memory", db_memory]
+        argv = [
+            sys.executable,
+            "-m",
+            "specproxy",
+            "serve",
+            "--config",
+            config_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--db",
+            worker_path(db, i),
+            "--run-id",
+            run_id,
+            "--worker-index",
+            str(i),
+            "--log-level",
+            log_level,
+            "--db-memory",
+            db_memory,
+        ]
         if capture:
             argv += ["--capture", worker_path(capture, i)]
             if capture_responses:

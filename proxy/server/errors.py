@@ -34,8 +34,14 @@ _TYPES = {
 
 def error_body(status: int, message: str, *, code: str | None = None) -> bytes:
     return orjson.dumps(
-        {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": None,
-                   "code": code if code is not None else status}}
+        {
+            "error": {
+                "message": message,
+                "type": _TYPES.get(status, "api_error"),
+                "param": None,
+                "code": code if code is not None else status,
+            }
+        }
     )
 
 
@@ -43,8 +49,12 @@ def openai_error(
     status: int, message: str, *, code: str | None = None, headers: dict[str, str] | None = None
 ) -> web.Response:
     """An error response in OpenAI's shape."""
-    return web.Response(status=status, body=error_body(status, message, code=code),
-                        content_type="application/json", headers=headers)
+    return web.Response(
+        status=status,
+        body=error_body(status, message, code=code),
+        content_type="application/json",
+        headers=headers,
+    )
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -34,8 +34,12 @@ _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.
 class _LiveValues(Collector):
     """Values read at scrape time from the objects that own them (in-flight counts, the span sink)."""
 
-    def __init__(self, inflight: Mapping[str, int], arm_urls: Mapping[str, str],
-                 sink_stats: Callable[[], tuple[int, int, int]] | None) -> None:
+    def __init__(
+        self,
+        inflight: Mapping[str, int],
+        arm_urls: Mapping[str, str],
+        sink_stats: Callable[[], tuple[int, int, int]] | None,
+    ) -> None:
         self._inflight = inflight
         self._arm_urls = arm_urls
         self.sink_stats = sink_stats
@@ -47,37 +51,65 @@ class _LiveValues(Collector):
         yield g
         if self.sink_stats is not None:
             depth, dropped, written = self.sink_stats()
-            yield GaugeMetricFamily("specproxy_span_queue_depth", "Spans waiting for the DuckDB writer.",
-                                    value=depth)
-            yield CounterMetricFamily("specproxy_spans_dropped", "Spans dropped (writer queue full).",
-                                      value=dropped)
-            yield CounterMetricFamily("specproxy_spans_written", "Spans written to the span store.",
-                                      value=written)
+            yield GaugeMetricFamily(
+                "specproxy_span_queue_depth", "Spans waiting for the DuckDB writer.", value=depth
+            )
+            yield CounterMetricFamily(
+                "specproxy_spans_dropped", "Spans dropped (writer queue full).", value=dropped
+            )
+            yield CounterMetricFamily(
+                "specproxy_spans_written", "Spans written to the span store.", value=written
+            )
 
 
 class ProxyMetrics:
     """Counters and histograms of one proxy process."""
 
-    def __init__(self, inflight: Mapping[str, int], arm_urls: Mapping[str, str],
-                 sink_stats: Callable[[], tuple[int, int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        inflight: Mapping[str, int],
+        arm_urls: Mapping[str, str],
+        sink_stats: Callable[[], tuple[int, int, int]] | None = None,
+    ) -> None:
         # `_created` timestamps double the exposition for nothing a dashboard uses (process-wide switch).
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self._requests = Counter("specproxy_requests", "Upstream calls finished.", ["arm", "route", "status"],
-                                 registry=r)
-        self._dropped = Counter("specproxy_shadow_dropped", "Shadow or verify copies not sent (arm over "
-                                "its max_shadow_inflight).", ["arm"], registry=r)
-        self._mismatch = Counter("specproxy_identity_mismatches", "Greedy outputs differing from the "
-                                 "baseline's.", ["arm"], registry=r)
-        self._checks = Counter("specproxy_identity_checks", "Greedy outputs compared with the baseline's.",
-                               ["arm"], registry=r)
-        self._client_errors = Counter("specproxy_client_errors", "Requests refused by the proxy itself.",
-                                      ["status"], registry=r)
-        self._ttft = Histogram("specproxy_upstream_ttft_seconds", "Upstream time to first content chunk.",
-                               ["arm", "route"], buckets=_TTFT_BUCKETS, registry=r)
-        self._duration = Histogram("specproxy_upstream_duration_seconds", "Upstream call duration.",
-                                   ["arm", "route"], buckets=_DURATION_BUCKETS, registry=r)
+        self._requests = Counter(
+            "specproxy_requests", "Upstream calls finished.", ["arm", "route", "status"], registry=r
+        )
+        self._dropped = Counter(
+            "specproxy_shadow_dropped",
+            "Shadow or verify copies not sent (arm over its max_shadow_inflight).",
+            ["arm"],
+            registry=r,
+        )
+        self._mismatch = Counter(
+            "specproxy_identity_mismatches",
+            "Greedy outputs differing from the baseline's.",
+            ["arm"],
+            registry=r,
+        )
+        self._checks = Counter(
+            "specproxy_identity_checks", "Greedy outputs compared with the baseline's.", ["arm"], registry=r
+        )
+        self._client_errors = Counter(
+            "specproxy_client_errors", "Requests refused by the proxy itself.", ["status"], registry=r
+        )
+        self._ttft = Histogram(
+            "specproxy_upstream_ttft_seconds",
+            "Upstream time to first content chunk.",
+            ["arm", "route"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self._duration = Histogram(
+            "specproxy_upstream_duration_seconds",
+            "Upstream call duration.",
+            ["arm", "route"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self._live = _LiveValues(inflight, arm_urls, sink_stats)
         r.register(self._live)
         self._children: dict[tuple[str, ...], Any] = {}

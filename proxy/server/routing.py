@@ -60,7 +60,7 @@ class ArmRouter:
             acc += a.weight / total if total else 0.0
             self._cumulative.append((acc, a))
         sticky = experiment.sticky_key
-        self._sticky_header = sticky[len("header:"):] if sticky.startswith("header:") else None
+        self._sticky_header = sticky[len("header:") :] if sticky.startswith("header:") else None
         self._sticky_user = sticky == "user"
         self._shadow_plans_full = RoutePlan(
             self._baseline, "primary", tuple(Copy(a, "shadow") for a in self._candidates)
@@ -93,7 +93,9 @@ class ArmRouter:
         arm = self.choose_split_arm(key_point(key) if key is not None else self._rng.random())
         copies: tuple[Copy, ...] = ()
         if (
-            arm.role != "baseline" and comparable and self.experiment.verify_fraction > 0
+            arm.role != "baseline"
+            and comparable
+            and self.experiment.verify_fraction > 0
             and self._rng.random() < self.experiment.verify_fraction
         ):
             copies = (Copy(self._baseline, "verify"),)

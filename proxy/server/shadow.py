@@ -95,8 +95,16 @@ class ShadowDispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def send(self, copy: Copy, body: dict[str, Any], record: SpanRecord, *, endpoint: Endpoint,
-             pair: IdentityPair | None, parent: SpanContext | None = None) -> bool:
+    def send(
+        self,
+        copy: Copy,
+        body: dict[str, Any],
+        record: SpanRecord,
+        *,
+        endpoint: Endpoint,
+        pair: IdentityPair | None,
+        parent: SpanContext | None = None,
+    ) -> bool:
         """Start one copy; False (and a ``dropped`` span) when the arm is at its bound or we are closing.
         ``parent``: the trace context the copy's span belongs under (the client's traceparent)."""
         arm = copy.arm
@@ -114,14 +122,27 @@ class ShadowDispatcher:
         self.spawn(self._run(copy, body, record, endpoint, pair, parent))
         return True
 
-    async def _run(self, copy: Copy, body: dict[str, Any], record: SpanRecord, endpoint: Endpoint,
-                   pair: IdentityPair | None, parent: SpanContext | None) -> None:
+    async def _run(
+        self,
+        copy: Copy,
+        body: dict[str, Any],
+        record: SpanRecord,
+        endpoint: Endpoint,
+        pair: IdentityPair | None,
+        parent: SpanContext | None,
+    ) -> None:
         is_baseline = copy.arm.role == "baseline"
         result: CallResult | None = None
         try:
             result = await call_arm(
-                self.client, copy.arm, body, endpoint=endpoint, record=record, timeout=self.timeout,
-                state=self.state, capture_output=self.capture_output,
+                self.client,
+                copy.arm,
+                body,
+                endpoint=endpoint,
+                record=record,
+                timeout=self.timeout,
+                state=self.state,
+                capture_output=self.capture_output,
             )
             if pair is not None:
                 if is_baseline:
@@ -154,6 +175,9 @@ class ShadowDispatcher:
             for task in still:
                 task.cancel()
             if still:
-                log.warning("cancelled %d shadow calls still running after the %.0fs grace period",
-                            len(still), grace_s)
+                log.warning(
+                    "cancelled %d shadow calls still running after the %.0fs grace period",
+                    len(still),
+                    grace_s,
+                )
                 await asyncio.gather(*still, return_exceptions=True)

@@ -313,7 +313,10 @@ class SpanSink:
         )
         self._ids = _RecordIds()
         self._provider = TracerProvider(
-            sampler=ALWAYS_ON, resource=resource, span_limits=unlimited, shutdown_on_exit=False,
+            sampler=ALWAYS_ON,
+            resource=resource,
+            span_limits=unlimited,
+            shutdown_on_exit=False,
             id_generator=self._ids,
         )
         self._provider.add_span_processor(_QueueSpanProcessor(self._pending))
@@ -377,8 +380,9 @@ class SpanSink:
         cursor: Any = None
         exporter: DuckDBSpanExporter | None = None
         if self.db_path is not None:
-            self._conn = open_store(self.db_path, memory_limit=self.memory_limit,
-                                    checkpoint_threshold=self.checkpoint_threshold)
+            self._conn = open_store(
+                self.db_path, memory_limit=self.memory_limit, checkpoint_threshold=self.checkpoint_threshold
+            )
             # The writer's own connection to the file, made here so that a failure surfaces in start().
             try:
                 cursor = self._conn.cursor()
@@ -455,7 +459,10 @@ class SpanSink:
             self._ids.use(trace_id, span_id)
             try:
                 span = self._tracer.start_span(
-                    span_name(record), context=within, kind=SpanKind.CLIENT, attributes=attributes,
+                    span_name(record),
+                    context=within,
+                    kind=SpanKind.CLIENT,
+                    attributes=attributes,
                     start_time=start,
                 )
             finally:
@@ -475,8 +482,16 @@ class SpanSink:
                 self._pending.release()
             return False
 
-    def _emit_without_sdk(self, record: SpanRecord, attributes: dict[str, Any], start: int, end: int,
-                          trace_id: int, span_id: int, parent: SpanContext | None) -> None:
+    def _emit_without_sdk(
+        self,
+        record: SpanRecord,
+        attributes: dict[str, Any],
+        start: int,
+        end: int,
+        trace_id: int,
+        span_id: int,
+        parent: SpanContext | None,
+    ) -> None:
         context = SpanContext(
             trace_id=trace_id or random.getrandbits(128) or 1,
             span_id=span_id or random.getrandbits(64) or 1,
@@ -486,8 +501,14 @@ class SpanSink:
         record.trace_id = format(context.trace_id, "032x")
         record.span_id = format(context.span_id, "016x")
         span = ReadableSpan(
-            name=span_name(record), context=context, parent=parent, attributes=attributes, start_time=start,
-            end_time=end, kind=SpanKind.CLIENT, resource=self._resource,
+            name=span_name(record),
+            context=context,
+            parent=parent,
+            attributes=attributes,
+            start_time=start,
+            end_time=end,
+            kind=SpanKind.CLIENT,
+            resource=self._resource,
         )
         self._pending.put_reserved(span_row(span))
 
@@ -524,7 +545,9 @@ class SpanSink:
             if self._thread.is_alive():
                 log.error(
                     "the span writer did not finish within %.1fs; %d spans not yet written to %s",
-                    timeout or 0.0, self._pending.depth, self.db_path,
+                    timeout or 0.0,
+                    self._pending.depth,
+                    self.db_path,
                 )
                 return
         if self._conn is not None:
@@ -559,7 +582,10 @@ class SpanSink:
                 cursor.close()
 
     def _write(
-        self, exporter: DuckDBSpanExporter | None, cursor: Any, spans: list[tuple[Any, ...]],
+        self,
+        exporter: DuckDBSpanExporter | None,
+        cursor: Any,
+        spans: list[tuple[Any, ...]],
         rows: list[BackendMetricRow],
     ) -> None:
         if spans and exporter is not None:
@@ -591,8 +617,13 @@ class SpanSink:
                 bad.append(exc)
         self._failed += len(bad)
         if bad:
-            log.error("%d of %d spans could not be written to %s (dropped): %s",
-                      len(bad), len(spans), self.db_path, bad[0])
+            log.error(
+                "%d of %d spans could not be written to %s (dropped): %s",
+                len(bad),
+                len(spans),
+                self.db_path,
+                bad[0],
+            )
 
     def _require_started(self) -> None:
         if self._thread is None:
@@ -621,15 +652,23 @@ def _insert_backend_metrics(conn: Any, rows: Sequence[BackendMetricRow]) -> None
 
 # Errors that come from a value in a row rather than from the store: the batch is retried row by row.
 _BAD_ROW_ERRORS = (
-    ValueError, TypeError, OverflowError, duckdb.ConversionException, duckdb.ConstraintException,
+    ValueError,
+    TypeError,
+    OverflowError,
+    duckdb.ConversionException,
+    duckdb.ConstraintException,
     duckdb.InvalidInputException,
 )
 
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 
 
-def open_store(path: Path, *, memory_limit: str = DEFAULT_MEMORY_LIMIT,
-               checkpoint_threshold: str = DEFAULT_CHECKPOINT_THRESHOLD) -> Any:
+def open_store(
+    path: Path,
+    *,
+    memory_limit: str = DEFAULT_MEMORY_LIMIT,
+    checkpoint_threshold: str = DEFAULT_CHECKPOINT_THRESHOLD,
+) -> Any:
     """Open (or create) a span store for writing, with the sink's settings, and migrate its schema.
 
     ``memory_limit`` caps DuckDB's memory on this connection (a DuckDB size: ``"256MB"``, ``"1GB"``).

@@ -61,8 +61,15 @@ CONCURRENCY_HEADER = "X-Specproxy-Concurrency-Level"
 REQUEST_ID_HEADER = "X-Request-Id"
 
 # Words in a 400/422 body that mean "this backend does not know vLLM's extensions".
-_REJECTION_MARKERS = (b"stream_options", b"continuous_usage_stats", b"return_token_ids", b"nrecognized",
-                      b"xtra", b"not permitted", b"unknown field")
+_REJECTION_MARKERS = (
+    b"stream_options",
+    b"continuous_usage_stats",
+    b"return_token_ids",
+    b"nrecognized",
+    b"xtra",
+    b"not permitted",
+    b"unknown field",
+)
 
 
 class ClientGone(Exception):
@@ -274,8 +281,14 @@ def _error_message(body: bytes) -> str:
     return body[:500].decode("utf-8", errors="replace")
 
 
-def _headers(arm: Arm, request_id: str, category: str | None, extra: dict[str, str] | None,
-             trace_id: str = "", span_id: str = "") -> dict[str, str]:
+def _headers(
+    arm: Arm,
+    request_id: str,
+    category: str | None,
+    extra: dict[str, str] | None,
+    trace_id: str = "",
+    span_id: str = "",
+) -> dict[str, str]:
     headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
     if trace_id and span_id:
         # The arm's own tracing (vLLM --otlp-traces-endpoint) then nests under this call's span.
@@ -328,14 +341,17 @@ async def call_arm(
         async with asyncio.timeout(timeout.total):
             while True:
                 data, strip = _upstream_body(arm, body, with_extensions=with_ext)
-                ex = await client.post(url, data, hdrs, connect_timeout=timeout.connect,
-                                       read_timeout=timeout.read)
+                ex = await client.post(
+                    url, data, hdrs, connect_timeout=timeout.connect, read_timeout=timeout.read
+                )
                 try:
                     result.http_status = record.http_status = ex.status
                     if ex.status >= 400:
                         err_body = await ex.read()
                         if (
-                            with_ext and arm.vllm_extensions == "auto" and ex.status in (400, 422)
+                            with_ext
+                            and arm.vllm_extensions == "auto"
+                            and ex.status in (400, 422)
                             and any(m in err_body for m in _REJECTION_MARKERS)
                         ):
                             state.rejects_extensions.add(arm.url)
@@ -390,9 +406,15 @@ async def call_arm(
         raise
     except TimeoutError as exc:  # connect, read (wire.UpstreamReadTimeout) or the call's total
         record.status = "timeout"
-        record.error = f"upstream timed out: {exc}" if str(exc) else (
-            f"upstream timed out (the call's limit of {timeout.total:g} s)" if timeout.total is not None
-            else "upstream timed out")
+        record.error = (
+            f"upstream timed out: {exc}"
+            if str(exc)
+            else (
+                f"upstream timed out (the call's limit of {timeout.total:g} s)"
+                if timeout.total is not None
+                else "upstream timed out"
+            )
+        )
     except (OSError, ValueError) as exc:  # refused, reset, closed early (wire.UpstreamDisconnected), bad HTTP
         record.status = "upstream_error"
         record.error = f"{exc.__class__.__name__}: {exc}"[:500]

@@ -60,8 +60,11 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         if (
-            not self._buf and chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
-            and chunk.find(b"\n") == len(chunk) - 2 and b"\r" not in chunk
+            not self._buf
+            and chunk.startswith(b"data: ")
+            and chunk.endswith(b"\n\n")
+            and chunk.find(b"\n") == len(chunk) - 2
+            and b"\r" not in chunk
         ):
             # The common read: exactly one one-line `data: {...}` event (how vLLM flushes a chunk).
             return [SSEEvent(chunk, chunk[6:-2])]
@@ -84,7 +87,7 @@ class SSEParser:
             if block:
                 # Inlined fast path of _data_of: the one-line `data: {...}` event vLLM sends.
                 if block.startswith(b"data: ") and b"\n" not in block:
-                    events.append(SSEEvent(buf[start - 2 - len(block):start], block[6:]))
+                    events.append(SSEEvent(buf[start - 2 - len(block) : start], block[6:]))
                 else:
                     events.append(SSEEvent(block + b"\n\n", _data_of(block)))
         self._buf = buf[start:] + held
@@ -136,9 +139,26 @@ class CompletionTap:
     """
 
     __slots__ = (
-        "endpoint", "t_first", "t_last", "chunks", "tokens_per_chunk", "_text", "token_ids",
-        "_have_token_ids", "_usage_tokens", "_continuous", "final_usage", "finish_reason", "spec_metrics",
-        "margins", "token_texts", "done", "error", "count_source", "prompt_tokens", "relayed_done",
+        "endpoint",
+        "t_first",
+        "t_last",
+        "chunks",
+        "tokens_per_chunk",
+        "_text",
+        "token_ids",
+        "_have_token_ids",
+        "_usage_tokens",
+        "_continuous",
+        "final_usage",
+        "finish_reason",
+        "spec_metrics",
+        "margins",
+        "token_texts",
+        "done",
+        "error",
+        "count_source",
+        "prompt_tokens",
+        "relayed_done",
     )
 
     def __init__(self, endpoint: Endpoint) -> None:

@@ -38,12 +38,16 @@ async def arm_stacks(session: aiohttp.ClientSession, exp: Experiment, timeout_s:
     async def one(arm: Arm) -> tuple[str, dict[str, Any]]:
         headers = arm_auth(arm)
         (version, verr), (models_, merr) = await asyncio.gather(
-            get(f"{arm.url}/version", headers), get(f"{arm.url}/v1/models", headers))
+            get(f"{arm.url}/version", headers), get(f"{arm.url}/v1/models", headers)
+        )
         return arm.name, {
-            "url": arm.url, "role": arm.role, "speculative": dict(arm.speculative),
+            "url": arm.url,
+            "role": arm.role,
+            "speculative": dict(arm.speculative),
             "description": arm.description,
             "version": version.get("version") if isinstance(version, dict) else None,
-            "models": models_, "errors": {k: v for k, v in (("version", verr), ("models", merr)) if v},
+            "models": models_,
+            "errors": {k: v for k, v in (("version", verr), ("models", merr)) if v},
             "engine": engine_stacks.get(arm.name),
         }
 

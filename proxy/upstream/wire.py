@@ -86,8 +86,20 @@ class Exchange:
     :meth:`wait`, or :meth:`read`. End it with :meth:`release` (reuse the connection when the body was
     read to its end) or :meth:`abort` (close it: vLLM then aborts the generation)."""
 
-    __slots__ = ("status", "headers", "content_type", "_conn", "_head", "_done", "_waiter", "_consumer",
-                 "_early", "_keep_alive", "_framed", "_got_bytes")
+    __slots__ = (
+        "status",
+        "headers",
+        "content_type",
+        "_conn",
+        "_head",
+        "_done",
+        "_waiter",
+        "_consumer",
+        "_early",
+        "_keep_alive",
+        "_framed",
+        "_got_bytes",
+    )
 
     def __init__(self, conn: _Connection) -> None:
         loop = conn.loop
@@ -259,8 +271,11 @@ class _Connection(asyncio.Protocol):
             ex._on_complete()  # a body that runs until the connection closes: this is its end
             return
         reason = f": {exc}" if exc else ""
-        ex._fail(UpstreamDisconnected(f"{self.origin.host_header} closed the connection before the "
-                                      f"response was complete{reason}"))
+        ex._fail(
+            UpstreamDisconnected(
+                f"{self.origin.host_header} closed the connection before the response was complete{reason}"
+            )
+        )
 
     def pause_writing(self) -> None:  # request bodies are written in one piece; nothing to pause
         pass
@@ -373,8 +388,15 @@ class UpstreamClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *,
-                   connect_timeout: float | None = 10.0, read_timeout: float | None = None) -> Exchange:
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        connect_timeout: float | None = 10.0,
+        read_timeout: float | None = None,
+    ) -> Exchange:
         """Send ``body`` and return the exchange once the response headers are in. Raises
         ``OSError`` (refused, unreachable), ``TimeoutError`` (connect or read timeout),
         :class:`UpstreamDisconnected` or :class:`BadResponse`."""
@@ -407,8 +429,13 @@ class UpstreamClient:
         raise AssertionError("unreachable")
 
     def _request_bytes(self, origin: Origin, target: str, body: bytes, headers: Mapping[str, str]) -> bytes:
-        lines = [f"POST {target} HTTP/1.1", f"Host: {origin.host_header}", f"Content-Length: {len(body)}",
-                 f"User-Agent: {USER_AGENT}", "Accept-Encoding: identity"]
+        lines = [
+            f"POST {target} HTTP/1.1",
+            f"Host: {origin.host_header}",
+            f"Content-Length: {len(body)}",
+            f"User-Agent: {USER_AGENT}",
+            "Accept-Encoding: identity",
+        ]
         lines += (f"{name}: {value}" for name, value in headers.items())
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
@@ -417,8 +444,11 @@ class UpstreamClient:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if conn.transport is not None and not conn.transport.is_closing() \
-                    and now - conn.idle_since < self.keepalive_s:
+            if (
+                conn.transport is not None
+                and not conn.transport.is_closing()
+                and now - conn.idle_since < self.keepalive_s
+            ):
                 return conn
             conn.close()
         return None
@@ -430,8 +460,9 @@ class UpstreamClient:
             context = self._ssl = self._ssl or ssl.create_default_context()
         async with asyncio.timeout(timeout):
             # (asyncio and uvloop set TCP_NODELAY on TCP connections: each request leaves at once.)
-            _, conn = await loop.create_connection(lambda: _Connection(self, origin, loop), origin.host,
-                                                   origin.port, ssl=context)
+            _, conn = await loop.create_connection(
+                lambda: _Connection(self, origin, loop), origin.host, origin.port, ssl=context
+            )
         return conn
 
     def _park(self, conn: _Connection) -> None:

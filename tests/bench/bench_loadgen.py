@@ -28,8 +28,13 @@ from specproxy.proxy.upstream.calls import UpstreamState, call_arm, new_record
 from specproxy.proxy.upstream.wire import UpstreamClient
 from tests.support import free_port, wait_http
 
-BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-        "temperature": 0, "stream": True}
+BODY = {
+    "model": "test-model",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 4,
+    "temperature": 0,
+    "stream": True,
+}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -45,8 +50,9 @@ async def bench(url: str, rate: float, seconds: float, levels: list[int]) -> Non
 
         async def send(i: int) -> None:
             nonlocal failures
-            rec = new_record("bench", f"r{i}", arm, BODY, endpoint="chat", routed_as="replay",
-                             source="replay")
+            rec = new_record(
+                "bench", f"r{i}", arm, BODY, endpoint="chat", routed_as="replay", source="replay"
+            )
             result = await call_arm(session, arm, BODY, endpoint="chat", record=rec, state=state)
             failures += not result.ok
 
@@ -57,8 +63,10 @@ async def bench(url: str, rate: float, seconds: float, levels: list[int]) -> Non
         await closed_loop(list(range(200)), 32, send)
 
         print(f"open loop, Poisson, {seconds:g} s (lag = start time behind schedule)")
-        print(f"{'backend':<22}{'target/s':>9}{'achieved/s':>11}{'p50 lag ms':>11}{'p99 lag ms':>11}"
-              f"{'max ms':>8}{'peak in-flight':>15}{'failed':>7}")
+        print(
+            f"{'backend':<22}{'target/s':>9}{'achieved/s':>11}{'p50 lag ms':>11}{'p99 lag ms':>11}"
+            f"{'max ms':>8}{'peak in-flight':>15}{'failed':>7}"
+        )
         for name, fn, r in (("none (scheduler only)", nothing, rate), ("tests/backends.py", send, rate)):
             n = int(r * seconds)
             offsets = poisson_offsets(n, r, seed=1)
@@ -67,8 +75,10 @@ async def bench(url: str, rate: float, seconds: float, levels: list[int]) -> Non
             stats = await open_loop(list(range(n)), offsets, fn)
             wall = time.perf_counter() - t0
             lags_ms = [x * 1000 for x in stats.lag_s]
-            print(f"{name:<22}{r:>9.0f}{n / offsets[-1]:>11.0f}{pct(lags_ms, 0.5):>11.3f}"
-                  f"{pct(lags_ms, 0.99):>11.3f}{max(lags_ms):>8.2f}{stats.gauge.peak:>15}{failures:>7}")
+            print(
+                f"{name:<22}{r:>9.0f}{n / offsets[-1]:>11.0f}{pct(lags_ms, 0.5):>11.3f}"
+                f"{pct(lags_ms, 0.99):>11.3f}{max(lags_ms):>8.2f}{stats.gauge.peak:>15}{failures:>7}"
+            )
             assert wall > 0
 
         print("\nclosed loop against tests/backends.py (share of time at each in-flight count)")
@@ -79,8 +89,10 @@ async def bench(url: str, rate: float, seconds: float, levels: list[int]) -> Non
             dist = stats.gauge.distribution()
             # The drain at the end (fewer than c left) is part of any closed loop; show it separately.
             top = sorted(dist.items(), key=lambda kv: -kv[1])[:4]
-            print(f"{c:>9}{n:>7}{n / stats.wall_s:>8.0f}{dist.get(c, 0.0) * 100:>9.1f}%  "
-                  + ", ".join(f"{k}: {v * 100:.1f}%" for k, v in top))
+            print(
+                f"{c:>9}{n:>7}{n / stats.wall_s:>8.0f}{dist.get(c, 0.0) * 100:>9.1f}%  "
+                + ", ".join(f"{k}: {v * 100:.1f}%" for k, v in top)
+            )
             assert stats.gauge.peak == c, f"closed loop exceeded its level: {stats.gauge.peak} > {c}"
 
 
@@ -91,8 +103,22 @@ def main() -> None:
     ap.add_argument("--levels", default="1,16,64")
     args = ap.parse_args()
     port = free_port()
-    backend = subprocess.Popen([sys.executable, "-m", "tests.backends", "--port", str(port), "--ttft-ms", "0",
-                                "--itl-ms", "0", "--tokens", "4"], cwd=Path(__file__).resolve().parents[2])
+    backend = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.backends",
+            "--port",
+            str(port),
+            "--ttft-ms",
+            "0",
+            "--itl-ms",
+            "0",
+            "--tokens",
+            "4",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc=None)
         try:
@@ -102,8 +128,14 @@ def main() -> None:
         except ImportError:
             runner = asyncio.Runner()
         with runner:
-            runner.run(bench(f"http://127.0.0.1:{port}", args.rate, args.seconds,
-                             [int(x) for x in args.levels.split(",")]))
+            runner.run(
+                bench(
+                    f"http://127.0.0.1:{port}",
+                    args.rate,
+                    args.seconds,
+                    [int(x) for x in args.levels.split(",")],
+                )
+            )
     finally:
         backend.terminate()
         backend.wait(10)

@@ -107,7 +107,7 @@ async def paired_rounds(targets: dict[str, str], rounds: int, block: int) -> dic
     out: dict[str, list[list[float]]] = {n: [] for n in names}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         for k in range(rounds):
-            order = names[k % len(names):] + names[:k % len(names)]
+            order = names[k % len(names) :] + names[: k % len(names)]
             for name in order:
                 await one_ttft(s, targets[name], -1)
                 ttfts = [await one_ttft(s, targets[name], k * block + i) for i in range(block)]
@@ -124,10 +124,14 @@ def print_paired(res: dict[str, list[list[float]]], cpu: dict[str, float], block
         added = med(diffs) * 1000 if name != "direct" and diffs else 0.0
         p50 = med(ok) * 1000 if ok else float("nan")
         p99 = max(ok) * 1000 if ok else float("nan")
-        print(f"{1:>4} {name:<8} {len(ok):>6} {len(blocks) * block - len(ok):>4} {p50:>12.2f} {p99:>12.2f} "
-              f"{added:>13.2f} {'':>9} {'':>9} {'':>7} {cpu.get(name, float('nan')):>17.1f}")
-    print(f"     (c=1: {len(direct)} paired rounds of {block} requests per target; added = median over "
-          "rounds of the block median minus direct's; p99 column: the largest)")
+        print(
+            f"{1:>4} {name:<8} {len(ok):>6} {len(blocks) * block - len(ok):>4} {p50:>12.2f} {p99:>12.2f} "
+            f"{added:>13.2f} {'':>9} {'':>9} {'':>7} {cpu.get(name, float('nan')):>17.1f}"
+        )
+    print(
+        f"     (c=1: {len(direct)} paired rounds of {block} requests per target; added = median over "
+        "rounds of the block median minus direct's; p99 column: the largest)"
+    )
 
 
 async def run_load(url: str, concurrency: int, duration: float, mirror: str | None = None) -> CaseResult:
@@ -208,13 +212,31 @@ def rss_mb(pid: int) -> float:
 
 
 def start(argv: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def backend(port: int) -> subprocess.Popen[bytes]:
-    return start([sys.executable, "-m", "tests.backends", "--port", str(port), "--ttft-ms", "20",
-                  "--itl-ms", "10", "--tokens", "64"])
+    return start(
+        [
+            sys.executable,
+            "-m",
+            "tests.backends",
+            "--port",
+            str(port),
+            "--ttft-ms",
+            "20",
+            "--itl-ms",
+            "10",
+            "--tokens",
+            "64",
+        ]
+    )
 
 
 BARE_PASSTHROUGH = """
@@ -252,8 +274,23 @@ def bare(upstream: str, port: int) -> subprocess.Popen[bytes]:
 
 
 def proxy(config: Path, port: int, db: Path) -> subprocess.Popen[bytes]:
-    return start([sys.executable, "-m", "specproxy", "serve", "--config", str(config), "--port", str(port),
-                  "--db", str(db), "--log-level", "warning", "--no-scrape"])
+    return start(
+        [
+            sys.executable,
+            "-m",
+            "specproxy",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--db",
+            str(db),
+            "--log-level",
+            "warning",
+            "--no-scrape",
+        ]
+    )
 
 
 def write_config(path: Path, mode: str, base: str, other: str) -> Path:
@@ -271,11 +308,19 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per target and level")
     ap.add_argument("--levels", default="1,64,256", help="concurrency levels")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per target and level (medians)")
-    ap.add_argument("--c1-rounds", type=int, default=8,
-                    help="paired rounds at c=1 (a round: 1 + c1-block requests per target, ~0.7 s each)")
+    ap.add_argument(
+        "--c1-rounds",
+        type=int,
+        default=8,
+        help="paired rounds at c=1 (a round: 1 + c1-block requests per target, ~0.7 s each)",
+    )
     ap.add_argument("--c1-block", type=int, default=4, help="measured requests per target and round at c=1")
-    ap.add_argument("--memory-soak", type=float, default=0.0,
-                    help="instead: run the shadow proxy at c=64 this many seconds, printing its RSS")
+    ap.add_argument(
+        "--memory-soak",
+        type=float,
+        default=0.0,
+        help="instead: run the shadow proxy at c=64 this many seconds, printing its RSS",
+    )
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
 
@@ -292,10 +337,20 @@ def main() -> None:
         shadow_proc = proxy(shadow_cfg, p_shadow, tmp / "shadow.duckdb")
         bare_proc = bare(base, p_bare)
         procs += [split_proc, shadow_proc, bare_proc]
-        pids = {"direct": None, "direct+m": None, "bare": bare_proc.pid, "split": split_proc.pid,
-                "shadow": shadow_proc.pid}
-        targets = {"direct": base, "direct+m": base, "bare": f"http://127.0.0.1:{p_bare}",
-                   "split": f"http://127.0.0.1:{p_split}", "shadow": f"http://127.0.0.1:{p_shadow}"}
+        pids = {
+            "direct": None,
+            "direct+m": None,
+            "bare": bare_proc.pid,
+            "split": split_proc.pid,
+            "shadow": shadow_proc.pid,
+        }
+        targets = {
+            "direct": base,
+            "direct+m": base,
+            "bare": f"http://127.0.0.1:{p_bare}",
+            "split": f"http://127.0.0.1:{p_split}",
+            "shadow": f"http://127.0.0.1:{p_shadow}",
+        }
         for url in targets.values():
             wait_http(url + "/health", 30)
         asyncio.run(run_load(targets["split"], 4, 1.0))  # warm up connections and code paths
@@ -306,11 +361,15 @@ def main() -> None:
             return
 
         rss0 = {"split": rss_mb(split_proc.pid), "shadow": rss_mb(shadow_proc.pid)}
-        print(f"backend: TTFT 20 ms, 10 ms/token, 64 tokens; {args.duration:.0f} s per target and level, "
-              f"x{args.repeats} round-robin (medians); {os.cpu_count()} cores shared by all processes; "
-              f"load average before: {os.getloadavg()[0]:.2f}\n")
-        header = (f"{'c':>4} {'target':<8} {'reqs':>6} {'err':>4} {'p50 TTFT ms':>12} {'p99 TTFT ms':>12} "
-                  f"{'added p50 ms':>13} {'tok/s':>9} {'% direct':>9} {'% d+m':>7} {'relay CPU us/tok':>17}")
+        print(
+            f"backend: TTFT 20 ms, 10 ms/token, 64 tokens; {args.duration:.0f} s per target and level, "
+            f"x{args.repeats} round-robin (medians); {os.cpu_count()} cores shared by all processes; "
+            f"load average before: {os.getloadavg()[0]:.2f}\n"
+        )
+        header = (
+            f"{'c':>4} {'target':<8} {'reqs':>6} {'err':>4} {'p50 TTFT ms':>12} {'p99 TTFT ms':>12} "
+            f"{'added p50 ms':>13} {'tok/s':>9} {'% direct':>9} {'% d+m':>7} {'relay CPU us/tok':>17}"
+        )
         print(header)
         print("-" * len(header))
         runs = [(name, url, base if name == "direct+m" else None) for name, url in targets.items()]
@@ -320,8 +379,9 @@ def main() -> None:
                 before = {n: cpu_s(pids[n]) for n in paired}
                 res = asyncio.run(paired_rounds(paired, args.c1_rounds, args.c1_block))
                 tokens = 64 * args.c1_rounds * (args.c1_block + 1)
-                print_paired(res, {n: 1e6 * (cpu_s(pids[n]) - before[n]) / tokens for n in paired},
-                             args.c1_block)
+                print_paired(
+                    res, {n: 1e6 * (cpu_s(pids[n]) - before[n]) / tokens for n in paired}, args.c1_block
+                )
                 continue
             samples: dict[str, list[tuple[CaseResult, float]]] = {name: [] for name in targets}
             for _ in range(args.repeats):
@@ -335,12 +395,16 @@ def main() -> None:
                 added = (f["p50"] - d["p50"]) * 1000 if name != "direct" else 0.0
                 pct = 100 * f["tok_s"] / d["tok_s"] if d["tok_s"] else float("nan")
                 pct_m = f"{100 * f['tok_s'] / dm['tok_s']:>6.1f}%" if name == "shadow" else f"{'':>7}"
-                print(f"{c:>4} {name:<8} {f['reqs']:>6.0f} {f['err']:>4.0f} {f['p50'] * 1000:>12.2f} "
-                      f"{f['p99'] * 1000:>12.2f} {added:>13.2f} {f['tok_s']:>9.0f} {pct:>8.1f}% {pct_m} "
-                      f"{f['cpu_us_tok']:>17.1f}")
+                print(
+                    f"{c:>4} {name:<8} {f['reqs']:>6.0f} {f['err']:>4.0f} {f['p50'] * 1000:>12.2f} "
+                    f"{f['p99'] * 1000:>12.2f} {added:>13.2f} {f['tok_s']:>9.0f} {pct:>8.1f}% {pct_m} "
+                    f"{f['cpu_us_tok']:>17.1f}"
+                )
             vs_m = (fig["shadow"]["p50"] - dm["p50"]) * 1000
-            print(f"     (shadow vs direct+m: added p50 TTFT {vs_m:.2f} ms; "
-                  f"load average {os.getloadavg()[0]:.2f})")
+            print(
+                f"     (shadow vs direct+m: added p50 TTFT {vs_m:.2f} ms; "
+                f"load average {os.getloadavg()[0]:.2f})"
+            )
         rss1 = {"split": rss_mb(split_proc.pid), "shadow": rss_mb(shadow_proc.pid)}
         print()
         for name in rss0:
@@ -359,8 +423,10 @@ def _figures(runs: list[tuple[CaseResult, float]]) -> dict[str, float]:
     """Medians over repeated measurements of one target at one level (p99: the largest)."""
     med = statistics.median
     return {
-        "reqs": med(r.requests for r, _ in runs), "err": sum(r.errors for r, _ in runs),
-        "p50": med(r.p(0.5) for r, _ in runs), "p99": max(r.p(0.99) for r, _ in runs),
+        "reqs": med(r.requests for r, _ in runs),
+        "err": sum(r.errors for r, _ in runs),
+        "p50": med(r.p(0.5) for r, _ in runs),
+        "p99": max(r.p(0.99) for r, _ in runs),
         "tok_s": med(r.tok_s for r, _ in runs),
         "cpu_us_tok": med(1e6 * cpu / r.tokens if r.tokens else float("nan") for r, cpu in runs),
     }
@@ -378,8 +444,10 @@ def soak(url: str, pid: int, seconds: float) -> None:
         samples.append(rss_mb(pid))
         print(f"{(i + 1) * step:>6.0f} {samples[-1]:>8.1f} {r.tok_s:>8.0f}")
     half = len(samples) // 2
-    print(f"\nRSS median, first half: {statistics.median(samples[:half]):.1f} MB; "
-          f"second half: {statistics.median(samples[half:]):.1f} MB")
+    print(
+        f"\nRSS median, first half: {statistics.median(samples[:half]):.1f} MB; "
+        f"second half: {statistics.median(samples[half:]):.1f} MB"
+    )
 
 
 if __name__ == "__main__":
