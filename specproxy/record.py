@@ -72,6 +72,14 @@ class SpanRecord:
     status: str = "ok"
     http_status: int | None = None
     error: str | None = None
+    # added in schema 7 (appended, so older files migrate by ALTER TABLE ADD COLUMN)
+    round: int | None = None  # replay's round of this level (1-based); None for live traffic
+    engine: str | None = None  # the engine that answered: vllm | sglang | trtllm | llamacpp | unknown
+    tokens_source: str | None = None  # completion_tokens from: usage | tokenizer | text_estimate | chunks
+    queue_s: float | None = None  # engine-reported time queued before scheduling, where reported
+    engine_running: float | None = None  # the arm's running-requests gauge at call start (last scrape)
+    engine_waiting: float | None = None  # the arm's waiting-requests gauge at call start (last scrape)
+    notes: str | None = None  # what had to change to store the record (a value out of range, bad UTF-8)
 
     def as_row(self) -> tuple[Any, ...]:
         """Values in :data:`COLUMNS` order, for DuckDB inserts."""

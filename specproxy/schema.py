@@ -85,6 +85,23 @@ CREATE TABLE IF NOT EXISTS backend_metrics (
 )
 """
 
+# The measurement's own health, per level and round: did the machine keep up? One row per check,
+# e.g. check_name = 'engine_clock_lag' (a simulator's lag behind its clock, as a fraction),
+# 'loadgen_start_lag_p99_s', 'event_loop_lag_p99_s', 'proxy_queue_p99_s'. arm is NULL for checks
+# of the client side; threshold is the limit above which the level is not trusted.
+HEALTH_DDL = """
+CREATE TABLE IF NOT EXISTS health (
+    run_id VARCHAR,
+    arm VARCHAR,
+    concurrency_level INTEGER,
+    round INTEGER,
+    check_name VARCHAR NOT NULL,
+    value DOUBLE,
+    threshold DOUBLE,
+    measured_at TIMESTAMPTZ
+)
+"""
+
 # Views (migration 2): the analysis' building blocks, kept in the file so the DuckDB CLI sees them too.
 # specproxy.analysis creates the same views over the union of several files. A concurrency level is
 # `concurrency_level` as text, or 'live' for serve's traffic (which has none). Times in seconds since
@@ -272,6 +289,17 @@ MIGRATIONS: list[list[str]] = [
     VIEWS_DDL,
     # 6: arm_summary takes both TTFT percentiles from one aggregate (30 % less CPU)
     VIEWS_DDL,
+    # 7: per-call round, engine, token source, queueing and engine load; the measurement's health
+    [
+        "ALTER TABLE requests ADD COLUMN round INTEGER",
+        "ALTER TABLE requests ADD COLUMN engine VARCHAR",
+        "ALTER TABLE requests ADD COLUMN tokens_source VARCHAR",
+        "ALTER TABLE requests ADD COLUMN queue_s DOUBLE",
+        "ALTER TABLE requests ADD COLUMN engine_running DOUBLE",
+        "ALTER TABLE requests ADD COLUMN engine_waiting DOUBLE",
+        "ALTER TABLE requests ADD COLUMN notes VARCHAR",
+        HEALTH_DDL,
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
