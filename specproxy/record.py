@@ -1,8 +1,13 @@
 """The span record: one row per upstream call, the contract between proxy, replay and analysis.
 
 A shadowed request gives one record per arm, all sharing ``request_id``. The proxy and replay build
-records with :class:`SpanRecord`; the sink turns them into OpenTelemetry spans (attribute names in
-:data:`OTEL_ATTRIBUTE`) and DuckDB rows (table ``requests``, columns in :data:`COLUMNS`, in order).
+records with :class:`SpanRecord`; the sink writes them as DuckDB rows (table ``requests``, columns in
+:data:`COLUMNS`, in order) and, when OTLP export is configured, as OpenTelemetry spans (attribute
+names in :data:`OTEL_ATTRIBUTE`).
+
+Values come from clients and backends, so a record is made to fit its row before it is handed over:
+:func:`fit_to_columns` turns an integer out of its column's range into None and a string that is not
+valid UTF-8 into one that is, and says what it changed in ``notes``.
 """
 
 from __future__ import annotations
@@ -10,13 +15,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from operator import attrgetter
+from typing import Any, Literal, get_args, get_type_hints
 
 Status = Literal["ok", "http_error", "upstream_error", "timeout", "client_cancelled", "dropped"]
-SpecSource = Literal["vllm_request_metrics", "stream_shape", "none"]
+# Where the speculation counts came from: vLLM's per-request metrics, the shape of the stream (tokens
+# per chunk), another engine's own report; unknown (an engine that may speculate but did not say), none.
+SpecSource = Literal["vllm_request_metrics", "stream_shape", "engine_reported", "unknown", "none"]
 RoutedAs = Literal["primary", "shadow", "split", "verify", "replay"]
 Source = Literal["live", "replay"]
-STATUSES: tuple[str, ...] = ("ok", "http_error", "upstream_error", "timeout", "client_cancelled", "dropped")
+Endpoint = Literal["chat", "completions"]
+STATUSES: tuple[Status, ...] = get_args(Status)
 
 
 @dataclass(slots=True)
@@ -32,13 +41,13 @@ class SpanRecord:
     spec_method: str = "none"
     num_speculative_tokens: int | None = None
     # how it came
-    source: str = "live"
-    routed_as: str = "primary"
+    source: Source = "live"
+    routed_as: RoutedAs = "primary"
     category: str | None = None
     concurrency_level: int | None = None
     inflight_at_start: int | None = None
     # request
-    endpoint: str = "chat"  # chat | completions
+    endpoint: Endpoint = "chat"
     model: str | None = None
     stream: bool = False
     temperature: float | None = None
@@ -63,13 +72,13 @@ class SpanRecord:
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
     acceptance_length: float | None = None
-    spec_source: str = "none"
+    spec_source: SpecSource = "none"
     # verification
     identical: bool | None = None
     first_divergence: int | None = None
     divergence_margin: float | None = None
     # outcome
-    status: str = "ok"
+    status: Status = "ok"
     http_status: int | None = None
     error: str | None = None
     # added in schema 7 (appended, so older files migrate by ALTER TABLE ADD COLUMN)
@@ -87,6 +96,154 @@ class SpanRecord:
 
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SpanRecord))
+
+# The integer columns that are BIGINT (int64) in the store; every other integer column is INTEGER (int32).
+BIGINT_FIELDS = frozenset({"seed", "t_start_ns"})
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+# Columns the store declares NOT NULL: a value that cannot be stored becomes "" there, not NULL.
+REQUIRED_FIELDS = frozenset({"run_id", "request_id", "arm", "arm_role", "status"})
+
+
+def _fields_of_type() -> dict[type, tuple[str, ...]]:
+    """Record fields by the Python type their column holds (int, float, bool, str), in COLUMNS order."""
+    hints = get_type_hints(SpanRecord)
+    kinds: dict[type, list[str]] = {int: [], float: [], bool: [], str: []}
+    for name in COLUMNS:
+        args = set(get_args(hints[name])) or {hints[name]}
+        args.discard(type(None))
+        if all(isinstance(a, str) for a in args) or args == {str}:  # a Literal's values, or str
+            kinds[str].append(name)
+        elif len(args) == 1 and (kind := next(iter(args))) in kinds:
+            kinds[kind].append(name)
+    return {kind: tuple(names) for kind, names in kinds.items()}
+
+
+_BY_TYPE = _fields_of_type()
+_KIND: dict[str, type] = {name: kind for kind, names in _BY_TYPE.items() for name in names}
+# The check that every value fits runs as a few C-level passes over one tuple of the record's values,
+# ordered INTEGER, BIGINT, DOUBLE, BOOLEAN, VARCHAR fields: its types, its integers' magnitudes, its text
+# as one string. Only a record that fails it is looked at field by field.
+_INT32_FIELDS = tuple(name for name in _BY_TYPE[int] if name not in BIGINT_FIELDS)
+_INT64_FIELDS = tuple(name for name in _BY_TYPE[int] if name in BIGINT_FIELDS)
+_CHECKED_FIELDS = (*_INT32_FIELDS, *_INT64_FIELDS, *_BY_TYPE[float], *_BY_TYPE[bool], *_BY_TYPE[str])
+_CHECKED_VALUES = attrgetter(*_CHECKED_FIELDS)
+_INT32_SLICE = slice(0, len(_INT32_FIELDS))
+_INT64_SLICE = slice(len(_INT32_FIELDS), len(_INT32_FIELDS) + len(_INT64_FIELDS))
+_STR_SLICE = slice(len(_CHECKED_FIELDS) - len(_BY_TYPE[str]), None)
+_NONE = type(None)
+_ALLOWED_TYPES = tuple(frozenset({_KIND[name], _NONE}) for name in _CHECKED_FIELDS)
+_contains = frozenset.__contains__
+# Type signatures (the types of a record's checked values, in order) already found to fit: records
+# come in a few shapes (which fields are None), so the type check is usually one set lookup.
+_FITTING_SIGNATURES: set[tuple[type, ...]] = set()
+_MAX_SIGNATURES = 4096
+
+
+def _fits(record: SpanRecord) -> bool:
+    """True when every value already fits its column (the common case). Magnitudes are compared with
+    the positive bound, so -2**31 takes the slow path, where it is found to fit."""
+    values = _CHECKED_VALUES(record)
+    signature = tuple(map(type, values))
+    if signature not in _FITTING_SIGNATURES:
+        if not all(map(_contains, _ALLOWED_TYPES, signature)):
+            return False
+        if len(_FITTING_SIGNATURES) < _MAX_SIGNATURES:
+            _FITTING_SIGNATURES.add(signature)
+    return (
+        max(map(abs, filter(None, values[_INT32_SLICE])), default=0) <= _INT32[1]
+        and max(map(abs, filter(None, values[_INT64_SLICE])), default=0) <= _INT64[1]
+        and _encodable("".join(filter(None, values[_STR_SLICE])))
+    )
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def fit_to_columns(record: SpanRecord) -> SpanRecord:
+    """Make every value of ``record`` storable in its column, in place, and note each change in ``notes``.
+
+    An integer outside its column's range (INTEGER: int32, BIGINT: int64) or a value of the wrong type
+    becomes None (``""`` in a NOT NULL column); a string that is not valid UTF-8 (a lone surrogate, such
+    as an undecodable header byte) gets U+FFFD in place of what cannot be encoded. Cheap when nothing
+    needs fixing: the proxy calls it for every record.
+
+    >>> r = fit_to_columns(SpanRecord("r", "q", "a", "baseline", "u", seed=2**64 - 1))
+    >>> r.seed, r.notes
+    (None, 'seed 18446744073709551615 is out of range for BIGINT: stored as NULL')
+    """
+    if _fits(record):
+        return record
+    notes: list[str] = []
+    for name in COLUMNS:
+        value, note = fitted(name, getattr(record, name))
+        if note is not None:
+            setattr(record, name, value)
+            notes.append(note)
+    if notes:
+        record.notes = "; ".join([record.notes, *notes] if record.notes else notes)
+    return record
+
+
+def fitted(name: str, value: Any) -> tuple[Any, str | None]:
+    """``value`` as column ``name`` can store it, and a note when it had to change (else None)."""
+    kind = _KIND.get(name)
+    if kind is None or value is None and name not in REQUIRED_FIELDS:
+        return value, None
+    why: str
+    if kind is int:
+        low, high = _INT64 if name in BIGINT_FIELDS else _INT32
+        if type(value) is not int:
+            why = "is not an integer"
+        elif low <= value <= high:
+            return value, None
+        else:
+            why = f"is out of range for {'BIGINT' if name in BIGINT_FIELDS else 'INTEGER'}"
+    elif kind is float:
+        if type(value) is float:
+            return value, None
+        try:
+            return float(value), None
+        except (TypeError, ValueError, OverflowError):
+            why = "is not a number"
+    elif kind is bool:
+        if type(value) is bool:
+            return value, None
+        why = "is not a boolean"
+    elif type(value) is str:
+        if _encodable(value):
+            return value, None
+        return valid_utf8(value), f"{name} was not valid UTF-8: what could not be encoded is stored as U+FFFD"
+    else:
+        why = "is missing" if value is None else "is not text"
+    if name in REQUIRED_FIELDS:
+        return "", f"{name} {_shown(value)} {why}: stored as an empty string"
+    return None, f"{name} {_shown(value)} {why}: stored as NULL"
+
+
+def valid_utf8(text: str) -> str:
+    """``text`` with every lone surrogate replaced: bytes smuggled in by ``surrogateescape`` (an
+    undecodable header byte) become U+FFFD; a surrogate pair becomes the character it encodes."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # surrogates outside surrogateescape's range: a pair is joined again
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _shown(value: object) -> str:
+    """A value for a note: short, and never the expensive (or refused) decimal of a huge integer."""
+    if type(value) is int and value.bit_length() > 128:
+        return f"(an integer of {value.bit_length()} bits)"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
 
 # OpenTelemetry attribute name for each record field: GenAI semantic conventions where one exists,
 # `specproxy.*` otherwise.

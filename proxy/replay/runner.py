@@ -54,7 +54,7 @@ from specproxy.proxy.upstream.calls import (
 from specproxy.proxy.upstream.scrape import MetricsScraper
 from specproxy.proxy.upstream.stacks import arm_stacks
 from specproxy.proxy.upstream.wire import UpstreamClient
-from specproxy.record import SpanRecord
+from specproxy.record import RoutedAs, SpanRecord
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
@@ -274,7 +274,7 @@ class ReplayRunner:
 
     # one call
 
-    async def _send(self, arm: Arm, call: _Call, *, routed_as: str, joiner: PairJoiner | None) -> None:
+    async def _send(self, arm: Arm, call: _Call, *, routed_as: RoutedAs, joiner: PairJoiner | None) -> None:
         body = self._for_arm(arm, call.body)
         record = new_record(
             self.run_id,

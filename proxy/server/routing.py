@@ -20,7 +20,7 @@ import hashlib
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from specproxy.config import Arm, Experiment
 
@@ -30,13 +30,13 @@ class Copy:
     """A copy of the request sent to another arm, read to the end, timed and discarded."""
 
     arm: Arm
-    routed_as: str  # shadow | verify
+    routed_as: Literal["shadow", "verify"]
 
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
     primary: Arm
-    primary_routed_as: str  # primary (shadow mode) | split
+    primary_routed_as: Literal["primary", "split"]  # primary in shadow mode
     copies: tuple[Copy, ...]
 
 
