@@ -48,6 +48,8 @@ class BackendConfig:
     fail: str | None = None
     eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
     version: str = "0.33.0"
+    # like vLLM's context limit: a max_tokens above it (or below 0) is a 400, never 2**31 tokens in memory
+    max_model_len: int = 32768
 
 
 @dataclass
@@ -119,6 +121,8 @@ async def _generate(
     prompt_key = orjson.dumps(prompt_part, option=orjson.OPT_SORT_KEYS)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
     n = int(max_tokens) if max_tokens else cfg.tokens
+    if not 0 <= n <= cfg.max_model_len:
+        return _error(400, f"max_tokens must be at most {cfg.max_model_len} (the context length), got {n}")
     ids = token_ids_for(prompt_key, n, cfg.diverge_at)
     prompt_tokens = len(prompt_key) // 4 + 1
     finish = "length"

@@ -32,7 +32,7 @@ async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_tracepar
     ):
         assert p.state.sink is not None
         seen = InMemorySpanExporter()
-        p.state.sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
+        p.state.sink.add_span_processor(SimpleSpanProcessor(seen))
         async with aiohttp.ClientSession() as s:
             headers = {"traceparent": f"00-{TRACE}-{PARENT}-01", "X-Request-Id": "with-parent"}
             async with s.post(p.url + "/v1/chat/completions", json=BODY, headers=headers) as r:
@@ -126,23 +126,21 @@ async def test_replay_through_the_proxy_labels_its_spans_with_each_level(tmp_pat
     assert levels == [1] * 6 + [3] * 6
 
 
-def test_spans_made_directly_are_the_rows_the_sdk_makes(tmp_path: Path) -> None:
-    # With no OTLP exporter and nobody holding the provider, the sink builds finished spans itself
-    # instead of through the SDK (per-request CPU); every column must come out the same, errors too.
-    from opentelemetry.trace import SpanContext, TraceFlags
-
+def test_rows_are_the_same_with_otel_spans_built_or_not(tmp_path: Path) -> None:
+    # OTel spans are built only when someone exports them; the store must not notice, errors too.
     from specproxy.proxy.spans.sink import SpanSink
+    from specproxy.proxy.spans.trace import TraceParent
     from tests.test_sink import full_record, read
 
-    parent = SpanContext(int(TRACE, 16), int(PARENT, 16), is_remote=True, trace_flags=TraceFlags(1))
+    parent = TraceParent(TRACE, PARENT, flags=1)
     records = [full_record(0), full_record(1, status="timeout", error="upstream timed out"), full_record(2)]
     rows = []
-    for name, via_sdk in (("direct", False), ("sdk", True)):
+    seen = InMemorySpanExporter()
+    for name, with_otel in (("store-only", False), ("with-otel", True)):
         db = tmp_path / f"{name}.duckdb"
         with SpanSink(db) as sink:
-            if via_sdk:
-                sink.tracer_provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
-            assert sink._direct is not via_sdk
+            if with_otel:
+                sink.add_span_processor(SimpleSpanProcessor(seen))
             for i, rec in enumerate(records):
                 ids = {"trace_id": f"{i + 1:032x}", "span_id": f"{i + 1:016x}"}
                 assert sink.emit(
@@ -150,3 +148,21 @@ def test_spans_made_directly_are_the_rows_the_sdk_makes(tmp_path: Path) -> None:
                 )
         rows.append(read(db, "SELECT * FROM requests ORDER BY request_id"))
     assert len(rows[0]) == 3 and rows[0] == rows[1]
+    assert len(seen.get_finished_spans()) == 3
+
+
+def test_traceparent_follows_the_w3c_rules() -> None:
+    from specproxy.proxy.spans.trace import TraceParent, parse_traceparent
+
+    assert parse_traceparent(f"00-{TRACE}-{PARENT}-01") == TraceParent(TRACE, PARENT, 1)
+    assert parse_traceparent(f" 01-{TRACE}-{PARENT}-00-later-field") == TraceParent(TRACE, PARENT, 0)
+    for bad in (
+        f"00-{TRACE}-{PARENT}-01-extra",  # version 00 has exactly four fields
+        f"ff-{TRACE}-{PARENT}-01",  # version ff is invalid
+        f"00-{'0' * 32}-{PARENT}-01",
+        f"00-{TRACE}-{'0' * 16}-01",
+        f"00-{TRACE.upper()}-{PARENT}-01",
+        "00-zz-yy-01",
+        "",
+    ):
+        assert parse_traceparent(bad) is None, bad

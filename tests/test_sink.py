@@ -1,4 +1,5 @@
-"""The span sink: OTel spans into real DuckDB files, the bounded queue, shutdown, OTLP, the file lock."""
+"""The span sink: records into real DuckDB files, the bounded queue, shutdown, no silent loss, OTLP, the
+file lock."""
 
 from __future__ import annotations
 
@@ -18,14 +19,14 @@ import duckdb
 import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from specproxy import schema
-from specproxy.proxy.spans import otel
-from specproxy.proxy.spans.sink import BackendMetricRow, SpanSink, SpanSinkError, SpanStoreLocked
+from specproxy.proxy.spans.sink import BackendMetricRow, SpanSink, SpanSinkError, SpanStoreLocked, otlp_target
+from specproxy.proxy.spans.table import RequestsTable
+from specproxy.proxy.spans.trace import TraceParent
 from specproxy.record import COLUMNS, SpanRecord
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
@@ -126,7 +127,7 @@ def test_schema_is_created_on_first_use(db: Path) -> None:
     assert read(db, "SELECT count(*) FROM schema_version")[0][0] == schema.SCHEMA_VERSION
 
 
-def test_every_column_round_trips_through_otel_and_duckdb(db: Path) -> None:
+def test_every_column_round_trips_through_duckdb(db: Path) -> None:
     record = full_record()
     with SpanSink(db) as sink:
         assert sink.emit(record)
@@ -135,7 +136,7 @@ def test_every_column_round_trips_through_otel_and_duckdb(db: Path) -> None:
     row = dict(zip(columns, read(db, "SELECT * FROM requests")[0], strict=True))
     for name in COLUMNS:
         assert row[name] == getattr(record, name), name
-    assert row["t_start_ns"] == T0_NS  # nanoseconds survive: the OTel span starts at the record's ns
+    assert row["t_start_ns"] == T0_NS and row["notes"] is None  # nanoseconds survive; nothing changed
 
 
 def test_t_start_alone_sets_the_start_and_none_fields_stay_null(db: Path) -> None:
@@ -156,7 +157,7 @@ def test_t_start_alone_sets_the_start_and_none_fields_stay_null(db: Path) -> Non
 def test_otel_spans_carry_genai_names(db: Path) -> None:
     seen = InMemorySpanExporter()
     with SpanSink(db) as sink:
-        sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
+        sink.add_span_processor(SimpleSpanProcessor(seen))
         sink.emit(full_record(0))
         sink.emit(
             full_record(
@@ -226,27 +227,27 @@ def test_close_writes_every_accepted_span(db: Path) -> None:
     assert count(db) == n
 
 
-class _StalledExporter(otel.DuckDBSpanExporter):
-    """The real exporter, held up until the test lets it go (a disk that stopped answering)."""
+class _StalledTable(RequestsTable):
+    """The real table writer, held up until the test lets it go (a disk that stopped answering)."""
 
     release = threading.Event()
     entered = threading.Event()
 
-    def write_rows(self, rows: Any) -> None:
+    def insert(self, rows: Any) -> None:
         type(self).entered.set()
         assert type(self).release.wait(30)
-        super().write_rows(rows)
+        super().insert(rows)
 
 
 def test_full_queue_drops_and_counts_without_blocking(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("specproxy.proxy.spans.sink.DuckDBSpanExporter", _StalledExporter)
-    _StalledExporter.release.clear()
-    _StalledExporter.entered.clear()
+    monkeypatch.setattr("specproxy.proxy.spans.sink.RequestsTable", _StalledTable)
+    _StalledTable.release.clear()
+    _StalledTable.entered.clear()
     capacity, batch, n = 1000, 100, 6000
     sink = SpanSink(db, queue_size=capacity, batch_size=batch, flush_interval_s=0.01)
     sink.start()
     sink.emit(minimal_record(0))
-    assert _StalledExporter.entered.wait(10)  # the writer now sits in write_rows() with one span
+    assert _StalledTable.entered.wait(10)  # the writer now sits in insert() with one span
     accepted = 1
     slowest = 0.0
     for i in range(1, n):
@@ -260,7 +261,7 @@ def test_full_queue_drops_and_counts_without_blocking(db: Path, monkeypatch: pyt
     # Backend metric rows have their own bound and are dropped the same way, not blocked.
     rows = [BackendMetricRow("run-1", "a", T0, "periodic", "vllm:x", "{}", 1.0)] * (capacity + 1)
     assert not sink.emit_backend_metrics(rows) and sink.dropped_metric_rows == capacity + 1
-    _StalledExporter.release.set()
+    _StalledTable.release.set()
     sink.close()
     assert sink.written == accepted == count(db)
 
@@ -369,16 +370,40 @@ def test_a_file_that_is_not_duckdb_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_otlp_endpoint_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     # conftest sets OTEL_TRACES_EXPORTER=none: off unless configured explicitly.
-    assert otel.otlp_exporter(None) is None
-    assert otel.otlp_exporter("http://127.0.0.1:4318") is not None
+    assert otlp_target(None) is None
+    target = otlp_target("http://127.0.0.1:4318")
+    assert target is not None and target.url == "http://127.0.0.1:4318/v1/traces"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
-    assert otel.otlp_exporter(None) is None  # OTEL_TRACES_EXPORTER=none wins over an endpoint
+    assert otlp_target(None) is None  # OTEL_TRACES_EXPORTER=none wins over an endpoint
     monkeypatch.delenv("OTEL_TRACES_EXPORTER")
-    assert otel.otlp_exporter(None) is not None
+    assert otlp_target(None) == (None, "OTEL_EXPORTER_OTLP_ENDPOINT")  # the exporter reads the variable
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
-    assert otel.otlp_exporter(None) is None
+    assert otlp_target(None) is None
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
-    assert otel.otlp_exporter(None) is not None
+    assert otlp_target(None) is not None
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert otlp_target("http://127.0.0.1:4318") is None
+
+
+def test_otlp_without_its_extra_is_a_clear_error(db: Path, tmp_path: Path) -> None:
+    # A Python that cannot import the OTLP exporter (installed without the `otlp` extra).
+    blocker = tmp_path / "blocker"
+    (blocker / "opentelemetry" / "exporter").mkdir(parents=True)
+    (blocker / "opentelemetry" / "exporter" / "__init__.py").write_text(
+        "raise ImportError('not installed')\n"
+    )
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "from specproxy.proxy.spans.sink import SpanSink, SpanSinkError\n"
+        "try:\n    SpanSink(sys.argv[1], otlp_endpoint='http://127.0.0.1:4318')\n"
+        "except SpanSinkError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(db), str(blocker)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "otlp_endpoint http://127.0.0.1:4318 asks for OTLP export of spans, but" in done.stdout
+    assert "pip install 'specproxy[otlp]'" in done.stdout
 
 
 class _Collector:
@@ -428,31 +453,96 @@ async def test_otlp_export_reaches_a_collector(
     assert count(db) == 3  # OTLP is in addition to the span store
 
 
-def test_a_failing_write_is_logged_and_counted_not_fatal(db: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with SpanSink(db, flush_interval_s=0.02) as sink:
-        # The record type allows anything; a required column the store cannot take fails its batch.
-        bad = minimal_record(0)
-        bad.prompt_tokens = "many"  # type: ignore[assignment]
-        with caplog.at_level(logging.ERROR, logger="specproxy.proxy.spans.sink"):
-            for i in range(1, 4):
-                sink.emit(minimal_record(i))
-            sink.emit(bad)  # in the same batch as good spans: only it is lost
-            assert sink.flush(10)
-    assert sink.failed == 1 and sink.written == 3
-    assert "1 of 4 spans could not be written" in caplog.text
-    assert count(db) == 3
-
-
-def test_readable_spans_from_elsewhere_get_rows(db: Path) -> None:
-    # The exporter is a plain OTel SpanExporter: spans it did not make itself still become rows.
-    conn = duckdb.connect(str(db))
-    schema.migrate(conn)
-    exporter = otel.DuckDBSpanExporter(conn)
-    exporter.export([ReadableSpan(name="other", attributes={"gen_ai.request.model": "m"}, start_time=T0_NS)])
-    assert conn.execute("SELECT model, run_id, status, t_start_ns FROM requests").fetchall() == [
-        ("m", "", "", T0_NS)
+def test_values_no_column_can_hold_are_stored_as_null_with_a_note(db: Path) -> None:
+    # Records the proxy makes are fitted where they are made; the writer fits whatever else arrives,
+    # so a batch never fails on a value and no span is lost to one.
+    poisoned = [
+        full_record(1, seed=2**64 - 1),
+        full_record(2, max_tokens=2**31),
+        full_record(3, concurrency_level=2**31, inflight_at_start=-(2**31) - 1),
+        full_record(4, request_id="req-\udcff"),  # an undecodable header byte, as aiohttp hands it over
+        full_record(5, prompt_tokens="many", temperature=10**400, output_text="\ud800"),
+        full_record(6, t_start_ns=2**63),
     ]
-    conn.close()
+    with SpanSink(db, flush_interval_s=0.02) as sink:
+        assert all(sink.emit(r) for r in [full_record(0), *poisoned])
+    assert (sink.written, sink.dropped) == (7, 0)
+    rows = read(
+        db,
+        "SELECT seed, max_tokens, concurrency_level, inflight_at_start, request_id, prompt_tokens, "
+        "temperature, output_text, t_start_ns, notes FROM requests ORDER BY t_start_ns NULLS LAST",
+    )
+    notes = {row[4]: row[-1] for row in rows}
+    assert notes["req-0"] is None
+    assert "seed 18446744073709551615 is out of range for BIGINT: stored as NULL" in notes["req-1"]
+    assert "max_tokens 2147483648 is out of range for INTEGER" in notes["req-2"]
+    assert "concurrency_level" in notes["req-3"] and "inflight_at_start" in notes["req-3"]
+    assert "request_id was not valid UTF-8" in notes["req-\ufffd"]
+    assert all(w in notes["req-5"] for w in ("prompt_tokens 'many' is not", "temperature", "output_text"))
+    assert "t_start_ns 9223372036854775808 is out of range for BIGINT" in notes["req-6"]
+    by_id = {row[4]: row for row in rows}
+    assert by_id["req-1"][0] is None and by_id["req-2"][1] is None and by_id["req-3"][2:4] == (None, None)
+    assert by_id["req-5"][5:8] == (None, None, "\ufffd")
+    assert by_id["req-6"][8] is None and by_id["req-0"][0] == 1234567890123
+
+
+class _PickyTable(RequestsTable):
+    """The real table writer, whose insert fails like a rejected value whenever a batch holds a row
+    of request ``poison``: a row that no check foresaw. Counts its inserts."""
+
+    inserts = 0
+
+    def insert(self, rows: Any) -> None:
+        type(self).inserts += 1
+        if any(row[1] == "poison" for row in rows):
+            raise duckdb.ConversionException("Conversion Error: the store refused this row")
+        super().insert(rows)
+
+
+def test_a_row_the_store_still_refuses_is_left_out_alone_counted_and_logged(
+    db: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("specproxy.proxy.spans.sink.RequestsTable", _PickyTable)
+    _PickyTable.inserts = 0
+    n = 4096
+    sink = SpanSink(db, batch_size=n, flush_interval_s=3600)
+    sink.start()
+    for i in range(n):
+        record = minimal_record(i)
+        if i in (1000, 3000):
+            record.request_id = "poison"
+        assert sink.emit(record)
+    with caplog.at_level(logging.ERROR, logger="specproxy.proxy.spans.sink"):
+        sink.close()  # one batch of 4096 with two bad rows
+    assert (sink.written, sink.dropped, sink.failed) == (n - 2, 2, 2)
+    assert count(db) == n - 2
+    # The batch is split down to the bad rows: a few dozen inserts, never one per row.
+    assert _PickyTable.inserts <= 4 * 12 + 1, _PickyTable.inserts
+    assert caplog.text.count("could not be written") == 1 and "2 of 4096 spans" in caplog.text
+
+
+class _BrokenDisk(RequestsTable):
+    def insert(self, rows: Any) -> None:
+        raise duckdb.IOException("IO Error: No space left on device")
+
+
+def test_a_batch_the_store_cannot_write_is_counted_as_dropped(
+    db: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("specproxy.proxy.spans.sink.RequestsTable", _BrokenDisk)
+    with caplog.at_level(logging.ERROR, logger="specproxy.proxy.spans.sink"):
+        with SpanSink(db) as sink:
+            assert all(sink.emit(minimal_record(i)) for i in range(5))
+    assert (sink.written, sink.dropped) == (0, 5)
+    assert "5 of 5 spans could not be written" in caplog.text and "No space left" in caplog.text
+
+
+def test_rows_are_taken_when_emitted(db: Path) -> None:
+    record = full_record(0)
+    with SpanSink(db) as sink:
+        sink.emit(record)
+        record.status = "timeout"  # a caller that changes the record afterwards does not change the row
+    assert read(db, "SELECT status FROM requests") == [("ok",)]
 
 
 def test_readme_spans_example_runs(tmp_path: Path) -> None:
@@ -476,14 +566,14 @@ def _rss_bytes() -> int:
 @pytest.mark.slow
 def test_a_stalled_writer_keeps_memory_bounded(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Soak: 300k spans against a writer stalled from the start: memory holds the queue, no more."""
-    monkeypatch.setattr("specproxy.proxy.spans.sink.DuckDBSpanExporter", _StalledExporter)
-    _StalledExporter.release.clear()
-    _StalledExporter.entered.clear()
+    monkeypatch.setattr("specproxy.proxy.spans.sink.RequestsTable", _StalledTable)
+    _StalledTable.release.clear()
+    _StalledTable.entered.clear()
     capacity = 50_000
     sink = SpanSink(db, queue_size=capacity, flush_interval_s=0.01)
     sink.start()
     sink.emit(full_record(0))
-    assert _StalledExporter.entered.wait(10)
+    assert _StalledTable.entered.wait(10)
     rss_empty = _rss_bytes()
     for i in range(1, capacity + 1):
         sink.emit(full_record(i))
@@ -495,7 +585,7 @@ def test_a_stalled_writer_keeps_memory_bounded(db: Path, monkeypatch: pytest.Mon
     grown = _rss_bytes() - rss_full
     assert grown < 20 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB while every span was dropped"
     assert sink.dropped == 300_000 - capacity - 1
-    _StalledExporter.release.set()
+    _StalledTable.release.set()
     sink.close()
     assert count(db) == capacity + 1
 
@@ -511,12 +601,10 @@ def test_the_writer_connection_has_a_memory_cap(db: Path) -> None:
 
 
 def test_records_keep_their_ids_and_a_parent_makes_a_child(db: Path) -> None:
-    from opentelemetry.trace import SpanContext, TraceFlags
-
     seen = InMemorySpanExporter()
-    parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    parent = TraceParent(format(0xABC, "032x"), format(0xDEF, "016x"), flags=1)
     with SpanSink(db) as sink:
-        sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
+        sink.add_span_processor(SimpleSpanProcessor(seen))
         own = minimal_record(0)
         own.trace_id, own.span_id = "1" * 32, "2" * 16
         child = minimal_record(1)
@@ -534,3 +622,4 @@ def test_records_keep_their_ids_and_a_parent_makes_a_child(db: Path) -> None:
     parents = {format(s.context.span_id, "016x"): s.parent for s in seen.get_finished_spans()}
     assert parents["2" * 16] is None and parents[fresh.span_id] is None
     assert parents["3" * 16] is not None and parents["3" * 16].span_id == 0xDEF
+    assert parents["3" * 16].trace_id == 0xABC and parents["3" * 16].is_remote

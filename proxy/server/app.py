@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,7 +38,6 @@ import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
-from opentelemetry.trace import SpanContext
 
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.identity import is_comparable
@@ -49,8 +47,8 @@ from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
 from specproxy.proxy.server.routing import ArmRouter
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
-from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, client_trace_context
 from specproxy.proxy.spans.sink import DEFAULT_MEMORY_LIMIT, SpanSink
+from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, TraceParent, client_trace_context, new_trace_id
 from specproxy.proxy.upstream.calls import (
     CATEGORY_HEADER,
     CONCURRENCY_HEADER,
@@ -108,7 +106,7 @@ class ProxyState:
     capture: CaptureWriter | None = None
     shutdown_started: float | None = None
 
-    def finish(self, record: SpanRecord, parent: SpanContext | None = None) -> None:
+    def finish(self, record: SpanRecord, parent: TraceParent | None = None) -> None:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
         client's trace context (its ``traceparent``), if it sent one."""
         self.metrics.observe_call(record)
@@ -246,7 +244,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     # One trace per client request: the client's (W3C traceparent) when it sent one, else a new one.
     # Every call the request makes (primary, shadow, verify) is a span of it with its own span id.
     parent = client_trace_context(request.headers) if TRACEPARENT_HEADER in request.headers else None
-    trace_id = format(parent.trace_id, "032x") if parent is not None else secrets.token_hex(16)
+    trace_id = parent.trace_id if parent is not None else new_trace_id()
     comparable = is_comparable(body)
     plan = st.router.plan(body, request.headers, comparable=comparable)
     primary = plan.primary
@@ -333,7 +331,7 @@ def _after_primary(
     record: SpanRecord,
     result: CallResult | None,
     pair: IdentityPair | None,
-    parent: SpanContext | None,
+    parent: TraceParent | None,
 ) -> None:
     if pair is None:
         st.finish(record, parent)
@@ -350,7 +348,7 @@ def _after_primary(
 
 
 async def _check_then_finish(
-    st: ProxyState, pair: IdentityPair, result: CallResult, parent: SpanContext | None
+    st: ProxyState, pair: IdentityPair, result: CallResult, parent: TraceParent | None
 ) -> None:
     try:
         await pair.check(result)
@@ -486,7 +484,7 @@ async def _span_store(app: web.Application) -> AsyncIterator[None]:
         finally:
             await asyncio.to_thread(sink.close)
             if sink.dropped:
-                log.warning("%d spans were dropped (the writer queue was full)", sink.dropped)
+                log.warning("%d spans were dropped (see the errors above)", sink.dropped)
 
 
 async def _sessions(app: web.Application) -> AsyncIterator[None]:

@@ -55,7 +55,7 @@ class _LiveValues(Collector):
                 "specproxy_span_queue_depth", "Spans waiting for the DuckDB writer.", value=depth
             )
             yield CounterMetricFamily(
-                "specproxy_spans_dropped", "Spans dropped (writer queue full).", value=dropped
+                "specproxy_spans_dropped", "Spans not stored (queue full, or unwritable).", value=dropped
             )
             yield CounterMetricFamily(
                 "specproxy_spans_written", "Spans written to the span store.", value=written

@@ -27,10 +27,9 @@ from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
-from opentelemetry.trace import SpanContext
-
 from specproxy.proxy.identity import compare
 from specproxy.proxy.server.routing import Copy
+from specproxy.proxy.spans.trace import TraceParent
 from specproxy.proxy.upstream.calls import CallResult, UpstreamState, UpstreamTimeout, call_arm
 from specproxy.proxy.upstream.sse import Endpoint
 from specproxy.proxy.upstream.wire import UpstreamClient
@@ -77,7 +76,7 @@ class ShadowDispatcher:
         *,
         timeout: UpstreamTimeout,
         state: UpstreamState,
-        emit: Callable[[SpanRecord, SpanContext | None], None],
+        emit: Callable[[SpanRecord, TraceParent | None], None],
         capture_output: bool = False,
     ) -> None:
         self.client = client
@@ -103,7 +102,7 @@ class ShadowDispatcher:
         *,
         endpoint: Endpoint,
         pair: IdentityPair | None,
-        parent: SpanContext | None = None,
+        parent: TraceParent | None = None,
     ) -> bool:
         """Start one copy; False (and a ``dropped`` span) when the arm is at its bound or we are closing.
         ``parent``: the trace context the copy's span belongs under (the client's traceparent)."""
@@ -129,7 +128,7 @@ class ShadowDispatcher:
         record: SpanRecord,
         endpoint: Endpoint,
         pair: IdentityPair | None,
-        parent: SpanContext | None,
+        parent: TraceParent | None,
     ) -> None:
         is_baseline = copy.arm.role == "baseline"
         result: CallResult | None = None

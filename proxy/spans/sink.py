@@ -1,4 +1,4 @@
-"""The span sink: span records → OpenTelemetry spans → a bounded queue → DuckDB (and OTLP).
+"""The span sink: span records → a bounded queue → DuckDB rows on the writer's thread (and OTLP).
 
 One :class:`SpanSink` per process holds the span store (a DuckDB file has one writer) for its lifetime::
 
@@ -7,37 +7,30 @@ One :class:`SpanSink` per process holds the span store (a DuckDB file has one wr
                                       # migrates the schema, starts the writer thread
     sink.begin_run(run_id, name="exp", mode="shadow", source="live", config_json="{}", stacks_json="{}")
     sink.emit(record)                 # from any thread or the event loop; never blocks; False = dropped
-    sink.emit(record, parent=ctx)     # the same, as a child of an OTel SpanContext (a traceparent)
+    sink.emit(record, parent=tp)      # the same, as a child of the client's span (a TraceParent)
     sink.emit_backend_metrics(rows)   # rows of backend_metrics (the metrics scraper), same rules
     sink.end_run(run_id)
     sink.close()                      # writes every accepted span and row, then closes the file
 
-The path of a span. :meth:`SpanSink.emit` starts and ends a real OTel span on the sink's own
-``TracerProvider`` (start and end time from the record, attributes from
-:func:`~specproxy.proxy.spans.otel.record_attributes`). The span keeps the record's ``trace_id`` and
-``span_id`` when they are valid hex ids (:func:`~specproxy.proxy.upstream.calls.new_record` makes them, so
-the proxy can give a request's primary and shadow calls one trace, and tell each arm its span's id in a
-``traceparent`` header); otherwise new ones are made and written back into the record. With ``parent``
-the span is that context's child, in its trace. The provider has two span processors:
+The path of a span. :meth:`SpanSink.emit` gives the record valid W3C ids if it lacks them (the
+parent's trace id when it has a parent), takes its row (its values in column order, one C-level call)
+and appends it to a bounded list. The writer thread drains the list through
+:class:`~specproxy.proxy.spans.table.RequestsTable` on its own DuckDB connection: one checked, columnar
+insert per batch of up to ``batch_size`` rows, whenever ``batch_size`` rows wait and at least every
+``flush_interval_s`` (:meth:`SpanSink.flush` waits for everything accepted so far).
 
-- the sink's queue: ``on_end`` turns the span into a row (:func:`~specproxy.proxy.spans.otel.span_row`) and
-  appends it to a bounded list, which the writer thread drains through
-  :class:`~specproxy.proxy.spans.otel.DuckDBSpanExporter` on its own DuckDB connection: one columnar insert
-  per batch of up to ``batch_size`` rows, whenever ``batch_size`` rows wait and at least every
-  ``flush_interval_s`` (:meth:`SpanSink.flush` waits for everything accepted so far);
-- when OTLP is configured (``otlp_endpoint``, or the standard ``OTEL_*`` variables, see
-  :func:`~specproxy.proxy.spans.otel.otlp_exporter`), the SDK's ``BatchSpanProcessor`` with the OTLP/HTTP
-  exporter, on its own thread.
+When OTLP export is configured (``otlp_endpoint``, or the standard ``OTEL_*`` variables, see
+:func:`otlp_target`), the writer also builds each written row's OTel span and hands it to the OTLP
+exporter's ``BatchSpanProcessor``, which exports on its own thread; this needs the ``otlp`` extra.
+:meth:`SpanSink.add_span_processor` adds any other OTel span processor the same way.
 
-The queue holds at most ``queue_size`` spans waiting for the writer. :meth:`emit` reserves a place before
-it does any OTel work: when none is left the record is dropped (from DuckDB and OTLP alike), counted in
-:attr:`SpanSink.dropped`, and ``emit`` returns False at once — traffic never waits on the writer.
-Records emitted after :meth:`close` began are dropped and counted the same way.
-
-The sink always records: it uses its own provider with an always-on sampler and no attribute limits,
-so ``OTEL_TRACES_SAMPLER``, ``OTEL_SPAN_ATTRIBUTE_*_LIMIT`` and ``OTEL_SDK_DISABLED`` (which turns the
-SDK's tracers into no-ops) cannot thin or truncate the span store; with the SDK disabled the sink builds
-the finished spans itself and OTLP export is off.
+Nothing is lost silently. The queue holds at most ``queue_size`` spans waiting for the writer: when it
+is full the record is dropped (from DuckDB and OTLP alike), and ``emit`` returns False at once — traffic
+never waits on the writer. Records emitted after :meth:`close` began are dropped the same way. A value
+a column cannot hold is made to fit and noted in the row (``notes``), so a batch does not fail on one;
+if an insert still fails on a row, the batch is split until only that row is left out, and a batch the
+store refuses (a full disk) is left out whole. Every span left out is counted in
+:attr:`SpanSink.dropped` and logged.
 
 Exceptions (translated from DuckDB's at this boundary)::
 
@@ -49,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import socket
 import threading
@@ -57,40 +49,28 @@ import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import duckdb
 import numpy as np
-from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace import Tracer as SdkTracer
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import (
-    NonRecordingSpan,
-    SpanContext,
-    SpanKind,
-    Status,
-    StatusCode,
-    TraceFlags,
-    set_span_in_context,
-)
 
 from specproxy import __version__, schema
-from specproxy.proxy.spans.otel import (
-    DuckDBSpanExporter,
+from specproxy.proxy.spans.table import (
+    T_START_NS,
+    RequestsTable,
+    Row,
     column_array,
     epoch_us_to_timestamptz,
     insert_columns,
-    otlp_exporter,
-    record_attributes,
-    span_name,
-    span_row,
-    start_time_ns,
+    record_row,
 )
+from specproxy.proxy.spans.trace import TraceParent, is_span_id, is_trace_id, new_span_id, new_trace_id
 from specproxy.record import SpanRecord
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    from specproxy.proxy.spans.otel import SpanExport
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +83,7 @@ DEFAULT_MEMORY_LIMIT = "256MB"
 DEFAULT_CHECKPOINT_THRESHOLD = "64MB"
 DEFAULT_FLUSH_INTERVAL_S = 0.5
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-# An empty context: a span without a parent never picks one up from the caller's current OTel context.
-_ROOT = Context()
+OTLP_EXTRA_HINT = "pip install 'specproxy[otlp]'"
 
 
 class SpanSinkError(RuntimeError):
@@ -133,46 +112,97 @@ def _epoch_us(t: datetime) -> int:
     return (d.days * 86_400 + d.seconds) * 1_000_000 + d.microseconds
 
 
-class _PendingWrites:
-    """The bounded hand-off between emitters and the writer thread; producers never block.
+def _epoch_ns(t: datetime) -> int:
+    # Integer arithmetic: a float timestamp would lose the microseconds.
+    return _epoch_us(t) * 1_000
 
-    A span takes a place with :meth:`reserve` before its OTel span exists and fills it in
-    :meth:`put_reserved` when the span ends (the processor's ``on_end``), so the bound holds exactly and
-    a full queue costs the caller one lock, not an OTel span.
+
+class OtlpTarget(NamedTuple):
+    """Where OTLP export goes: ``url`` (…/v1/traces), or None for the exporter's own ``OTEL_*`` settings;
+    ``why``: what configured it, for messages."""
+
+    url: str | None
+    why: str
+
+
+def otlp_target(endpoint: str | None) -> OtlpTarget | None:
+    """Whether to export spans over OTLP/HTTP (protobuf), and where; None for no export.
+
+    - ``endpoint`` given (the experiment's ``otlp_endpoint``, or ``--otlp-endpoint``): export there. A
+      base URL such as ``http://collector:4318`` gets ``/v1/traces`` appended, as the OTel spec does for
+      ``OTEL_EXPORTER_OTLP_ENDPOINT``; a URL already ending in ``/v1/traces`` is used as it is.
+    - otherwise ``OTEL_TRACES_EXPORTER`` containing ``otlp`` turns it on; ``none`` (or any value without
+      ``otlp``) keeps it off;
+    - otherwise, a set ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT`` turns it on;
+    - ``OTEL_SDK_DISABLED=true`` turns it off whatever else says.
+    Headers, timeout, compression and certificates come from the standard ``OTEL_EXPORTER_OTLP_*``
+    variables, read by the exporter itself. Only the http/protobuf protocol is supported.
     """
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    if endpoint:
+        url = endpoint.rstrip("/")
+        return OtlpTarget(
+            url if url.endswith("/v1/traces") else url + "/v1/traces", f"otlp_endpoint {endpoint}"
+        )
+    chosen = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    env_endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if chosen:
+        if "otlp" not in {c.strip() for c in chosen.split(",")}:
+            return None
+        return OtlpTarget(None, "OTEL_TRACES_EXPORTER=otlp")
+    return OtlpTarget(None, "OTEL_EXPORTER_OTLP_ENDPOINT") if env_endpoint else None
+
+
+def _span_export(service_name: str | None, wanted: str) -> SpanExport:
+    """The OTel side, imported only now: it needs the SDK (the ``otlp`` extra). ``wanted``: what asks
+    for it, for the message."""
+    try:
+        from specproxy.proxy.spans.otel import SpanExport
+    except ImportError as exc:
+        raise _not_installed(wanted, exc) from exc
+    return SpanExport(service_name)
+
+
+def _not_installed(wanted: str, exc: ImportError) -> SpanSinkError:
+    return SpanSinkError(
+        f"{wanted}, but the OpenTelemetry SDK or its OTLP exporter is not installed "
+        f"({exc.name or exc}): install them with {OTLP_EXTRA_HINT}"
+    )
+
+
+class _PendingWrites:
+    """The bounded hand-off between emitters and the writer thread; producers never block."""
 
     def __init__(self, capacity: int, batch_size: int) -> None:
         self._lock = threading.Lock()
         self.wake = threading.Event()
         self._capacity = capacity
         self._batch_size = batch_size
-        self._spans: list[tuple[Any, ...]] = []  # rows made by span_row()
-        self._reserved = 0  # places taken: spans queued plus spans being built by emit()
+        self._rows: list[Row] = []
+        self._parents: list[TraceParent | None] = []
         self._metric_rows: list[BackendMetricRow] = []
         self._closed = False
         self.dropped = 0
         self.dropped_metric_rows = 0
 
-    def reserve(self) -> bool:
+    def offer(self, row: Row, parent: TraceParent | None) -> bool:
         with self._lock:
-            if self._closed or self._reserved >= self._capacity:
+            if self._closed or len(self._rows) >= self._capacity:
                 self.dropped += 1
                 return False
-            self._reserved += 1
-            return True
-
-    def release(self) -> None:
-        """Give back a reservation whose span never ended (emit failed before ending it)."""
-        with self._lock:
-            self._reserved -= 1
-            self.dropped += 1
-
-    def put_reserved(self, row: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._spans.append(row)
-            full_batch = len(self._spans) == self._batch_size
+            self._rows.append(row)
+            self._parents.append(parent)
+            full_batch = len(self._rows) == self._batch_size
         if full_batch:
             self.wake.set()
+        return True
+
+    def count_dropped(self, n: int = 1) -> None:
+        with self._lock:
+            self.dropped += n
 
     def offer_metrics(self, rows: Sequence[BackendMetricRow]) -> bool:
         with self._lock:
@@ -183,13 +213,12 @@ class _PendingWrites:
         self.wake.set()
         return True
 
-    def take(self, max_spans: int) -> tuple[list[tuple[Any, ...]], list[BackendMetricRow]]:
+    def take(self, max_rows: int) -> tuple[list[Row], list[TraceParent | None], list[BackendMetricRow]]:
         with self._lock:
-            spans = self._spans[:max_spans]
-            del self._spans[:max_spans]
-            self._reserved -= len(spans)
-            rows, self._metric_rows = self._metric_rows, []
-        return spans, rows
+            rows, parents = self._rows[:max_rows], self._parents[:max_rows]
+            del self._rows[:max_rows], self._parents[:max_rows]
+            metric_rows, self._metric_rows = self._metric_rows, []
+        return rows, parents, metric_rows
 
     def close(self) -> None:
         with self._lock:
@@ -198,82 +227,17 @@ class _PendingWrites:
 
     @property
     def depth(self) -> int:
-        return self._reserved
+        return len(self._rows)
 
     @property
     def settled(self) -> bool:
-        """Nothing queued and no emit() half-way."""
+        """Nothing queued."""
         with self._lock:
-            return self._reserved == 0 and not self._metric_rows
-
-
-class _RecordIds(IdGenerator):
-    """Span and trace ids for the SDK: the ones the record being emitted carries, else random ones.
-
-    The SDK asks its id generator while ``start_span`` runs, on the emitting thread; :meth:`SpanSink.emit`
-    sets the record's ids in a thread-local just before and clears them right after.
-    """
-
-    def __init__(self) -> None:
-        self._next = threading.local()
-        self._random = RandomIdGenerator()
-
-    def use(self, trace_id: int, span_id: int) -> None:
-        self._next.ids = (trace_id, span_id)
-
-    def clear(self) -> None:
-        self._next.ids = None
-
-    def generate_trace_id(self) -> int:
-        ids = getattr(self._next, "ids", None)
-        return ids[0] if ids is not None and ids[0] else self._random.generate_trace_id()
-
-    def generate_span_id(self) -> int:
-        ids = getattr(self._next, "ids", None)
-        return ids[1] if ids is not None and ids[1] else self._random.generate_span_id()
-
-
-def _hex_id(text: str, digits: int) -> int:
-    """A record's hex trace/span id as an int; 0 (OTel's invalid id) when it is not one."""
-    if len(text) != digits:
-        return 0
-    try:
-        return int(text, 16)
-    except ValueError:
-        return 0
-
-
-class _QueueSpanProcessor(SpanProcessor):
-    """Hands every ended span to the writer's queue as a row (its place was reserved by emit()).
-
-    The row is made here, while the span's attributes are fresh in the CPU cache, and the queue holds
-    compact rows rather than spans with their attribute dicts (a full 100k queue: ~70 MB, not ~450 MB).
-    """
-
-    def __init__(self, pending: _PendingWrites) -> None:
-        self._pending = pending
-
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        pass
-
-    def on_end(self, span: ReadableSpan) -> None:
-        try:
-            row = span_row(span)
-        except Exception:  # never leave a reserved place unfilled: close() would wait for it
-            log.exception("could not turn span %s into a row; dropped", span.name)
-            self._pending.release()
-            return
-        self._pending.put_reserved(row)
-
-    def shutdown(self) -> None:
-        pass
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
+            return not self._rows and not self._metric_rows
 
 
 class SpanSink:
-    """Turns span records into OTel spans and writes them to the DuckDB span store (module docstring)."""
+    """Writes span records to the DuckDB span store on its own thread (module docstring)."""
 
     def __init__(
         self,
@@ -304,50 +268,38 @@ class SpanSink:
         self._stopping = threading.Event()
         self._busy = False  # the writer holds rows it took but has not written yet (flush() waits)
         self._closed = False
+        self._service_name = service_name
+        self._export: SpanExport | None = None
+        self._otlp = False
+        target = otlp_target(otlp_endpoint)
+        if target is not None:
+            wanted = f"{target.why} asks for OTLP export of spans"
+            self._export = _span_export(service_name, wanted)
+            try:
+                from specproxy.proxy.spans.otel import otlp_processor
 
-        resource = Resource.create(
-            {"service.name": service_name or os.environ.get("OTEL_SERVICE_NAME") or "specproxy"}
-        )
-        unlimited = SpanLimits(
-            max_span_attributes=SpanLimits.UNSET, max_span_attribute_length=SpanLimits.UNSET
-        )
-        self._ids = _RecordIds()
-        self._provider = TracerProvider(
-            sampler=ALWAYS_ON,
-            resource=resource,
-            span_limits=unlimited,
-            shutdown_on_exit=False,
-            id_generator=self._ids,
-        )
-        self._provider.add_span_processor(_QueueSpanProcessor(self._pending))
-        tracer = self._provider.get_tracer("specproxy")
-        # OTEL_SDK_DISABLED=true makes get_tracer hand out a no-op tracer; the store must still fill.
-        self._tracer: SdkTracer | None = tracer if isinstance(tracer, SdkTracer) else None
-        self._resource = resource
-        self._otlp: BatchSpanProcessor | None = None
-        exporter = otlp_exporter(otlp_endpoint) if self._tracer is not None else None
-        if exporter is not None:
-            self._otlp = BatchSpanProcessor(exporter)
-            self._provider.add_span_processor(self._otlp)
-        # While the span store is the provider's only reader, emit() makes the finished span directly
-        # (~13 µs) instead of through the SDK's start/end (~37 µs, sampler, attribute checks): the row is
-        # the same. Handing the provider out (to add a processor) or an OTLP exporter needs real spans.
-        self._direct = self._otlp is None
+                self._export.add(otlp_processor(target.url))
+            except ImportError as exc:
+                raise _not_installed(wanted, exc) from exc
+            self._otlp = True
+            _warn_about_protocol()
 
-    @property
-    def tracer_provider(self) -> TracerProvider:
-        """The sink's own provider (add a span processor to see the spans elsewhere too)."""
-        self._direct = False
-        return self._provider
+    def add_span_processor(self, processor: SpanProcessor) -> None:
+        """Also hand every span written from now on, as a finished OTel span, to ``processor`` (on the
+        writer thread). Needs the OpenTelemetry SDK."""
+        if self._export is None:
+            self._export = _span_export(self._service_name, "add_span_processor needs OTel spans")
+        self._export.add(processor)
 
     @property
     def otlp_enabled(self) -> bool:
-        return self._otlp is not None
+        return self._otlp
 
     @property
     def dropped(self) -> int:
-        """Spans dropped because the queue was full (or the sink closed, or building the span failed)."""
-        return self._pending.dropped
+        """Spans accepted by nobody: the queue was full, the sink closed, the record could not be made a
+        row, or the store could not write it (the last also in :attr:`failed`)."""
+        return self._pending.dropped + self._failed
 
     @property
     def dropped_metric_rows(self) -> int:
@@ -365,7 +317,7 @@ class SpanSink:
 
     @property
     def failed(self) -> int:
-        """Span rows the writer could not write (the error was logged)."""
+        """Span rows the store could not write (counted in :attr:`dropped` too; the error was logged)."""
         return self._failed
 
     @property
@@ -378,7 +330,7 @@ class SpanSink:
         if self._thread is not None:
             raise SpanSinkError("this span sink is already started")
         cursor: Any = None
-        exporter: DuckDBSpanExporter | None = None
+        table: RequestsTable | None = None
         if self.db_path is not None:
             self._conn = open_store(
                 self.db_path, memory_limit=self.memory_limit, checkpoint_threshold=self.checkpoint_threshold
@@ -386,14 +338,14 @@ class SpanSink:
             # The writer's own connection to the file, made here so that a failure surfaces in start().
             try:
                 cursor = self._conn.cursor()
-                exporter = DuckDBSpanExporter(cursor)
-            except duckdb.Error as exc:
+                table = RequestsTable(cursor)
+            except (duckdb.Error, ValueError) as exc:
                 self._conn.close()
                 self._conn = None
                 where = self.db_path
                 raise SpanSinkError(f"the span store {where} has no usable requests table: {exc}") from exc
         self._thread = threading.Thread(
-            target=self._run_writer, args=(cursor, exporter), name="specproxy-span-writer", daemon=True
+            target=self._run_writer, args=(cursor, table), name="specproxy-span-writer", daemon=True
         )
         self._thread.start()
 
@@ -428,89 +380,31 @@ class SpanSink:
             finally:
                 cur.close()
 
-    def emit(self, record: SpanRecord, parent: SpanContext | None = None) -> bool:
+    def emit(self, record: SpanRecord, parent: TraceParent | None = None) -> bool:
         """Queue one span record; thread-safe and never blocking. False when it was dropped (counted).
 
-        The span has the record's ``trace_id``/``span_id`` when they are valid (else new ones, written
-        back into the record); with a valid ``parent`` it is that span's child in that span's trace.
-        It starts at ``t_start_ns`` (else ``t_start``, else now) and lasts ``e2e_s``.
+        The record keeps its ``trace_id``/``span_id`` when they are valid W3C ids (else new ones are
+        written into it); with a ``parent`` it is that span's child, in that span's trace. Its row
+        starts at ``t_start_ns`` (else ``t_start``, else now). The row is taken now: later changes to
+        the record are not stored.
         """
-        if not self._pending.reserve():
-            return False
-        ended = False
         try:
-            try:
-                start = start_time_ns(record)
-            except ValueError:
-                start = time.time_ns()
-            e2e = record.e2e_s
-            end = start + round(e2e * 1e9) if e2e is not None and e2e > 0 else start
-            attributes = record_attributes(record)
-            trace_id, span_id = _hex_id(record.trace_id, 32), _hex_id(record.span_id, 16)
-            if parent is not None and parent.is_valid:
-                trace_id = parent.trace_id
-            else:
-                parent = None
-            if self._tracer is None or self._direct:
-                self._emit_without_sdk(record, attributes, start, end, trace_id, span_id, parent)
-                ended = True
-                return True
-            within = set_span_in_context(NonRecordingSpan(parent)) if parent is not None else _ROOT
-            self._ids.use(trace_id, span_id)
-            try:
-                span = self._tracer.start_span(
-                    span_name(record),
-                    context=within,
-                    kind=SpanKind.CLIENT,
-                    attributes=attributes,
-                    start_time=start,
-                )
-            finally:
-                self._ids.clear()
-            context = span.get_span_context()
-            record.trace_id = format(context.trace_id, "032x")
-            record.span_id = format(context.span_id, "016x")
-            if record.status != "ok":
-                span.set_status(Status(StatusCode.ERROR, record.error or record.status))
-            ended = True  # from here on the processor owns the reserved place
-            span.end(end_time=end)
-            return True
+            if parent is not None:
+                record.trace_id = parent.trace_id
+            elif not is_trace_id(record.trace_id):
+                record.trace_id = new_trace_id()
+            if not is_span_id(record.span_id):
+                record.span_id = new_span_id()
+            row: Row = record_row(record)
+            if row[T_START_NS] is None:
+                start = _epoch_ns(record.t_start) if record.t_start is not None else time.time_ns()
+                row = (*row[:T_START_NS], start, *row[T_START_NS + 1 :])
         except Exception:
             # A malformed record must not fail the request that produced it.
-            log.exception("could not build the span of request %s; dropped", record.request_id)
-            if not ended:
-                self._pending.release()
+            log.exception("could not take the row of request %s; dropped", record.request_id)
+            self._pending.count_dropped()
             return False
-
-    def _emit_without_sdk(
-        self,
-        record: SpanRecord,
-        attributes: dict[str, Any],
-        start: int,
-        end: int,
-        trace_id: int,
-        span_id: int,
-        parent: SpanContext | None,
-    ) -> None:
-        context = SpanContext(
-            trace_id=trace_id or random.getrandbits(128) or 1,
-            span_id=span_id or random.getrandbits(64) or 1,
-            is_remote=False,
-            trace_flags=TraceFlags(TraceFlags.SAMPLED),
-        )
-        record.trace_id = format(context.trace_id, "032x")
-        record.span_id = format(context.span_id, "016x")
-        span = ReadableSpan(
-            name=span_name(record),
-            context=context,
-            parent=parent,
-            attributes=attributes,
-            start_time=start,
-            end_time=end,
-            kind=SpanKind.CLIENT,
-            resource=self._resource,
-        )
-        self._pending.put_reserved(span_row(span))
+        return self._pending.offer(row, parent)
 
     def emit_backend_metrics(self, rows: Sequence[BackendMetricRow]) -> bool:
         """Queue rows for ``backend_metrics``; never blocks. False when dropped (queue full or closed)."""
@@ -554,11 +448,10 @@ class SpanSink:
             self._conn.close()
             self._conn = None
         # After the file is released: an unreachable collector retries for up to its timeout (10 s).
-        if self._otlp is not None:
-            self._otlp.force_flush(int((timeout or 30.0) * 1000))
-        self._provider.shutdown()
+        if self._export is not None:
+            self._export.shutdown(timeout or 30.0)
 
-    def _run_writer(self, cursor: Any, exporter: DuckDBSpanExporter | None) -> None:
+    def _run_writer(self, cursor: Any, table: RequestsTable | None) -> None:
         try:
             while True:
                 stopping = self._stopping.is_set()
@@ -566,11 +459,11 @@ class SpanSink:
                 self._pending.wake.clear()
                 while True:
                     self._busy = True
-                    spans, rows = self._pending.take(self._batch_size)
-                    if not spans and not rows:
+                    rows, parents, metric_rows = self._pending.take(self._batch_size)
+                    if not rows and not metric_rows:
                         self._busy = False
                         break
-                    self._write(exporter, cursor, spans, rows)
+                    self._write(table, cursor, rows, parents, metric_rows)
                     self._busy = False
                     # Hand the GIL to the event loop between batches rather than after a 5 ms slice.
                     time.sleep(0)
@@ -583,46 +476,42 @@ class SpanSink:
 
     def _write(
         self,
-        exporter: DuckDBSpanExporter | None,
+        table: RequestsTable | None,
         cursor: Any,
-        spans: list[tuple[Any, ...]],
-        rows: list[BackendMetricRow],
+        rows: list[Row],
+        parents: list[TraceParent | None],
+        metric_rows: list[BackendMetricRow],
     ) -> None:
-        if spans and exporter is not None:
-            self._write_spans(exporter, spans)
-        if rows and cursor is not None:
+        if rows and table is not None:
+            self._write_spans(table, rows)
+        if rows and self._export is not None:
             try:
-                _insert_backend_metrics(cursor, rows)
-                self._metric_rows_written += len(rows)
+                self._export.export(rows, parents)
+            except Exception:  # OTLP is in addition to the store: its trouble never stops the writer
+                log.exception("could not hand %d spans to OpenTelemetry", len(rows))
+        if metric_rows and cursor is not None:
+            try:
+                _insert_backend_metrics(cursor, metric_rows)
+                self._metric_rows_written += len(metric_rows)
             except Exception:
-                log.exception("could not write %d backend metric rows to %s", len(rows), self.db_path)
+                log.exception("could not write %d backend metric rows to %s", len(metric_rows), self.db_path)
 
-    def _write_spans(self, exporter: DuckDBSpanExporter, spans: list[tuple[Any, ...]]) -> None:
+    def _write_spans(self, table: RequestsTable, rows: list[Row]) -> None:
+        errors: list[Exception] = []
+        written = [0]
         try:
-            exporter.write_rows(spans)
-            self._written += len(spans)
-            return
-        except _BAD_ROW_ERRORS:
-            pass  # some value the table cannot take: find it below, keep the rest
-        except Exception as exc:  # the store itself failed (disk full, I/O): the batch is lost
-            self._failed += len(spans)
-            log.error("could not write %d spans to %s: %s", len(spans), self.db_path, exc)
-            return
-        bad: list[Exception] = []
-        for row in spans:
-            try:
-                exporter.write_rows([row])
-                self._written += 1
-            except Exception as exc:
-                bad.append(exc)
-        self._failed += len(bad)
-        if bad:
+            _insert_splitting(table, rows, written, errors)
+        except Exception as exc:  # the store itself failed (disk full, I/O): the rest of the batch is lost
+            errors = [exc] * (len(rows) - written[0])
+        self._written += written[0]
+        if errors:
+            self._failed += len(errors)
             log.error(
                 "%d of %d spans could not be written to %s (dropped): %s",
-                len(bad),
-                len(spans),
+                len(errors),
+                len(rows),
                 self.db_path,
-                bad[0],
+                errors[0],
             )
 
     def _require_started(self) -> None:
@@ -635,6 +524,36 @@ class SpanSink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _insert_splitting(
+    table: RequestsTable, rows: list[Row], written: list[int], errors: list[Exception]
+) -> None:
+    """Insert ``rows``; when a value fails the insert, split the batch in halves until the failing
+    rows stand alone and leave only them out (their errors appended to ``errors``); ``written[0]``
+    counts the rows written. ~2·log2(n) extra inserts per bad row, so one bad row never makes a batch
+    go row by row. Raises what is not about a value (the store itself failed)."""
+    try:
+        table.insert(rows)
+        written[0] += len(rows)
+        return
+    except _BAD_ROW_ERRORS as exc:
+        if len(rows) == 1:
+            errors.append(exc)
+            return
+    half = len(rows) // 2
+    _insert_splitting(table, rows[:half], written, errors)
+    _insert_splitting(table, rows[half:], written, errors)
+
+
+def _warn_about_protocol() -> None:
+    protocol = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or ""
+    )
+    if protocol and protocol != "http/protobuf":
+        log.warning("OTLP protocol %r is not supported; exporting spans with http/protobuf instead", protocol)
 
 
 def _insert_backend_metrics(conn: Any, rows: Sequence[BackendMetricRow]) -> None:
@@ -650,7 +569,7 @@ def _insert_backend_metrics(conn: Any, rows: Sequence[BackendMetricRow]) -> None
     insert_columns(conn, "backend_metrics", columns, {"scraped_at": epoch_us_to_timestamptz("_scraped_us")})
 
 
-# Errors that come from a value in a row rather than from the store: the batch is retried row by row.
+# Errors that come from a value in a row rather than from the store: the batch is split to find the row.
 _BAD_ROW_ERRORS = (
     ValueError,
     TypeError,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -48,10 +47,10 @@ import aiohttp
 import orjson
 
 from specproxy.config import Arm
-from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, traceparent
+from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, new_span_id, new_trace_id, traceparent
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, SSEParser
 from specproxy.proxy.upstream.wire import Exchange, UpstreamClient
-from specproxy.record import SpanRecord, decode_tok_s
+from specproxy.record import RoutedAs, Source, SpanRecord, decode_tok_s, fit_to_columns
 
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 CATEGORY_HEADER = "X-Specproxy-Category"
@@ -168,8 +167,8 @@ def new_record(
     body: dict[str, Any],
     *,
     endpoint: Endpoint,
-    routed_as: str,
-    source: str = "live",
+    routed_as: RoutedAs,
+    source: Source = "live",
     category: str | None = None,
     trace_id: str | None = None,
     concurrency_level: int | None = None,
@@ -184,8 +183,8 @@ def new_record(
         arm=arm.name,
         arm_role=arm.role,
         backend_url=arm.url,
-        trace_id=trace_id or secrets.token_hex(16),
-        span_id=secrets.token_hex(8),
+        trace_id=trace_id or new_trace_id(),
+        span_id=new_span_id(),
         spec_method=arm.spec_method,
         num_speculative_tokens=arm.num_speculative_tokens,
         source=source,
@@ -576,3 +575,6 @@ def _finish_record(
         record.draft_tokens = spec.draft_tokens
         record.accepted_tokens = spec.accepted_tokens
         record.acceptance_length = spec.acceptance_length
+    # Values from the client and the backend (a seed of 2**64 - 1, an undecodable request id) are made
+    # to fit the store's columns here, each change noted in the record, so that no row is lost to them.
+    fit_to_columns(record)

@@ -2,18 +2,16 @@
 
     .venv/bin/python tests/bench/bench_ingest.py [--spans 200000] [--repeats 3]
 
-Target (issue 4): ≥ 100k span rows/s from the exporter thread into DuckDB. Measured side by side:
+Target: ≥ 100k span rows/s from the writer thread into DuckDB. Measured side by side:
 
-- ``writer thread``: ``DuckDBSpanExporter.write_rows`` on queued rows, exactly what the sink's writer
-  thread does per batch (rows → numpy columns → one INSERT ... SELECT);
-- ``exporter.export(spans)``: the plain OTel ``SpanExporter`` path on one thread, finished spans →
-  rows → file (the sink splits it: ``span_row`` runs in the span processor's ``on_end``);
-- ``span_row`` alone: that on_end share, on spans already finished (cold in cache, so an upper bound);
+- ``writer thread``: ``RequestsTable.insert`` on queued rows, exactly what the sink's writer thread
+  does per batch (rows → checked numpy columns → one INSERT ... SELECT);
+- the same with one poisoned row (a seed beyond int64) in every batch: what a bad value costs;
 - ``executemany``: the same rows inserted row by row (why the writer inserts columns);
 - the wake-up lag of a thread sleeping 1 ms at a time beside the writer (what the proxy's event loop
   feels from the GIL the writer holds), against the same thread alone;
-- ``emit → file``: ``SpanSink.emit()`` from one thread, then ``close()``: OTel span creation, the
-  queue, the writer, until every row is in the file;
+- ``emit → file``: ``SpanSink.emit()`` from one thread, then ``close()``: the queue, the writer,
+  until every row is in the file;
 - ``emit only``: the caller's cost of ``emit()`` (what the proxy's event loop pays per upstream call).
 
 Prints medians over the repeats. The machine is shared, so figures are noisy; compare rows of one run.
@@ -33,16 +31,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import SpanKind
+from opentelemetry.sdk.resources import Resource
 
 from specproxy import schema
-from specproxy.proxy.spans.otel import DuckDBSpanExporter, record_attributes, span_name, span_row
+from specproxy.proxy.spans.otel import otel_span
 from specproxy.proxy.spans.sink import SpanSink, open_store
-from specproxy.record import COLUMNS, SpanRecord
+from specproxy.proxy.spans.table import RequestsTable, Row, record_row
+from specproxy.record import COLUMNS, SpanRecord, fit_to_columns
 
 
 def make_record(i: int, t0_ns: int) -> SpanRecord:
@@ -95,43 +90,30 @@ def fresh_db(tmp: Path, name: str) -> Path:
     return path
 
 
-def finished_spans(n: int) -> list[ReadableSpan]:
-    """n finished OTel spans, made through a SpanSink's own TracerProvider (no file)."""
-    sink = SpanSink(None, queue_size=n + 1, batch_size=n + 1, flush_interval_s=3600)
-    seen = InMemorySpanExporter()
-    sink.tracer_provider.add_span_processor(SimpleSpanProcessor(seen))
+def ready_rows(n: int, poison_every: int = 0) -> list[Row]:
+    """n rows as the sink queues them; with poison_every, every that many rows one has a seed beyond
+    int64 (a value the writer must make fit)."""
     t0 = time.time_ns()
-    for i in range(n):
-        sink.emit(make_record(i, t0))
-    sink.close()
-    return list(seen.get_finished_spans())
+    records = [make_record(i, t0) for i in range(n)]
+    for i, r in enumerate(records):
+        r.trace_id, r.span_id = f"{i + 1:032x}", f"{i + 1:016x}"
+        if poison_every and i % poison_every == poison_every // 2:
+            r.seed = 2**64 - 1
+    return [record_row(r) for r in records]
 
 
-def bench_span_row(spans: list[ReadableSpan]) -> tuple[float, float]:
-    t, cpu = time.perf_counter(), time.process_time()
-    for s in spans:
-        span_row(s)
-    return len(spans) / (time.perf_counter() - t), len(spans) / (time.process_time() - cpu)
-
-
-def bench_writer(tmp: Path, spans: list[ReadableSpan], batch: int, rows: bool) -> tuple[float, float]:
-    """(rows/s by the wall clock, rows per CPU-second of the whole process, DuckDB's threads included).
-
-    rows=True: write_rows on ready rows (the writer thread); False: export(spans) (span → row too)."""
+def bench_writer(tmp: Path, rows: list[Row], batch: int) -> tuple[float, float]:
+    """(rows/s by the wall clock, rows per CPU-second of the whole process, DuckDB's threads included)."""
     path = fresh_db(tmp, "writer")
     conn = open_store(path)  # with the sink's settings
-    exporter = DuckDBSpanExporter(conn)
-    ready = [span_row(s) for s in spans] if rows else []
+    table = RequestsTable(conn)
     t, cpu = time.perf_counter(), time.process_time()
-    for k in range(0, len(spans), batch):
-        if rows:
-            exporter.write_rows(ready[k : k + batch])
-        else:
-            exporter.export(spans[k : k + batch])
-    assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == len(spans)  # type: ignore[index]
+    for k in range(0, len(rows), batch):
+        table.insert(rows[k : k + batch])
+    assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == len(rows)  # type: ignore[index]
     conn.close()  # the final checkpoint is part of the cost
     dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
-    return len(spans) / dt, len(spans) / dcpu
+    return len(rows) / dt, len(rows) / dcpu
 
 
 def sleeper_lags(stop: threading.Event) -> list[float]:
@@ -144,17 +126,16 @@ def sleeper_lags(stop: threading.Event) -> list[float]:
     return lags
 
 
-def bench_loop_lag(tmp: Path, spans: list[ReadableSpan], batch: int) -> tuple[float, float, float, float]:
+def bench_loop_lag(tmp: Path, ready: list[Row], batch: int) -> tuple[float, float, float, float]:
     """(p99, max) wake-up lag of a 1 ms sleeper beside the writer thread, then alone for as long, in ms."""
     path = fresh_db(tmp, "lag")
     conn = open_store(path)
-    exporter = DuckDBSpanExporter(conn)
-    ready = [span_row(s) for s in spans]
+    table = RequestsTable(conn)
     stop = threading.Event()
 
     def write() -> None:
         for k in range(0, len(ready), batch):
-            exporter.write_rows(ready[k : k + batch])
+            table.insert(ready[k : k + batch])
         stop.set()
 
     writer = threading.Thread(target=write)
@@ -210,39 +191,37 @@ def bench_end_to_end(tmp: Path, n: int, batch: int) -> tuple[float, float, float
 
 
 def emit_breakdown(n: int) -> list[tuple[str, float]]:
-    """Where emit()'s time goes, µs of CPU per span, each step timed alone on the same records."""
+    """Where a span's CPU goes, µs per span, each step timed alone on the same records."""
     t0 = time.time_ns()
     records = [make_record(i, t0) for i in range(n)]
-    provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)  # no processors: SDK cost only
-    tracer = provider.get_tracer("bench")
 
     def per_span(fn: Callable[[], object]) -> float:
         cpu = time.thread_time()
         fn()
         return (time.thread_time() - cpu) / n * 1e6
 
-    attrs = [record_attributes(r) for r in records]
-
-    def otel_spans(keep: list[ReadableSpan] | None) -> None:
-        for r, a in zip(records, attrs, strict=True):
-            start = r.t_start_ns or 0
-            span = tracer.start_span(span_name(r), kind=SpanKind.CLIENT, attributes=a, start_time=start)
-            span.end(end_time=start + 1000)
-            if keep is not None:
-                keep.append(span)  # type: ignore[arg-type]
-
-    made: list[ReadableSpan] = []
-    otel_spans(made)
+    resource = Resource.create({"service.name": "bench"})
+    rows = [record_row(r) for r in ready_records(records)]
     steps = [
-        ("record → attributes (record_attributes)", per_span(lambda: list(map(record_attributes, records)))),
-        ("OTel SDK: start_span + end (attribute validation)", per_span(lambda: otel_spans(None))),
-        ("finished span → row (span_row, in on_end)", per_span(lambda: [span_row(s) for s in made])),
+        ("fit_to_columns (where the record is made)", per_span(lambda: list(map(fit_to_columns, records)))),
+        ("record → row (record_row)", per_span(lambda: list(map(record_row, records)))),
     ]
     sink = SpanSink(None, queue_size=n + 1, batch_size=n + 1, flush_interval_s=3600)
     steps.append(("the whole emit()", per_span(lambda: [sink.emit(r) for r in records])))
     sink.close()
-    provider.shutdown()
+    steps.append(
+        (
+            "OTel span from a row (writer thread, OTLP only)",
+            per_span(lambda: [otel_span(r, None, resource) for r in rows]),
+        )
+    )
     return steps
+
+
+def ready_records(records: list[SpanRecord]) -> list[SpanRecord]:
+    for i, r in enumerate(records):
+        r.trace_id, r.span_id = f"{i + 1:032x}", f"{i + 1:016x}"
+    return records
 
 
 def medians(repeats: int, fn: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
@@ -259,13 +238,13 @@ def main() -> None:
     n = args.spans
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        spans = finished_spans(n)
-        writer = medians(args.repeats, lambda: bench_writer(tmp, spans, args.batch, True))
-        writer_big = medians(args.repeats, lambda: bench_writer(tmp, spans, 65536, True))
-        export = medians(args.repeats, lambda: bench_writer(tmp, spans, args.batch, False))
-        to_rows = medians(args.repeats, lambda: bench_span_row(spans))
+        ready = ready_rows(n)
+        poisoned = ready_rows(n, poison_every=args.batch)
+        writer = medians(args.repeats, lambda: bench_writer(tmp, ready, args.batch))
+        writer_big = medians(args.repeats, lambda: bench_writer(tmp, ready, 65536))
+        writer_poisoned = medians(args.repeats, lambda: bench_writer(tmp, poisoned, args.batch))
         rows = medians(1, lambda: bench_executemany(tmp, min(n, 2_000)))
-        lag = medians(args.repeats, lambda: bench_loop_lag(tmp, spans, args.batch))
+        lag = medians(args.repeats, lambda: bench_loop_lag(tmp, ready, args.batch))
         e2e = medians(args.repeats, lambda: bench_end_to_end(tmp, n, args.batch))
         breakdown = emit_breakdown(min(n, 50_000))
     load = os.getloadavg()[0]
@@ -275,10 +254,9 @@ def main() -> None:
     )
     print(f"{'path':<46}{'rows/s':>10}{'rows/cpu-s':>12}{'vs 100k (wall, cpu)':>22}")
     for label, (wall, cpu) in [
-        (f"writer thread: write_rows, batches of {args.batch}", writer),
-        ("writer thread: write_rows, batches of 65536", writer_big),
-        (f"exporter.export(spans), batches of {args.batch}", export),
-        ("span_row alone (on_end's share)", to_rows),
+        (f"writer thread: insert, batches of {args.batch}", writer),
+        ("writer thread: insert, batches of 65536", writer_big),
+        (f"  batches of {args.batch}, one bad value in each", writer_poisoned),
         ("executemany, row by row (2k rows)", rows),
         (f"emit → file (1 thread, batches of {args.batch})", e2e[:2]),
         ("emit() calls alone (the caller's thread)", e2e[2:]),
@@ -289,7 +267,7 @@ def main() -> None:
         f"a 1 ms sleeper (an event loop) beside the writer at full speed wakes late by p99 "
         f"{lag[0]:.1f} ms, max {lag[1]:.1f} ms; alone: p99 {lag[2]:.1f} ms, max {lag[3]:.1f} ms"
     )
-    print("where emit()'s time goes (µs of CPU per span, each step alone):")
+    print("where a span's CPU goes (µs per span, each step alone):")
     for label, us in breakdown:
         print(f"  {label:<52}{us:>8.1f}")
     print("rows/cpu-s: rows per CPU-second of the process (all threads), what a dedicated core would give;")
