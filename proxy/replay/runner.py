@@ -493,6 +493,8 @@ class ReplayRunner:
                 self._recording = False
                 sink.end_run(self.run_id)
                 sink.close()
+                # What the store holds: a span accepted by emit() can still be refused by the file.
+                self.result.spans_written, self.result.spans_dropped = sink.written, sink.dropped
         return self.result
 
     async def _run_until_stopped(self) -> None:

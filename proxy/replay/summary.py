@@ -20,7 +20,11 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
         console.print(f"skipped {items.skipped} bad record(s); first: {items.first_skip}", highlight=False)
     if result.lag_p99_s is not None:
         console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms", highlight=False)
-    dropped = f" ({result.spans_dropped} dropped: the writer fell behind)" if result.spans_dropped else ""
+    dropped = (
+        f" ({result.spans_dropped} dropped: the writer fell behind or failed, see the log)"
+        if result.spans_dropped
+        else ""
+    )
     console.print(
         f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}", highlight=False
     )

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.record import COLUMNS, REQUIRED_FIELDS, SpanRecord, fitted
+from specproxy.record import COLUMNS, REQUIRED_FIELDS, fitted
 
 record_row = attrgetter(*COLUMNS)
 """A record's row: its values in COLUMNS order, as one tuple (a C-level call, ~1 µs)."""
@@ -36,6 +36,7 @@ _NOTES = _INDEX["notes"]
 _SLICE = 2048  # rows per C call when building a batch (a few ms of GIL at most)
 _NONE = type(None)
 _INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
 
 # DuckDB column type → (numpy dtype, the Python types a value may have to convert without a look)
 _NUMPY_KIND: dict[str, tuple[Any, frozenset[type]]] = {
@@ -106,7 +107,7 @@ def _checked_column(
     kind = _NUMPY_KIND.get(sql_type)
     allowed = kind[1] if kind is not None else _TEXT_TYPES
     if not set(map(type, values)) <= allowed or (kind is None and not _all_encodable(values)):
-        values = _fit_each(values, name, notes)
+        values = _fit_each(values, name, sql_type, notes)
     if kind is None:  # text: DuckDB reads None in an object column as NULL
         values = np.ascontiguousarray(values)
         if name in REQUIRED_FIELDS:
@@ -120,7 +121,7 @@ def _checked_column(
     try:
         typed = values.astype(kind[0])
     except (OverflowError, ValueError, TypeError):  # an int beyond int64, a float beyond float64
-        return _checked_column(_fit_each(values, name, notes, nulls), name, sql_type, notes)
+        return _checked_column(_fit_each(values, name, sql_type, notes, nulls), name, sql_type, notes)
     if sql_type == "INTEGER":  # int64 held it; INTEGER is int32
         low, high = _INT32
         outside = (typed < low) | (typed > high)
@@ -149,20 +150,38 @@ def _all_encodable(values: np.ndarray[Any, Any]) -> bool:
 def _fit_each(
     values: np.ndarray[Any, Any],
     name: str,
+    sql_type: str,
     notes: dict[int, list[str]],
     nulls: np.ndarray[Any, Any] | None = None,
 ) -> np.ndarray[Any, Any]:
-    """The column with each value replaced as :func:`fitted` says, and a note for each replacement."""
+    """The column with each value that does not fit replaced as :func:`fitted` says, and a note for
+    each replacement. Values are screened inline first: a bad value costs its batch one Python pass
+    over one column (~0.1 µs a value), not a call per value."""
     out = values.copy()
-    for row, value in enumerate(values):
-        if nulls is not None and nulls[row]:
-            out[row] = None
-            continue
-        new, note = fitted(name, value)
+    if nulls is not None:
+        out[nulls] = None
+    for row in _suspects(out, sql_type):
+        new, note = fitted(name, out[row])
         if note is not None:
             out[row] = new
             notes.setdefault(row, []).append(note)
     return out
+
+
+def _suspects(values: np.ndarray[Any, Any], kind: str) -> list[int]:
+    """Rows whose value may not fit a column of this kind (None always fits; NOT NULL is seen later)."""
+    items = enumerate(values.tolist())
+    if kind == "INTEGER":
+        low, high = _INT32
+        return [i for i, v in items if v is not None and not (type(v) is int and low <= v <= high)]
+    if kind == "BIGINT":
+        low, high = _INT64
+        return [i for i, v in items if v is not None and not (type(v) is int and low <= v <= high)]
+    if kind == "DOUBLE":
+        return [i for i, v in items if v is not None and type(v) is not float]
+    if kind == "BOOLEAN":
+        return [i for i, v in items if v is not None and type(v) is not bool]
+    return [i for i, v in items if v is not None and not (type(v) is str and v.isascii())]
 
 
 def insert_columns(
@@ -221,8 +240,3 @@ def column_array(values: list[Any], sql_type: str) -> Column:
 def epoch_us_to_timestamptz(column: str) -> str:
     """SQL turning an epoch-microseconds column into TIMESTAMPTZ, whatever the session's time zone."""
     return f"timezone('UTC', make_timestamp(\"{column}\"))"
-
-
-def rows_of(records: Sequence[SpanRecord]) -> list[Row]:
-    """Rows of records (for tests and benchmarks; the sink makes each row as the record arrives)."""
-    return [record_row(r) for r in records]
