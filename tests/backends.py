@@ -49,7 +49,7 @@ class BackendConfig:
     eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
     version: str = "0.33.0"
     # like vLLM's context limit: a max_tokens above it (or below 0) is a 400, never 2**31 tokens in memory
-    max_model_len: int = 32768
+    max_model_len: int = 131072
 
 
 @dataclass

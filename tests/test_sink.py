@@ -239,7 +239,9 @@ class _StalledTable(RequestsTable):
         super().insert(rows)
 
 
-def test_full_queue_drops_and_counts_without_blocking(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_queue_drops_and_counts_without_blocking(
+    db: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr("specproxy.proxy.spans.sink.RequestsTable", _StalledTable)
     _StalledTable.release.clear()
     _StalledTable.entered.clear()
@@ -250,11 +252,13 @@ def test_full_queue_drops_and_counts_without_blocking(db: Path, monkeypatch: pyt
     assert _StalledTable.entered.wait(10)  # the writer now sits in insert() with one span
     accepted = 1
     slowest = 0.0
-    for i in range(1, n):
-        t = time.perf_counter()
-        accepted += sink.emit(minimal_record(i))
-        slowest = max(slowest, time.perf_counter() - t)
+    with caplog.at_level(logging.WARNING, logger="specproxy.proxy.spans.sink"):
+        for i in range(1, n):
+            t = time.perf_counter()
+            accepted += sink.emit(minimal_record(i))
+            slowest = max(slowest, time.perf_counter() - t)
     assert accepted == 1 + capacity  # the one being written plus a full queue
+    assert caplog.text.count("the span queue is full") == 1  # said once, not once per span
     assert sink.dropped == n - accepted
     assert sink.queue_depth == capacity
     assert slowest < 0.5, f"emit() took {slowest:.3f}s while the writer was stalled"

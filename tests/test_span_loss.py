@@ -153,4 +153,4 @@ async def test_after_sigkill_the_store_opens_and_keeps_every_span_reported_writt
     # Every span reported written survives the kill; what it may lose is what was counted but not yet
     # written: the queue (at most one flush interval of calls) and the calls in flight.
     assert first["specproxy_spans_written_total"] >= 40
-    assert rows[0] >= int(last["specproxy_spans_written_total"]) and rows[0] == rows[1] * 2
+    assert int(last["specproxy_spans_written_total"]) <= rows[0] <= 60

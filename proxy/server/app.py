@@ -484,7 +484,7 @@ async def _span_store(app: web.Application) -> AsyncIterator[None]:
         finally:
             await asyncio.to_thread(sink.close)
             if sink.dropped:
-                log.warning("%d spans were dropped (see the errors above)", sink.dropped)
+                log.warning("%d spans were dropped (queue full or unwritable; see the log)", sink.dropped)
 
 
 async def _sessions(app: web.Application) -> AsyncIterator[None]:

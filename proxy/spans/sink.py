@@ -268,6 +268,7 @@ class SpanSink:
         self._stopping = threading.Event()
         self._busy = False  # the writer holds rows it took but has not written yet (flush() waits)
         self._closed = False
+        self._said_full = False
         self._service_name = service_name
         self._export: SpanExport | None = None
         self._otlp = False
@@ -404,7 +405,17 @@ class SpanSink:
             log.exception("could not take the row of request %s; dropped", record.request_id)
             self._pending.count_dropped()
             return False
-        return self._pending.offer(row, parent)
+        if self._pending.offer(row, parent):
+            return True
+        if not self._said_full and not self._closed:
+            self._said_full = True  # said once: a writer that fell behind would otherwise flood the log
+            log.warning(
+                "the span queue is full (%d spans wait for %s): spans are dropped and counted until the "
+                "writer catches up",
+                self._pending.depth,
+                self.db_path,
+            )
+        return False
 
     def emit_backend_metrics(self, rows: Sequence[BackendMetricRow]) -> bool:
         """Queue rows for ``backend_metrics``; never blocks. False when dropped (queue full or closed)."""
