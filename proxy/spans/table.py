@@ -6,10 +6,12 @@ inserts them in one statement (DuckDB scans a dict of arrays): ~100k rows per CP
 row-by-row ``executemany`` manages a few hundred.
 
 Every column is checked before the insert, with whole-column passes that cost a few ns per value when
-all is well: types, integer ranges (INTEGER is int32, BIGINT int64) and UTF-8. A value that does not
-fit is replaced as :func:`~specproxy.record.fitted` says (NULL, or U+FFFD for what cannot be encoded)
-and the row's ``notes`` say so, so a batch does not fail on a value; records made by the proxy were
-already fitted (:func:`~specproxy.record.fit_to_columns`), this catches the rest.
+all is well: numeric columns convert with numpy (which takes 3.0 as 3 and refuses "many" or 2**64),
+INTEGER columns are range-checked as int32, text columns are joined once (which refuses a non-string)
+and checked for UTF-8. A value that does not fit is replaced as :func:`~specproxy.record.fitted` says
+(NULL, or U+FFFD for what cannot be encoded) and the row's ``notes`` say so, so a batch does not fail
+on a value; records made by the proxy were already fitted, types included
+(:func:`~specproxy.record.fit_to_columns`), this catches the rest.
 """
 
 from __future__ import annotations
@@ -34,18 +36,16 @@ _INDEX = {name: i for i, name in enumerate(COLUMNS)}
 T_START_NS = _INDEX["t_start_ns"]
 _NOTES = _INDEX["notes"]
 _SLICE = 2048  # rows per C call when building a batch (a few ms of GIL at most)
-_NONE = type(None)
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
 
-# DuckDB column type → (numpy dtype, the Python types a value may have to convert without a look)
-_NUMPY_KIND: dict[str, tuple[Any, frozenset[type]]] = {
-    "INTEGER": (np.int64, frozenset({int, _NONE})),
-    "BIGINT": (np.int64, frozenset({int, _NONE})),
-    "DOUBLE": (np.float64, frozenset({float, int, _NONE})),
-    "BOOLEAN": (np.bool_, frozenset({bool, _NONE})),
+# DuckDB column type → numpy dtype of its batch column
+_NUMPY_KIND: dict[str, Any] = {
+    "INTEGER": np.int64,
+    "BIGINT": np.int64,
+    "DOUBLE": np.float64,
+    "BOOLEAN": np.bool_,
 }
-_TEXT_TYPES = frozenset({str, _NONE})
 
 
 class RequestsTable:
@@ -105,10 +105,9 @@ def _checked_column(
 ) -> Column:
     """One column of the batch as DuckDB will scan it, every value made to fit (changes noted per row)."""
     kind = _NUMPY_KIND.get(sql_type)
-    allowed = kind[1] if kind is not None else _TEXT_TYPES
-    if not set(map(type, values)) <= allowed or (kind is None and not _all_encodable(values)):
-        values = _fit_each(values, name, sql_type, notes)
     if kind is None:  # text: DuckDB reads None in an object column as NULL
+        if not _all_text(values):
+            values = _fit_each(values, name, sql_type, notes)
         values = np.ascontiguousarray(values)
         if name in REQUIRED_FIELDS:
             values[values == None] = ""  # noqa: E711 (elementwise, not an identity test)
@@ -119,8 +118,8 @@ def _checked_column(
         values = values.copy()
         values[nulls] = 0
     try:
-        typed = values.astype(kind[0])
-    except (OverflowError, ValueError, TypeError):  # an int beyond int64, a float beyond float64
+        typed = values.astype(kind)
+    except (OverflowError, ValueError, TypeError):  # beyond int64 or float64, text, another type
         return _checked_column(_fit_each(values, name, sql_type, notes, nulls), name, sql_type, notes)
     if sql_type == "INTEGER":  # int64 held it; INTEGER is int32
         low, high = _INT32
@@ -135,9 +134,13 @@ def _checked_column(
     return typed, nulls if has_nulls else None
 
 
-def _all_encodable(values: np.ndarray[Any, Any]) -> bool:
-    """Whether every string in a column of str/None encodes as UTF-8 (one join, one encode)."""
-    text = "".join(filter(None, values))
+def _all_text(values: np.ndarray[Any, Any]) -> bool:
+    """Whether every value of a column is None or a string that encodes as UTF-8: one join (which
+    refuses a non-string) and one ASCII scan, C-level passes."""
+    try:
+        text = "".join(filter(None, values))
+    except TypeError:
+        return False
     if text.isascii():
         return True
     try:
@@ -231,9 +234,9 @@ def column_array(values: list[Any], sql_type: str) -> Column:
     if kind is None:
         return np.array(values, dtype=object), None
     if None not in values:
-        return np.array(values, dtype=kind[0]), None
+        return np.array(values, dtype=kind), None
     mask = np.fromiter((v is None for v in values), dtype=np.bool_, count=len(values))
-    filled: np.ndarray[Any, Any] = np.array([0 if v is None else v for v in values], dtype=kind[0])
+    filled: np.ndarray[Any, Any] = np.array([0 if v is None else v for v in values], dtype=kind)
     return filled, mask
 
 
