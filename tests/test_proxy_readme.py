@@ -1,4 +1,4 @@
-"""The README's `serve` walkthrough works: its experiment file, its request and its SQL query."""
+"""proxy/README.md's `serve` walkthrough works: its experiment file, its request and its SQL query."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from specproxy.cli import main
 from tests.backends import BackendConfig, running_backend
 from tests.test_proxy_app import running_proxy
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "proxy" / "README.md"
 
 
 def _section() -> str:

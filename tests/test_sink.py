@@ -456,7 +456,7 @@ def test_readable_spans_from_elsewhere_get_rows(db: Path) -> None:
 
 
 def test_readme_spans_example_runs(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "proxy" / "README.md").read_text()
     section = readme.split("<!-- section: spans -->")[1].split("<!-- /section: spans -->")[0]
     blocks = [block.split("```")[0] for block in section.split("```python\n")[1:]]
     example = next(block for block in blocks if "SpanSink(" in block)
