@@ -38,7 +38,7 @@ PAIRED_MIN_SHARE = 0.5
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything `analyze` can be told; defaults are the issue's."""
+    """Everything `analyze` can be told; the defaults are the documented verdict rules."""
 
     thresholds: Thresholds = field(default_factory=Thresholds)
     near_tie_margin: float = 0.5

@@ -140,7 +140,7 @@ def category_matrix(ev: RunEvaluation) -> tuple[list[str], list[list[str]]]:
 
 
 def deploy_lines(ev: RunEvaluation) -> list[str]:
-    """Each candidate's overall verdict (the issue's rule: peak-level throughput included)."""
+    """Each candidate's overall verdict (the deploy rule: peak-level throughput included)."""
     return [f"{a.arm}: {a.deploy.verdict} — {a.deploy.text}" for a in ev.arms if a.deploy is not None]
 
 

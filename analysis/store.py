@@ -112,7 +112,7 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
     if not paths:
         raise StoreError("give at least one span store file")
     files = expand_paths(paths)
-    # DuckDB would take 80 % of RAM; the analysis is bounded instead (issue 4: 2 GiB for 10 M spans) and
+    # DuckDB would take 80 % of RAM; the analysis is bounded instead (target: 2 GiB for 10 M spans) and
     # DuckDB spills joins and windows beyond it to a temporary directory.
     spill = _spill_dir()
     limit = os.environ.get("SPECPROXY_ANALYSIS_MEMORY") or MEMORY_LIMIT

@@ -1,6 +1,6 @@
 """The verdict rules, the crossover and the deploy verdict, as pure functions of the measured figures.
 
-Per candidate arm and concurrency level (issue 4), each level judged on its own figures:
+Per candidate arm and concurrency level, each level judged on its own figures:
 - WIN: that level's P50 decode speedup has CI lower bound > ``win_threshold`` (1.05), that level's
   aggregate throughput ratio has CI upper bound ≥ 1.0, and identical outputs ≥ ``identity_min`` (99 %);
 - LOSS: the decode speedup's CI upper bound < 1.0, or that level's throughput ratio's CI upper bound
@@ -9,7 +9,7 @@ Per candidate arm and concurrency level (issue 4), each level judged on its own 
 Identity is "checked" only where greedy outputs were compared; with none compared it does not block a
 WIN, and the reason says so.
 
-Per arm, the deploy verdict applies the issue's rule literally: the arm must WIN at some level (and
+Per arm, the deploy verdict adds the peak rule: the arm must WIN at some level (and
 lose at none), and aggregate throughput at the run's PEAK level must not be lower (CI upper ≥ 1);
 LOSS when peak throughput is lower beyond the CI, identity fails, or no level wins and some level
 loses. Its sentence also says up to which level the arm pays, so "enable below c=X only" is visible.
@@ -133,7 +133,7 @@ def verdict_runs(verdicts: Sequence[tuple[int, str]]) -> str:
 
 @dataclass(frozen=True)
 class DeployVerdict:
-    """The arm's overall verdict under the issue's rule, and the sentence that explains it."""
+    """The arm's overall verdict under the deploy rule, and the sentence that explains it."""
 
     verdict: str
     text: str

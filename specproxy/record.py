@@ -107,7 +107,7 @@ OTEL_ATTRIBUTE: dict[str, str] = {name: f"specproxy.{name}" for name in COLUMNS}
 def decode_tok_s(
     completion_tokens: int | None, t_first_token: float | None, t_last_token: float | None
 ) -> float | None:
-    """DESIGN.md's per-request decode speed: (completion_tokens − 1) / (t_last − t_first).
+    """The per-request decode speed: (completion_tokens − 1) / (t_last − t_first).
 
     None when it is not defined (fewer than two tokens, or all tokens arrived in one chunk).
     """

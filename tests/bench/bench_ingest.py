@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/bench_ingest.py [--spans 200000] [--repeats 3]
 
-Target (issue 4): ≥ 100k span rows/s from the exporter thread into DuckDB. Measured side by side:
+Target: ≥ 100k span rows/s from the exporter thread into DuckDB. Measured side by side:
 
 - ``writer thread``: ``DuckDBSpanExporter.write_rows`` on queued rows, exactly what the sink's writer
   thread does per batch (rows → numpy columns → one INSERT ... SELECT);

@@ -3,7 +3,7 @@
     .venv/bin/python tests/bench/bench_sim_fidelity.py            # everything (~2-3 min)
     .venv/bin/python tests/bench/bench_sim_fidelity.py --no-http  # virtual-time checks only (~30 s)
 
-Checks (targets from shared/reference/calibration.md):
+Checks (targets from published measurements):
   (1) fixed alpha, gamma=4, zero draft cost: mean tokens per step within 2 % of (1-a^(g+1))/(1-a);
   (2) EAGLE3 chain 3 on MT-bench-like chat: throughput vs no speculation at batch 2/8/32/64 within
       +-20 % of EAGLE-3 Table 3 (1.81/1.62/1.32/1.38); plain decode at batch 1 within +-15 % of 140-158 tok/s;
