@@ -270,3 +270,18 @@ def test_dockerfile_is_slim_non_root_with_a_healthcheck() -> None:
             source = v.split()[0]
             assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
     assert (DEPLOY / "Dockerfile.dockerignore").exists()
+
+
+def test_the_image_smoke_tests_what_it_installed() -> None:
+    # The final stage runs CI's smoke test of an installed specproxy, as the image's user, from the
+    # build context; the context lets the script in, and the wheel's license file.
+    parser = DockerfileParser(str(DEPLOY / "Dockerfile"))
+    instructions = [(i["instruction"], i["value"]) for i in parser.structure]
+    final = instructions[max(i for i, (k, _) in enumerate(instructions) if k == "FROM") :]
+    smoke = [i for i, (k, v) in enumerate(final) if k == "RUN" and "cli_smoke.py" in v]
+    user = max(i for i, (k, _) in enumerate(final) if k == "USER")
+    assert smoke and smoke[0] > user, "no smoke test after the image's USER"
+    assert "source=.ci/cli_smoke.py" in final[smoke[0]][1]
+    assert (ROOT / ".ci" / "cli_smoke.py").is_file()
+    allowed = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    assert {"!.ci/cli_smoke.py", "!LICENSE"} <= set(allowed)
