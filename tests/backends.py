@@ -5,8 +5,9 @@
 logprobs), /v1/models, /version, /health and /metrics. Outputs are deterministic: token i of a prompt
 is a function of the prompt and i, so two backends agree unless one is told to diverge.
 :class:`BackendConfig` sets timing (TTFT, gap between chunks), tokens per chunk (a speculative arm
-sends several), failures and non-vLLM behaviour. :class:`BackendStats` counts what happened
-(requests, completions, cancellations seen when the client went away) and keeps received headers.
+sends several), failures, non-vLLM behaviour, and a gate that holds every generation until a test opens
+it. :class:`BackendStats` counts what happened (requests, completions, cancellations seen when the client
+went away) and keeps received headers.
 
 Example::
 
@@ -47,6 +48,8 @@ class BackendConfig:
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
     fail: str | None = None
     eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
+    gate: asyncio.Event | None = None  # when given, generation waits for it (a backend slow until told)
+    eof_gate: asyncio.Event | None = None  # when given, the body ends after [DONE] only once it is set
     version: str = "0.33.0"
 
 
@@ -160,6 +163,8 @@ async def _generate(
         writer = await stream.prepare(request)
         assert writer is not None
         writer.send_headers()
+    if cfg.gate is not None:
+        await cfg.gate.wait()
     if cfg.ttft_s:
         await asyncio.sleep(cfg.ttft_s)
     if cfg.fail == "hang":
@@ -268,6 +273,8 @@ async def _generate(
     stats.completed += 1
     if cfg.eof_delay_s:
         await asyncio.sleep(cfg.eof_delay_s)
+    if cfg.eof_gate is not None:
+        await cfg.eof_gate.wait()
     await resp.write_eof()
     return resp
 

@@ -1,7 +1,9 @@
-"""Helpers for tests that start real servers: free ports, readiness polls, CLI subprocesses."""
+"""Helpers for tests that start real servers: free ports, readiness polls, CLI subprocesses, and
+waiting for an event (a condition polled with a deadline) instead of sleeping and hoping."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -9,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def free_port() -> int:
@@ -35,6 +37,38 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | N
             last = exc
         time.sleep(0.05)
     raise TimeoutError(f"{url} did not answer within {timeout}s (last error: {last})")
+
+
+# Long enough for a loaded shared machine; a test that waits this long has failed anyway.
+WAIT_S = 30.0
+_POLL_S = 0.01
+
+
+async def wait_until(condition: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``condition`` on the event loop until it is true; fail saying ``what`` was awaited."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what}")
+        await asyncio.sleep(_POLL_S)
+
+
+async def wait_for_count(count: Callable[[], int], n: int, what: str, timeout: float = WAIT_S) -> None:
+    """Until ``count()`` reaches ``n`` ("after N completions"); a failure says how far it got."""
+    try:
+        await wait_until(lambda: count() >= n, f"{n} {what}", timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; got {count()}") from None
+
+
+def wait_until_sync(condition: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
+    """:func:`wait_until` for tests without an event loop."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what}")
+        time.sleep(_POLL_S)
 
 
 def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

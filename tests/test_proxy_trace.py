@@ -13,7 +13,7 @@ from specproxy.config import Arm
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from tests.backends import BackendConfig, running_backend
-from tests.test_proxy_app import running_proxy, spans
+from tests.proxies import running_proxy, spans
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
@@ -132,7 +132,7 @@ def test_spans_made_directly_are_the_rows_the_sdk_makes(tmp_path: Path) -> None:
     from opentelemetry.trace import SpanContext, TraceFlags
 
     from specproxy.proxy.spans.sink import SpanSink
-    from tests.test_sink import full_record, read
+    from tests.records import full_record
 
     parent = SpanContext(int(TRACE, 16), int(PARENT, 16), is_remote=True, trace_flags=TraceFlags(1))
     records = [full_record(0), full_record(1, status="timeout", error="upstream timed out"), full_record(2)]
@@ -148,5 +148,5 @@ def test_spans_made_directly_are_the_rows_the_sdk_makes(tmp_path: Path) -> None:
                 assert sink.emit(
                     full_record(i, status=rec.status, error=rec.error, **ids), parent if i == 2 else None
                 )
-        rows.append(read(db, "SELECT * FROM requests ORDER BY request_id"))
+        rows.append(spans(db))
     assert len(rows[0]) == 3 and rows[0] == rows[1]
