@@ -337,6 +337,9 @@ async def _metrics(request: web.Request) -> web.Response:
     text = (
         "# TYPE vllm:num_requests_running gauge\n"
         f'vllm:num_requests_running{{engine="0",model_name="test-model"}} {stats.active}\n'
+        # Not a vLLM series (scrapers keep vllm:* only): lets a test in another process wait for answers.
+        "# TYPE test_backend_completed counter\n"
+        f"test_backend_completed_total {stats.completed}\n"
     )
     return web.Response(text=text, content_type="text/plain")
 

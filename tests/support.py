@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -62,6 +64,12 @@ async def wait_for_count(count: Callable[[], int], n: int, what: str, timeout: f
         raise AssertionError(f"{exc}; got {count()}") from None
 
 
+async def loop_turns(n: int) -> None:
+    """Let the event loop run ``n`` times (each turn polls its sockets): what is ready has happened."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 def wait_until_sync(condition: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
     """:func:`wait_until` for tests without an event loop."""
     deadline = time.monotonic() + timeout
@@ -69,6 +77,15 @@ def wait_until_sync(condition: Callable[[], object], what: str, timeout: float =
         if time.monotonic() > deadline:
             raise AssertionError(f"waited {timeout:g} s for {what}")
         time.sleep(_POLL_S)
+
+
+def metric_sum(metrics_url: str, sample: str) -> float:
+    """The sum of every ``sample`` series on a Prometheus /metrics page (0 when there is none yet)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == sample
+    )
 
 
 def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import duckdb
@@ -261,9 +260,10 @@ def test_a_file_locked_by_a_writer_is_a_sentence(tmp_path: Path, store: Path) ->
         [
             sys.executable,
             "-c",
-            f"import duckdb, time; c = duckdb.connect({str(path)!r}); print('ok', flush=True); "
-            "time.sleep(30)",
+            f"import duckdb, sys; c = duckdb.connect({str(path)!r}); print('ok', flush=True); "
+            "sys.stdin.read()",  # holds the file until killed
         ],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -276,8 +276,9 @@ def test_a_file_locked_by_a_writer_is_a_sentence(tmp_path: Path, store: Path) ->
         assert "Traceback" not in result.stderr
     finally:
         holder.kill()
-        holder.wait()
-    time.sleep(0.1)
+        holder.wait()  # its lock goes with the process
+        if holder.stdin is not None:
+            holder.stdin.close()
     assert run("analyze", str(path)).returncode == 0
 
 
