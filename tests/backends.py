@@ -47,7 +47,6 @@ class BackendConfig:
     diverge_at: int | None = None  # token index from which this backend's output differs
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
     fail: str | None = None
-    eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
     gate: asyncio.Event | None = None  # when given, generation waits for it (a backend slow until told)
     eof_gate: asyncio.Event | None = None  # when given, the body ends after [DONE] only once it is set
     version: str = "0.33.0"
@@ -271,8 +270,6 @@ async def _generate(
         await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     stats.completed += 1
-    if cfg.eof_delay_s:
-        await asyncio.sleep(cfg.eof_delay_s)
     if cfg.eof_gate is not None:
         await cfg.eof_gate.wait()
     await resp.write_eof()

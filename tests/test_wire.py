@@ -89,7 +89,7 @@ async def test_chunked_and_until_close_bodies_and_an_interim_response() -> None:
         else:  # no framing: the body ends when the connection does
             w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil ")
             await w.drain()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # paced: the body most likely comes in two reads
             w.write(b"close")
             w.close()
 
