@@ -171,9 +171,12 @@ def test_export_parquet(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "pq"
     result = run("export", str(store), "--parquet", str(out), "--run", "shadow")
     assert result.returncode == 0, result.stderr
-    n = duckdb.sql(f"SELECT count(*), count(DISTINCT run_id) FROM '{out / 'requests.parquet'}'").fetchall()[0]
-    assert n == (120, 1)
-    assert duckdb.sql(f"SELECT name FROM '{out / 'runs.parquet'}'").fetchall() == [("shadow",)]
+    with duckdb.connect() as conn:
+        n = conn.execute(
+            f"SELECT count(*), count(DISTINCT run_id) FROM '{out / 'requests.parquet'}'"
+        ).fetchall()
+        assert n == [(120, 1)]
+        assert conn.execute(f"SELECT name FROM '{out / 'runs.parquet'}'").fetchall() == [("shadow",)]
 
 
 def test_worker_files_and_several_dbs_are_read_as_one(tmp_path: Path) -> None:

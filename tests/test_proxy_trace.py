@@ -63,17 +63,17 @@ async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_tracepar
     assert len({r["trace_id"] for r in rows}) == 3
     # In OTel (what OTLP exports) the client's span is the parent of both calls; other requests are roots.
     otel = {format(s.context.span_id, "016x"): s for s in seen.get_finished_spans()}
-    for r in rows:
-        span = otel[r["span_id"]]
-        assert format(span.context.trace_id, "032x") == r["trace_id"]
+    for row in rows:
+        span = otel[row["span_id"]]
+        assert format(span.context.trace_id, "032x") == row["trace_id"]
         parent_id = format(span.parent.span_id, "016x") if span.parent is not None else None
-        assert parent_id == (PARENT if r["request_id"] == "with-parent" else None)
+        assert parent_id == (PARENT if row["request_id"] == "with-parent" else None)
     # Each arm is told its call's span, so its own tracing nests under it.
     for backend, arm in ((base, "base"), (cand, "cand")):
         sent = {h["X-Request-Id"]: h["traceparent"] for h in backend.stats.headers}
-        for r in rows:
-            if r["arm"] == arm:
-                assert sent[r["request_id"]] == f"00-{r['trace_id']}-{r['span_id']}-01"
+        for row in rows:
+            if row["arm"] == arm:
+                assert sent[row["request_id"]] == f"00-{row['trace_id']}-{row['span_id']}-01"
 
 
 async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_path: Path) -> None:

@@ -150,7 +150,7 @@ async def test_call_arm_passes_usage_through_when_client_asked_and_reads_vllm_me
         relay = _Collect()
         await call_arm(s, arm, body, endpoint="chat", record=rec, relay=relay, capture_output=True)
         events = [e.data for e in SSEParser().feed(bytes(relay.data))]
-        chunks = [orjson.loads(d) for d in events if d != b"[DONE]"]
+        chunks = [orjson.loads(d) for d in events if d is not None and d != b"[DONE]"]
         assert all("usage" not in c for c in chunks if c["choices"])  # not continuous: not asked
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
         assert rec.spec_source == "vllm_request_metrics" and rec.num_drafts == 4 and rec.output_text

@@ -271,7 +271,7 @@ def test_runs_and_backend_metrics_rows(sink: SpanSink, db: Path) -> None:
         db,
         "SELECT run_id, arm, scraped_at, phase, name, labels_json, value FROM backend_metrics ORDER BY name",
     )
-    assert got == sorted((tuple(r) for r in rows), key=lambda r: r[4])
+    assert got == [tuple(r) for r in sorted(rows, key=lambda r: r.name)]
 
 
 def test_sdk_disabled_by_environment_still_fills_the_store(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -191,7 +191,12 @@ async def test_a_consumer_that_asks_to_pause_stops_the_reads_until_resume() -> N
         # pool reading again, and the next call on it gets its answer.
         ex = await client.post(url, b"", {})
         pieces: list[bytes] = []
-        ex.consume(lambda data: pieces.append(data) is None)
+
+        def pause_at_every_piece(data: bytes) -> bool:
+            pieces.append(data)
+            return True
+
+        ex.consume(pause_at_every_piece)
         while not await ex.wait():
             ex.resume()
         ex.release()
@@ -217,7 +222,7 @@ async def test_cancelling_a_call_closes_its_connection() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         ex.abort()
-        await asyncio.wait_for(closed.wait(), 2)
+        await asyncio.wait_for(closed.wait(), WAIT_S)
 
 
 async def test_https_arms_are_called_over_tls() -> None:
