@@ -15,6 +15,11 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
+# Long enough for a loaded shared machine; a test that waits this long has failed anyway.
+WAIT_S = 30.0
+_POLL_S = 0.01  # in-process conditions are cheap to check
+_POLL_SYNC_S = 0.05  # these often ask another process (HTTP, /proc)
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -23,7 +28,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_http(url: str, timeout: float = WAIT_S, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Poll `url` until it answers 2xx; fail early if `proc` died."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
@@ -37,13 +42,8 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | N
                     return
         except (urllib.error.URLError, OSError) as exc:
             last = exc
-        time.sleep(0.05)
+        time.sleep(_POLL_SYNC_S)
     raise TimeoutError(f"{url} did not answer within {timeout}s (last error: {last})")
-
-
-# Long enough for a loaded shared machine; a test that waits this long has failed anyway.
-WAIT_S = 30.0
-_POLL_S = 0.01
 
 
 async def wait_until(condition: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
@@ -76,7 +76,7 @@ def wait_until_sync(condition: Callable[[], object], what: str, timeout: float =
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"waited {timeout:g} s for {what}")
-        time.sleep(_POLL_S)
+        time.sleep(_POLL_SYNC_S)
 
 
 def metric_sum(metrics_url: str, sample: str) -> float:
