@@ -70,6 +70,16 @@ async def loop_turns(n: int) -> None:
         await asyncio.sleep(0)
 
 
+def http_ok(url: str) -> bool:
+    """Whether ``url`` answers 2xx right now (a refused connection is a no)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5.0) as resp:
+            status: int = resp.status
+    except (urllib.error.URLError, OSError):
+        return False
+    return 200 <= status < 300
+
+
 def wait_until_sync(condition: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
     """:func:`wait_until` for tests without an event loop."""
     deadline = time.monotonic() + timeout

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from specproxy.cli import main
 from tests.backends import BackendConfig, running_backend
-from tests.support import free_port, start_cli, stop, wait_http, wait_until, wait_until_sync
+from tests.support import free_port, http_ok, start_cli, stop, wait_http, wait_until, wait_until_sync
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> str:
@@ -37,9 +37,10 @@ def _write_config(path: Path, base_url: str, cand_url: str | None, db: Path) -> 
 async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_path: Path) -> None:
     db = tmp_path / "spans.duckdb"
     n = 24
+    release = asyncio.Event()  # the backends generate once the proxy has been told to stop
     async with (
-        running_backend(BackendConfig(itl_s=0.02, tokens=30)) as base,
-        running_backend(BackendConfig(itl_s=0.02, tokens=30, tokens_per_chunk=3)) as cand,
+        running_backend(BackendConfig(itl_s=0.02, tokens=30, gate=release)) as base,
+        running_backend(BackendConfig(itl_s=0.02, tokens=30, tokens_per_chunk=3, gate=release)) as cand,
     ):
         cfg = _write_config(tmp_path / "exp.toml", base.url, cand.url, db)
         port = free_port()
@@ -60,6 +61,10 @@ async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_pa
                     f"all {n} requests and their shadow copies in flight",
                 )
                 proc.send_signal(signal.SIGTERM)
+                health = f"http://127.0.0.1:{port}/health"
+                stopping = "the proxy to stop taking connections"
+                await asyncio.to_thread(wait_until_sync, lambda: not http_ok(health), stopping)
+                release.set()
                 bodies = await asyncio.gather(*tasks)
             assert all(b.endswith(b"data: [DONE]\n\n") for b in bodies)  # graceful: all finished
             code = await asyncio.to_thread(proc.wait, 30)
