@@ -5,8 +5,9 @@
 logprobs), /v1/models, /version, /health and /metrics. Outputs are deterministic: token i of a prompt
 is a function of the prompt and i, so two backends agree unless one is told to diverge.
 :class:`BackendConfig` sets timing (TTFT, gap between chunks), tokens per chunk (a speculative arm
-sends several), failures and non-vLLM behaviour. :class:`BackendStats` counts what happened
-(requests, completions, cancellations seen when the client went away) and keeps received headers.
+sends several), failures, non-vLLM behaviour, and a gate that holds every generation until a test opens
+it. :class:`BackendStats` counts what happened (requests, completions, cancellations seen when the client
+went away) and keeps received headers.
 
 Example::
 
@@ -46,7 +47,8 @@ class BackendConfig:
     diverge_at: int | None = None  # token index from which this backend's output differs
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
     fail: str | None = None
-    eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
+    gate: asyncio.Event | None = None  # when given, generation waits for it (a backend slow until told)
+    eof_gate: asyncio.Event | None = None  # when given, the body ends after [DONE] only once it is set
     version: str = "0.33.0"
 
 
@@ -160,6 +162,8 @@ async def _generate(
         writer = await stream.prepare(request)
         assert writer is not None
         writer.send_headers()
+    if cfg.gate is not None:
+        await cfg.gate.wait()
     if cfg.ttft_s:
         await asyncio.sleep(cfg.ttft_s)
     if cfg.fail == "hang":
@@ -266,8 +270,8 @@ async def _generate(
         await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     stats.completed += 1
-    if cfg.eof_delay_s:
-        await asyncio.sleep(cfg.eof_delay_s)
+    if cfg.eof_gate is not None:
+        await cfg.eof_gate.wait()
     await resp.write_eof()
     return resp
 
@@ -330,6 +334,9 @@ async def _metrics(request: web.Request) -> web.Response:
     text = (
         "# TYPE vllm:num_requests_running gauge\n"
         f'vllm:num_requests_running{{engine="0",model_name="test-model"}} {stats.active}\n'
+        # Not a vLLM series (scrapers keep vllm:* only): lets a test in another process wait for answers.
+        "# TYPE test_backend_completed counter\n"
+        f"test_backend_completed_total {stats.completed}\n"
     )
     return web.Response(text=text, content_type="text/plain")
 

@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import duckdb
@@ -172,9 +171,12 @@ def test_export_parquet(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "pq"
     result = run("export", str(store), "--parquet", str(out), "--run", "shadow")
     assert result.returncode == 0, result.stderr
-    n = duckdb.sql(f"SELECT count(*), count(DISTINCT run_id) FROM '{out / 'requests.parquet'}'").fetchall()[0]
-    assert n == (120, 1)
-    assert duckdb.sql(f"SELECT name FROM '{out / 'runs.parquet'}'").fetchall() == [("shadow",)]
+    with duckdb.connect() as conn:
+        n = conn.execute(
+            f"SELECT count(*), count(DISTINCT run_id) FROM '{out / 'requests.parquet'}'"
+        ).fetchall()
+        assert n == [(120, 1)]
+        assert conn.execute(f"SELECT name FROM '{out / 'runs.parquet'}'").fetchall() == [("shadow",)]
 
 
 def test_worker_files_and_several_dbs_are_read_as_one(tmp_path: Path) -> None:
@@ -261,9 +263,10 @@ def test_a_file_locked_by_a_writer_is_a_sentence(tmp_path: Path, store: Path) ->
         [
             sys.executable,
             "-c",
-            f"import duckdb, time; c = duckdb.connect({str(path)!r}); print('ok', flush=True); "
-            "time.sleep(30)",
+            f"import duckdb, sys; c = duckdb.connect({str(path)!r}); print('ok', flush=True); "
+            "sys.stdin.read()",  # holds the file until killed
         ],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -276,8 +279,9 @@ def test_a_file_locked_by_a_writer_is_a_sentence(tmp_path: Path, store: Path) ->
         assert "Traceback" not in result.stderr
     finally:
         holder.kill()
-        holder.wait()
-    time.sleep(0.1)
+        holder.wait()  # its lock goes with the process
+        if holder.stdin is not None:
+            holder.stdin.close()
     assert run("analyze", str(path)).returncode == 0
 
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from specproxy.cli import main
 from tests.backends import BackendConfig, running_backend
-from tests.test_proxy_app import running_proxy
+from tests.proxies import running_proxy
 
 README = Path(__file__).resolve().parents[1] / "proxy" / "README.md"
 

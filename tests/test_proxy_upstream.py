@@ -14,7 +14,7 @@ from specproxy.proxy.upstream.calls import UpstreamState, UpstreamTimeout, call_
 from specproxy.proxy.upstream.sse import CompletionTap, SSEParser
 from specproxy.proxy.upstream.wire import UpstreamClient
 from tests.backends import BackendConfig, running_backend, token_ids_for, token_text
-from tests.support import free_port
+from tests.support import free_port, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "héllo"}], "temperature": 0, "max_tokens": 9}
 
@@ -150,7 +150,7 @@ async def test_call_arm_passes_usage_through_when_client_asked_and_reads_vllm_me
         relay = _Collect()
         await call_arm(s, arm, body, endpoint="chat", record=rec, relay=relay, capture_output=True)
         events = [e.data for e in SSEParser().feed(bytes(relay.data))]
-        chunks = [orjson.loads(d) for d in events if d != b"[DONE]"]
+        chunks = [orjson.loads(d) for d in events if d is not None and d != b"[DONE]"]
         assert all("usage" not in c for c in chunks if c["choices"])  # not continuous: not asked
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
         assert rec.spec_source == "vllm_request_metrics" and rec.num_drafts == 4 and rec.output_text
@@ -208,33 +208,31 @@ async def test_call_arm_refused_and_timeout() -> None:
         arm = _arm(b.url)
         rec = new_record("run", "r", arm, CHAT, endpoint="chat", routed_as="primary")
         await call_arm(s, arm, CHAT, endpoint="chat", record=rec, timeout=UpstreamTimeout(total=0.3))
-        assert rec.status == "timeout" and 0.25 < (rec.e2e_s or 0) < 2
+        assert rec.status == "timeout" and (rec.e2e_s or 0) >= 0.25  # at its timeout, not at once
 
 
 async def test_read_timeout_ends_a_stream_that_stalls_but_not_one_that_keeps_sending() -> None:
     # The read timeout is a watchdog (one timer per period, not one per read): a stream silent
     # for longer than it times out; a stream whose whole length is many read timeouts but whose gaps are
-    # shorter does not.
-    timeout = UpstreamTimeout(read=0.3)
+    # shorter does not. Gaps 10x shorter than the timeout: a busy machine does not stretch them that far.
+    timeout = UpstreamTimeout(read=1.0)
     async with running_backend(BackendConfig(fail="stall", itl_s=0.01)) as b, UpstreamClient() as s:
         arm = _arm(b.url)
         body = {**CHAT, "stream": True}
         rec = new_record("run", "r", arm, body, endpoint="chat", routed_as="primary")
         relay = _Collect()
         await call_arm(s, arm, body, endpoint="chat", record=rec, relay=relay, timeout=timeout)
-        assert rec.status == "timeout" and 0.3 < (rec.e2e_s or 0) < 1.5
+        assert rec.status == "timeout" and (rec.e2e_s or 0) >= 1.0
         assert rec.chunks == 2 and b"w" in relay.data
-        for _ in range(50):
-            if b.stats.cancelled:
-                break
-            await asyncio.sleep(0.02)
-        assert b.stats.cancelled == 1  # the stalled connection was closed
-    async with running_backend(BackendConfig(itl_s=0.1, tokens=10)) as b, UpstreamClient() as s:
+        # The stalled connection is closed.
+        await wait_until(lambda: b.stats.cancelled == 1, "the backend to see the call cancelled")
+    async with running_backend(BackendConfig(itl_s=0.1, tokens=25)) as b, UpstreamClient() as s:
         arm = _arm(b.url)
-        body = {**CHAT, "stream": True, "max_tokens": 10}
+        body = {**CHAT, "stream": True, "max_tokens": 25}
         rec = new_record("run", "r", arm, body, endpoint="chat", routed_as="primary")
         await call_arm(s, arm, body, endpoint="chat", record=rec, timeout=timeout)
-        assert rec.status == "ok" and rec.completion_tokens == 10 and (rec.e2e_s or 0) > 0.9
+        # 24 gaps of 0.1 s: longer than two read timeouts in all.
+        assert rec.status == "ok" and rec.completion_tokens == 25 and (rec.e2e_s or 0) > 2.3
 
 
 async def test_cancelling_call_arm_aborts_the_upstream_generation() -> None:
@@ -243,13 +241,10 @@ async def test_cancelling_call_arm_aborts_the_upstream_generation() -> None:
         body = {"model": "m", "prompt": "p", "stream": True, "max_tokens": 100}
         rec = new_record("run", "r", arm, body, endpoint="completions", routed_as="primary")
         task = asyncio.create_task(call_arm(s, arm, body, endpoint="completions", record=rec))
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: b.stats.active == 1, "the backend to be generating")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert rec.status == "client_cancelled"
-        for _ in range(50):
-            if b.stats.cancelled:
-                break
-            await asyncio.sleep(0.02)
-        assert b.stats.cancelled == 1 and b.stats.completed == 0
+        await wait_until(lambda: b.stats.cancelled == 1, "the backend to see the call cancelled")
+        assert b.stats.completed == 0

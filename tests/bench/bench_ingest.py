@@ -128,7 +128,7 @@ def bench_writer(tmp: Path, spans: list[ReadableSpan], batch: int, rows: bool) -
             exporter.write_rows(ready[k : k + batch])
         else:
             exporter.export(spans[k : k + batch])
-    assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == len(spans)  # type: ignore[index]
+    assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == len(spans)
     conn.close()  # the final checkpoint is part of the cost
     dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     return len(spans) / dt, len(spans) / dcpu

@@ -376,11 +376,11 @@ def main() -> None:
         for c in levels:
             if c == 1:
                 paired = {n: targets[n] for n in ("direct", "bare", "split", "shadow")}
-                before = {n: cpu_s(pids[n]) for n in paired}
+                cpu_before = {n: cpu_s(pids[n]) for n in paired}
                 res = asyncio.run(paired_rounds(paired, args.c1_rounds, args.c1_block))
                 tokens = 64 * args.c1_rounds * (args.c1_block + 1)
                 print_paired(
-                    res, {n: 1e6 * (cpu_s(pids[n]) - before[n]) / tokens for n in paired}, args.c1_block
+                    res, {n: 1e6 * (cpu_s(pids[n]) - cpu_before[n]) / tokens for n in paired}, args.c1_block
                 )
                 continue
             samples: dict[str, list[tuple[CaseResult, float]]] = {name: [] for name in targets}
