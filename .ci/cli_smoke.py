@@ -34,7 +34,8 @@ def command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tupl
     with click.Context(group) as ctx:
         for name in group.list_commands(ctx):
             command = group.get_command(ctx, name)
-            assert command is not None, f"specproxy {' '.join(prefix)} {name}: listed but not found"
+            if command is None:
+                sys.exit(f"specproxy {shlex.join((*prefix, name))}: listed but not found")
             paths.append((*prefix, name))
             if isinstance(command, click.Group):
                 paths += command_paths(command, (*prefix, name))
