@@ -64,17 +64,48 @@ def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
     return out
 
 
+_LOCK_HOLDER = re.compile(r"Conflicting lock is held in (?P<program>.+?) \(PID (?P<pid>\d+)\)")
+# DuckDB's words for a file it cannot read back: a block whose checksum fails, or a file cut short.
+_DAMAGE_MARKS = ("corrupt database file", "does not match stored checksum", "could not read enough bytes")
+
+
+def is_damage(text: str) -> bool:
+    """Whether a DuckDB error says a file's bytes are damaged (truncated, or a checksum that fails)."""
+    lowered = text.lower()
+    return any(mark in lowered for mark in _DAMAGE_MARKS)
+
+
+def _first_line(text: str) -> str:
+    return re.sub(r"^[A-Za-z ]*Error: ", "", text.splitlines()[0] if text else "")
+
+
+def _damaged(path: Path | str, text: str) -> StoreError:
+    return StoreError(
+        f"{path} is damaged ({_first_line(text)}); DuckDB cannot read it back: "
+        "restore the file from a copy, or measure again"
+    )
+
+
 def _attach_error(path: Path, exc: duckdb.Error) -> StoreError:
+    """DuckDB's reason for not opening a file, as what it means: locked, damaged, not DuckDB, other."""
     text = str(exc)
-    if "lock" in text.lower():
+    if "Could not set lock" in text or "Conflicting lock" in text:
+        holder = _LOCK_HOLDER.search(text)
+        who = f" (PID {holder['pid']}, {holder['program']})" if holder else ""
         return StoreError(
-            f"{path} is open for writing by another process (DuckDB allows one writer and no readers "
-            f"beside it); stop that process (`specproxy serve`/`replay`) or analyse a copy: "
+            f"{path} is open for writing by another process{who}, and DuckDB allows one writer and no "
+            f"readers beside it; stop that process (`specproxy serve`/`replay`) or analyse a copy: "
             f"cp {path} /tmp/{path.name}"
         )
-    if "not a valid DuckDB database" in text or "Serialization" in text or "Corrupt" in text.lower():
-        return StoreError(f"{path} is not a readable DuckDB span store ({text.splitlines()[0]})")
-    return StoreError(f"cannot open {path}: {text.splitlines()[0]}")
+    if is_damage(text):
+        return _damaged(path, text)
+    if "not a valid DuckDB database file" in text:
+        return StoreError(
+            f"{path} is not a DuckDB file; give the .duckdb file that `specproxy serve` or `replay` wrote"
+        )
+    if "version number" in text:
+        return StoreError(f"{path} was written by another DuckDB version: {_first_line(text)}")
+    return StoreError(f"cannot open {path}: {_first_line(text)}")
 
 
 @dataclass
@@ -201,8 +232,11 @@ def _empty_table_ddl(table: str) -> str:
 
 
 @contextmanager
-def query_errors() -> Iterator[None]:
-    """DuckDB errors while analysing become a StoreError with what to do about them."""
+def query_errors(paths: Sequence[Path] = ()) -> Iterator[None]:
+    """DuckDB errors while analysing ``paths`` become a StoreError with what to do about them.
+
+    A damaged block is often found only when a query reads it, so damage is named here too.
+    """
     try:
         yield
     except duckdb.OutOfMemoryException as exc:
@@ -212,4 +246,14 @@ def query_errors() -> Iterator[None]:
             "raise it, e.g. SPECPROXY_ANALYSIS_MEMORY=8GB, or analyse one run at a time (--run)"
         ) from exc
     except duckdb.Error as exc:
-        raise StoreError(f"the analysis query failed: {str(exc).splitlines()[0]}") from exc
+        text = str(exc)
+        if is_damage(text):
+            named = [p for p in paths if str(p) in text or str(p.resolve()) in text]
+            culprit = named[0] if named else paths[0] if len(paths) == 1 else None
+            if culprit is not None:
+                raise _damaged(culprit, text) from exc
+            raise StoreError(
+                f"one of {', '.join(map(str, paths))} is damaged ({_first_line(text)}); "
+                "analyse them one at a time to find it"
+            ) from exc
+        raise StoreError(f"the analysis query failed: {_first_line(text)}") from exc

@@ -1,0 +1,105 @@
+"""The analysis commands on files that are not a healthy, readable span store: one sentence, exit 1.
+
+Real DuckDB files damaged the way disks and copies damage them, a real second process holding the
+write lock, and the attacks a read-only query tool must refuse.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.spanfactory import ArmSpec, make_run, write_db
+
+ARMS = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.3)]
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`specproxy ARGS` in a real subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=cwd,
+    )
+
+
+def failed_with(result: subprocess.CompletedProcess[str], *phrases: str) -> None:
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = make_run(ARMS, levels=(1, 4), n_per_level=400, seed=5)
+    return write_db(tmp_path_factory.mktemp("errors") / "spans.duckdb", [run])
+
+
+def test_a_truncated_file_is_damaged_not_locked(store: Path, tmp_path: Path) -> None:
+    data = store.read_bytes()
+    cut = tmp_path / "cut.duckdb"
+    cut.write_bytes(data[: len(data) // 2])
+    result = cli("analyze", str(cut))
+    failed_with(result, f"{cut} is damaged")
+    assert "open for writing" not in result.stderr
+
+
+def test_a_checksum_error_is_damaged_not_locked(store: Path, tmp_path: Path) -> None:
+    # The second header block: DuckDB checks it when attaching ("... in block at location 4096").
+    data = bytearray(store.read_bytes())
+    data[4096:4200] = bytes(104)
+    bad = tmp_path / "checksum.duckdb"
+    bad.write_bytes(bytes(data))
+    for command in (("analyze",), ("sql", "SELECT 1"), ("report", "-o", str(tmp_path / "r.html"))):
+        args = [command[0], str(bad), *command[1:]]
+        result = cli(*args)
+        failed_with(result, f"{bad} is damaged", "checksum")
+        assert "open for writing" not in result.stderr
+
+
+def test_garbage_is_not_a_duckdb_file(tmp_path: Path) -> None:
+    garbage = tmp_path / "notes.duckdb"
+    garbage.write_bytes(b"this is a text file, not a database\n" * 200)
+    empty = tmp_path / "empty.duckdb"
+    empty.write_bytes(b"")
+    failed_with(cli("analyze", str(garbage)), f"{garbage} is not a DuckDB file")
+    failed_with(cli("sql", str(empty), "SELECT 1"), f"{empty} is not a DuckDB file")
+
+
+def test_a_missing_file_says_so(tmp_path: Path) -> None:
+    failed_with(cli("analyze", str(tmp_path / "nope.duckdb")), "no such span store")
+
+
+def test_a_locked_file_names_the_process_holding_it(store: Path, tmp_path: Path) -> None:
+    path = tmp_path / "locked.duckdb"
+    path.write_bytes(store.read_bytes())
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import duckdb, sys; c = duckdb.connect({str(path)!r}); print('ok', flush=True); "
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ok"
+        result = cli("analyze", str(path))
+        failed_with(result, "open for writing", f"PID {holder.pid}", f"cp {path}")
+        assert "damaged" not in result.stderr
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        assert holder.stdout is not None
+        holder.stdout.close()
+    assert cli("analyze", str(path)).returncode == 0
