@@ -6,12 +6,15 @@ write lock, and the attacks a read-only query tool must refuse.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import duckdb
 import pytest
 
+from specproxy import schema
 from tests.spanfactory import ArmSpec, make_run, write_db
 
 ARMS = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.3)]
@@ -103,3 +106,82 @@ def test_a_locked_file_names_the_process_holding_it(store: Path, tmp_path: Path)
         assert holder.stdout is not None
         holder.stdout.close()
     assert cli("analyze", str(path)).returncode == 0
+
+
+def _store_of_version(path: Path, version: int, source: Path) -> Path:
+    """A span store of an older schema ``version`` holding ``source``'s rows (in the columns it has)."""
+    with duckdb.connect(str(path)) as conn:
+        conn.execute("CREATE TABLE schema_version (version INTEGER, applied_at TIMESTAMPTZ)")
+        for v, statements in enumerate(schema.MIGRATIONS[:version], 1):
+            for stmt in statements:
+                conn.execute(stmt)
+            conn.execute("INSERT INTO schema_version VALUES (?, now())", [v])
+        conn.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
+        for table in ("requests", "runs", "backend_metrics"):
+            names = [r[0] for r in conn.execute(f"DESCRIBE {table}").fetchall()]
+            cols = ", ".join(f'"{n}"' for n in names)
+            conn.execute(f"INSERT INTO {table} SELECT {cols} FROM src.main.{table}")
+    return path
+
+
+def test_a_foreign_requests_table_is_not_a_span_store(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign.duckdb"
+    with duckdb.connect(str(foreign)) as conn:
+        conn.execute("CREATE TABLE requests (id INTEGER, url VARCHAR)")
+        conn.execute("INSERT INTO requests VALUES (1, 'http://example')")
+    for args in (
+        ("analyze", str(foreign)),
+        ("sql", str(foreign), "SELECT count(*) FROM arm_summary"),
+        ("report", str(foreign), "-o", str(tmp_path / "r.html")),
+    ):
+        failed_with(cli(*args), f"{foreign} is a DuckDB file but not a specproxy span store", "requests")
+
+
+def test_a_requests_table_of_the_wrong_shape_is_named(store: Path, tmp_path: Path) -> None:
+    mangled = tmp_path / "mangled.duckdb"
+    mangled.write_bytes(store.read_bytes())
+    with duckdb.connect(str(mangled)) as conn:
+        conn.execute("ALTER TABLE requests DROP COLUMN ttft_s")
+        conn.execute("ALTER TABLE requests ALTER COLUMN e2e_s TYPE VARCHAR")
+    for args in (
+        ("analyze", str(mangled)),
+        ("sql", str(mangled), "SELECT 1"),
+        ("report", str(mangled), "-o", str(tmp_path / "r.html")),
+    ):
+        failed_with(
+            cli(*args),
+            f"schema version {schema.SCHEMA_VERSION}",
+            "requests lacks the column ttft_s",
+            "requests.e2e_s is VARCHAR, not DOUBLE",
+        )
+
+
+def test_a_store_from_a_newer_specproxy_asks_for_an_upgrade(store: Path, tmp_path: Path) -> None:
+    newer = tmp_path / "newer.duckdb"
+    newer.write_bytes(store.read_bytes())
+    with duckdb.connect(str(newer)) as conn:
+        conn.execute("INSERT INTO schema_version VALUES (?, now())", [schema.SCHEMA_VERSION + 1])
+    failed_with(cli("analyze", str(newer)), "written by a newer specproxy", "upgrade specproxy")
+
+
+def test_an_older_schema_reads_null_for_the_columns_it_lacks(store: Path, tmp_path: Path) -> None:
+    """Schema 7 appended columns to requests and a health table; a schema 6 file is still analysed."""
+    old = _store_of_version(tmp_path / "v6.duckdb", 6, store)
+    expected = cli("analyze", str(store), "--format", "csv")
+    assert expected.returncode == 0, expected.stderr
+    result = cli("analyze", str(old), "--format", "csv")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected.stdout
+    probe = cli(
+        "sql",
+        str(old),
+        "SELECT count(*) AS n, count(round) AS rounds, count(engine) AS engines, "
+        "(SELECT count(*) FROM health) AS checks FROM requests",
+        "--format",
+        "json",
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert json.loads(probe.stdout) == [{"n": 1600, "rounds": 0, "engines": 0, "checks": 0}]
+    # an old file and a current one read as one store
+    mixed = cli("sql", str(old), str(store), "SELECT count(*) AS n FROM requests", "--format", "csv")
+    assert mixed.returncode == 0 and mixed.stdout.splitlines()[1] == "3200", mixed.stderr
