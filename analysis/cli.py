@@ -197,22 +197,20 @@ def format_result(names: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str)
     help="Output format.",
 )
 def sql(args: tuple[str, ...], fmt: str) -> None:
-    """Run QUERY (the last argument) on the span store(s).
+    """Run QUERY (the last argument) on the span store(s), read-only.
 
-    Tables requests, runs, backend_metrics and views arm_summary, pairs, identity, acceptance are
-    available; several DB files are queried as their union. Example:
+    Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance
+    are available; several DB files are queried as their union. Example:
 
         specproxy sql specproxy.duckdb "SELECT arm, level, agg_tok_s FROM arm_summary"
+
+    Only SELECT-style statements run (SELECT, WITH, FROM, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN), and
+    the query reads no file but the span store: it is read-only. Use the DuckDB CLI to change the file.
     """
     *dbs, query = args
     try:
         with open_store(_dbs(dbs)) as store:
-            try:
-                cur = store.conn.execute(query)
-                names = [d[0] for d in cur.description or []]
-                rows = cur.fetchall() if names else []
-            except duckdb.Error as exc:
-                raise click.ClickException(f"the query failed: {str(exc).splitlines()[0]}") from exc
+            names, rows = store.read_only_query(query)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_result(names, rows, fmt), nl=False)

@@ -128,11 +128,79 @@ class SpanStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def seal(self) -> None:
+        """From now on this connection reads only what is attached: no other file, no extension, no
+        setting changed (a query cannot undo this: the configuration is locked)."""
+        for setting in (
+            "autoinstall_known_extensions = false",
+            "autoload_known_extensions = false",
+            "enable_external_access = false",
+            "lock_configuration = true",
+        ):
+            self.conn.execute(f"SET {setting}")
+
+    def read_only_query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Column names and rows of the last statement of ``sql``, which may only read.
+
+        Defence in depth: the statements are checked first (nothing runs if one would write), the
+        connection is sealed, and the files are attached read-only. Errors are StoreError.
+        """
+        statements = read_only_statements(sql)
+        self.seal()
+        try:
+            for stmt in statements:
+                cur = self.conn.execute(stmt)
+            names = [d[0] for d in cur.description or []]
+            return names, (cur.fetchall() if names else [])
+        except duckdb.PermissionException as exc:
+            raise StoreError(
+                f"the query failed: `specproxy sql` reads only the span store, no other file "
+                f"({_first_line(str(exc))})"
+            ) from exc
+        except duckdb.Error as exc:
+            text = str(exc)
+            if is_damage(text):
+                raise _damaged(
+                    self.paths[0] if len(self.paths) == 1 else ", ".join(map(str, self.paths)), text
+                ) from exc
+            raise StoreError(f"the query failed: {_first_line(text)}") from exc
+
     def query(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Rows as dicts (column name → value)."""
         cur = self.conn.execute(sql, params if params is not None else [])
         names = [d[0] for d in cur.description or []]
         return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+# Statement types `specproxy sql` runs (SELECT covers WITH, FROM-first, DESCRIBE, SHOW, SUMMARIZE and
+# PIVOT with an IN list); EXPLAIN only when what it explains is one of them, as EXPLAIN ANALYZE runs it.
+READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
+_EXPLAIN = re.compile(r"^\s*explain\b\s*(\([^)]*\)\s*)?(analy[sz]e\b)?", re.IGNORECASE)
+
+
+def read_only_statements(sql: str) -> list[Any]:
+    """The statements of ``sql`` if every one only reads; StoreError naming the first that does not.
+
+    >>> [s.type.name for s in read_only_statements("SELECT 1; EXPLAIN SELECT 2")]
+    ['SELECT', 'EXPLAIN']
+    """
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise StoreError(f"the query failed: {_first_line(str(exc))}") from exc
+    if not statements:
+        raise StoreError("the query is empty; give a SELECT statement")
+    for stmt in statements:
+        kind = stmt.type.name
+        if kind == "EXPLAIN":
+            read_only_statements(_EXPLAIN.sub("", stmt.query, count=1))
+        elif kind not in READ_ONLY_STATEMENTS:
+            raise StoreError(
+                f"`specproxy sql` only reads, and this query has a {kind} statement "
+                f"({stmt.query.strip()[:60]!r}); it runs SELECT, WITH, FROM, DESCRIBE, SHOW, SUMMARIZE "
+                "and EXPLAIN. To change a span store file, open it with the DuckDB CLI"
+            )
+    return statements
 
 
 def open_store(paths: Sequence[str | Path]) -> SpanStore:

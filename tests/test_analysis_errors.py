@@ -6,6 +6,7 @@ write lock, and the attacks a read-only query tool must refuse.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from click.testing import CliRunner
 
 from specproxy import schema
+from specproxy.cli import main
 from tests.spanfactory import ArmSpec, make_run, write_db
 
 ARMS = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.3)]
@@ -185,3 +188,77 @@ def test_an_older_schema_reads_null_for_the_columns_it_lacks(store: Path, tmp_pa
     # an old file and a current one read as one store
     mixed = cli("sql", str(old), str(store), "SELECT count(*) AS n FROM requests", "--format", "csv")
     assert mixed.returncode == 0 and mixed.stdout.splitlines()[1] == "3200", mixed.stderr
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    """`specproxy ARGS` in-process (the click group itself), for the many cheap checks."""
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
+def _fingerprint(path: Path) -> tuple[str, int]:
+    with duckdb.connect(str(path), read_only=True) as conn:
+        row = conn.execute("SELECT count(*) FROM requests").fetchone()
+    return hashlib.sha256(path.read_bytes()).hexdigest(), row[0] if row else -1
+
+
+def test_sql_cannot_change_the_store_or_touch_other_files(store: Path, tmp_path: Path) -> None:
+    target = tmp_path / "target.duckdb"
+    target.write_bytes(store.read_bytes())
+    before = _fingerprint(target)
+    out = tmp_path / "out"
+    attacks = [
+        f"DETACH db0; ATTACH '{target}' AS w; DROP TABLE w.main.requests",
+        f"ATTACH '{target}' AS w; DELETE FROM w.main.requests",
+        f"ATTACH '{tmp_path / 'new.duckdb'}' AS n",
+        f"COPY (SELECT * FROM requests) TO '{out}.csv'",
+        f"COPY requests TO '{out}.parquet' (FORMAT parquet)",
+        f"EXPORT DATABASE '{out}'",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "SET enable_external_access = true",
+        "RESET lock_configuration",
+        "PRAGMA memory_limit = '64GB'",
+        "PRAGMA force_checkpoint",
+        "CHECKPOINT",
+        "CREATE TABLE copy AS SELECT * FROM requests",
+        "INSERT INTO requests SELECT * FROM requests",
+        "UPDATE requests SET arm = 'x'",
+        "DELETE FROM requests",
+        "DROP VIEW arm_summary",
+        "EXPLAIN ANALYZE CREATE TABLE z AS SELECT 1",
+        "SELECT 1 AS first; DROP VIEW requests",
+        "SELECT * FROM read_csv('/etc/passwd')",
+        "SELECT * FROM read_text('/etc/hostname')",
+        "SELECT * FROM glob('/etc/*')",
+    ]
+    for attack in attacks:
+        result = run("sql", str(target), attack)
+        assert result.returncode == 1, (attack, result.stdout)
+        assert "Traceback" not in result.stderr and result.stdout == "", (attack, result.stderr)
+        assert "only reads" in result.stderr or "reads only the span store" in result.stderr, (
+            attack,
+            result.stderr,
+        )
+    headline = cli("sql", str(target), attacks[0])
+    failed_with(headline, "only reads", "DETACH", "DuckDB CLI")
+    assert _fingerprint(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target.duckdb"]
+
+
+def test_sql_still_answers_every_kind_of_read(store: Path) -> None:
+    reads = {
+        "DESCRIBE requests": "column_name",
+        "SHOW TABLES": "name",
+        "SUMMARIZE SELECT ttft_s FROM requests": "column_name",
+        "EXPLAIN SELECT count(*) FROM requests": "explain_key",
+        "WITH a AS (SELECT 1 AS x) SELECT x FROM a": "x",
+        "FROM runs SELECT count(*) AS n": "n",
+        "SELECT 1 AS one; SELECT arm, count(*) AS n FROM requests GROUP BY arm ORDER BY arm": "arm",
+    }
+    for query, header in reads.items():
+        result = run("sql", str(store), query, "--format", "csv")
+        assert result.returncode == 0, (query, result.stderr)
+        assert result.stdout.splitlines()[0].split(",")[0] == header, (query, result.stdout)
+    assert "read-only" in run("sql", "--help").stdout
+    assert "DuckDB CLI" in run("sql", "--help").stdout
