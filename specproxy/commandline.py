@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,6 +51,24 @@ class ConcurrencyLevels(click.ParamType):  # type: ignore[type-arg]
             return parse_levels(str(value))
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+
+
+class FiniteFloat(click.FloatRange):
+    """A float option in an optional range that must also be a finite number.
+
+    click's FloatRange compares with < and >, which NaN always passes, and accepts infinity.
+
+    >>> FiniteFloat(min=0, min_open=True).convert("2.5", None, None)
+    2.5
+    """
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(number, param, ctx)
 
 
 def experiment_or_none(path: Path | None) -> Experiment | None:
