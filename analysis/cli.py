@@ -23,6 +23,7 @@ from specproxy.analysis.evaluation import Settings
 from specproxy.analysis.render import FORMATS
 from specproxy.analysis.store import StoreError, open_store
 from specproxy.analysis.verdict import Thresholds
+from specproxy.commandline import FiniteFloat
 
 DEFAULT_DB = "specproxy.duckdb"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -40,28 +41,28 @@ def settings_options(func: F) -> F:
         ),
         click.option(
             "--win-threshold",
-            type=float,
+            type=FiniteFloat(),
             default=1.05,
             show_default=True,
             help="WIN needs the decode speedup's CI lower bound above this.",
         ),
         click.option(
             "--identity-min",
-            type=click.FloatRange(0, 100),
+            type=FiniteFloat(0, 100),
             default=99.0,
             show_default=True,
             help="Identical outputs needed, in percent (below it: LOSS).",
         ),
         click.option(
             "--near-tie-margin",
-            type=float,
+            type=FiniteFloat(),
             default=0.5,
             show_default=True,
             help="A mismatch whose logprob margin (top-1 minus top-2, nats) is at most this is a near-tie.",
         ),
         click.option(
             "--confidence",
-            type=click.FloatRange(0.5, 0.999),
+            type=FiniteFloat(0.5, 0.999),
             default=0.95,
             show_default=True,
             help="Confidence level of the bootstrap intervals.",

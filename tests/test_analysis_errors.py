@@ -262,3 +262,18 @@ def test_sql_still_answers_every_kind_of_read(store: Path) -> None:
         assert result.stdout.splitlines()[0].split(",")[0] == header, (query, result.stdout)
     assert "read-only" in run("sql", "--help").stdout
     assert "DuckDB CLI" in run("sql", "--help").stdout
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--confidence", "nan"),
+        ("--identity-min", "nan"),
+        ("--win-threshold", "nan"),
+        ("--identity-min", "101"),
+        ("--near-tie-margin", "inf"),
+    ],
+)
+def test_verdict_options_must_be_finite_numbers_in_range(store: Path, option: str, value: str) -> None:
+    result = run("analyze", str(store), option, value)
+    assert result.returncode == 2 and option in result.stderr, result.stderr
