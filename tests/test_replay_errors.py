@@ -8,6 +8,7 @@ a closed port); the skip case replays against a real test backend on 127.0.0.1.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from specproxy.proxy.replay.loadgen import poisson_offsets, timed_offsets
 from tests.support import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,3 +204,18 @@ def test_skip_counts_every_bad_record_and_measures_the_rest(tmp_path: Path, back
     with duckdb.connect(str(db), read_only=True) as conn:
         rows = conn.execute("SELECT status, count(*) FROM requests GROUP BY 1").fetchall()
     assert rows == [("ok", 3)]
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, math.nan, math.inf])
+def test_poisson_offsets_refuse_a_rate_that_is_not_a_positive_number(rate: float) -> None:
+    with pytest.raises(ValueError, match="rate must be a finite number > 0"):
+        poisson_offsets(3, rate)
+
+
+def test_timed_offsets_refuse_bad_speedups_and_arrivals() -> None:
+    for speedup in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="speedup must be a finite number > 0"):
+            timed_offsets([0.0, 1.0], speedup)
+    with pytest.raises(ValueError, match="arrival times must be finite"):
+        timed_offsets([0.0, math.nan, 2.0])
+    assert timed_offsets([10.0, 12.0, 11.0], 2.0) == [0.0, 1.0, 0.5]
