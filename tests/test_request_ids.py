@@ -62,11 +62,14 @@ def test_upstream_ids_are_uuids_that_keep_the_id_they_stand_for() -> None:
     assert upstream_request_id("a") != upstream_request_id("b")
 
 
-async def test_replay_reaches_a_server_that_takes_only_uuids(tmp_path: Path) -> None:
+async def test_replay_through_a_proxy_to_a_server_that_takes_only_uuids(tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({"prompt": f"q{i}", "output_tokens": 3}) + "\n" for i in range(6)))
-    db = tmp_path / "out.duckdb"
-    async with strict_backend() as (url, stats):
+    db = tmp_path / "replay.duckdb"
+    async with (
+        strict_backend() as (url, stats),
+        running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": url}]) as proxy,
+    ):
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -74,7 +77,7 @@ async def test_replay_reaches_a_server_that_takes_only_uuids(tmp_path: Path) -> 
             "replay",
             str(log),
             "--target",
-            url,
+            proxy.url,
             "--concurrency",
             "2",
             "--no-progress",
@@ -88,9 +91,11 @@ async def test_replay_reaches_a_server_that_takes_only_uuids(tmp_path: Path) -> 
     with duckdb.connect(str(db), read_only=True) as conn:
         rows = conn.execute("SELECT request_id, status FROM requests").fetchall()
     assert len(rows) == 6 and {status for _, status in rows} == {"ok"}
-    sent = [h["X-Request-Id"] for h in stats.headers]
-    assert all(UUID.fullmatch(rid) for rid in sent)
-    assert sorted(sent) == sorted(upstream_request_id(rid) for rid, _ in rows)
+    replayed = sorted(rid for rid, _ in rows)
+    assert all(UUID.fullmatch(rid) for rid in replayed)
+    # the proxy's spans and the backend's requests carry the very ids replay stored: they join
+    assert sorted(r["request_id"] for r in spans(proxy.db)) == replayed
+    assert sorted(h["X-Request-Id"] for h in stats.headers) == replayed
 
 
 async def test_serve_forwards_one_uuid_per_client_request_to_every_arm(tmp_path: Path) -> None:
