@@ -21,7 +21,7 @@ import duckdb
 
 from specproxy.analysis.evaluation import Settings
 from specproxy.analysis.render import FORMATS
-from specproxy.analysis.store import StoreError, open_store
+from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
 from specproxy.analysis.verdict import Thresholds
 from specproxy.commandline import FiniteFloat
 
@@ -257,4 +257,4 @@ def export(dbs: tuple[str, ...], out_dir: str, run: str | None) -> None:
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     except duckdb.Error as exc:
-        raise click.ClickException(f"export failed: {str(exc).splitlines()[0]}") from exc
+        raise click.ClickException(str(query_failure(exc, expand_paths(_dbs(dbs)), "export"))) from exc

@@ -158,12 +158,7 @@ class SpanStore:
                 f"({_first_line(str(exc))})"
             ) from exc
         except duckdb.Error as exc:
-            text = str(exc)
-            if is_damage(text):
-                raise _damaged(
-                    self.paths[0] if len(self.paths) == 1 else ", ".join(map(str, self.paths)), text
-                ) from exc
-            raise StoreError(f"the query failed: {_first_line(text)}") from exc
+            raise query_failure(exc, self.paths, "the query") from exc
 
     def query(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Rows as dicts (column name → value)."""
@@ -175,7 +170,28 @@ class SpanStore:
 # Statement types `specproxy sql` runs (SELECT covers WITH, FROM-first, DESCRIBE, SHOW, SUMMARIZE and
 # PIVOT with an IN list); EXPLAIN only when what it explains is one of them, as EXPLAIN ANALYZE runs it.
 READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
-_EXPLAIN = re.compile(r"^\s*explain\b\s*(\([^)]*\)\s*)?(analy[sz]e\b)?", re.IGNORECASE)
+
+
+def _explained(sql: str) -> str:
+    """The statement an EXPLAIN statement explains: after EXPLAIN, its (options) and ANALYZE."""
+    found = duckdb.tokenize(sql)
+    ends = [at for at, _ in found[1:]] + [len(sql)]
+    tokens = [
+        (at, sql[at:end].strip().lower())
+        for (at, kind), end in zip(found, ends, strict=True)
+        if kind.name != "comment"
+    ]
+    i = 1  # tokens[0] is EXPLAIN
+    if i < len(tokens) and tokens[i][1] == "(":
+        depth = 0
+        while i < len(tokens):
+            depth += {"(": 1, ")": -1}.get(tokens[i][1], 0)
+            i += 1
+            if depth == 0:
+                break
+    if i < len(tokens) and tokens[i][1] in ("analyze", "analyse"):
+        i += 1
+    return sql[tokens[i][0] :] if i < len(tokens) else ""
 
 
 def read_only_statements(sql: str) -> list[Any]:
@@ -193,7 +209,7 @@ def read_only_statements(sql: str) -> list[Any]:
     for stmt in statements:
         kind = stmt.type.name
         if kind == "EXPLAIN":
-            read_only_statements(_EXPLAIN.sub("", stmt.query, count=1))
+            read_only_statements(_explained(stmt.query))
         elif kind not in READ_ONLY_STATEMENTS:
             raise StoreError(
                 f"`specproxy sql` only reads, and this query has a {kind} statement "
@@ -387,10 +403,7 @@ def _create_union_views(conn: duckdb.DuckDBPyConnection, attached: list[_StoreFi
 
 @contextmanager
 def query_errors(paths: Sequence[Path] = ()) -> Iterator[None]:
-    """DuckDB errors while analysing ``paths`` become a StoreError with what to do about them.
-
-    A damaged block is often found only when a query reads it, so damage is named here too.
-    """
+    """DuckDB errors while analysing ``paths`` become a StoreError with what to do about them."""
     try:
         yield
     except duckdb.OutOfMemoryException as exc:
@@ -400,14 +413,19 @@ def query_errors(paths: Sequence[Path] = ()) -> Iterator[None]:
             "raise it, e.g. SPECPROXY_ANALYSIS_MEMORY=8GB, or analyse one run at a time (--run)"
         ) from exc
     except duckdb.Error as exc:
-        text = str(exc)
-        if is_damage(text):
-            named = [p for p in paths if str(p) in text or str(p.resolve()) in text]
-            culprit = named[0] if named else paths[0] if len(paths) == 1 else None
-            if culprit is not None:
-                raise _damaged(culprit, text) from exc
-            raise StoreError(
-                f"one of {', '.join(map(str, paths))} is damaged ({_first_line(text)}); "
-                "analyse them one at a time to find it"
-            ) from exc
-        raise StoreError(f"the analysis query failed: {_first_line(text)}") from exc
+        raise query_failure(exc, paths, "the analysis query") from exc
+
+
+def query_failure(exc: duckdb.Error, paths: Sequence[Path], what: str) -> StoreError:
+    """A query's DuckDB error as a sentence; damage is named here too, as a damaged block is often
+    found only when a query first reads it."""
+    text = str(exc)
+    if not is_damage(text):
+        return StoreError(f"{what} failed: {_first_line(text)}")
+    named = [p for p in paths if str(p) in text or str(p.resolve()) in text]
+    if named or len(paths) == 1:
+        return _damaged((named or list(paths))[0], text)
+    return StoreError(
+        f"one of {', '.join(map(str, paths))} is damaged ({_first_line(text)}); "
+        "analyse them one at a time to find it"
+    )

@@ -52,9 +52,10 @@ def test_a_truncated_file_is_damaged_not_locked(store: Path, tmp_path: Path) -> 
     data = store.read_bytes()
     cut = tmp_path / "cut.duckdb"
     cut.write_bytes(data[: len(data) // 2])
-    result = cli("analyze", str(cut))
-    failed_with(result, f"{cut} is damaged")
-    assert "open for writing" not in result.stderr
+    for args in (("analyze",), ("sql", "SELECT sum(ttft_s) FROM requests")):
+        result = cli(args[0], str(cut), *args[1:])
+        failed_with(result, f"{cut} is damaged")
+        assert "open for writing" not in result.stderr
 
 
 def test_a_checksum_error_is_damaged_not_locked(store: Path, tmp_path: Path) -> None:
@@ -227,6 +228,9 @@ def test_sql_cannot_change_the_store_or_touch_other_files(store: Path, tmp_path:
         "DELETE FROM requests",
         "DROP VIEW arm_summary",
         "EXPLAIN ANALYZE CREATE TABLE z AS SELECT 1",
+        "/* a comment */ EXPLAIN ANALYZE CREATE TABLE y AS SELECT 1",
+        "EXPLAIN (FORMAT json, ANALYZE) -- a comment\nDROP VIEW requests",
+        "EXPLAIN/**/ANALYZE CREATE TABLE z AS SELECT 1",
         "SELECT 1 AS first; DROP VIEW requests",
         "SELECT * FROM read_csv('/etc/passwd')",
         "SELECT * FROM read_text('/etc/hostname')",
@@ -252,6 +256,7 @@ def test_sql_still_answers_every_kind_of_read(store: Path) -> None:
         "SHOW TABLES": "name",
         "SUMMARIZE SELECT ttft_s FROM requests": "column_name",
         "EXPLAIN SELECT count(*) FROM requests": "explain_key",
+        "/* how */ EXPLAIN ANALYZE SELECT count(*) FROM requests": "explain_key",
         "WITH a AS (SELECT 1 AS x) SELECT x FROM a": "x",
         "FROM runs SELECT count(*) AS n": "n",
         "SELECT 1 AS one; SELECT arm, count(*) AS n FROM requests GROUP BY arm ORDER BY arm": "arm",
