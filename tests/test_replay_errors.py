@@ -87,6 +87,21 @@ BAD_FILES: list[tuple[str, Callable[[], str | bytes], str, str]] = [
         "not UTF-8",
     ),
     (
+        "late-utf8.csv",
+        lambda: b"TIMESTAMP,ContextTokens,GeneratedTokens\n0,10,5\n1,10,5\n2,1\xff0,5\n",
+        ":4:",
+        "not UTF-8",
+    ),
+    (
+        "late-utf8.json",
+        lambda: (
+            b'[\n{"conversations": [{"from": "human", "value": "ok"}]},\n'
+            b'{"conversations": [{"from": "human", "value": "\xff"}]}\n]\n'
+        ),
+        ":3:",
+        "not UTF-8",
+    ),
+    (
         "nan-time.jsonl",
         lambda: jsonl(
             capture(CHAT, arrival_unix_s=1.0),
