@@ -25,6 +25,10 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
+# More calls in flight than any one machine can hold open; also keeps a level within a span's INTEGER.
+MAX_CONCURRENCY = 1_000_000
+
+
 def parse_levels(text: str) -> tuple[int, ...]:
     """``"1,4,16,64"`` → (1, 4, 16, 64); ValueError with a sentence otherwise."""
     try:
@@ -33,6 +37,8 @@ def parse_levels(text: str) -> tuple[int, ...]:
         raise ValueError(f"concurrency must be a comma-separated list of integers, got {text!r}") from None
     if not levels or any(c < 1 for c in levels):
         raise ValueError(f"concurrency levels must be integers ≥ 1, got {text!r}")
+    if any(c > MAX_CONCURRENCY for c in levels):
+        raise ValueError(f"concurrency levels must be at most {MAX_CONCURRENCY:,}, got {text!r}")
     return levels
 
 

@@ -157,6 +157,7 @@ def test_a_first_line_over_64_kib_is_still_detected(tmp_path: Path) -> None:
         (["--duration", "nan"], "--duration"),
         (["--temperature", "nan"], "--temperature"),
         (["--temperature", "-1"], "--temperature"),
+        (["--concurrency", "1,99999999999"], "at most 1,000,000"),
     ],
 )
 def test_options_must_be_finite_numbers_in_range(tmp_path: Path, args: list[str], message: str) -> None:
