@@ -219,7 +219,7 @@ def test_missing_corrupt_and_foreign_files(tmp_path: Path) -> None:
     corrupt = tmp_path / "corrupt.duckdb"
     corrupt.write_bytes(b"not a database" * 1000)
     bad = cli("analyze", str(corrupt))
-    assert bad.returncode == 1 and "not a readable DuckDB span store" in bad.stderr
+    assert bad.returncode == 1 and "is not a DuckDB file" in bad.stderr
     foreign = tmp_path / "foreign.duckdb"
     with duckdb.connect(str(foreign)) as conn:
         conn.execute("CREATE TABLE t (x INTEGER)")

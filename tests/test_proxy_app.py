@@ -15,6 +15,7 @@ import pytest
 
 from specproxy.proxy.replay.formats import read_items
 from specproxy.proxy.server.app import ClientRelay
+from specproxy.proxy.upstream.calls import upstream_request_id
 from tests.backends import BackendConfig, RunningBackend, running_backend
 from tests.proxies import running_proxy, spans, wait_for_calls
 from tests.support import free_port, wait_until
@@ -98,7 +99,8 @@ async def test_client_gets_the_bytes_the_backend_would_have_sent(
         aiohttp.ClientSession() as s,
     ):
         body = {"model": "m", "messages": MSG, "stream": True, **extra}
-        headers = {"X-Request-Id": "same"}
+        # a UUID: the backend sees the id the client sent, so both streams carry it
+        headers = {"X-Request-Id": "0f8e2a4c-6b1d-4e3f-9a5c-7d2b1e0f3a6c"}
         async with s.post(base.url + "/v1/chat/completions", json=body, headers=headers) as r:
             direct = await r.read()
         async with s.post(p.url + "/v1/chat/completions", json=body, headers=headers) as r:
@@ -134,7 +136,9 @@ async def test_a_slow_client_slows_the_upstream_read_and_still_gets_every_byte(
         running_proxy(tmp_path, [{"name": "base", "role": "baseline", "url": base.url}]) as p,
         aiohttp.ClientSession() as s,
     ):
-        async with s.post(base.url + "/v1/completions", data=body, headers={"X-Request-Id": "r"}) as r:
+        # the backend sees the id the proxy forwards for "r" (see below)
+        rid = upstream_request_id("r")
+        async with s.post(base.url + "/v1/completions", data=body, headers={"X-Request-Id": rid}) as r:
             direct = await r.read()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)

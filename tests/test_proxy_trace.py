@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from specproxy.config import Arm
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.upstream.calls import upstream_request_id
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans
 
@@ -73,7 +74,10 @@ async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_tracepar
         sent = {h["X-Request-Id"]: h["traceparent"] for h in backend.stats.headers}
         for row in rows:
             if row["arm"] == arm:
-                assert sent[row["request_id"]] == f"00-{row['trace_id']}-{row['span_id']}-01"
+                assert (
+                    sent[upstream_request_id(row["request_id"])]
+                    == f"00-{row['trace_id']}-{row['span_id']}-01"
+                )
 
 
 async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_path: Path) -> None:

@@ -10,7 +10,13 @@ import pytest
 
 from specproxy.config import Arm
 from specproxy.proxy.identity import compare, first_difference, is_comparable
-from specproxy.proxy.upstream.calls import UpstreamState, UpstreamTimeout, call_arm, new_record
+from specproxy.proxy.upstream.calls import (
+    UpstreamState,
+    UpstreamTimeout,
+    call_arm,
+    new_record,
+    upstream_request_id,
+)
 from specproxy.proxy.upstream.sse import CompletionTap, SSEParser
 from specproxy.proxy.upstream.wire import UpstreamClient
 from tests.backends import BackendConfig, running_backend, token_ids_for, token_text
@@ -128,7 +134,7 @@ async def test_call_arm_stream_fills_span_and_relays_what_client_asked() -> None
         assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         assert sent["return_token_ids"] is True
         assert b.stats.headers[-1]["X-Specproxy-Category"] == "code"
-        assert b.stats.headers[-1]["X-Request-Id"] == "r1"
+        assert b.stats.headers[-1]["X-Request-Id"] == upstream_request_id("r1")
         # ...and the client got none of them.
         assert b"usage" not in relay.data and b"token_ids" not in relay.data
         assert relay.data.endswith(b"data: [DONE]\n\n")

@@ -38,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import secrets
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -59,6 +61,30 @@ CATEGORY_HEADER = "X-Specproxy-Category"
 # in between (`specproxy replay --target`) labels its spans with it. serve never forwards it.
 CONCURRENCY_HEADER = "X-Specproxy-Concurrency-Level"
 REQUEST_ID_HEADER = "X-Request-Id"
+# A UUID as text: 8-4-4-4-12 hex digits, or the same 32 without dashes.
+_UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}(-?)[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{12}")
+_REQUEST_ID_NAMESPACE = uuid.UUID("5f0c3d52-8a4e-4d6b-9a1f-7e2b6c9d0a14")
+
+
+def upstream_request_id(request_id: str) -> str:
+    """The X-Request-Id an arm gets for a span's ``request_id``: itself when it is a UUID, else a
+    UUID derived from it (uuid5), the same for every arm and every call.
+
+    Some servers (llama-cpp-python's) refuse any other X-Request-Id. An arm's own logs still join the
+    spans: ``upstream_request_id(span.request_id)`` is the id they show.
+
+    >>> upstream_request_id("3f2b9c1e-0d4a-4e8b-9c7d-1a2b3c4d5e6f")
+    '3f2b9c1e-0d4a-4e8b-9c7d-1a2b3c4d5e6f'
+    >>> upstream_request_id("a1b2c3-c4-00001-q7") == upstream_request_id("a1b2c3-c4-00001-q7")
+    True
+    """
+    if _UUID_TEXT.fullmatch(request_id):
+        return request_id
+    # uuid5's own recipe, on bytes: an id read from a header may hold undecodable bytes (surrogates).
+    name = request_id.encode("utf-8", "surrogateescape")
+    digest = hashlib.sha1(_REQUEST_ID_NAMESPACE.bytes + name, usedforsecurity=False).digest()
+    return str(uuid.UUID(bytes=digest[:16], version=5))
+
 
 # Words in a 400/422 body that mean "this backend does not know vLLM's extensions".
 _REJECTION_MARKERS = (
@@ -289,7 +315,7 @@ def _headers(
     trace_id: str = "",
     span_id: str = "",
 ) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: upstream_request_id(request_id)}
     if trace_id and span_id:
         # The arm's own tracing (vLLM --otlp-traces-endpoint) then nests under this call's span.
         headers[TRACEPARENT_HEADER] = traceparent(trace_id, span_id)
