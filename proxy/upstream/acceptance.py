@@ -1,0 +1,98 @@
+"""A span's speculation figures: the engine's own report when there is one, else an honest estimate.
+
+``spec_source`` says which:
+
+- ``vllm_request_metrics``, ``sglang_request_metrics``, ``trtllm_request_metrics``,
+  ``llamacpp_timings``: reported by the engine for this request (:mod:`.engines`). Exact.
+- ``stream_shape``: estimated from tokens per chunk (:meth:`.CompletionTap.spec_from_shape`), and the
+  conditions under which that estimate holds were all met (below).
+- ``stream_shape_unreliable``: the same estimate where a condition failed; its figures are kept for
+  inspection and must not be read as measured.
+- ``unknown``: the arm speculates, and neither a report nor an estimate was possible (no per-chunk
+  token counts).
+- ``none``: the arm does not speculate.
+
+When the estimate holds. One chunk is one engine step, and each step after the first proposed a draft:
+
+1. Tokens per chunk are exact (token ids or continuous usage), so a chunk's size is a step's yield.
+2. The method drafts at every step. EAGLE/EAGLE3, MTP and draft models do; n-gram and suffix
+   decoding propose only where the text matched, so their steps without a draft would count as
+   rejected drafts (too many drafts, acceptance too low).
+3. No step was merged into another chunk. Two checks: no chunk of this stream exceeds k + 1 tokens,
+   and the plain (non-speculative) arms' streams under the current load carry one token per chunk
+   (:class:`MergeCalibration`): a server that merges queued steps into one chunk under load does so
+   for every arm, and a merged step looks exactly like an accepted draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specproxy.config import Arm
+from specproxy.proxy.upstream.engines import EngineReport
+from specproxy.proxy.upstream.sse import CompletionTap, SpecStats
+
+# Methods that propose a draft at every decoding step (vLLM 0.33's `method` values).
+DRAFTS_EVERY_STEP = frozenset({"eagle", "eagle3", "mtp", "draft_model", "dflash", "dspark"})
+
+# Share of recent plain streams allowed to show merged chunks before the shape is not trusted.
+_MERGE_TOLERANCE = 0.05
+_EWMA_WEIGHT = 0.2  # ~ the last 10 plain streams
+
+
+@dataclass(slots=True)
+class MergeCalibration:
+    """How often plain arms' streams merged several tokens into one chunk, lately (an EWMA)."""
+
+    merged_share: float | None = None
+
+    def observe(self, arm: Arm, tap: CompletionTap) -> None:
+        """A finished plain stream with usage: did it carry more tokens than content chunks?"""
+        used = tap.usage_tokens
+        if arm.spec_method != "none" or used is None or not tap.done or not tap.content_chunks:
+            return
+        # An engine may count the end token that no text chunk carries: one token of slack.
+        merged = 1.0 if used - tap.content_chunks > 1 else 0.0
+        prev = self.merged_share
+        self.merged_share = merged if prev is None else prev + _EWMA_WEIGHT * (merged - prev)
+
+    def unmerged(self) -> bool | None:
+        """True: plain streams are one token per chunk now; None: no plain stream seen yet."""
+        if self.merged_share is None:
+            return None
+        return self.merged_share <= _MERGE_TOLERANCE
+
+
+def _from_report(report: EngineReport) -> SpecStats:
+    return SpecStats(
+        num_drafts=report.num_drafts,
+        draft_tokens=report.draft_tokens,
+        accepted_tokens=report.accepted_tokens,
+        acceptance_length=report.acceptance_length,
+    )
+
+
+def shape_is_reliable(tap: CompletionTap, arm: Arm, calibration: MergeCalibration) -> bool:
+    """Conditions 2 and 3 of the module docstring (condition 1 is spec_from_shape's own)."""
+    if arm.spec_method not in DRAFTS_EVERY_STEP:
+        return False
+    k = arm.num_speculative_tokens
+    if k is None or any(n > k + 1 for n in tap.tokens_per_chunk):
+        return False
+    return calibration.unmerged() is True
+
+
+def speculation_for(
+    tap: CompletionTap, arm: Arm, report: EngineReport | None, calibration: MergeCalibration
+) -> tuple[SpecStats | None, str]:
+    """The figures for a span's speculation columns and the ``spec_source`` that names them."""
+    calibration.observe(arm, tap)
+    if report is not None and report.has_speculation and report.spec_source is not None:
+        return _from_report(report), report.spec_source
+    if arm.spec_method == "none":
+        return None, "none"
+    estimate = tap.spec_from_shape(arm.num_speculative_tokens)
+    if estimate is None:
+        return None, "unknown"
+    reliable = shape_is_reliable(tap, arm, calibration)
+    return estimate, "stream_shape" if reliable else "stream_shape_unreliable"
