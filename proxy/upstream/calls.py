@@ -52,7 +52,7 @@ from specproxy.config import Arm
 from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, traceparent
 from specproxy.proxy.upstream.acceptance import MergeCalibration, speculation_for
 from specproxy.proxy.upstream.engines import engine_report
-from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, SSEParser
+from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, SSEEvent, SSEParser
 from specproxy.proxy.upstream.tokens import ChunkEvidence, count_completion_tokens, load_tokenizer
 from specproxy.proxy.upstream.wire import Exchange, UpstreamClient
 from specproxy.record import SpanRecord, decode_tok_s
@@ -84,7 +84,8 @@ class Relay(Protocol):
     """Where a relayed response goes (the proxy's client response)."""
 
     async def start(self, status: int, content_type: str) -> None:
-        """Called once, before the first send, with the upstream status and content type."""
+        """Called once, before the first send, with the upstream status and its Content-Type header
+        (parameters included: ``application/json; charset=utf-8``)."""
 
     def send(self, data: bytes) -> bool:
         """Bytes for the client, in order, handed over at once (never blocks; raises
@@ -410,7 +411,7 @@ async def call_arm(
                         record.status = "http_error"
                         record.error = _error_message(err_body)
                         if relay is not None:
-                            await _relay_start(relay, result, ex.status, ex.content_type)
+                            await _relay_start(relay, result, ex.status, _content_type(ex))
                             await _relay_body(relay, err_body)
                         break
                     if ex.content_type == "text/event-stream":
@@ -425,7 +426,7 @@ async def call_arm(
                             record.status = "upstream_error"
                             record.error = "response is not a JSON object"
                         if relay is not None:
-                            await _relay_start(relay, result, ex.status, ex.content_type)
+                            await _relay_start(relay, result, ex.status, _content_type(ex))
                             await _relay_body(relay, _strip_body(payload, strip))
                     if tap.error is not None:
                         record.status = "upstream_error"
@@ -482,6 +483,11 @@ def _complete(record: SpanRecord, tap: CompletionTap, t_done: float) -> float:
     return t_done
 
 
+def _content_type(ex: Exchange) -> str:
+    """The response's Content-Type header as the backend sent it (``charset`` and all)."""
+    return ex.headers.get("content-type") or ex.content_type
+
+
 async def _relay_start(relay: Relay, result: CallResult, status: int, content_type: str) -> None:
     result.relay_started = True
     try:
@@ -515,7 +521,7 @@ async def _read_stream(
     """Relay and tap a streamed body. The work per read happens in :class:`_StreamConsumer`, called from
     the connection's read callback; this coroutine only waits for the end, or for a full client."""
     if relay is not None:
-        await _relay_start(relay, result, ex.status, ex.content_type)
+        await _relay_start(relay, result, ex.status, _content_type(ex))
     consumer = _StreamConsumer(tap, relay, strip)
     ex.consume(consumer)
     while not await ex.wait():
@@ -531,7 +537,7 @@ class _StreamConsumer:
     Runs inside the upstream connection's ``data_received``; returns True when the client's buffer is
     full (the connection then stops reading until the client has caught up)."""
 
-    __slots__ = ("parser", "tap", "relay", "strip", "rewrite", "usage_only")
+    __slots__ = ("parser", "tap", "relay", "strip", "rewrite", "usage_only", "rewriter")
 
     def __init__(self, tap: CompletionTap, relay: Relay | None, strip: _Strip) -> None:
         self.parser = SSEParser()
@@ -543,12 +549,17 @@ class _StreamConsumer:
         # read of whole events without one is forwarded as received (a JSON string holds `\"usage\"`,
         # never `"usage"`).
         self.usage_only = strip.usage and not strip.token_ids
+        self.rewriter = _EventRewriter(tap, strip)
 
     def __call__(self, raw: bytes) -> bool:
         now = time.perf_counter()
         parser, tap, relay = self.parser, self.tap, self.relay
         rewrite = self.rewrite and not (
-            self.usage_only and not parser.pending and raw.endswith(b"\n\n") and b'"usage"' not in raw
+            self.usage_only
+            and not parser.pending
+            and raw.endswith(b"\n\n")
+            and b'"usage"' not in raw
+            and not self.rewriter.holds_finish(raw)
         )
         pause = False
         if relay is not None and not rewrite:
@@ -557,19 +568,9 @@ class _StreamConsumer:
         events = parser.feed(raw)
         was_done = tap.done
         if rewrite:
-            out: list[bytes] = []
-            for ev in events:
-                obj = tap.feed_data(ev.data, now) if ev.data is not None else None
-                if obj is None:
-                    out.append(ev.raw)
-                    continue
-                action = _strip_chunk(obj, self.strip)
-                if action == KEEP:
-                    out.append(ev.raw)
-                elif action == CHANGED:
-                    out.append(b"data: " + orjson.dumps(obj) + b"\n\n")
+            out = self.rewriter.events(events, now)
             if out and relay is not None:
-                pause = _relay_send(relay, b"".join(out))
+                pause = _relay_send(relay, out)
         else:
             for ev in events:
                 if ev.data is not None:
@@ -588,9 +589,72 @@ class _StreamConsumer:
             if ev.data is not None:
                 tap.feed_data(ev.data, now)
             if self.rewrite and self.relay is not None:
-                _relay_send(self.relay, ev.raw)
+                _relay_send(self.relay, self.rewriter.release() + ev.raw)
             if tap.done and not was_done:
                 tap.relayed_done = now
+        held = self.rewriter.release()
+        if held and self.relay is not None:
+            _relay_send(self.relay, held)
+
+
+# Top-level keys of a chunk that belong to the OpenAI chunk itself; anything else on a usage-only
+# chunk the client did not ask for is the engine's (llama-server's `timings`).
+_CHUNK_KEYS = frozenset({"id", "object", "created", "model", "system_fingerprint", "choices", "usage"})
+
+
+class _EventRewriter:
+    """The rewritten events of a stream whose extensions the client did not ask for.
+
+    llama-server puts ``timings`` on the last chunk of a chat stream, which is the usage-only chunk
+    when ``include_usage`` was asked for (tools/server/server-task.cpp,
+    ``to_json_oaicompat_chat_stream``). So when the proxy asked for the usage and drops that chunk, the
+    chunk that finished the choice is held until the next event and gets those keys back: the client
+    sees the chunk the engine would have sent it."""
+
+    __slots__ = ("tap", "strip", "hold", "held", "held_obj")
+
+    def __init__(self, tap: CompletionTap, strip: _Strip) -> None:
+        self.tap = tap
+        self.strip = strip
+        self.hold = strip.usage and tap.endpoint == "chat"
+        self.held = b""
+        self.held_obj: dict[str, Any] | None = None
+
+    def holds_finish(self, raw: bytes) -> bool:
+        """Does this read hold a finishing chat chunk that must wait for the next event?"""
+        return self.hold and (b'"finish_reason":"' in raw or b'"finish_reason": "' in raw)
+
+    def events(self, events: list[SSEEvent], now: float) -> bytes:
+        out: list[bytes] = []
+        for ev in events:
+            obj = self.tap.feed_data(ev.data, now) if ev.data is not None else None
+            if obj is None:
+                out.append(self.release() + ev.raw)
+                continue
+            action = _strip_chunk(obj, self.strip)
+            if action == DROP:
+                out.append(self._release_with(obj))
+                continue
+            data = ev.raw if action == KEEP else b"data: " + orjson.dumps(obj) + b"\n\n"
+            out.append(self.release())
+            if self.hold and any(c.get("finish_reason") for c in obj.get("choices") or ()):
+                self.held, self.held_obj = data, obj
+            else:
+                out.append(data)
+        return b"".join(out)
+
+    def release(self) -> bytes:
+        """The held chunk as it was (nothing to give back to it)."""
+        held, self.held, self.held_obj = self.held, b"", None
+        return held
+
+    def _release_with(self, dropped: dict[str, Any]) -> bytes:
+        extra = {k: v for k, v in dropped.items() if k not in _CHUNK_KEYS}
+        if not extra or self.held_obj is None:
+            return self.release()
+        obj = {**self.held_obj, **extra}
+        self.held, self.held_obj = b"", None
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def _finish_record(
