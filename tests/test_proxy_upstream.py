@@ -136,7 +136,8 @@ async def test_call_arm_stream_fills_span_and_relays_what_client_asked() -> None
         assert res.token_ids == ids and res.text == "".join(token_text(t) for t in ids)
         assert rec.completion_tokens == 9 and rec.chunks == 4 and rec.finish_reason == "length"
         # n-gram drafts only where the text matched: an estimate from the shape, flagged as such.
-        assert rec.spec_source == "stream_shape_unreliable" and rec.num_drafts == 3 and rec.accepted_tokens == 5
+        assert rec.spec_source == "stream_shape_unreliable"
+        assert rec.num_drafts == 3 and rec.accepted_tokens == 5
         assert rec.draft_tokens == 6 and rec.acceptance_length == pytest.approx(1 + 5 / 3)
         assert rec.ttft_s is not None and rec.e2e_s is not None and rec.e2e_s >= rec.ttft_s
         assert rec.output_text is None and rec.output_sha256 and rec.prompt_sha256
