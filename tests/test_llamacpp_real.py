@@ -116,21 +116,14 @@ async def test_proxy_in_front_of_real_llama_cpp_servers(tmp_path: Path, servers:
             for stream in (False, True):
                 direct[(name, prompt, stream)] = await _call(client, prompt, stream)
             if name == "plain":
-                r = await client.chat.completions.create(
-                    model="m",
-                    messages=[{"role": "user", "content": prompt}],
-                    temperature=0,
-                    max_tokens=MAX_TOKENS,
-                )
-                assert r.usage is not None
-                usage[prompt] = r.usage.completion_tokens
+                usage[prompt] = direct[(name, prompt, False)][0]["usage"]["completion_tokens"]
         await client.close()
 
     arms = [
         {"name": "plain", "role": "baseline", "url": servers["plain"]},
         {"name": "lookup", "url": servers["lookup"], "speculative": LOOKUP},
     ]
-    async with running_proxy(tmp_path, arms, capture=True) as p:
+    async with running_proxy(tmp_path, arms, capture=str(tmp_path / "capture.jsonl")) as p:
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
         for prompt in PROMPTS:
             for stream in (False, True):
