@@ -119,9 +119,11 @@ async def test_proxy_in_front_of_real_llama_cpp_servers(tmp_path: Path, servers:
                 usage[prompt] = direct[(name, prompt, False)][0]["usage"]["completion_tokens"]
         await client.close()
 
+    # llama-cpp-python's server echoes the requested model name and adds nothing of its own to a
+    # response, so the proxy cannot tell it from its answers: the arms say which engine they are.
     arms = [
-        {"name": "plain", "role": "baseline", "url": servers["plain"]},
-        {"name": "lookup", "url": servers["lookup"], "speculative": LOOKUP},
+        {"name": "plain", "role": "baseline", "url": servers["plain"], "engine": "llamacpp"},
+        {"name": "lookup", "url": servers["lookup"], "speculative": LOOKUP, "engine": "llamacpp"},
     ]
     async with running_proxy(tmp_path, arms, capture=str(tmp_path / "capture.jsonl")) as p:
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)

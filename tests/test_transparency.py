@@ -115,3 +115,34 @@ async def test_llama_server_shaped_responses_keep_timings_usage_and_charset(tmp_
     # llama-server reports its drafts in timings: the spans carry them, marked as reported.
     assert {r["spec_source"] for r in rows} == {"llamacpp_timings"}
     assert all(r["draft_tokens"] == 2 * r["completion_tokens"] for r in rows)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    async def start(self, status: int, content_type: str) -> None:
+        pass
+
+    def send(self, data: bytes) -> bool:
+        self.data += data
+        return False
+
+    async def drain(self) -> None:
+        pass
+
+
+def test_a_held_finish_chunk_goes_out_before_done_when_no_usage_chunk_follows() -> None:
+    """A backend that ignores include_usage: the finishing chunk held for its timings is released
+    by the next event, [DONE], even when [DONE] arrives in a read of its own."""
+    from specproxy.proxy.upstream.calls import _StreamConsumer, _Strip
+    from specproxy.proxy.upstream.sse import CompletionTap
+
+    sink = _Sink()
+    consumer = _StreamConsumer(CompletionTap("chat"), sink, _Strip(usage=True))
+    content = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": null}]}\n\n'
+    finish = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\n\n'
+    for read in (content, finish, b"data: [DONE]\n\n"):
+        consumer(read)
+    consumer.flush()
+    assert bytes(sink.data) == content + finish + b"data: [DONE]\n\n"

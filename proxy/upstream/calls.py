@@ -559,6 +559,7 @@ class _StreamConsumer:
             and not parser.pending
             and raw.endswith(b"\n\n")
             and b'"usage"' not in raw
+            and not self.rewriter.held
             and not self.rewriter.holds_finish(raw)
         )
         pause = False
