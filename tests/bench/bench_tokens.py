@@ -10,6 +10,8 @@ Prints three tables:
     streamed text (what it records without usage when a tokenizer.json is given; the simulator's
     word-level tokenizer, written as a tokenizer.json), and the documented text estimate (without
     either). Exact share, mean and worst error.
+(1b) with llama-cpp-python installed and ``SPECPROXY_TEST_GGUF`` naming a GGUF model: the text estimate
+    against that model's own tokenizer on 150-word windows of this repository's Markdown and Python.
 (2) the stream-shape acceptance estimate against the simulator's truth at c=1 and c=16 for eagle3,
     draft_model and ngram (the simulator reports nothing per request here, so the estimate is what a
     span gets): mean acceptance length estimated vs true, its error, and the share of spans the
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import os
 import statistics
 import tempfile
 import uuid
@@ -138,6 +142,34 @@ def token_table(rows: dict[str, list[dict[str, Any]]], tokenizer_path: Path) -> 
     print(f"  stated error of the text estimate: {TEXT_ESTIMATE_ERROR:.0%}")
 
 
+def real_tokenizer_table() -> None:
+    """The text estimate against a real BPE tokenizer (a GGUF's, through llama-cpp-python)."""
+    gguf = os.environ.get("SPECPROXY_TEST_GGUF")
+    if not gguf or importlib.util.find_spec("llama_cpp") is None:
+        print("\n(1b) skipped: set SPECPROXY_TEST_GGUF and install llama-cpp-python for a real tokenizer")
+        return
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, vocab_only=True, verbose=False)
+    root = Path(__file__).resolve().parents[2]
+    print(f"\n(1b) text estimate vs {Path(gguf).name}'s tokenizer, 150-word windows")
+    print(f"  {'files':<10} {'windows':>8} {'mean':>7} {'mean abs':>9} {'p90 abs':>8}")
+    for label, pattern in (("Markdown", "**/*.md"), ("Python", "**/*.py")):
+        errors = []
+        for path in root.glob(pattern):
+            if ".venv" in path.parts:
+                continue
+            words = path.read_text(errors="replace").split(" ")
+            for i in range(0, len(words) - 150, 150):
+                text = " " + " ".join(words[i : i + 150])
+                true = len(llm.tokenize(text.encode(), add_bos=False, special=False))
+                errors.append((estimate_tokens(text) - true) / true)
+        absolute = sorted(abs(e) for e in errors)
+        p90 = absolute[int(0.9 * len(absolute))]
+        mean_abs = statistics.mean(absolute)
+        print(f"  {label:<10} {len(errors):>8} {statistics.mean(errors):>+7.1%} {mean_abs:>9.1%} {p90:>8.1%}")
+
+
 def shape_table(results: dict[tuple[str, int], list[dict[str, Any]]]) -> None:
     print("\n(2) stream-shape acceptance length vs truth (mean over the level)")
     print(f"  {'method':<12} {'c':>3} {'estimated':>10} {'true':>7} {'error':>7} {'reliable':>9}  verdict")
@@ -203,6 +235,7 @@ async def main() -> None:
         by_method.setdefault(method, []).extend(items)
     with tempfile.TemporaryDirectory() as tmp:
         token_table(by_method, sim_tokenizer(Path(tmp)))
+    real_tokenizer_table()
     shape_table(results)
     same, total = await transparency_count()
     print(
