@@ -228,3 +228,30 @@ def test_scraper_reads_llama_cpp_names() -> None:
     summary = spec_decode_summary(before, after)
     assert (summary["num_drafts"], summary["draft_tokens"], summary["accepted_tokens"]) == (20, 80, 50)
     assert summary["mean_acceptance_length"] == pytest.approx(1 + 50 / 20)
+
+
+def test_ngram_drafts_are_counted_only_where_prompt_lookup_matched() -> None:
+    arm = Arm(
+        name="ngram",
+        url="http://ngram",
+        speculative={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 2,
+        },
+    )
+    prompt = [1, 2, 3, 4, 5, 6]
+    # After the prefill token 9: "6 9" and "9 1" occur nowhere earlier (no draft, one token each);
+    # "1 2" does (the prompt): 3 4 5 drafted, 2 accepted + the bonus; then "4 5": 6 . . drafted, 0 kept.
+    chunks = [[9], [1], [2], [3, 4, 5], [7]]
+    tap = CompletionTap("completions")
+    tap.feed_data(orjson.dumps({"choices": [{"index": 0, "text": "", "prompt_token_ids": prompt}]}), 0.0)
+    for i, ids in enumerate(chunks):
+        tap.feed_data(orjson.dumps({"choices": [{"index": 0, "text": "x", "token_ids": ids}]}), float(i))
+    tap.feed_data(b"[DONE]", 9.0)
+    calibration = MergeCalibration()
+    speculation_for(_plain_stream(4, 4), PLAIN, None, calibration)
+    spec, source = speculation_for(tap, arm, None, calibration)
+    assert source == "stream_shape" and spec is not None
+    assert (spec.num_drafts, spec.draft_tokens, spec.accepted_tokens) == (2, 6, 2)

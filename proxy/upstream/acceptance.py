@@ -17,7 +17,10 @@ When the estimate holds. One chunk is one engine step, and each step after the f
 1. Tokens per chunk are exact (token ids or continuous usage), so a chunk's size is a step's yield.
 2. The method drafts at every step. EAGLE/EAGLE3, MTP and draft models do; n-gram and suffix
    decoding propose only where the text matched, so their steps without a draft would count as
-   rejected drafts (too many drafts, acceptance too low).
+   rejected drafts (too many drafts, acceptance too low). For n-gram prompt lookup with token ids
+   (``return_token_ids``), the lookup is replayed on the prompt's and output's ids, so a draft is
+   counted only at a step where the proposer found a match (:func:`ngram_estimate`); a step that
+   yielded more tokens than were drafted then proves merged steps.
 3. No step was merged into another chunk. Two checks: no chunk of this stream exceeds k + 1 tokens,
    and the plain (non-speculative) arms' streams under the current load carry one token per chunk
    (:class:`MergeCalibration`): a server that merges queued steps into one chunk under load does so
@@ -91,8 +94,78 @@ def speculation_for(
         return _from_report(report), report.spec_source
     if arm.spec_method == "none":
         return None, "none"
+    if arm.spec_method in NGRAM_METHODS:
+        replayed, consistent = ngram_estimate(tap, arm)
+        if replayed is not None:
+            reliable = consistent and calibration.unmerged() is True
+            return replayed, "stream_shape" if reliable else "stream_shape_unreliable"
     estimate = tap.spec_from_shape(arm.num_speculative_tokens)
     if estimate is None:
         return None, "unknown"
     reliable = shape_is_reliable(tap, arm, calibration)
     return estimate, "stream_shape" if reliable else "stream_shape_unreliable"
+
+
+# n-gram methods whose proposals can be replayed from the token ids (vLLM's prompt lookup).
+NGRAM_METHODS = frozenset({"ngram", "ngram_gpu"})
+
+
+class _NgramLookup:
+    """Prompt lookup as vLLM's n-gram proposer does it: the longest n-gram (max..min tokens) ending the
+    context that occurred earlier, and the up-to-k tokens that followed its earliest occurrence."""
+
+    def __init__(self, tokens: list[int], lo: int, hi: int) -> None:
+        self.tokens: list[int] = []
+        self.lo, self.hi = lo, hi
+        self.first: dict[tuple[int, ...], int] = {}  # n-gram -> position after its earliest occurrence
+        self.extend(tokens)
+
+    def extend(self, new: list[int]) -> None:
+        tokens = self.tokens
+        for token in new:
+            tokens.append(token)
+            end = len(tokens) - 1  # n-grams ending just before the new token now have a follower
+            for n in range(self.lo, self.hi + 1):
+                if end >= n:
+                    self.first.setdefault(tuple(tokens[end - n : end]), end)
+
+    def proposal(self, k: int) -> int:
+        """How many tokens the proposer would draft now (0: no match, no draft)."""
+        tokens = self.tokens
+        for n in range(self.hi, self.lo - 1, -1):
+            if len(tokens) >= n:
+                follow = self.first.get(tuple(tokens[len(tokens) - n :]))
+                if follow is not None:
+                    return min(k, len(tokens) - follow)
+        return 0
+
+
+def ngram_estimate(tap: CompletionTap, arm: Arm) -> tuple[SpecStats | None, bool]:
+    """Drafts counted only at the steps where prompt lookup found a match, replayed from the prompt's
+    and the output's token ids (vLLM ``return_token_ids``). Returns the estimate and whether it is
+    consistent: a step that yielded more tokens than were drafted means merged steps."""
+    k = arm.num_speculative_tokens
+    prompt, output = tap.prompt_token_ids, tap.token_ids
+    if not k or not prompt or not tap.has_token_ids or sum(tap.tokens_per_chunk) != len(output):
+        return None, False
+    lo = int(arm.speculative.get("prompt_lookup_min") or arm.speculative.get("prompt_lookup_max") or 5)
+    hi = int(arm.speculative.get("prompt_lookup_max") or lo)
+    sizes = tap.tokens_per_chunk
+    lookup = _NgramLookup([*prompt, *output[: sizes[0]]] if sizes else list(prompt), lo, hi)
+    at = sizes[0] if sizes else 0
+    drafts = drafted = accepted = 0
+    consistent = True
+    for n in sizes[1:]:
+        if n <= 0:
+            continue
+        proposed = lookup.proposal(k)
+        if proposed:
+            drafts += 1
+            drafted += proposed
+            accepted += n - 1
+        consistent = consistent and n <= proposed + 1
+        lookup.extend(output[at : at + n])
+        at += n
+    if not drafts:
+        return SpecStats(0, 0, 0, None), consistent
+    return SpecStats(drafts, drafted, accepted, 1.0 + accepted / drafts), consistent

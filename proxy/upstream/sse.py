@@ -169,6 +169,7 @@ class CompletionTap:
         "extras",
         "engine_hint",
         "content_chunks",
+        "prompt_token_ids",
     )
 
     def __init__(self, endpoint: Endpoint) -> None:
@@ -198,6 +199,7 @@ class CompletionTap:
         self.extras: dict[str, Any] = {}
         self.engine_hint: str | None = None  # the engine the response's shape names, when it names one
         self.content_chunks = 0  # chunks with content for the client (text, reasoning, tool calls)
+        self.prompt_token_ids: list[int] | None = None  # vLLM return_token_ids: the templated prompt
 
     def feed_data(self, data: bytes, now: float) -> dict[str, Any] | None:
         """One event's data; returns the parsed chunk (None for ``[DONE]`` or unparsable data)."""
@@ -340,6 +342,13 @@ class CompletionTap:
             self.extras["sglext"] = sglext
         if self.engine_hint is None:
             self.engine_hint = _engine_signal(obj)
+        if self.prompt_token_ids is None:
+            ids = obj.get("prompt_token_ids")  # chat: on the first chunk
+            choices = obj.get("choices")
+            if not ids and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                ids = choices[0].get("prompt_token_ids")  # completions: on the first choice
+            if isinstance(ids, list) and ids:
+                self.prompt_token_ids = ids
 
     def _take_choice_extras(self, choice: dict[str, Any]) -> None:
         """Per-choice engine objects, which ride the choice that carries ``finish_reason``."""

@@ -89,7 +89,8 @@ async def run_level(
     """``requests`` streamed chats to the method's arm, each shadowed to the plain arm, ``level`` at once."""
     state = UpstreamState()
     base = Arm(name="base", url=sims["plain"].url, role="baseline")
-    cand = Arm(name=method, url=sims[method].url, speculative=METHODS[method])
+    # Token ids let the n-gram estimate replay the prompt lookup (count drafts only where it matched).
+    cand = Arm(name=method, url=sims[method].url, speculative=METHODS[method], return_token_ids=True)
     queue = list(range(requests))
     rows: list[dict[str, Any]] = []
     async with UpstreamClient() as client, aiohttp.ClientSession() as session:
