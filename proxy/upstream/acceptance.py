@@ -38,29 +38,31 @@ from specproxy.proxy.upstream.sse import CompletionTap, SpecStats
 # Methods that propose a draft at every decoding step (vLLM 0.33's `method` values).
 DRAFTS_EVERY_STEP = frozenset({"eagle", "eagle3", "mtp", "draft_model", "dflash", "dspark"})
 
-# Share of recent plain streams allowed to show merged chunks before the shape is not trusted.
+# Share of recent plain-stream tokens that may arrive merged before the shape is not trusted.
 _MERGE_TOLERANCE = 0.05
 _EWMA_WEIGHT = 0.2  # ~ the last 10 plain streams
 
 
 @dataclass(slots=True)
 class MergeCalibration:
-    """How often plain arms' streams merged several tokens into one chunk, lately (an EWMA)."""
+    """The share of plain arms' streamed tokens that arrived merged with another in one chunk, lately
+    (an exponentially weighted mean over ~10 streams)."""
 
     merged_share: float | None = None
 
     def observe(self, arm: Arm, tap: CompletionTap) -> None:
-        """A finished plain stream with usage: did it carry more tokens than content chunks?"""
+        """A finished plain stream with usage: how many of its tokens shared a chunk?"""
         used = tap.usage_tokens
-        if arm.spec_method != "none" or used is None or not tap.done or not tap.content_chunks:
+        if arm.spec_method != "none" or not used or not tap.done or not tap.content_chunks:
             return
         # An engine may count the end token that no text chunk carries: one token of slack.
-        merged = 1.0 if used - tap.content_chunks > 1 else 0.0
+        merged = max(0, used - tap.content_chunks - 1) / used
         prev = self.merged_share
         self.merged_share = merged if prev is None else prev + _EWMA_WEIGHT * (merged - prev)
 
     def unmerged(self) -> bool | None:
-        """True: plain streams are one token per chunk now; None: no plain stream seen yet."""
+        """True: plain streams carry one token per chunk now (within the tolerance); None: no plain
+        stream seen yet."""
         if self.merged_share is None:
             return None
         return self.merged_share <= _MERGE_TOLERANCE
