@@ -98,8 +98,10 @@ def speculation_for(
         return None, "none"
     if arm.spec_method in NGRAM_METHODS:
         replayed, consistent = ngram_estimate(tap, arm)
-        if replayed is not None:
-            reliable = consistent and calibration.unmerged() is True
+        # A replay the stream contradicts (more tokens in a step than were drafted: merged steps, or a
+        # lookup unlike vLLM's) falls back to the plain shape estimate, flagged.
+        if replayed is not None and consistent:
+            reliable = calibration.unmerged() is True
             return replayed, "stream_shape" if reliable else "stream_shape_unreliable"
     estimate = tap.spec_from_shape(arm.num_speculative_tokens)
     if estimate is None:
