@@ -598,9 +598,9 @@ class _StreamConsumer:
             _relay_send(self.relay, held)
 
 
-# Top-level keys of a chunk that belong to the OpenAI chunk itself; anything else on a usage-only
-# chunk the client did not ask for is the engine's (llama-server's `timings`).
-_CHUNK_KEYS = frozenset({"id", "object", "created", "model", "system_fingerprint", "choices", "usage"})
+# Keys an engine moves from a stream's last chunk onto the usage-only chunk when include_usage is asked
+# for (llama-server's `timings`): given back to the finishing chunk when the proxy drops the usage.
+_MOVED_TO_USAGE_CHUNK = ("timings",)
 
 
 class _EventRewriter:
@@ -650,7 +650,7 @@ class _EventRewriter:
         return held
 
     def _release_with(self, dropped: dict[str, Any]) -> bytes:
-        extra = {k: v for k, v in dropped.items() if k not in _CHUNK_KEYS}
+        extra = {k: dropped[k] for k in _MOVED_TO_USAGE_CHUNK if k in dropped}
         if not extra or self.held_obj is None:
             return self.release()
         obj = {**self.held_obj, **extra}
