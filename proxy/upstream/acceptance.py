@@ -98,10 +98,11 @@ def speculation_for(
         return None, "none"
     if arm.spec_method in NGRAM_METHODS:
         replayed, consistent = ngram_estimate(tap, arm)
-        # A replay the stream contradicts (more tokens in a step than were drafted: merged steps, or a
-        # lookup unlike vLLM's) falls back to the plain shape estimate, flagged.
-        if replayed is not None and consistent:
-            reliable = calibration.unmerged() is True
+        # A replay that found no draft at all in a stream with multi-token steps is not the server's
+        # lookup: the plain shape estimate (flagged) is used instead. Any other contradiction (a step
+        # yielding more than was drafted) is merged steps: the replay stands, flagged.
+        if replayed is not None and (replayed.num_drafts or max(tap.tokens_per_chunk[1:], default=0) <= 1):
+            reliable = consistent and calibration.unmerged() is True
             return replayed, "stream_shape" if reliable else "stream_shape_unreliable"
     estimate = tap.spec_from_shape(arm.num_speculative_tokens)
     if estimate is None:
