@@ -135,6 +135,12 @@ async def test_proxy_in_front_of_real_llama_cpp_servers(tmp_path: Path, servers:
         await client.close()
 
     rows = spans(p.db)
+    same = sum(
+        direct[("plain", pr, st)][1] == direct[("lookup", pr, st)][1]
+        for pr in PROMPTS
+        for st in (False, True)
+    )
+    print(f"plain vs prompt lookup, direct: {same}/{2 * len(PROMPTS)} identical outputs")  # shown with -s
     assert {r["engine"] for r in rows} == {"llamacpp"} and {r["status"] for r in rows} == {"ok"}
     for r in rows:
         prompt = next(pr for pr in PROMPTS if r["output_text"] == direct[(r["arm"], pr, r["stream"])][1])
