@@ -50,6 +50,11 @@ class BackendConfig:
     gate: asyncio.Event | None = None  # when given, generation waits for it (a backend slow until told)
     eof_gate: asyncio.Event | None = None  # when given, the body ends after [DONE] only once it is set
     version: str = "0.33.0"
+    # Answer as llama.cpp's llama-server does: one token per chunk; `timings` on the last chat chunk
+    # (the usage-only chunk when include_usage was asked for); streamed completions end with a chunk
+    # holding `usage` next to `choices`; JSON content types carry `charset=utf-8`. With spec_metrics,
+    # `timings` reports draft_n / draft_n_accepted.
+    llama_server: bool = False
 
 
 @dataclass
@@ -124,14 +129,15 @@ async def _generate(
     ids = token_ids_for(prompt_key, n, cfg.diverge_at)
     prompt_tokens = len(prompt_key) // 4 + 1
     finish = "length"
-    want_ids = cfg.vllm and bool(body.get("return_token_ids"))
+    want_ids = cfg.vllm and not cfg.llama_server and bool(body.get("return_token_ids"))
     opts = body.get("stream_options") or {}
-    usage_final = cfg.vllm and bool(opts.get("include_usage"))
+    usage_final = (cfg.vllm or cfg.llama_server) and bool(opts.get("include_usage"))
     usage_cont = usage_final and bool(opts.get("continuous_usage_stats"))
     lp_n = _logprobs_n(body, chat)
     k = max(cfg.tokens_per_chunk - 1, 0)
-    steps = [ids[i : i + cfg.tokens_per_chunk] for i in range(0, len(ids), cfg.tokens_per_chunk)]
-    if steps and cfg.tokens_per_chunk > 1:
+    per_chunk = 1 if cfg.llama_server else cfg.tokens_per_chunk
+    steps = [ids[i : i + per_chunk] for i in range(0, len(ids), per_chunk)]
+    if steps and cfg.tokens_per_chunk > 1 and not cfg.llama_server:
         steps = [ids[:1]] + [
             ids[1 + i : 1 + i + cfg.tokens_per_chunk] for i in range(0, len(ids) - 1, cfg.tokens_per_chunk)
         ]
@@ -192,11 +198,16 @@ async def _generate(
                 "total_tokens": prompt_tokens + len(ids),
             },
         }
-        if spec:
+        if spec and not cfg.llama_server:
             out["metrics"] = {"speculative_decoding": spec}
+        if cfg.llama_server:
+            out["timings"] = _llama_timings(cfg, len(ids))
+            out["system_fingerprint"] = "b1234-abcdef0"
         stats.completed += 1
         if cfg.fail == "garbage":
             return web.Response(body=b"<html>not json", content_type="application/json")
+        if cfg.llama_server:
+            return web.Response(body=orjson.dumps(out), headers={"Content-Type": JSON_UTF8})
         return web.Response(body=orjson.dumps(out), content_type="application/json")
 
     resp = stream
@@ -248,11 +259,16 @@ async def _generate(
         else:
             c["text"] = text
         c["logprobs"] = _logprobs(step, lp_n, chat) if lp_n else None
-        c["finish_reason"] = finish if last else None
+        c["finish_reason"] = finish if last and not cfg.llama_server else None
         if want_ids:
             c["token_ids"] = step
         await resp.write(chunk([c]))
-    if usage_final:
+    if cfg.llama_server:
+        tail = _llama_stream_tail(cfg, chat, usage_final, finish, done, prompt_tokens)
+        for piece in tail:
+            piece.update({"id": rid, "object": obj_name, "created": created, "model": model})
+            await resp.write(b"data: " + orjson.dumps(piece) + b"\n\n")
+    elif usage_final:
         final: dict[str, Any] = {
             "id": rid,
             "object": obj_name,
@@ -274,6 +290,32 @@ async def _generate(
         await cfg.eof_gate.wait()
     await resp.write_eof()
     return resp
+
+
+JSON_UTF8 = "application/json; charset=utf-8"
+
+
+def _llama_timings(cfg: BackendConfig, predicted: int) -> dict[str, Any]:
+    timings: dict[str, Any] = {"prompt_n": 5, "prompt_ms": 1.5, "predicted_n": predicted, "predicted_ms": 9.0}
+    if cfg.spec_metrics:
+        timings["draft_n"] = 2 * predicted
+        timings["draft_n_accepted"] = predicted // 2
+    return timings
+
+
+def _llama_stream_tail(
+    cfg: BackendConfig, chat: bool, include_usage: bool, finish: str, done: int, prompt_tokens: int
+) -> list[dict[str, Any]]:
+    """The chunks llama-server ends a stream with (tools/server/server-task.cpp)."""
+    usage = {"completion_tokens": done, "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + done}
+    if not chat:  # to_json_oaicompat: one final chunk, usage always next to choices
+        choice = {"text": "", "index": 0, "logprobs": None, "finish_reason": finish}
+        return [{"choices": [choice], "usage": usage, "timings": _llama_timings(cfg, done)}]
+    tail: list[dict[str, Any]] = [{"choices": [{"finish_reason": finish, "index": 0, "delta": {}}]}]
+    if include_usage:
+        tail.append({"choices": [], "usage": usage})
+    tail[-1]["timings"] = _llama_timings(cfg, done)
+    return tail
 
 
 def _logprobs_n(body: dict[str, Any], chat: bool) -> int:

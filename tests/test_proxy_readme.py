@@ -53,7 +53,7 @@ async def test_readme_shadow_walkthrough(tmp_path: Path) -> None:
         rows = con.execute(sql).fetchall()
     assert [(r[0], r[1], r[2], r[5], r[7], r[8]) for r in rows] == [
         ("baseline", "primary", "ok", 64, "none", None),
-        ("ngram", "shadow", "ok", 64, "stream_shape", True),
+        ("ngram", "shadow", "ok", 64, "stream_shape_unreliable", True),
     ]
 
 

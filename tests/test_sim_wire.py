@@ -275,3 +275,42 @@ async def test_stream_interval_batches_tokens(client: openai.AsyncOpenAI) -> Non
     ]
     assert sum(sizes) == 41 and len(sizes) <= 5
     assert all(size >= 10 for size in sizes[1:-1])
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+async def test_tools_and_response_format_answer_as_vllm_does(client: openai.AsyncOpenAI) -> None:
+    # A server without --enable-auto-tool-choice answers "auto" with a plain completion, no tool calls.
+    r = await client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=5,
+        tools=[TOOL],
+        tool_choice="auto",  # type: ignore[list-item]
+    )
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    json_mode = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=5, response_format={"type": "json_object"}
+    )
+    assert json_mode.choices[0].message.content
+    refused = [
+        ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "Invalid value for `tool_choice`: sometimes!"),
+        ({"tools": [], "tool_choice": "auto"}, "`tools` must not be an empty array."),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "does not match any of the specified `tools`",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "the 'json_schema' field must be provided."),
+    ]
+    for extra, message in refused:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(
+                model=MODEL, messages=QUESTION, temperature=0, extra_body=extra
+            )
+        assert message in err.value.body["message"]  # type: ignore[index]
