@@ -25,11 +25,12 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from specproxy.proxy.upstream.calls import UpstreamState
 from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR
+from tests.proxies import running_proxy, spans
 from tests.support import free_port, stop, wait_http
-from tests.test_proxy_app import running_proxy, spans
 
 # A CPU engine on a shared machine: generous limits, and a fixture that starts two servers.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -84,16 +85,16 @@ def _plain(dump: dict[str, Any]) -> dict[str, Any]:
 
 async def _call(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> tuple[Any, str]:
     """One chat call: its model_dump()s and its text."""
-    resp = await client.chat.completions.create(
-        model="m",
-        messages=[{"role": "user", "content": prompt}],
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        stream=stream,
-    )
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
     if not stream:
+        resp = await client.chat.completions.create(
+            model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS
+        )
         return _plain(resp.model_dump()), resp.choices[0].message.content or ""
-    chunks = [c async for c in resp]
+    chunk_stream = await client.chat.completions.create(
+        model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True
+    )
+    chunks = [c async for c in chunk_stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return [_plain(c.model_dump()) for c in chunks], text
 
@@ -121,7 +122,7 @@ async def test_proxy_in_front_of_real_llama_cpp_servers(tmp_path: Path, servers:
 
     # llama-cpp-python's server echoes the requested model name and adds nothing of its own to a
     # response, so the proxy cannot tell it from its answers: the arms say which engine they are.
-    arms = [
+    arms: list[dict[str, Any]] = [
         {"name": "plain", "role": "baseline", "url": servers["plain"], "engine": "llamacpp"},
         {"name": "lookup", "url": servers["lookup"], "speculative": LOOKUP, "engine": "llamacpp"},
     ]

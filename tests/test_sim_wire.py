@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import RunningSim, running_sim
@@ -277,7 +277,7 @@ async def test_stream_interval_batches_tokens(client: openai.AsyncOpenAI) -> Non
     assert all(size >= 10 for size in sizes[1:-1])
 
 
-TOOL = {
+TOOL: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}},
 }
@@ -291,7 +291,7 @@ async def test_tools_and_response_format_answer_as_vllm_does(client: openai.Asyn
         temperature=0,
         max_tokens=5,
         tools=[TOOL],
-        tool_choice="auto",  # type: ignore[list-item]
+        tool_choice="auto",
     )
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
     json_mode = await client.chat.completions.create(

@@ -9,7 +9,6 @@ last chat chunk, ``usage`` next to ``choices`` on its last completions chunk, ``
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -20,49 +19,8 @@ import pytest
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import running_sim
 from tests.backends import JSON_UTF8, BackendConfig, running_backend
-from tests.test_proxy_app import running_proxy, spans
-
-SPEC = {"method": "eagle3", "model": "draft", "num_speculative_tokens": 3}
-PROMPT = "Summarise: the cache holds the batch; the server answers the request quickly."
-_VOLATILE = ("id", "created")
-
-
-def _plain(dump: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in dump.items() if k not in _VOLATILE}
-
-
-async def _responses(client: openai.AsyncOpenAI, model: str) -> list[Any]:
-    """Every client option once, in a fixed order: the model_dump()s of each response or stream."""
-    out: list[Any] = []
-    for chat, stream, usage, ids in itertools.product(
-        (True, False), (True, False), (True, False), (True, False)
-    ):
-        if usage and not stream:
-            continue
-        kw: dict[str, Any] = {"model": model, "temperature": 0, "max_tokens": 12}
-        if stream:
-            kw["stream"] = True
-            if usage:
-                kw["stream_options"] = {"include_usage": True}
-        if ids:
-            kw["extra_body"] = {"return_token_ids": True}
-        if chat:
-            resp = await client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **kw)
-        else:
-            resp = await client.completions.create(prompt=PROMPT, **kw)
-        if stream:
-            out.append([_plain(c.model_dump()) async for c in resp])
-        else:
-            out.append(_plain(resp.model_dump()))
-    return out
-
-
-ARM_OPTIONS = [
-    pytest.param({"vllm_extensions": ext, "return_token_ids": rti, **spec}, id=f"{ext}-rti{rti}-{name}")
-    for ext, rti, (name, spec) in itertools.product(
-        ("auto", "off"), (True, False), (("plain", {}), ("eagle3", {"speculative": SPEC}))
-    )
-]
+from tests.proxies import running_proxy, spans
+from tests.transparency import ARM_OPTIONS, PROMPT, SPEC, sdk_responses
 
 
 @pytest.mark.parametrize("arm_options", ARM_OPTIONS)
@@ -76,8 +34,8 @@ async def test_sim_responses_through_the_proxy_equal_direct_ones(
             direct = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0)
             proxied = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
             model = (await direct.models.list()).data[0].id
-            want = await _responses(direct, model)
-            got = await _responses(proxied, model)
+            want = await sdk_responses(direct, model)
+            got = await sdk_responses(proxied, model)
             await direct.close()
             await proxied.close()
     assert len(got) == len(want) == 12
@@ -97,8 +55,8 @@ async def test_llama_server_shaped_responses_keep_timings_usage_and_charset(tmp_
             # The first call meets an arm of unknown engine (the proxy asks for include_usage), the
             # later ones an arm known to be llama.cpp (it asks for nothing): both must be identical.
             for _ in range(2):
-                want = await _responses(direct, "m")
-                got = await _responses(proxied, "m")
+                want = await sdk_responses(direct, "m")
+                got = await sdk_responses(proxied, "m")
                 assert got == want
                 last_chat_chunk = want[0][-1]
                 assert last_chat_chunk["timings"]["predicted_n"] == 12

@@ -31,7 +31,7 @@ import statistics
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import openai
@@ -43,8 +43,8 @@ from specproxy.engines.sim.server import RunningSim, running_sim
 from specproxy.proxy.upstream.calls import UpstreamState, call_arm, new_record
 from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR, estimate_tokens, load_tokenizer
 from specproxy.proxy.upstream.wire import UpstreamClient
-from tests.test_proxy_app import running_proxy
-from tests.test_transparency import ARM_OPTIONS, SPEC, _responses
+from tests.proxies import running_proxy
+from tests.transparency import ARM_OPTIONS, SPEC, sdk_responses
 
 METHODS: dict[str, dict[str, Any]] = {
     "eagle3": {
@@ -176,7 +176,7 @@ def _mean_error(items: list[dict[str, Any]]) -> float | None:
     true = [r["truth"]["acceptance_length"] for r in items if r["truth"]["acceptance_length"] is not None]
     if not est or not true:
         return None
-    return (statistics.mean(est) - statistics.mean(true)) / statistics.mean(true)
+    return float((statistics.mean(est) - statistics.mean(true)) / statistics.mean(true))
 
 
 def shape_table(results: dict[tuple[str, int], list[dict[str, Any]]]) -> None:
@@ -209,7 +209,7 @@ async def transparency_count() -> tuple[int, int]:
     same = total = 0
     spec = SpeculativeConfig.from_dict(dict(SPEC))
     for param in ARM_OPTIONS:
-        options = dict(param.values[0])  # type: ignore[arg-type]
+        options = dict(cast(dict[str, Any], param.values[0]))
         sim_spec = spec if "speculative" in options else None
         async with running_sim(SimConfig(time_scale=1000, speculative=sim_spec)) as sim:
             with tempfile.TemporaryDirectory() as tmp:
@@ -218,7 +218,7 @@ async def transparency_count() -> tuple[int, int]:
                     direct = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0)
                     proxied = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
                     model = (await direct.models.list()).data[0].id
-                    want, got = await _responses(direct, model), await _responses(proxied, model)
+                    want, got = await sdk_responses(direct, model), await sdk_responses(proxied, model)
                     await direct.close()
                     await proxied.close()
         same += sum(g == w for g, w in zip(got, want, strict=True))
