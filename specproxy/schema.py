@@ -148,14 +148,65 @@ SELECT run_id, arm, arm_role, spec_method, level, concurrency_level, calls, ok, 
 FROM agg
 """
 
-# Each call beside the baseline call of the same request_id (the first ok one). kind says what the
-# comparison measures: 'candidate' (a speculative arm), 'replica' (a non-speculative candidate arm, a
-# second baseline: Diffy's secondary) or 'repeat' (the same request sent to the baseline again); the
-# last two give the noise floor. identical is the proxy's verdict, else a comparison of output hashes
-# when both calls were greedy (temperature 0). Columns are listed, not `*`: DuckDB does not prune unused
-# columns through the window, and the view over 10 M spans is twice as fast for it. `calls` is used
-# twice and DuckDB would materialise it (all spans, in memory): NOT MATERIALIZED halves peak memory.
+# Each call beside the baseline call of the same request_id in the same replay round (the first ok
+# one). kind says what the comparison measures: 'candidate' (a speculative arm), 'replica' (an arm with
+# role 'replica', or any non-speculative arm beside the baseline: Diffy's secondary) or 'repeat' (the
+# same request sent to the baseline again); the last two give the noise floor. start_s is the call's
+# start in seconds since the epoch (the analysis cuts levels into time blocks with it). identical is
+# the proxy's verdict, else a comparison of output hashes when both calls were greedy (temperature 0).
+# Columns are listed, not `*`: DuckDB does not prune unused columns through the window, and the view
+# over 10 M spans is twice as fast for it. `calls` is used twice and DuckDB would materialise it (all
+# spans, in memory): NOT MATERIALIZED halves peak memory.
 PAIRS_VIEW = """
+CREATE OR REPLACE VIEW pairs AS
+WITH calls AS NOT MATERIALIZED (
+    SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
+           status, decode_tok_s, ttft_s, e2e_s, completion_tokens, identical, first_divergence,
+           divergence_margin, output_text, t_start, t_start_ns, span_id, round,
+           coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s,
+           temperature = 0 AS greedy, hash(output_sha256) AS output_hash
+    FROM requests
+), ranked AS (
+    SELECT *, row_number() OVER (
+        PARTITION BY run_id, request_id, round
+        ORDER BY (status = 'ok') DESC, t_start, t_start_ns, span_id) AS base_rank
+    FROM calls
+    WHERE arm_role = 'baseline'
+), base AS (
+    SELECT run_id, request_id, round, arm, status, decode_tok_s, ttft_s, e2e_s, completion_tokens,
+           output_text, greedy, output_hash
+    FROM ranked WHERE base_rank = 1
+), others AS (
+    SELECT * EXCLUDE (t_start, t_start_ns, span_id) FROM calls WHERE arm_role <> 'baseline'
+    UNION ALL
+    SELECT * EXCLUDE (t_start, t_start_ns, span_id, base_rank) FROM ranked WHERE base_rank > 1
+)
+SELECT c.run_id, c.request_id,
+       coalesce(CAST(c.concurrency_level AS VARCHAR), 'live') AS level,
+       c.concurrency_level, c.round, c.start_s, c.category, c.arm, c.arm_role, c.spec_method,
+       c.routed_as,
+       CASE WHEN c.arm_role = 'baseline' THEN 'repeat'
+            WHEN c.arm_role = 'replica' OR coalesce(c.spec_method, 'none') IN ('none', '') THEN 'replica'
+            ELSE 'candidate' END AS kind,
+       b.arm AS baseline_arm,
+       c.status, b.status AS baseline_status,
+       c.decode_tok_s, b.decode_tok_s AS baseline_decode_tok_s,
+       c.decode_tok_s / nullif(b.decode_tok_s, 0) AS decode_speedup,
+       c.ttft_s, b.ttft_s AS baseline_ttft_s,
+       c.e2e_s, b.e2e_s AS baseline_e2e_s,
+       c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
+       coalesce(c.identical,
+                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.greedy AND b.greedy
+                     THEN c.output_hash = b.output_hash END) AS identical,
+       c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
+       c.output_text, b.output_text AS baseline_output_text
+FROM others c
+JOIN base b ON c.run_id = b.run_id AND c.request_id = b.request_id
+            AND c.round IS NOT DISTINCT FROM b.round
+"""
+
+# The pairs view of migrations 2-7 (before calls carried a replay round), kept as those migrations ran it.
+PAIRS_VIEW_V2 = """
 CREATE OR REPLACE VIEW pairs AS
 WITH calls AS NOT MATERIALIZED (
     SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
@@ -275,20 +326,22 @@ LEFT JOIN positions p USING (run_id, arm, phase)
 """
 
 VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
+# The views as migrations 2-6 created them: a migration's statements never change once shipped.
+VIEWS_DDL_V2: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW]
 
 # One list of statements per version; index 0 brings an empty file to version 1.
 MIGRATIONS: list[list[str]] = [
     [REQUESTS_DDL, RUNS_DDL, BACKEND_METRICS_DDL],
     # 2: the analysis views (arm_summary, pairs, identity, acceptance)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 3: the same views re-created (pairs lists its columns: twice as fast)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 4: re-created again (pairs does not materialise its input: half the memory)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 5: arm_summary.decode_calls (calls with a measured decode speed)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 6: arm_summary takes both TTFT percentiles from one aggregate (30 % less CPU)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 7: per-call round, engine, token source, queueing and engine load; the measurement's health
     [
         "ALTER TABLE requests ADD COLUMN round INTEGER",
@@ -300,6 +353,8 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE requests ADD COLUMN notes VARCHAR",
         HEALTH_DDL,
     ],
+    # 8: pairs matches calls within a replay round, shows round and start_s; role 'replica' is a replica
+    VIEWS_DDL,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
