@@ -25,10 +25,12 @@ L_r (Cochran; DerSimonian and Laird's moment estimator),
     tau^2 = max(0, var(L_r) - mean(v_r)),   v_r = v_w * n / n_r,
 
 where v_w is the request bootstrap's variance of the pooled log ratio (read off its interval) and n_r
-the block's size; the between-block term of the pooled estimate, t_{R-1} * sqrt(tau^2 / R), is added
-to each side of the bootstrap interval in quadrature. With tau^2 = 0 the interval is the bootstrap's
-(no drift seen); when drift dominates it tends to the classical t interval on the R block estimates,
-whose R - 1 degrees of freedom make it honestly wide for R = 3. This is used instead of a two-stage
+the block's size. The pooled estimate's variance is v_w + tau^2 / R; each side of the bootstrap
+interval becomes t_df * sqrt((d / z)^2 + tau^2 / R) for its half-width d, with Welch and
+Satterthwaite's degrees of freedom df = (v_w + b)^2 / (b^2 / (R - 1)), b = tau^2 / R (the within part
+is known from many requests; the between part from R - 1). With tau^2 = 0 the interval is the
+bootstrap's (no drift seen); when drift dominates it tends to the classical t interval on the R block
+estimates, whose R - 1 degrees of freedom make it honestly wide for R = 3. This is used instead of a two-stage
 bootstrap (resample rounds, then requests within them) because with 3 rounds that bootstrap sees only
 10 distinct sets of rounds and its spread is (R - 1) / R of the between-round variance: it covers a
 drifting ratio about 75 % of the time for a nominal 95 %. A one-round replay level sees no drift
@@ -49,6 +51,8 @@ import numpy.typing as npt
 FloatArray = npt.NDArray[np.float64]
 # Resample in slices of this many iterations, so memory stays flat whatever --bootstrap-iterations is.
 _SLICE = 250
+# Beyond this many degrees of freedom a t quantile is the normal's to three digits.
+_MAX_DF = 400
 
 
 @dataclass(frozen=True)
@@ -263,10 +267,12 @@ def widen_for_blocks(iv: Interval, blocks: Blocks | None, confidence: float) -> 
     if tau2 == 0.0:
         return iv
     r = len(logs)
-    between = t_quantile(1 - (1 - confidence) / 2, r - 1) * math.sqrt(tau2 / r)
+    b = tau2 / r
+    df = min(_MAX_DF, max(1, math.floor((v_w + b) ** 2 / (b * b / (r - 1)))))
+    t = t_quantile(1 - (1 - confidence) / 2, df)
     log_point = math.log(iv.point)
-    down = math.hypot(log_point - math.log(iv.low), between)
-    up = math.hypot(math.log(iv.high) - log_point, between)
+    down = t * math.sqrt(((log_point - math.log(iv.low)) / z) ** 2 + b)
+    up = t * math.sqrt(((math.log(iv.high) - log_point) / z) ** 2 + b)
     return Interval(iv.point, math.exp(log_point - down), math.exp(log_point + up))
 
 
