@@ -435,9 +435,11 @@ def _kind(run: RunFigures, arm: str) -> str:
     if arm == run.baseline:
         return "baseline"
     first = next(s for s in run.summaries if s.arm == arm)
-    if first.role == "baseline":
-        return "repeat"
-    return "replica" if first.role == "replica" or first.spec_method in ("none", "") else "candidate"
+    return (
+        "replica"
+        if first.role in ("replica", "baseline") or first.spec_method in ("none", "")
+        else "candidate"
+    )
 
 
 def _arm_order(run: RunFigures) -> list[str]:
@@ -529,7 +531,11 @@ def _margins(
         ]
 
         def noise(ivs: list[Interval | None]) -> float:
-            bounds = [max(iv.high - 1, 1 - iv.low) for iv in ivs if iv and iv.low and iv.high]
+            bounds = [
+                max(iv.high - 1, 1 - iv.low)
+                for iv in ivs
+                if iv and iv.low is not None and iv.high is not None
+            ]
             return max(bounds, default=0.0)
 
         d = noise([c.decode for c in replicas])

@@ -182,7 +182,8 @@ def verdict_runs(verdicts: Sequence[tuple[int, str]]) -> str:
 
 @dataclass(frozen=True)
 class OperatingPoint:
-    """Where the user runs (``at``) and their peak; ``assumed`` says which were not given."""
+    """Where the user runs (``at``) and their peak; None: not given (the deploy verdict assumes the
+    lowest and the highest reliable tested level, and says so)."""
 
     at: int | None = None
     peak: int | None = None
