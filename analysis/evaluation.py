@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from specproxy.analysis import comparison, matched
@@ -34,6 +34,7 @@ from specproxy.analysis.figures import (
     pair_groups,
     round_figures,
 )
+from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
 from specproxy.analysis.stats import Interval, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.validity import LevelHealth, level_health
@@ -53,163 +54,23 @@ from specproxy.analysis.verdict import (
     level_verdict,
 )
 
-__all__ = ["RunEvaluation", "Settings", "evaluate", "level_sort_key", "list_runs", "select_runs"]
+__all__ = [
+    "ArmOutcome",
+    "CategoryRow",
+    "LevelRow",
+    "RunEvaluation",
+    "Settings",
+    "evaluate",
+    "level_sort_key",
+    "list_runs",
+    "select_runs",
+]
 
 # Pairs must cover at least this share of a candidate level's calls with a decode speed for the level to
 # be analysed paired (a split run with a small verify fraction has a few pairs: they would not represent
 # the level).
 PAIRED_MIN_SHARE = 0.5
 ONE_ROUND = "1 round: cannot see between-run drift"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything `analyze` can be told. ``confidence`` holds for all of an arm's levels at once.
-
-    ``at_concurrency`` / ``peak_concurrency``: where the user runs and their peak (else the run's
-    experiment file says, else the analysis assumes the lowest and highest reliable levels).
-    ``time_blocks``: the blocks a level of one round (or live traffic) is cut into to see drift.
-    """
-
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    near_tie_margin: float = 0.5
-    confidence: float = 0.95
-    bootstrap_iterations: int = 1000
-    bootstrap_seed: int = 0
-    bootstrap_max_sample: int = 2000
-    at_concurrency: int | None = None
-    peak_concurrency: int | None = None
-    time_blocks: int = 4
-
-
-@dataclass(frozen=True)
-class LevelRow:
-    """One row of the verdict table: an arm at a concurrency level.
-
-    ``rounds``: replay rounds measured (None: live traffic); ``blocks``: what the intervals' drift
-    term came from; ``confidence``: each interval's own level (simultaneous over the arm's levels);
-    ``reliable`` / ``health``: the level's health checks and what failed.
-    """
-
-    arm: str
-    role: str
-    spec_method: str
-    level: str
-    concurrency_level: int | None
-    calls: int
-    ok: int
-    completion_tokens: int
-    decode_calls: int
-    wall_s: float | None
-    agg_tok_s: float | None
-    p50_decode_tok_s: float | None
-    p50_ttft_s: float | None
-    p95_ttft_s: float | None
-    acceptance_rate: float | None
-    acceptance_length: float | None
-    req_acceptance_rate: float | None
-    req_acceptance_length: float | None
-    compared: int = 0
-    identical: int = 0
-    near_tie: int = 0
-    gross: int = 0
-    margin_unknown: int = 0
-    paired: bool | None = None
-    pairs: int = 0
-    decode_speedup: Interval | None = None
-    throughput_speedup: Interval | None = None
-    # "wall": agg tok/s ratio (closed-loop replay levels); "per call": Σ tokens / Σ e2e ratio (live
-    # traffic, split traffic), where wall-clock rates reflect arrivals and traffic shares, not speed
-    throughput_basis: str = "wall"
-    verdict: str | None = None
-    reason: str = ""
-    rounds: int | None = None
-    blocks: str = ""
-    drift_note: str = ""
-    confidence: float | None = None
-    decode_margin: float | None = None
-    throughput_margin: float | None = None
-    margin_source: str = ""
-    identity_mismatch: Interval | None = None
-    reliable: bool = True
-    health: str = ""
-    health_checks: int = 0
-    load: matched.LoadFigures | None = None
-    unmatched_decode_speedup: Interval | None = None
-    unmatched_throughput_speedup: Interval | None = None
-
-    @property
-    def identical_rate(self) -> float | None:
-        return self.identical / self.compared if self.compared else None
-
-
-@dataclass(frozen=True)
-class CategoryRow:
-    """A candidate arm on one workload category at one level: the requests of that category only.
-
-    ``throughput_speedup`` is per call (Σ tokens / Σ e2e of the category's calls, candidate over
-    baseline): a category has no wall time of its own inside a mixed closed-loop level. The verdict
-    uses the category's decode speedup and identity with the LEVEL's aggregate throughput ratio.
-    Category intervals are not corrected for the number of categories: they are for exploring.
-    """
-
-    arm: str
-    category: str
-    level: str
-    concurrency_level: int | None
-    paired: bool
-    calls: int
-    baseline_calls: int
-    p50_decode_tok_s: float | None
-    baseline_p50_decode_tok_s: float | None
-    compared: int = 0
-    identical: int = 0
-    decode_speedup: Interval | None = None
-    throughput_speedup: Interval | None = None
-    throughput_basis: str = "per call"
-    verdict: str | None = None
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class ArmOutcome:
-    arm: str
-    role: str
-    spec_method: str
-    kind: str  # baseline | candidate | replica
-    crossover: Crossover | None
-    crossover_text: str
-    deploy: DeployVerdict | None
-    compared: int
-    mismatched: int
-    near_tie: int
-    gross: int
-
-
-@dataclass(frozen=True)
-class RunEvaluation:
-    run_id: str
-    name: str
-    mode: str | None
-    source: str | None
-    started_at: Any
-    baseline: str
-    peak_level: str
-    rows: list[LevelRow]
-    arms: list[ArmOutcome]
-    categories: list[CategoryRow]
-    noise_compared: int
-    noise_mismatched: int
-    stacks: dict[str, Any]
-    notes: list[str]
-    at_concurrency: int | None = None
-    peak_concurrency: int | None = None
-    operating_point: str = ""
-    unreliable_levels: list[str] = field(default_factory=list)
-
-    @property
-    def noise_floor(self) -> float | None:
-        return self.noise_mismatched / self.noise_compared if self.noise_compared else None
 
 
 def list_runs(store: SpanStore) -> list[dict[str, Any]]:
@@ -676,6 +537,19 @@ def _row_verdict(
     return verdict, reason
 
 
+@dataclass(frozen=True)
+class CategoryFigures:
+    """A category's comparison and its counts, before it is judged."""
+
+    category: str
+    comparison: Comparison
+    calls: int
+    baseline_calls: int
+    p50: float | None
+    baseline_p50: float | None
+    identity: IdentityCounts
+
+
 def _category_rows(
     run: RunFigures,
     rows: Sequence[LevelRow],
@@ -687,94 +561,62 @@ def _category_rows(
     calls); each judged on its own decode speedup and identity against the level's throughput."""
     # Categories of a level compared at matched load are left out: their calls ran at other loads.
     by_key = {(r.arm, r.level): r for r in rows if r.load is None or not r.load.unequal}
-    out = []
+
+    def boot(arm: str, level: str, category: str) -> Bootstrap:
+        rng = rng_for(settings.bootstrap_seed, run.run_id, arm, level, category)
+        return Bootstrap(settings.bootstrap_iterations, confidence[arm], rng)
+
+    figures: list[tuple[LevelRow, CategoryFigures]] = []
     for g in run.pairs:
         row = by_key.get((g.arm, g.level))
         if g.category is None or row is None or not row.paired or g.kind == "repeat":
             continue
-        boot = Bootstrap(
-            settings.bootstrap_iterations,
-            confidence[g.arm],
-            rng_for(settings.bootstrap_seed, run.run_id, g.arm, g.level, g.category),
-        )
-        comp = comparison.paired(g, None, None, row.blocks, boot)
-        out.append(
-            _category_row(
-                row,
-                g.category,
-                comp,
-                g.n_decode,
-                g.n_decode,
-                g.c_med,
-                g.b_med,
-                g.identity,
-                margins,
-                settings.thresholds,
-            )
+        comp = comparison.paired(g, None, None, row.blocks, boot(g.arm, g.level, g.category))
+        figures.append(
+            (row, CategoryFigures(g.category, comp, g.n_decode, g.n_decode, g.c_med, g.b_med, g.identity))
         )
     for (arm, level, cat), c in run.calls.items():
         row = by_key.get((arm, level))
         b = run.calls.get((run.baseline, level, cat))
         if cat is None or row is None or row.paired is not False or b is None or arm == run.baseline:
             continue
-        boot = Bootstrap(
-            settings.bootstrap_iterations,
-            confidence[arm],
-            rng_for(settings.bootstrap_seed, run.run_id, arm, level, cat),
-        )
-        comp = comparison.unpaired(c, b, row.blocks, boot)
-        out.append(
-            _category_row(
+        comp = comparison.unpaired(c, b, row.blocks, boot(arm, level, cat))
+        figures.append(
+            (
                 row,
-                cat,
-                comp,
-                c.n_decode,
-                b.n_decode,
-                c.p50_decode,
-                b.p50_decode,
-                IdentityCounts(),
-                margins,
-                settings.thresholds,
+                CategoryFigures(
+                    cat, comp, c.n_decode, b.n_decode, c.p50_decode, b.p50_decode, IdentityCounts()
+                ),
             )
         )
+    out = [_category_row(row, fig, margins[row.level], settings.thresholds) for row, fig in figures]
     return sorted(out, key=lambda c: (c.arm, c.category, level_sort_key(c.level)))
 
 
-def _category_row(
-    row: LevelRow,
-    category: str,
-    comp: Comparison,
-    calls: int,
-    baseline_calls: int,
-    p50: float | None,
-    baseline_p50: float | None,
-    counts: IdentityCounts,
-    margins: dict[str, Margin],
-    thresholds: Thresholds,
-) -> CategoryRow:
-    confidence = row.confidence or 0.95
-    check = check_identity(counts.identical, counts.compared, confidence, thresholds)
+def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, thresholds: Thresholds) -> CategoryRow:
+    counts = fig.identity
+    check = check_identity(counts.identical, counts.compared, row.confidence or 0.95, thresholds)
     if not row.reliable:
         verdict, reason = UNRELIABLE, row.reason
     else:
         # Aggregate throughput is the level's, shared by every category in the batch: a category has
         # no wall-clock throughput of its own, and an arm that lowers the level's throughput costs
         # every category's users.
-        verdict, reason = level_verdict(comp.decode, row.throughput_speedup, check, margins[row.level])
+        verdict, reason = level_verdict(fig.comparison.decode, row.throughput_speedup, check, margin)
     return CategoryRow(
         arm=row.arm,
-        category=category,
+        category=fig.category,
         level=row.level,
         concurrency_level=row.concurrency_level,
-        paired=comp.paired,
-        calls=calls,
-        baseline_calls=baseline_calls,
-        p50_decode_tok_s=p50,
-        baseline_p50_decode_tok_s=baseline_p50,
+        paired=fig.comparison.paired,
+        calls=fig.calls,
+        baseline_calls=fig.baseline_calls,
+        p50_decode_tok_s=fig.p50,
+        baseline_p50_decode_tok_s=fig.baseline_p50,
         compared=counts.compared,
         identical=counts.identical,
-        decode_speedup=comp.decode,
-        throughput_speedup=comp.throughput,
+        decode_speedup=fig.comparison.decode,
+        throughput_speedup=fig.comparison.throughput,
         verdict=verdict,
         reason=reason,
     )
