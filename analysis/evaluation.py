@@ -71,6 +71,9 @@ __all__ = [
 # the level).
 PAIRED_MIN_SHARE = 0.5
 ONE_ROUND = "1 round: cannot see between-run drift"
+# A level's wall-clock throughput compares arms only when they served the same work: a shadow sampled
+# at 0.2 (even one driven by replay through the proxy, which carries the replay's level) served a fifth.
+SAME_WORK_SHARE = 0.9
 
 
 def list_runs(store: SpanStore) -> list[dict[str, Any]]:
@@ -235,10 +238,15 @@ def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, not
         seed=settings.bootstrap_seed,
         blocks=settings.time_blocks,
     )
+    base_of = {s.level: s for s in summaries if s.arm == baseline}
     live_or_split = {
         (s.arm, s.level)
         for s in summaries
-        if s.arm != baseline and (s.concurrency_level is None or (s.arm, s.level) in unpaired)
+        if s.arm != baseline
+        and s.level in base_of
+        and (
+            s.concurrency_level is None or (s.arm, s.level) in unpaired or not _same_work(s, base_of[s.level])
+        )
     }
     loads = matched.load_bands(
         store,
@@ -275,6 +283,10 @@ def _block_keys(
             )
         )
     return keys
+
+
+def _same_work(cand: LevelSummary, base: LevelSummary) -> bool:
+    return cand.calls >= SAME_WORK_SHARE * base.calls
 
 
 def _unpaired_levels(
@@ -365,10 +377,10 @@ def _comparisons(
 def _wall_point(
     run: RunFigures, cand: LevelSummary, base: LevelSummary
 ) -> tuple[float | None, tuple[RoundFigures, RoundFigures] | None]:
-    """A replay level's wall-clock throughput ratio (None for live traffic): over the rounds when it
-    has several (Σ tokens / Σ wall per arm, with the per-round figures for the drift term), else the
-    level's agg tok/s ratio."""
-    if cand.concurrency_level is None:
+    """A replay level's wall-clock throughput ratio (None for live traffic, or when the arms did not
+    serve the same work): over the rounds when it has several (Σ tokens / Σ wall per arm, with the
+    per-round figures for the drift term), else the level's agg tok/s ratio."""
+    if cand.concurrency_level is None or not _same_work(cand, base):
         return None, None
     rc, rb = run.rounds.get((cand.arm, cand.level)), run.rounds.get((base.arm, base.level))
     if rc is not None and rb is not None and len(rc.rounds) >= 2:

@@ -222,3 +222,15 @@ def test_a_store_from_before_rounds_still_analyses(tmp_path: Path) -> None:
     (ev,) = _json(str(path))["runs"]
     row = next(r for r in ev["rows"] if r["arm"] == "eagle3")
     assert row["verdict"] == "WIN" and row["rounds"] == 1 and row["reliable"] is True
+
+
+def test_a_sampled_shadow_at_a_replay_level_is_not_judged_by_wall_clock(tmp_path: Path) -> None:
+    """Replay driven through `serve` carries its level, but the shadow sampled 1 in 4 served a quarter
+    of the work: its wall-clock tok/s would read 0.25x. The per-call token rate is compared instead."""
+    arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("candidate", spec_method="eagle3")]
+    run = make_run(arms, levels=(32,), n_per_level=400, shadow_sample=0.25, seed=6)
+    (ev,) = _json(str(write_db(tmp_path / "sampled.duckdb", [run])))["runs"]
+    cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
+    assert cand["calls"] == 100 and cand["agg_tok_s"] < 0.5 * ev["rows"][0]["agg_tok_s"]
+    assert cand["throughput_basis"] == "per call" and 0.8 < cand["throughput_speedup"]["point"] < 1.25
+    assert cand["verdict"] == "NO CLEAR GAIN"
