@@ -59,7 +59,7 @@ def test_null_runs_give_no_win_or_loss(tmp_path: Path) -> None:
         path = write_db(tmp_path / f"aa{seed}.duckdb", [run])
         with open_store([path]) as store:
             (ev,) = evaluate(store, settings=Settings(bootstrap_iterations=400))
-        per_level.update(r.verdict for r in ev.rows if r.arm != "baseline")
+        per_level.update(r.verdict or "—" for r in ev.rows if r.arm != "baseline")
         deploy.update(a.deploy.verdict for a in ev.arms if a.deploy is not None)
         assert {r.rounds for r in ev.rows} == {3} and not any(r.drift_note for r in ev.rows)
     print(f"null per-level verdicts {dict(per_level)}, deploy verdicts {dict(deploy)}")
