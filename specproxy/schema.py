@@ -267,12 +267,67 @@ FROM pairs
 GROUP BY run_id, arm, level
 """
 
-# Speculative-decoding counters per run, arm and window, from backend_metrics. A window is a phase
-# pair 'X:before' / 'X:after' (replay's 'c=16' → level '16') or every scrape of one other phase
-# ('periodic' → level 'live'). Each series (name + labels, so each `engine`) contributes its increase,
-# Prometheus-style: a drop means the counter restarted from zero, so the new value is the increase.
-# Then series are summed (over `engine` and any other label).
+# Speculative-decoding counters per run, arm and level, from backend_metrics. A window is a phase
+# pair 'X:before' / 'X:after' (replay's 'c=16', or one round of it, 'c=16 r2/3' → level '16') or every
+# scrape of one other phase ('periodic' → level 'live'). Each series (name + labels, so each `engine`)
+# contributes its increase in each window, Prometheus-style: a drop means the counter restarted from
+# zero, so the new value is the increase. Then windows and series are summed per level (over rounds,
+# `engine` and any other label).
 ACCEPTANCE_VIEW = """
+CREATE OR REPLACE VIEW acceptance AS
+WITH samples AS (
+    SELECT run_id, arm, scraped_at, name, labels_json, value,
+           CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
+                THEN regexp_replace(phase, ':(before|after)$', '')
+                ELSE coalesce(phase, 'periodic') END AS win,
+           json_extract_string(labels_json, '$.position') AS position
+    FROM backend_metrics
+    WHERE name IN ('vllm:spec_decode_num_drafts_total', 'vllm:spec_decode_num_draft_tokens_total',
+                   'vllm:spec_decode_num_accepted_tokens_total',
+                   'vllm:spec_decode_num_accepted_tokens_per_pos_total')
+), steps AS (
+    SELECT *, regexp_replace(win, ' r[0-9]+/[0-9]+$', '') AS phase,
+           lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
+    FROM samples
+), series AS (
+    SELECT run_id, arm, phase, name, position,
+           sum(CASE WHEN previous IS NULL THEN 0
+                    WHEN value >= previous THEN value - previous
+                    ELSE value END) AS increase
+    FROM steps
+    GROUP BY run_id, arm, phase, win, name, labels_json, position
+), totals AS (
+    SELECT run_id, arm, phase,
+           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_drafts_total') AS drafts,
+           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_draft_tokens_total') AS draft_tokens,
+           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_accepted_tokens_total') AS accepted_tokens
+    FROM series
+    GROUP BY run_id, arm, phase
+), positions AS (
+    SELECT s.run_id, s.arm, s.phase,
+           list(s.increase / nullif(t.drafts, 0) ORDER BY TRY_CAST(s.position AS INTEGER))
+               AS acceptance_per_position
+    FROM (SELECT run_id, arm, phase, position, sum(increase) AS increase
+          FROM series
+          WHERE name = 'vllm:spec_decode_num_accepted_tokens_per_pos_total'
+          GROUP BY run_id, arm, phase, position) s
+    JOIN totals t USING (run_id, arm, phase)
+    GROUP BY s.run_id, s.arm, s.phase
+)
+SELECT t.run_id, t.arm, t.phase,
+       CASE WHEN t.phase LIKE 'c=%' THEN substr(t.phase, 3)
+            WHEN t.phase = 'periodic' THEN 'live'
+            ELSE t.phase END AS level,
+       t.drafts, t.draft_tokens, t.accepted_tokens,
+       t.accepted_tokens / nullif(t.draft_tokens, 0) AS acceptance_rate,
+       1 + t.accepted_tokens / nullif(t.drafts, 0) AS acceptance_length,
+       p.acceptance_per_position
+FROM totals t
+LEFT JOIN positions p USING (run_id, arm, phase)
+"""
+
+# The acceptance view of migrations 2-7 (one window per level), kept as those migrations ran it.
+ACCEPTANCE_VIEW_V2 = """
 CREATE OR REPLACE VIEW acceptance AS
 WITH samples AS (
     SELECT run_id, arm, scraped_at, name, labels_json, value,
@@ -327,7 +382,7 @@ LEFT JOIN positions p USING (run_id, arm, phase)
 
 VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
 # The views as migrations 2-6 created them: a migration's statements never change once shipped.
-VIEWS_DDL_V2: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW]
+VIEWS_DDL_V2: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW_V2]
 
 # One list of statements per version; index 0 brings an empty file to version 1.
 MIGRATIONS: list[list[str]] = [
@@ -353,7 +408,8 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE requests ADD COLUMN notes VARCHAR",
         HEALTH_DDL,
     ],
-    # 8: pairs matches calls within a replay round, shows round and start_s; role 'replica' is a replica
+    # 8: pairs matches calls within a replay round, shows round and start_s; role 'replica' is a replica;
+    # acceptance sums a level's rounds (each round its own before/after window, 'c=16 r2/3')
     VIEWS_DDL,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

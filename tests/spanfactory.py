@@ -220,8 +220,9 @@ def make_run(
                 )
         # before/after scrapes of the level, split over two engines; with restart_engine, that engine
         # restarted during the level: its counter went back to zero, so "after" is below "before".
-        window = f"c={level}" if level is not None and round_no == 1 else None
-        for arm_name, c in counters.items() if round_no == 1 else ():
+        # one before/after window per level, or per round of it ('c=16 r2/3') when measured in rounds
+        window = None if level is None else f"c={level}" if rounds == 1 else f"c={level} r{round_no}/{rounds}"
+        for arm_name, c in counters.items():
             for cname, total in c.items():
                 share0 = math.floor(total * 0.6)
                 for engine, part in (("0", share0), ("1", total - share0)):

@@ -82,12 +82,25 @@ def test_a_true_effect_is_still_found_with_rounds(tmp_path: Path) -> None:
 def test_rounds_pair_calls_within_their_round(tmp_path: Path) -> None:
     """Three rounds reuse the same request ids: each candidate call is paired with the baseline call of
     its own round, and no baseline call of a later round is taken for a repeat."""
-    run = make_run(NULL_ARMS[:2], levels=(4,), n_per_level=50, seed=2, rounds=3)
+    run = make_run(
+        [*NULL_ARMS[:2], ArmSpec("eagle3", speedup=1.3)], levels=(4,), n_per_level=50, seed=2, rounds=3
+    )
     doc = _json(str(write_db(tmp_path / "rounds.duckdb", [run])))
     (ev,) = doc["runs"]
     replica = next(r for r in ev["rows"] if r["arm"] == "replica")
     expected = sum(1 for s in run.spans if s.arm == "replica" and s.identical is not None)
     assert replica["compared"] == expected and replica["rounds"] == 3 and replica["blocks"] == "3 rounds"
+    # /metrics: one before/after window per round ('c=4 r2/3'); the level's acceptance sums them
+    increase: Counter[str] = Counter()
+    for _, arm, _, phase, name, _labels, value in run.metrics:
+        if arm == "eagle3":
+            increase[name] += value if phase.endswith(":after") else -value
+    eagle = next(r for r in ev["rows"] if r["arm"] == "eagle3")
+    assert eagle["acceptance_rate"] == pytest.approx(
+        increase["vllm:spec_decode_num_accepted_tokens_total"]
+        / increase["vllm:spec_decode_num_draft_tokens_total"]
+    )
+    assert len({m[3] for m in run.metrics}) == 6
     base = next(r for r in ev["rows"] if r["arm"] == "baseline")
     assert base["compared"] == 0  # no 'repeat' pairs across rounds
     table = _cli("analyze", str(tmp_path / "rounds.duckdb"))
