@@ -40,18 +40,34 @@ def settings_options(func: F) -> F:
             "--run", "run", metavar="NAME", help="Only this run (its name or run_id); default: every run."
         ),
         click.option(
-            "--win-threshold",
-            type=FiniteFloat(),
-            default=1.05,
+            "--at-concurrency",
+            type=click.IntRange(1),
+            metavar="N",
+            help="The concurrency you run at: the deploy verdict answers there (default: the experiment "
+            "file's at_concurrency, else the lowest reliable level, said so).",
+        ),
+        click.option(
+            "--peak-concurrency",
+            type=click.IntRange(1),
+            metavar="N",
+            help="Your peak concurrency: throughput there must not be lower (default: the experiment "
+            "file's peak_concurrency, else the highest reliable level, said so).",
+        ),
+        click.option(
+            "--margin",
+            type=FiniteFloat(0, 100),
+            default=3.0,
             show_default=True,
-            help="WIN needs the decode speedup's CI lower bound above this.",
+            help="Smallest difference, in percent, a WIN or LOSS must clear; a replica arm's measured "
+            "noise floor raises it.",
         ),
         click.option(
             "--identity-min",
             type=FiniteFloat(0, 100),
             default=99.0,
             show_default=True,
-            help="Identical outputs needed, in percent (below it: LOSS).",
+            help="Identical outputs needed, in percent (LOSS when the mismatch rate is surely above "
+            "100 minus this).",
         ),
         click.option(
             "--near-tie-margin",
@@ -65,7 +81,7 @@ def settings_options(func: F) -> F:
             type=FiniteFloat(0.5, 0.999),
             default=0.95,
             show_default=True,
-            help="Confidence level of the bootstrap intervals.",
+            help="Confidence level of the intervals, jointly over each arm's levels.",
         ),
         click.option(
             "--bootstrap-iterations",
@@ -89,11 +105,13 @@ def settings_options(func: F) -> F:
 
 def _settings(kw: dict[str, Any]) -> Settings:
     return Settings(
-        thresholds=Thresholds(win_threshold=kw["win_threshold"], identity_min=kw["identity_min"] / 100.0),
+        thresholds=Thresholds(min_margin=kw["margin"] / 100.0, identity_min=kw["identity_min"] / 100.0),
         near_tie_margin=kw["near_tie_margin"],
         confidence=kw["confidence"],
         bootstrap_iterations=kw["bootstrap_iterations"],
         bootstrap_seed=kw["bootstrap_seed"],
+        at_concurrency=kw["at_concurrency"],
+        peak_concurrency=kw["peak_concurrency"],
     )
 
 
@@ -110,7 +128,7 @@ def _settings(kw: dict[str, Any]) -> Settings:
 @settings_options
 def analyze(dbs: tuple[str, ...], fmt: str, **kw: Any) -> None:
     """The verdict table: per run, arm and concurrency level; then by workload category, and each
-    arm's deploy verdict (aggregate throughput at the peak level not lower).
+    arm's deploy verdict at your operating point (aggregate throughput at your peak not lower).
 
     DB files default to specproxy.duckdb; each file's worker siblings (specproxy.w0.duckdb, ...) are
     read too, and several files (machines) are analysed as one store. Files are opened read-only.

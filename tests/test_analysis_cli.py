@@ -71,12 +71,12 @@ def test_analyze_formats(store: Path) -> None:
     }
     doc = json.loads(run("analyze", str(store), "--format", "json").stdout)
     assert sorted(r["name"] for r in doc["runs"]) == ["shadow", "synthetic"]
-    assert doc["settings"]["thresholds"]["win_threshold"] == 1.05
+    assert doc["settings"]["thresholds"]["min_margin"] == 0.03
 
 
 def test_options_change_the_verdict(store: Path) -> None:
     strict = json.loads(
-        run("analyze", str(store), "--run", "run-1", "--format", "json", "--win-threshold", "10").stdout
+        run("analyze", str(store), "--run", "run-1", "--format", "json", "--margin", "100").stdout
     )
     assert all(r["verdict"] in (None, "NO CLEAR GAIN", "LOSS") for r in strict["runs"][0]["rows"])
     a = run("analyze", str(store), "--bootstrap-seed", "5", "--format", "csv").stdout

@@ -34,7 +34,9 @@ def verdicts(stdout: str) -> dict[tuple[str, str], str]:
     """(level, arm) → verdict from the analyze table's rows."""
     out = {}
     for line in stdout.splitlines():
-        m = re.match(r"^(c=\d+)\s+(\w+)\s+\d+/\d+\s.*\s(WIN|LOSS|NO CLEAR GAIN|baseline)\s*$", line)
+        m = re.match(
+            r"^(c=\d+)\s+(\w+)\s+\d+/\d+\s.*\s(WIN|LOSS|NO CLEAR GAIN|UNRELIABLE|baseline)\s*$", line
+        )
         if m:
             out[(m.group(1), m.group(2))] = m.group(3)
     return out
