@@ -1,7 +1,13 @@
 """The experiment file: TOML in, typed frozen config out.
 
-    [experiment]            name, mode (shadow | split), db, model, and proxy settings
-    [[arms]]                one per backend; exactly one has role = "baseline"
+    [experiment]            name, mode (shadow | split), db, model, the operating point
+                            (at_concurrency, peak_concurrency) and proxy settings
+    [[arms]]                one per backend, each with a role:
+                              "baseline"   exactly one: the configuration candidates are measured against
+                              "candidate"  (the default) a configuration under test
+                              "replica"    any number: a plain copy of the baseline (no speculation),
+                                           measured like a candidate; its spread against the baseline
+                                           is the noise floor a real difference must clear
 
 A mistake raises :class:`ConfigError` whose message names the file, the arm and the field, e.g.
 ``exp.toml: arms[2].speculative.num_speculative_tokens: must be ≥ 1``.
@@ -24,7 +30,8 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 Mode = Literal["shadow", "split"]
-Role = Literal["baseline", "candidate"]
+Role = Literal["baseline", "candidate", "replica"]
+ROLES: tuple[Role, ...] = ("baseline", "candidate", "replica")
 
 # vLLM 0.33's `method` values (vllm/config/speculative.py).
 SPEC_METHODS = frozenset(
@@ -130,6 +137,10 @@ class Experiment:
     source_path: str | None = None
     # The default tokenizer.json for arms that name none (see Arm.tokenizer).
     tokenizer: str | None = None
+    # The operating point: the concurrency the user runs at, and their peak. The deploy verdict is
+    # answered at these levels; None: the analysis says what it assumed.
+    at_concurrency: int | None = None
+    peak_concurrency: int | None = None
 
     @property
     def baseline(self) -> Arm:
@@ -137,7 +148,12 @@ class Experiment:
 
     @property
     def candidates(self) -> tuple[Arm, ...]:
+        """Every arm but the baseline (replicas included: they are called the way candidates are)."""
         return tuple(a for a in self.arms if a.role != "baseline")
+
+    @property
+    def replicas(self) -> tuple[Arm, ...]:
+        return tuple(a for a in self.arms if a.role == "replica")
 
     def arm(self, name: str) -> Arm:
         for a in self.arms:
@@ -278,13 +294,19 @@ def _load_arm(where: str, table: Any, index: int) -> Arm:
     if not url.startswith(("http://", "https://")):
         raise r.fail("url", f"must start with http:// or https://, got {url!r}")
     role = r.get("role", str, "candidate")
-    if role not in ("baseline", "candidate"):
-        raise r.fail("role", f"must be 'baseline' or 'candidate', got {role!r}")
+    if role not in ROLES:
+        raise r.fail("role", f"must be 'baseline', 'candidate' or 'replica', got {role!r}")
     weight = float(r.get("weight", (int, float), 1.0))
     if weight < 0:
         raise r.fail("weight", "must be ≥ 0")
     spec = r.get("speculative", dict, {})
     validate_speculative(spec, where, f"{path}.speculative")
+    if role == "replica" and spec:
+        raise r.fail(
+            "speculative",
+            "a replica is a plain copy of the baseline and runs without speculation; "
+            'remove speculative, or make this arm role = "candidate"',
+        )
     sample = float(r.get("sample", (int, float), 1.0))
     if not 0 <= sample <= 1:
         raise r.fail("sample", "must be between 0 and 1")
@@ -383,6 +405,21 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
     tokenizer = _tokenizer_path(r, where)
     if tokenizer is not None:  # the arms without their own tokenizer use the experiment's
         arms = tuple(a if a.tokenizer else dataclasses.replace(a, tokenizer=tokenizer) for a in arms)
+    def concurrency(key: str) -> int | None:
+        v = r.get(key, int, None)
+        if v is not None and v < 1:
+            raise r.fail(key, f"must be a concurrency ≥ 1, got {v}")
+        return int(v) if v is not None else None
+
+    at_concurrency = concurrency("at_concurrency")
+    peak_concurrency = concurrency("peak_concurrency")
+    if at_concurrency is not None and peak_concurrency is not None and peak_concurrency < at_concurrency:
+        raise r.fail(
+            "peak_concurrency",
+            "must be ≥ at_concurrency (the peak is the busiest you run): "
+            f"{peak_concurrency} < {at_concurrency}",
+        )
+
     exp = Experiment(
         name=name,
         arms=arms,
@@ -402,6 +439,8 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
         otlp_endpoint=r.get("otlp_endpoint", str, None),
         source_path=None if where.startswith("<") else where,
         tokenizer=tokenizer,
+        at_concurrency=at_concurrency,
+        peak_concurrency=peak_concurrency,
     )
     r.check_unknown(r.used)
     return exp
