@@ -21,6 +21,7 @@ from specproxy.proxy.upstream.scrape import (
     SPEC_ACCEPTED,
     SPEC_ACCEPTED_PER_POS,
     SPEC_DRAFTS,
+    EngineLoad,
     MetricsScraper,
     Snapshot,
     counter_delta,
@@ -265,6 +266,8 @@ async def test_scrapes_land_in_backend_metrics_and_give_deltas(aiohttp_server: A
         sink.close()
     b, a = before["eagle3"], after["eagle3"]
     assert b.ok and a.ok and scraper.latest["eagle3"] is a
+    # the running gauge summed over both engines; this backend exports no waiting gauge
+    assert scraper.engine_load["eagle3"] == EngineLoad(running=4.0, waiting=None)
     summary = spec_decode_summary(b, a)
     # Δdrafts = 50 (engine 0) + 50 (engine 1 from zero); Δdraft_tokens 300; Δaccepted 200.
     assert (summary["num_drafts"], summary["draft_tokens"], summary["accepted_tokens"]) == (100, 300, 200)

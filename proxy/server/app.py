@@ -32,7 +32,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -62,7 +62,7 @@ from specproxy.proxy.upstream.calls import (
     call_arm,
     new_record,
 )
-from specproxy.proxy.upstream.scrape import MetricsScraper
+from specproxy.proxy.upstream.scrape import EngineLoad, MetricsScraper
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint
 from specproxy.proxy.upstream.stacks import arm_auth, arm_stacks
 from specproxy.proxy.upstream.wire import UpstreamClient
@@ -107,6 +107,8 @@ class ProxyState:
     dispatcher: ShadowDispatcher | None = None
     capture: CaptureWriter | None = None
     shutdown_started: float | None = None
+    # arm name → its running/waiting gauges at the latest /metrics scrape (kept by the scraper)
+    engine_load: dict[str, EngineLoad] = field(default_factory=dict)
 
     def finish(self, record: SpanRecord, parent: SpanContext | None = None) -> None:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
@@ -265,6 +267,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
                 routed_as=copy.routed_as,
                 category=category,
                 concurrency_level=level,
+                engine_load=st.engine_load.get(copy.arm.name),
             )
             dispatcher.send(copy, body, rec, endpoint=endpoint, pair=pair, parent=parent)
     record = new_record(
@@ -277,6 +280,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         routed_as=plan.primary_routed_as,
         category=category,
         concurrency_level=level,
+        engine_load=st.engine_load.get(primary.name),
     )
     relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
     assert st.client is not None
@@ -525,7 +529,12 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
     exp = st.settings.experiment
     async with aiohttp.ClientSession() as session:
         scraper = MetricsScraper(
-            exp.arms, st.sink, session, run_id=st.run_id, interval_s=exp.scrape_interval_s
+            exp.arms,
+            st.sink,
+            session,
+            run_id=st.run_id,
+            interval_s=exp.scrape_interval_s,
+            engine_load=st.engine_load,
         )
         task = asyncio.create_task(scraper.run())
         try:

@@ -218,8 +218,11 @@ def new_record(
     category: str | None = None,
     trace_id: str | None = None,
     concurrency_level: int | None = None,
+    engine_load: tuple[float | None, float | None] | None = None,
 ) -> SpanRecord:
-    """A span record with identity and request fields filled from the arm and the client's body."""
+    """A span record with identity and request fields filled from the arm and the client's body.
+
+    ``engine_load``: the arm's (running, waiting) gauges from its latest /metrics scrape, if known."""
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     temperature = body.get("temperature")
     seed = body.get("seed")
@@ -244,6 +247,8 @@ def new_record(
         max_tokens=int(max_tokens) if isinstance(max_tokens, int) else None,
         seed=int(seed) if isinstance(seed, int) else None,
         prompt_sha256=prompt_sha256(body, endpoint),
+        engine_running=engine_load[0] if engine_load is not None else None,
+        engine_waiting=engine_load[1] if engine_load is not None else None,
     )
 
 

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -62,6 +62,14 @@ SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 ENGINE_LABEL = "engine"
 # Metric name prefixes kept from a scrape: the engines whose names METRIC_NAMES knows.
 KEPT_PREFIXES = ("vllm:", "llamacpp:", "sglang:")
+
+
+class EngineLoad(NamedTuple):
+    """An arm's running and waiting requests at its latest scrape (:func:`engine_load`; None where the
+    arm exports no such gauge)."""
+
+    running: float | None
+    waiting: float | None
 
 
 @dataclass(frozen=True)
@@ -217,7 +225,12 @@ def snapshot_rows(snapshot: Snapshot, *, run_id: str | None, phase: str) -> list
 
 
 class MetricsScraper:
-    """Scrapes every arm's ``/metrics``, keeps the snapshots, and writes them as ``backend_metrics`` rows."""
+    """Scrapes every arm's ``/metrics``, keeps the snapshots, and writes them as ``backend_metrics`` rows.
+
+    ``engine_load`` (arm name → :class:`EngineLoad`) holds each arm's running/waiting gauges from its
+    latest good scrape, for callers to stamp on the span of a call as it starts (a dict lookup); pass
+    ``engine_load=`` to have a dict of the caller's own kept up to date.
+    """
 
     def __init__(
         self,
@@ -228,6 +241,7 @@ class MetricsScraper:
         run_id: str,
         interval_s: float = 5.0,
         timeout_s: float = 5.0,
+        engine_load: dict[str, EngineLoad] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
@@ -238,6 +252,7 @@ class MetricsScraper:
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, interval_s * 2))
         self.latest: dict[str, Snapshot] = {}
+        self.engine_load: dict[str, EngineLoad] = engine_load if engine_load is not None else {}
         self.scrapes = 0
         self._failing: set[str] = set()
 
@@ -249,6 +264,7 @@ class MetricsScraper:
         for snapshot in snapshots:
             if snapshot.ok:
                 self.latest[snapshot.arm] = snapshot
+                self.engine_load[snapshot.arm] = EngineLoad(*engine_load(snapshot))
                 rows.extend(snapshot_rows(snapshot, run_id=self.run_id, phase=phase))
         if rows and self.sink is not None and not self.sink.emit_backend_metrics(rows):
             log.warning("backend metrics of phase %s dropped: the span queue is full", phase)
