@@ -90,6 +90,15 @@ from specproxy.proxy.spans.sink import SpanSinkError
     help="Stop sending after S seconds (per level in a closed-loop sweep).",
 )
 @click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Measure each level (or the open loop) N times, the arms' order rotated and the items "
+    "shuffled each round; the analysis reads the spread between rounds.",
+)
+@click.option(
     "--warmup",
     type=click.IntRange(min=0),
     metavar="N",
@@ -135,6 +144,7 @@ def replay(
     max_tokens: int | None,
     limit: int | None,
     duration: float | None,
+    rounds: int,
     warmup: int | None,
     db_path: Path | None,
     run_name: str | None,
@@ -151,7 +161,7 @@ def replay(
 
     \b
     Examples:
-      specproxy replay capture.jsonl --config exp.toml --concurrency 1,4,16,64
+      specproxy replay capture.jsonl --config exp.toml --concurrency 1,4,16,64 --rounds 3
       specproxy replay question.jsonl --config exp.toml --rate 5 --duration 120
       specproxy replay mooncake.jsonl --target http://127.0.0.1:8000 --timed --speedup 10
     """
@@ -187,6 +197,7 @@ def replay(
         speedup=speedup,
         duration_s=duration,
         warmup=0 if warmup is None and target is not None else warmup,
+        rounds=rounds,
     )
     settings = ReplaySettings(
         arms=tuple(arms),
