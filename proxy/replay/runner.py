@@ -66,9 +66,10 @@ from specproxy.record import SpanRecord
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
-# While a phase runs, each arm's /metrics is scraped this often, so that every call's span carries the
-# engine's load from a recent scrape (the scrapes around each phase alone would say "idle").
-SCRAPE_DURING_PHASE_S = 2.0
+# While a phase runs, each arm's /metrics is scraped this often (the first time half as soon), so that
+# every call's span carries the engine's load from a recent scrape. Calls before the first have none:
+# the scrape before the phase saw the engine idle, which says nothing about the load the call meets.
+SCRAPE_DURING_PHASE_S = 1.0
 
 
 class ReplayError(Exception):
@@ -429,6 +430,7 @@ class ReplayRunner:
         it (paired: to the arms in this round's order), scrape and read again, record the health."""
         label = phase.label
         await self.scraper.scrape_once(f"{label}:before")
+        self.scraper.engine_load.clear()
         clocks_before = await read_sim_clocks(self.session, self.s.arms)
         self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
         self.result.phases.append(label)
@@ -468,9 +470,10 @@ class ReplayRunner:
         return stats
 
     async def _scrape_during(self, label: str) -> None:
+        await asyncio.sleep(SCRAPE_DURING_PHASE_S / 2)
         while True:
-            await asyncio.sleep(SCRAPE_DURING_PHASE_S)
             await self.scraper.scrape_once(f"{label}:during")
+            await asyncio.sleep(SCRAPE_DURING_PHASE_S)
 
     async def _record_health(
         self, phase: _Phase, engine_lag: dict[str, float], stats: list[LoadStats], loop_lags: list[float]
