@@ -27,7 +27,7 @@ while absolute tok/s are multiplied by X and times divided by it (the lab says s
 A simulator that cannot keep its clock (too many streams for the cores it gets) stretches every time
 it reports, and the level's health says so. Without ``--time-scale`` the lab first probes: one short
 wave at the top level at time scale 1; while a simulator falls more than the health limit behind its
-clock, the simulators are restarted at half the speed and probed again (down to 1/8). It prints what it
+clock, the simulators are restarted at half the speed and probed again (down to 1/4). It prints what it
 chose and why, and the run's experiment description records it.
 """
 
@@ -70,7 +70,7 @@ DEFAULT_PROFILE = "h100-llama3.1-8b"
 MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG]
 # The time-scale probe: one wave of this many tokens per call at the top level; never slower than this.
 PROBE_MAX_TOKENS = 64
-SLOWEST_PROBED_SCALE = 1 / 8
+SLOWEST_PROBED_SCALE = 1 / 4
 REPLICA = "replica"
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
