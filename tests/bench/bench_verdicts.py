@@ -1,14 +1,16 @@
 """Benchmark: can a verdict be trusted? A/A false alarms, power, interval coverage, stability and cost.
 
-    python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32] [--rounds 3] [--duration 3]
+    python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32] [--rounds 3] [--per-round 6]
                                          [--stability-runs 3] [--time-scale 1] [--keep]
+    python tests/bench/bench_verdicts.py --from DIR    # the figures again from a --keep folder's stores
 
 Starts four simulators on 127.0.0.1 (``specproxy sim`` subprocesses, stopped at the end whatever
 happens): a plain baseline, a plain ``replica`` (role replica), a plain arm labelled EAGLE3 in the
 experiment file (``eagle3-null``: a null arm that looks like a candidate) and a real EAGLE3 simulator
-(``eagle3``). Then ``--runs`` times: ``specproxy replay`` of a small mixed workload over the levels, in
-``--rounds`` rounds of at most ``--duration`` seconds each, into a fresh span store, and
-``specproxy analyze --format json`` on it. It prints:
+(``eagle3``). Then ``--runs`` times: a paired replay (replay's own runner, in this process) of a small
+mixed workload over the levels, ``--rounds`` rounds each of max(c, ``--per-round``) items, so every arm
+gets the same items, into a fresh span store, and ``specproxy analyze --format json`` on it (a
+subprocess). It prints:
 
 - A/A: the share of the null arms' deploy verdicts and per-level verdicts that are WIN or LOSS (target
   ≤ 5 %); an UNRELIABLE level counts as neither;
@@ -24,15 +26,19 @@ experiment file (``eagle3-null``: a null arm that looks like a candidate) and a 
 - cost: each ``lab --quick`` run's wall time (target ≤ 3 minutes).
 
 Say what the machine was doing (``uptime``) next to the figures: a busy machine makes simulators lag.
+``--keep`` keeps the span stores; ``--from`` analyses them again (with the same ``--levels`` and
+``--items``), e.g. after the verdict rule changed, without measuring anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,12 +54,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import duckdb
 
+from specproxy.commandline import run_async
+from specproxy.config import load_experiment
 from specproxy.engines.profiles import load_profile
 from specproxy.engines.sim.api_request import parse_request
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.engine import EngineCore, RequestSpec
 from specproxy.engines.sim.text import request_key
 from specproxy.proxy.replay.formats import ReplayItem
+from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.replay.workload import mixed_workload
 from tests.support import free_port
 
@@ -208,12 +217,16 @@ def virtual_figures(
     return statistics.median(rates), tokens / span
 
 
-def true_ratios(items: Sequence[ReplayItem], levels: Sequence[int]) -> dict[int, tuple[float, float]]:
-    """level → (decode, throughput) ratio of the real EAGLE3 arm over the baseline, lag-free."""
+def true_ratios(
+    items: Sequence[ReplayItem], levels: Sequence[int], minimum: int
+) -> dict[int, tuple[float, float]]:
+    """level → (decode, throughput) ratio of the real EAGLE3 arm over the baseline, lag-free, on the
+    items a round of that level sends."""
     out = {}
     for level in levels:
-        base = virtual_figures(items, level, None)
-        cand = virtual_figures(items, level, EAGLE3)
+        sent = level_items(items, level, minimum)
+        base = virtual_figures(sent, level, None)
+        cand = virtual_figures(sent, level, EAGLE3)
         out[level] = (cand[0] / base[0], cand[1] / base[1])
     return out
 
@@ -257,11 +270,37 @@ def verdicts_of(db: Path) -> RunVerdicts:
     return out
 
 
-def replay_once(i: int, work: Path, exp: Path, workload: Path, opts: argparse.Namespace) -> RunVerdicts:
+def per_round(minimum: int, level: int) -> int:
+    """Items each round of a level sends: at least one per slot."""
+    return max(level, minimum)
+
+
+def level_items(items: Sequence[ReplayItem], level: int, minimum: int) -> list[ReplayItem]:
+    """The items one round of ``level`` sends (replay cycles the list from its start)."""
+    return [items[i % len(items)] for i in range(per_round(minimum, level))]
+
+
+def replay_once(
+    i: int, work: Path, exp_path: Path, items: list[ReplayItem], opts: argparse.Namespace
+) -> RunVerdicts:
     db = work / f"run-{i:02d}.duckdb"
-    args = ["replay", str(workload), "--config", str(exp), "--concurrency", opts.levels]
-    args += ["--rounds", str(opts.rounds), "--duration", str(opts.duration), "--db", str(db)]
-    specproxy(*args, "--seed", str(i), "--no-progress", timeout=900)
+    exp = load_experiment(exp_path)
+    plan = LoadPlan(
+        kind="closed",
+        levels=tuple(int(x) for x in opts.levels.split(",")),
+        items_per_level=functools.partial(per_round, opts.per_round),
+        rounds=opts.rounds,
+    )
+    settings = ReplaySettings(
+        arms=exp.arms,
+        db_path=db,
+        run_name=f"bench-{i}",
+        load=plan,
+        seed=i,
+        experiment=exp,
+        show_progress=False,
+    )
+    run_async(run_replay(settings, items))
     return verdicts_of(db)
 
 
@@ -295,40 +334,49 @@ def report_replays(runs: list[RunVerdicts], levels: list[int], truth: dict[int, 
     print(f"    counts: {dict(sorted((v, null_level.count(v)) for v in set(null_level)))}")
     low = min(levels)
     power = [run.level.get((REAL_ARM, low), {}).get("verdict") == "WIN" for run in runs]
+    judged = [run.level.get((REAL_ARM, low), {}).get("verdict") != "UNRELIABLE" for run in runs]
     print(
         f"power: eagle3 WIN at c={low} (true decode ratio {truth[low][0]:.2f}x): {share(power)}"
-        "   (target ≥ 95 %)"
+        f"   (target ≥ 95 %); c={low} judged (not UNRELIABLE) in {share(judged)}"
     )
-    print("coverage (interval contains the true ratio; target ≥ 90 % at every level):")
     print(
-        f"    {'level':>6}  {'arm':<12} {'true decode':>11} {'decode':>14} {'true thr':>9} {'throughput':>14}"
+        "coverage (interval contains the true ratio; target ≥ 90 % at every level; all runs | reliable ones):"
+    )
+    print(
+        f"    {'level':>6}  {'arm':<12} {'true decode':>11} {'decode':>24} {'true thr':>9} {'throughput':>24}"
     )
     for c in levels:
         for arm in (*NULL_ARMS, REAL_ARM):
             t_dec, t_thr = (1.0, 1.0) if arm in NULL_ARMS else truth[c]
             rows = [run.level[(arm, c)] for run in runs if (arm, c) in run.level]
-            dec = [h for h in (contains(r.get("decode_speedup"), t_dec) for r in rows) if h is not None]
-            thr = [h for h in (contains(r.get("throughput_speedup"), t_thr) for r in rows) if h is not None]
+            cells = []
+            for key, truth_ in (("decode_speedup", t_dec), ("throughput_speedup", t_thr)):
+                hits = [(contains(r.get(key), truth_), r["verdict"] != "UNRELIABLE") for r in rows]
+                every = [h for h, _ in hits if h is not None]
+                reliable = [h for h, ok in hits if h is not None and ok]
+                cells.append(f"{share(every)} | {share(reliable)}")
             print(
-                f"    {'c=' + str(c):>6}  {arm:<12} {t_dec:>10.3f}x {share(dec):>14} "
-                f"{t_thr:>8.3f}x {share(thr):>14}"
+                f"    {'c=' + str(c):>6}  {arm:<12} {t_dec:>10.3f}x {cells[0]:>24} "
+                f"{t_thr:>8.3f}x {cells[1]:>24}"
             )
     over = sum(r.health_over for r in runs)
     total = sum(r.health_total for r in runs)
     print(f"health: level-rounds over a limit: {over}/{total}")
 
 
-def stability(n: int, work: Path) -> None:
+def stability(n: int, work: Path, measure: bool) -> None:
+    """``n`` lab --quick runs into work/lab-i (or, without ``measure``, the ones already there)."""
     per_arm: dict[str, list[str]] = {}
     walls = []
-    for i in range(n):
-        out = work / f"lab-{i}"
-        t0 = time.monotonic()
-        specproxy("lab", "--quick", "--no-progress", "--out", str(out), timeout=1800)
-        walls.append(time.monotonic() - t0)
+    outs = [work / f"lab-{i}" for i in range(n)] if measure else sorted(work.glob("lab-*"))
+    for i, out in enumerate(outs):
+        if measure:
+            t0 = time.monotonic()
+            specproxy("lab", "--quick", "--no-progress", "--out", str(out), timeout=1800)
+            walls.append(time.monotonic() - t0)
+            print(f"  lab --quick #{i + 1}: {walls[-1]:.0f} s", flush=True)
         for arm, verdict in verdicts_of(out / "specproxy.duckdb").deploy.items():
             per_arm.setdefault(arm, []).append(verdict)
-        print(f"  lab --quick #{i + 1}: {walls[-1]:.0f} s", flush=True)
     for arm, seen in sorted(per_arm.items()):
         flips = "WIN" in seen and "LOSS" in seen
         same = len(set(seen)) == 1
@@ -346,16 +394,31 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20, help="repeated replays (A/A, power, coverage)")
     parser.add_argument("--levels", default="1,8,32", help="concurrency levels of each replay")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per level")
-    parser.add_argument("--duration", type=float, default=3.0, help="seconds of sending per round at most")
+    parser.add_argument(
+        "--per-round", type=int, default=6, help="items per round at least (and one per slot)"
+    )
     parser.add_argument("--items", type=int, default=0, help="workload items (default: the top level)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="simulators' time scale")
     parser.add_argument(
         "--stability-runs", type=int, default=3, help="consecutive lab --quick runs (0: none)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (printed)")
+    parser.add_argument(
+        "--from", dest="from_dir", type=Path, help="analyse a kept folder again; measure nothing"
+    )
     opts = parser.parse_args()
     levels = [int(x) for x in opts.levels.split(",")]
+    # SIGTERM ends the run like Ctrl-C: the simulators are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if opts.from_dir is not None:
+        items = mixed_workload(opts.items or max(levels), seed=0, max_tokens_scale=0.5)
+        kept = [verdicts_of(db) for db in sorted(opts.from_dir.glob("run-*.duckdb"))]
+        report_replays(kept, levels, true_ratios(items, levels, opts.per_round))
+        stability(0, opts.from_dir, measure=False)
+        return
     work = Path(tempfile.mkdtemp(prefix="specproxy-bench-verdicts-"))
+    if opts.keep:
+        print(f"work folder (kept): {work}")
     print(
         "load average (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()),
         f"on {os.cpu_count()} cores",
@@ -363,9 +426,9 @@ def main() -> None:
     try:
         items = mixed_workload(opts.items or max(levels), seed=0, max_tokens_scale=0.5)
         workload, exp = work / "workload.jsonl", work / "exp.toml"
-        write_workload(workload, items)
+        write_workload(workload, items)  # for specproxy replay by hand, and a record of what was sent
         t0 = time.monotonic()
-        truth = true_ratios(items, levels)
+        truth = true_ratios(items, levels, opts.per_round)
         print(
             f"lag-free true eagle3/baseline ratios (decode, throughput), {time.monotonic() - t0:.0f} s: "
             + ", ".join(f"c={c} {d:.3f}x {t:.3f}x" for c, (d, t) in truth.items())
@@ -375,7 +438,7 @@ def main() -> None:
             write_experiment(exp, sims)
             for i in range(opts.runs):
                 t0 = time.monotonic()
-                runs.append(replay_once(i, work, exp, workload, opts))
+                runs.append(replay_once(i, work, exp, items, opts))
                 r = runs[-1]
                 print(
                     f"  replay #{i + 1}: {time.monotonic() - t0:.0f} s; deploy {r.deploy}; "
@@ -384,7 +447,7 @@ def main() -> None:
                 )
         if runs:
             report_replays(runs, levels, truth)
-        stability(opts.stability_runs, work)
+        stability(opts.stability_runs, work, measure=True)
     finally:
         if opts.keep:
             print(f"kept {work}")
