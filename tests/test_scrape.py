@@ -26,6 +26,7 @@ from specproxy.proxy.upstream.scrape import (
     Snapshot,
     counter_delta,
     counter_deltas,
+    engine_load_from_text,
     parse_metrics,
     spec_decode_summary,
 )
@@ -345,3 +346,17 @@ async def test_run_scrapes_periodically_until_cancelled(aiohttp_server: Any) -> 
             await task
     assert scraper.scrapes >= 3 and scraper.scrapes <= vllm.hits <= scraper.scrapes + 1  # +1: cut mid-scrape
     assert waited_s >= 2 * 0.05 * 0.9  # three scrapes, an interval apart: not a busy loop
+
+
+def test_the_engine_load_line_scan_agrees_with_the_full_parse() -> None:
+    text = vllm_metrics_text(
+        {
+            "0": engine_state(1, 3, 2, (1, 1, 0), running=5.0),
+            "1": engine_state(1, 3, 2, (1, 1, 0), running=2.0),
+        }
+    )
+    assert engine_load_from_text(text) == parse_metrics("a", text).engine_load() == EngineLoad(7.0, None)
+    text += 'vllm:num_requests_waiting{engine="0",model_name="m x"} 4.0 1700000000000\n'
+    text += "vllm:num_requests_waiting 1\n"
+    assert engine_load_from_text(text) == parse_metrics("a", text).engine_load() == EngineLoad(7.0, 5.0)
+    assert engine_load_from_text("# nothing here\n") == EngineLoad(None, None)

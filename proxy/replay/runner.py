@@ -66,9 +66,10 @@ from specproxy.record import SpanRecord
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
-# While a phase runs, each arm's /metrics is scraped this often (the first time half as soon), so that
-# every call's span carries the engine's load from a recent scrape. Calls before the first have none:
-# the scrape before the phase saw the engine idle, which says nothing about the load the call meets.
+# While a phase runs, each arm's running/waiting gauges are read from its /metrics this often (the first
+# time half as soon), so that every call's span carries the engine's load from a recent scrape. Calls
+# before the first have none: the scrape before the phase saw the engine idle, which says nothing about
+# the load the call meets.
 SCRAPE_DURING_PHASE_S = 1.0
 
 
@@ -437,7 +438,7 @@ class ReplayRunner:
         self._queue_s = []
         stats: list[LoadStats] = []
         loop_lag = LoopLagSampler()
-        scraping = asyncio.ensure_future(self._scrape_during(label))
+        scraping = asyncio.ensure_future(self._scrape_during())
         try:
             async with loop_lag:
                 if self.s.mode == "paired":
@@ -469,10 +470,10 @@ class ReplayRunner:
             await self._record_health(phase, clock_lag(clocks_before, clocks_after), stats, loop_lag.lags_s)
         return stats
 
-    async def _scrape_during(self, label: str) -> None:
+    async def _scrape_during(self) -> None:
         await asyncio.sleep(SCRAPE_DURING_PHASE_S / 2)
         while True:
-            await self.scraper.scrape_once(f"{label}:during")
+            await self.scraper.scrape_engine_load()
             await asyncio.sleep(SCRAPE_DURING_PHASE_S)
 
     async def _record_health(

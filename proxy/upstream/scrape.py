@@ -127,6 +127,27 @@ def parse_metrics(arm: str, text: str, scraped_at: datetime | None = None) -> Sn
     )
 
 
+def engine_load_from_text(text: str) -> EngineLoad:
+    """The running/waiting gauges (summed over engines) from exposition text by a scan of its lines.
+
+    >>> engine_load_from_text('vllm:num_requests_running{engine="0"} 3.0\\nvllm:num_requests_waiting 1\\n')
+    EngineLoad(running=3.0, waiting=1.0)
+    """
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:num_requests_"):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        name_end = brace if 0 <= brace < space or space < 0 else space
+        name = line[:name_end]
+        if name not in (RUNNING, WAITING):
+            continue
+        rest = line[line.rfind("}") + 1 :] if name_end == brace else line[name_end:]
+        found[name] = found.get(name, 0.0) + float(rest.split()[0])
+    return EngineLoad(found.get(RUNNING), found.get(WAITING))
+
+
 def counter_deltas(before: Snapshot, after: Snapshot, name: str) -> dict[Labels, float] | None:
     """Increase of counter ``name`` between two scrapes, per label set with ``engine`` summed away.
 
@@ -279,21 +300,43 @@ class MetricsScraper:
             # A slow scrape shortens the wait instead of shifting every later scrape.
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
+    async def scrape_engine_load(self) -> None:
+        """Update :attr:`engine_load` only: each arm's two gauges read straight from its /metrics text
+        (a line scan, not a parse; nothing is written). Cheap enough to run every second during a
+        measurement, where a full parse of vLLM's histograms would hold the event loop for tens of ms."""
+
+        async def one(arm: Arm) -> None:
+            try:
+                async with self.session.get(
+                    arm.url.rstrip("/") + "/metrics", headers=self._headers(arm), timeout=self.timeout
+                ) as resp:
+                    if resp.status == 200:
+                        self.engine_load[arm.name] = engine_load_from_text(await resp.text(errors="replace"))
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass  # the full scrapes around it log what is wrong with an arm
+
+        await asyncio.gather(*(one(arm) for arm in self.arms))
+
+    def _headers(self, arm: Arm) -> dict[str, str]:
+        if arm.api_key_env and os.environ.get(arm.api_key_env):
+            return {"Authorization": f"Bearer {os.environ[arm.api_key_env]}"}
+        return {}
+
     async def _scrape_arm(self, arm: Arm) -> Snapshot:
         url = arm.url.rstrip("/") + "/metrics"
-        headers: dict[str, str] = {}
-        if arm.api_key_env and os.environ.get(arm.api_key_env):
-            headers["Authorization"] = f"Bearer {os.environ[arm.api_key_env]}"
         scraped_at = datetime.now(UTC)
         try:
-            async with self.session.get(url, headers=headers, timeout=self.timeout) as resp:
+            async with self.session.get(url, headers=self._headers(arm), timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return self._failed(arm, scraped_at, f"GET {url} answered HTTP {resp.status}")
                 text = await resp.text(errors="replace")
         except (aiohttp.ClientError, TimeoutError) as exc:
             return self._failed(arm, scraped_at, f"GET {url} failed: {exc.__class__.__name__} {exc}".strip())
         try:
-            snapshot = parse_metrics(arm.name, text, scraped_at)
+            # Off the event loop: parsing vLLM's text (histograms with many buckets) takes 15-60 ms, which
+            # would delay every stream the process relays; in a thread the loop still runs between
+            # the parser's GIL slices.
+            snapshot = await asyncio.to_thread(parse_metrics, arm.name, text, scraped_at)
         except Exception as exc:  # the parser raises ValueError on most garbage, but not only that
             return self._failed(arm, scraped_at, f"{url} is not Prometheus text: {exc!r}")
         if arm.name in self._failing:

@@ -162,71 +162,74 @@ def write_workload(path: Path, items: Sequence[ReplayItem]) -> None:
 
 
 def virtual_figures(
-    items: Sequence[ReplayItem], level: int, spec: dict[str, Any] | None
+    items: Sequence[ReplayItem], level: int, spec: dict[str, Any] | None, rounds: int
 ) -> tuple[float, float]:
-    """(median per-request decode tok/s, output tok/s) of ``items`` in a closed loop at ``level`` on the
-    simulator's engine with a virtual clock: what the arm does when nothing lags. The list is sent twice
-    and only the second pass counts, so the prefix cache is warm, as the replays find it."""
+    """(median per-request decode tok/s, output tok/s) of ``items`` on the simulator's engine with a
+    virtual clock, what the arm does when nothing lags: as replay sends a level, one pass that warms the
+    prefix cache, then ``rounds`` closed loops at ``level`` over the items, each drained before the next;
+    throughput is each round's tokens over its own duration, summed over rounds."""
     config = SimConfig(
         model=MODEL, profile=PROFILE, speculative=SpeculativeConfig.from_dict(dict(spec)) if spec else None
     )
     core = EngineCore(config, load_profile(PROFILE))
-    queue = list(items) * 2
-    counted_from = len(items)
-    now, issued = 0.0, 0
+    clock = [0.0]
+    rates: list[float] = []
+    tokens, busy = 0, 0.0
+    for pass_ in range(rounds + 1):
+        started = clock[0]
+        done = closed_loop_virtual(core, config, items, level, clock, tag=f"p{pass_}")
+        if pass_ == 0:
+            continue
+        busy += clock[0] - started
+        for seq in done:
+            t = seq.truth
+            tokens += seq.n_out
+            if t.first_token is not None and t.finished is not None and seq.n_out > 1:
+                if t.finished > t.first_token:
+                    rates.append((seq.n_out - 1) / (t.finished - t.first_token))
+    return statistics.median(rates), tokens / busy
+
+
+def closed_loop_virtual(
+    core: EngineCore, config: SimConfig, items: Sequence[ReplayItem], level: int, clock: list[float], tag: str
+) -> list[Any]:
+    """Send ``items`` with ``level`` in flight until all finished; ``clock[0]`` is the virtual time."""
+    issued = 0
     done: list[Any] = []
-    first_counted_start: float | None = None
 
     def issue() -> None:
-        nonlocal issued, first_counted_start
-        body = {**queue[issued].body, "temperature": 0, "stream": True}
+        nonlocal issued
+        body = {**items[issued].body, "temperature": 0, "stream": True}
         req = parse_request(config, {}, body, True)
         key = request_key(config.model, req.prompt.text, "")
-        spec_ = RequestSpec(
-            f"v{issued}", req.prompt, req.category, key, req.max_tokens, req.min_tokens, req.ignore_eos
-        )
-        seq = core.add(spec_, now)
-        if issued >= counted_from:
-            done.append(seq)
-            if first_counted_start is None:
-                first_counted_start = now
+        rid = f"{tag}-{issued}"
+        spec = RequestSpec(rid, req.prompt, req.category, key, req.max_tokens, req.min_tokens, req.ignore_eos)
+        done.append(core.add(spec, clock[0]))
         issued += 1
 
-    while issued < min(level, len(queue)):
+    while issued < min(level, len(items)):
         issue()
     while core.has_work():
-        plan = core.plan_step(now)
+        plan = core.plan_step(clock[0])
         if plan is None:
             break
-        now += plan.duration_s
-        for seq in core.finish_step(plan, now):
-            if seq.finished and issued < len(queue):
+        clock[0] += plan.duration_s
+        for seq in core.finish_step(plan, clock[0]):
+            if seq.finished and issued < len(items):
                 issue()
-    rates, tokens = [], 0
-    for seq in done:
-        t = seq.truth
-        tokens += seq.n_out
-        if (
-            t.first_token is not None
-            and t.finished is not None
-            and seq.n_out > 1
-            and t.finished > t.first_token
-        ):
-            rates.append((seq.n_out - 1) / (t.finished - t.first_token))
-    span = now - (first_counted_start or 0.0)
-    return statistics.median(rates), tokens / span
+    return done
 
 
 def true_ratios(
-    items: Sequence[ReplayItem], levels: Sequence[int], minimum: int
+    items: Sequence[ReplayItem], levels: Sequence[int], minimum: int, rounds: int
 ) -> dict[int, tuple[float, float]]:
     """level → (decode, throughput) ratio of the real EAGLE3 arm over the baseline, lag-free, on the
     items a round of that level sends."""
     out = {}
     for level in levels:
         sent = level_items(items, level, minimum)
-        base = virtual_figures(sent, level, None)
-        cand = virtual_figures(sent, level, EAGLE3)
+        base = virtual_figures(sent, level, None, rounds)
+        cand = virtual_figures(sent, level, EAGLE3, rounds)
         out[level] = (cand[0] / base[0], cand[1] / base[1])
     return out
 
@@ -413,7 +416,7 @@ def main() -> None:
     if opts.from_dir is not None:
         items = mixed_workload(opts.items or max(levels), seed=0, max_tokens_scale=0.5)
         kept = [verdicts_of(db) for db in sorted(opts.from_dir.glob("run-*.duckdb"))]
-        report_replays(kept, levels, true_ratios(items, levels, opts.per_round))
+        report_replays(kept, levels, true_ratios(items, levels, opts.per_round, opts.rounds))
         stability(0, opts.from_dir, measure=False)
         return
     work = Path(tempfile.mkdtemp(prefix="specproxy-bench-verdicts-"))
@@ -428,7 +431,7 @@ def main() -> None:
         workload, exp = work / "workload.jsonl", work / "exp.toml"
         write_workload(workload, items)  # for specproxy replay by hand, and a record of what was sent
         t0 = time.monotonic()
-        truth = true_ratios(items, levels, opts.per_round)
+        truth = true_ratios(items, levels, opts.per_round, opts.rounds)
         print(
             f"lag-free true eagle3/baseline ratios (decode, throughput), {time.monotonic() - t0:.0f} s: "
             + ", ".join(f"c={c} {d:.3f}x {t:.3f}x" for c, (d, t) in truth.items())
