@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import aiohttp
@@ -11,6 +12,7 @@ from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import running_sim
 from specproxy.proxy.upstream.calls import upstream_request_id
 from tests.proxies import running_proxy, spans, wait_for_calls
+from tests.support import wait_until
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 
@@ -69,7 +71,7 @@ async def test_each_call_carries_its_arms_engine_load_from_the_latest_scrape(tmp
             {"name": "base", "role": "baseline", "url": base.url},
             {"name": "twin", "role": "replica", "url": twin.url},
         ]
-        async with running_proxy(tmp_path, arms, scrape_interval_s=0.05) as p:
+        async with running_proxy(tmp_path, arms, scrape_interval_s=0.2) as p:
             client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
             model = (await client.models.list()).data[0].id
 
@@ -83,11 +85,13 @@ async def test_each_call_carries_its_arms_engine_load_from_the_latest_scrape(tmp
                     extra_body={"ignore_eos": True},
                 )
 
+            await wait_until(lambda: len(p.state.engine_load) == 2, "a first scrape of both arms")
             long_calls = [asyncio.create_task(ask(i, 400)) for i in range(3)]
             # Until a scrape has seen the three long calls running on both engines ...
-            async with asyncio.timeout(30):
-                while not all((p.state.engine_load.get(a) or (0, 0))[0] == 3 for a in ("base", "twin")):
-                    await asyncio.sleep(0.01)
+            await wait_until(
+                lambda: all((p.state.engine_load.get(a) or (0, 0))[0] == 3 for a in ("base", "twin")),
+                "a scrape that sees three requests running on both engines",
+            )
             await ask(3, 4)  # ... then one more call starts: its spans carry that load
             await asyncio.gather(*long_calls)
             await client.close()
