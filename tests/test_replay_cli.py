@@ -190,6 +190,7 @@ def test_help_lists_every_option() -> None:
         "--max-tokens",
         "--limit",
         "--duration",
+        "--rounds",
         "--db",
         "--run-name",
         "--seed",
