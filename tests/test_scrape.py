@@ -26,6 +26,7 @@ from specproxy.proxy.upstream.scrape import (
     Snapshot,
     counter_delta,
     counter_deltas,
+    engine_load,
     engine_load_from_text,
     parse_metrics,
     spec_decode_summary,
@@ -355,8 +356,23 @@ def test_the_engine_load_line_scan_agrees_with_the_full_parse() -> None:
             "1": engine_state(1, 3, 2, (1, 1, 0), running=2.0),
         }
     )
-    assert engine_load_from_text(text) == parse_metrics("a", text).engine_load() == EngineLoad(7.0, None)
+    assert (
+        engine_load_from_text(text)
+        == EngineLoad(*engine_load(parse_metrics("a", text)))
+        == EngineLoad(7.0, None)
+    )
     text += 'vllm:num_requests_waiting{engine="0",model_name="m x"} 4.0 1700000000000\n'
     text += "vllm:num_requests_waiting 1\n"
-    assert engine_load_from_text(text) == parse_metrics("a", text).engine_load() == EngineLoad(7.0, 5.0)
+    assert (
+        engine_load_from_text(text)
+        == EngineLoad(*engine_load(parse_metrics("a", text)))
+        == EngineLoad(7.0, 5.0)
+    )
     assert engine_load_from_text("# nothing here\n") == EngineLoad(None, None)
+    # another engine's names (llama.cpp's server)
+    llamacpp = "llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n"
+    assert (
+        engine_load_from_text(llamacpp)
+        == EngineLoad(*engine_load(parse_metrics("a", llamacpp)))
+        == (2.0, 1.0)
+    )

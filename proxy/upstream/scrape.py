@@ -127,25 +127,37 @@ def parse_metrics(arm: str, text: str, scraped_at: datetime | None = None) -> Sn
     )
 
 
+# Every engine's load gauge names, for the line scan of engine_load_from_text.
+_LOAD_GAUGES = frozenset(n for names in METRIC_NAMES.values() for n in (names.running, names.waiting) if n)
+
+
 def engine_load_from_text(text: str) -> EngineLoad:
-    """The running/waiting gauges (summed over engines) from exposition text by a scan of its lines.
+    """The running/waiting gauges (summed over engines) from exposition text by a scan of its lines,
+    under the names of whichever engine exported them (:data:`METRIC_NAMES`), as :func:`engine_load`
+    reads them from a parsed scrape.
 
     >>> engine_load_from_text('vllm:num_requests_running{engine="0"} 3.0\\nvllm:num_requests_waiting 1\\n')
     EngineLoad(running=3.0, waiting=1.0)
     """
     found: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:num_requests_"):
+        if not line or line[0] == "#":
             continue
         brace = line.find("{")
         space = line.find(" ")
         name_end = brace if 0 <= brace < space or space < 0 else space
         name = line[:name_end]
-        if name not in (RUNNING, WAITING):
+        if name not in _LOAD_GAUGES:
             continue
         rest = line[line.rfind("}") + 1 :] if name_end == brace else line[name_end:]
         found[name] = found.get(name, 0.0) + float(rest.split()[0])
-    return EngineLoad(found.get(RUNNING), found.get(WAITING))
+    for names in METRIC_NAMES.values():
+        if (names.running and names.running in found) or (names.waiting and names.waiting in found):
+            return EngineLoad(
+                found.get(names.running) if names.running else None,
+                found.get(names.waiting) if names.waiting else None,
+            )
+    return EngineLoad(None, None)
 
 
 def counter_deltas(before: Snapshot, after: Snapshot, name: str) -> dict[Labels, float] | None:
