@@ -405,6 +405,7 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
     tokenizer = _tokenizer_path(r, where)
     if tokenizer is not None:  # the arms without their own tokenizer use the experiment's
         arms = tuple(a if a.tokenizer else dataclasses.replace(a, tokenizer=tokenizer) for a in arms)
+
     def concurrency(key: str) -> int | None:
         v = r.get(key, int, None)
         if v is not None and v < 1:
