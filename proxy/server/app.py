@@ -398,7 +398,9 @@ def _auth_middleware(api_key: str) -> Any:
     @web.middleware
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
+            # The header's bytes as they came (aiohttp keeps undecodable ones as surrogates): a key
+            # that is not UTF-8 is a wrong key, not an error.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 request.app[STATE].metrics.client_error(401)
                 return openai_error(

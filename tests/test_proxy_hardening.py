@@ -1,0 +1,76 @@
+"""The proxy under hostile input: raw bytes on real sockets, broken backends, its own bad luck.
+
+Each test sends what a careless or malicious client (or a broken backend) sends and checks that the
+answer is an OpenAI-shaped error with the right status, never a 500 or a traceback, and that spans
+say what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.backends import BackendConfig, running_backend
+from tests.test_proxy_app import running_proxy, spans
+
+CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def raw_exchange(url: str, request: bytes, *, read_timeout: float = 10.0) -> bytes:
+    """Send ``request`` as it is on a new connection; return everything the server sent until it
+    closed the connection (requests here ask for ``Connection: close``) or went quiet."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        out = b""
+        while True:
+            data = await asyncio.wait_for(reader.read(65536), read_timeout)
+            if not data:
+                return out
+            out += data
+    finally:
+        writer.close()
+
+
+def post(path: str, body: bytes, *headers: bytes) -> bytes:
+    head = [b"POST " + path.encode() + b" HTTP/1.1", b"Host: proxy", b"Connection: close"]
+    head += [b"Content-Type: application/json", b"Content-Length: %d" % len(body), *headers]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def status_and_error(response: bytes) -> tuple[int, dict[str, Any]]:
+    """The status of a raw HTTP/1.1 response and its OpenAI-shaped ``error`` object."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"content-type: application/json" in head.lower(), response[:300]
+    if b"transfer-encoding: chunked" in head.lower():
+        body = body.split(b"\r\n", 2)[1]
+    return status, orjson.loads(body)["error"]
+
+
+def no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+    bad = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not bad, [r.getMessage() for r in bad]
+
+
+async def test_an_api_key_of_undecodable_bytes_is_refused_not_a_crash(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}], api_key="k") as p,
+    ):
+        for key in (b"Bearer \xff\xfe", b"Bearer k\xc3\xa9", b"Bearer \xe9"):
+            out = await raw_exchange(p.url, post("/v1/chat/completions", CHAT, b"Authorization: " + key))
+            status, err = status_and_error(out)
+            assert (status, err["code"]) == (401, "invalid_api_key"), out[:300]
+        out = await raw_exchange(p.url, post("/v1/chat/completions", CHAT, b"Authorization: Bearer k"))
+        assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    no_tracebacks(caplog)
