@@ -74,3 +74,36 @@ async def test_an_api_key_of_undecodable_bytes_is_refused_not_a_crash(
         out = await raw_exchange(p.url, post("/v1/chat/completions", CHAT, b"Authorization: Bearer k"))
         assert out.startswith(b"HTTP/1.1 200"), out[:300]
     no_tracebacks(caplog)
+
+
+def nested(depth: int) -> bytes:
+    """JSON text of ``depth`` nested containers (orjson refuses to write past 254)."""
+    opens = [b'{"k":' if i % 2 else b"[" for i in range(depth)]
+    closes = [b"}" if i % 2 else b"]" for i in reversed(range(depth))]
+    return b"".join(opens) + b'"x"' + b"".join(closes)
+
+
+@pytest.mark.parametrize("depth", [129, 255, 600, 1024])
+@pytest.mark.parametrize("where", ["messages", "metadata", "prompt"])
+async def test_json_nested_too_deep_is_a_400_and_shallower_json_passes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, depth: int, where: str
+) -> None:
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        for d, want in ((depth, 400), (60, 200)):
+            if where == "messages":  # (the body, messages, a message: 3 levels)
+                body = b'{"messages": [{"role": "user", "content": ' + nested(d - 3) + b"}]}"
+            elif where == "metadata":
+                body = b'{"messages": [], "metadata": ' + nested(d - 1) + b"}"
+            else:
+                body = b'{"prompt": ' + nested(d - 1) + b"}"
+            path = "/v1/completions" if where == "prompt" else "/v1/chat/completions"
+            out = await raw_exchange(p.url, post(path, body))
+            assert out.startswith(b"HTTP/1.1 %d" % want), out[:300]
+            if want == 400:
+                assert "nested" in status_and_error(out)[1]["message"]
+    rows = spans(p.db)
+    assert [(r["status"], r["http_status"]) for r in rows] == [("ok", 200)]  # only the one that passed
+    no_tracebacks(caplog)

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from opentelemetry.trace import SpanContext
@@ -49,6 +48,7 @@ from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
 from specproxy.proxy.server.routing import ArmRouter
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
+from specproxy.proxy.server.validate import Rejected, read_request
 from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, client_trace_context
 from specproxy.proxy.spans.sink import DEFAULT_MEMORY_LIMIT, SpanSink
 from specproxy.proxy.upstream.calls import (
@@ -207,31 +207,11 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     arrival = time.time()
     st = request.app[STATE]
     exp = st.settings.experiment
-    length = request.content_length
-    if length is not None and length > exp.max_body_bytes:
-        st.metrics.client_error(413)
-        return openai_error(
-            413,
-            f"request body is {length} bytes; the limit is {exp.max_body_bytes} "
-            "(max_body_bytes in the experiment file)",
-        )
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        st.metrics.client_error(413)
-        return openai_error(
-            413,
-            f"request body is over the limit of {exp.max_body_bytes} bytes "
-            "(max_body_bytes in the experiment file)",
-        )
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        st.metrics.client_error(400)
-        return openai_error(400, f"request body is not valid JSON: {exc}")
-    if not isinstance(body, dict):
-        st.metrics.client_error(400)
-        return openai_error(400, "request body must be a JSON object")
+        body = (await read_request(request, max_body_bytes=exp.max_body_bytes)).body
+    except Rejected as exc:
+        st.metrics.client_error(exc.status)
+        return openai_error(exc.status, exc.message)
     request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     category = request.headers.get(CATEGORY_HEADER)
     level: int | None = None

@@ -1,0 +1,98 @@
+"""What the proxy checks in a client's completion request before it routes it anywhere.
+
+:func:`read_request` reads the body (size limit), parses it (a JSON object, nested
+at most :data:`MAX_JSON_DEPTH` deep) and reads the proxy's own headers. Anything wrong raises
+:class:`Rejected` with the status and a sentence for the client.
+
+A rejected request is answered with an OpenAI-shaped 4xx and counted in
+``specproxy_client_errors_total{status}``; it gets no span, like every request refused before
+routing: a span records an upstream call, and none was made.
+
+Example::
+
+    try:
+        req = await read_request(request, max_body_bytes=exp.max_body_bytes)
+    except Rejected as exc:
+        return openai_error(exc.status, exc.message)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+# Deeper JSON is refused. orjson cannot serialise past 254 levels (the body is serialised again for
+# each arm) and no OpenAI request needs more than a few dozen (structured-output schemas allow 10).
+MAX_JSON_DEPTH = 128
+
+
+class Rejected(Exception):
+    """The client's request is refused with ``status`` and ``message`` (OpenAI-shaped)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """A completion request that passed the checks."""
+
+    body: dict[str, Any]
+
+
+async def read_request(request: web.Request, *, max_body_bytes: int) -> ClientRequest:
+    """The request's body, checked (see the module docstring); raises :class:`Rejected`."""
+    raw = await _read_body(request, max_body_bytes)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise Rejected(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise Rejected(400, "request body must be a JSON object")
+    if json_depth_over(body, MAX_JSON_DEPTH):
+        raise Rejected(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+    return ClientRequest(body=body)
+
+
+async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
+    too_large = (
+        f"request body is over the limit of {max_body_bytes} bytes (max_body_bytes in the experiment file)"
+    )
+    length = request.content_length
+    if length is not None and length > max_body_bytes:
+        raise Rejected(
+            413,
+            f"request body is {length} bytes; the limit is {max_body_bytes} "
+            "(max_body_bytes in the experiment file)",
+        )
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise Rejected(413, too_large) from exc
+
+
+def json_depth_over(value: Any, limit: int) -> bool:
+    """True when ``value`` (parsed JSON) nests containers more than ``limit`` deep.
+
+    >>> json_depth_over({"a": [1, [2]]}, 3), json_depth_over({"a": [1, [2]]}, 2)
+    (False, True)
+    """
+    level: list[Any] = [value]
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        deeper: list[Any] = []
+        for item in level:
+            if isinstance(item, dict):
+                deeper.extend(v for v in item.values() if isinstance(v, dict | list))
+            elif isinstance(item, list):
+                deeper.extend(v for v in item if isinstance(v, dict | list))
+        level = deeper
+    return False
