@@ -76,6 +76,21 @@ async def test_an_api_key_of_undecodable_bytes_is_refused_not_a_crash(
     no_tracebacks(caplog)
 
 
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate"])
+async def test_a_content_encoding_the_body_does_not_have_is_a_400(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, encoding: bytes
+) -> None:
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        out = await raw_exchange(p.url, post("/v1/chat/completions", CHAT, b"Content-Encoding: " + encoding))
+        status, err = status_and_error(out)
+        assert status == 400 and "Content-Encoding" in err["message"], out[:400]
+        assert base.stats.requests == 0
+    no_tracebacks(caplog)
+
+
 def nested(depth: int) -> bytes:
     """JSON text of ``depth`` nested containers (orjson refuses to write past 254)."""
     opens = [b'{"k":' if i % 2 else b"[" for i in range(depth)]

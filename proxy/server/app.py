@@ -211,7 +211,10 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         body = (await read_request(request, max_body_bytes=exp.max_body_bytes)).body
     except Rejected as exc:
         st.metrics.client_error(exc.status)
-        return openai_error(exc.status, exc.message)
+        refusal = openai_error(exc.status, exc.message)
+        if exc.close:
+            refusal.force_close()
+        return refusal
     request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     category = request.headers.get(CATEGORY_HEADER)
     level: int | None = None

@@ -1,6 +1,6 @@
 """What the proxy checks in a client's completion request before it routes it anywhere.
 
-:func:`read_request` reads the body (size limit), parses it (a JSON object, nested
+:func:`read_request` reads the body (size limit, Content-Encoding), parses it (a JSON object, nested
 at most :data:`MAX_JSON_DEPTH` deep) and reads the proxy's own headers. Anything wrong raises
 :class:`Rejected` with the status and a sentence for the client.
 
@@ -32,10 +32,11 @@ MAX_JSON_DEPTH = 128
 class Rejected(Exception):
     """The client's request is refused with ``status`` and ``message`` (OpenAI-shaped)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, close: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.close = close  # the connection cannot carry another request: close it after the answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,16 @@ async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
         return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise Rejected(413, too_large) from exc
+    except web.RequestPayloadError as exc:
+        # Content-Encoding that the body does not have (aiohttp decodes it while reading), or a body
+        # cut short: the client's mistake, not ours.
+        encoding = request.headers.get("Content-Encoding")
+        cause = exc.__cause__ or exc
+        what = f" (Content-Encoding: {encoding})" if encoding else ""
+        # The rest of the body cannot be read either: end it here, so that aiohttp does not try to
+        # read (and fail on) it again after the answer, and close the connection.
+        request.content.feed_eof()
+        raise Rejected(400, f"request body could not be read{what}: {cause}", close=True) from exc
 
 
 def json_depth_over(value: Any, limit: int) -> bool:
