@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from tests.backends import BackendConfig, running_backend
-from tests.test_proxy_app import running_proxy, spans
+from tests.test_proxy_app import running_proxy, shadow_arms, spans
 
 CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
 
@@ -121,4 +121,36 @@ async def test_json_nested_too_deep_is_a_400_and_shallower_json_passes(
                 assert "nested" in status_and_error(out)[1]["message"]
     rows = spans(p.db)
     assert [(r["status"], r["http_status"]) for r in rows] == [("ok", 200)]  # only the one that passed
+    no_tracebacks(caplog)
+
+
+@pytest.mark.parametrize(
+    "value", ["日本".encode(), "é".encode("latin-1"), "é".encode(), b"\xff\xfe", b"a\tb"]
+)
+async def test_request_id_and_category_that_are_not_ascii_reach_every_arm_as_valid_headers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, value: bytes
+) -> None:
+    async with (
+        running_backend(BackendConfig(tokens=5)) as base,
+        running_backend(BackendConfig(tokens=5)) as cand,
+        running_proxy(tmp_path, shadow_arms(base, cand)) as p,
+    ):
+        for stream in (False, True):
+            body = orjson.dumps({"model": "m", "prompt": "p", "stream": stream})
+            headers = (b"X-Request-Id: " + value, b"X-Specproxy-Category: " + value)
+            out = await raw_exchange(p.url, post("/v1/completions", body, *headers))
+            head, _, rest = out.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), out[:300]
+            assert rest.rstrip().endswith(b"0") if stream else rest.endswith(b"}")
+            assert (b"data: [DONE]" in rest) == stream
+            sent_id = [h for h in head.split(b"\r\n") if h.lower().startswith(b"x-request-id:")]
+            assert sent_id and sent_id[0].split(b":", 1)[1].strip().isascii()
+        for seen in (*base.stats.headers, *cand.stats.headers):
+            assert seen["X-Request-Id"].isascii() and seen["X-Request-Id"].isprintable()
+            assert seen["X-Specproxy-Category"].isascii() and seen["X-Specproxy-Category"].isprintable()
+    rows = spans(p.db)
+    assert [r["status"] for r in rows] == ["ok"] * 4
+    assert {r["category"] for r in rows} == {value.decode("utf-8", "replace")}
+    (request_id,) = {r["request_id"] for r in rows}  # the one the client got back
+    assert request_id.isascii() and sent_id[0].split(b":", 1)[1].strip() == request_id.encode()
     no_tracebacks(caplog)

@@ -52,8 +52,6 @@ from specproxy.proxy.server.validate import Rejected, read_request
 from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, client_trace_context
 from specproxy.proxy.spans.sink import DEFAULT_MEMORY_LIMIT, SpanSink
 from specproxy.proxy.upstream.calls import (
-    CATEGORY_HEADER,
-    CONCURRENCY_HEADER,
     REQUEST_ID_HEADER,
     CallResult,
     ClientGone,
@@ -208,24 +206,15 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     st = request.app[STATE]
     exp = st.settings.experiment
     try:
-        body = (await read_request(request, max_body_bytes=exp.max_body_bytes)).body
+        checked = await read_request(request, max_body_bytes=exp.max_body_bytes)
     except Rejected as exc:
         st.metrics.client_error(exc.status)
         refusal = openai_error(exc.status, exc.message)
         if exc.close:
             refusal.force_close()
         return refusal
-    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-    category = request.headers.get(CATEGORY_HEADER)
-    level: int | None = None
-    level_text = request.headers.get(CONCURRENCY_HEADER)
-    if level_text is not None:
-        level = _positive_int(level_text)
-        if level is None:
-            st.metrics.client_error(400)
-            return openai_error(
-                400, f"header {CONCURRENCY_HEADER} must be an integer ≥ 1, got {level_text!r}"
-            )
+    body, request_id, category = checked.body, checked.request_id, checked.category
+    level = checked.concurrency_level
     # One trace per client request: the client's (W3C traceparent) when it sent one, else a new one.
     # Every call the request makes (primary, shadow, verify) is a span of it with its own span id.
     parent = client_trace_context(request.headers) if TRACEPARENT_HEADER in request.headers else None
@@ -300,14 +289,6 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
                 status=record.status,
                 response_text=result.text if result is not None else None,
             )
-
-
-def _positive_int(text: str) -> int | None:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        return None
-    return value if value >= 1 else None
 
 
 def _after_primary(

@@ -1,7 +1,8 @@
 """What the proxy checks in a client's completion request before it routes it anywhere.
 
 :func:`read_request` reads the body (size limit, Content-Encoding), parses it (a JSON object, nested
-at most :data:`MAX_JSON_DEPTH` deep) and reads the proxy's own headers. Anything wrong raises
+at most :data:`MAX_JSON_DEPTH` deep) and reads the proxy's own headers (request id, category,
+concurrency level), made safe to forward. Anything wrong raises
 :class:`Rejected` with the status and a sentence for the client.
 
 A rejected request is answered with an OpenAI-shaped 4xx and counted in
@@ -18,11 +19,16 @@ Example::
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import web
+
+from specproxy.proxy.upstream.calls import CATEGORY_HEADER, CONCURRENCY_HEADER, REQUEST_ID_HEADER
+from specproxy.proxy.upstream.wire import header_safe
 
 # Deeper JSON is refused. orjson cannot serialise past 254 levels (the body is serialised again for
 # each arm) and no OpenAI request needs more than a few dozen (structured-output schemas allow 10).
@@ -44,6 +50,9 @@ class ClientRequest:
     """A completion request that passed the checks."""
 
     body: dict[str, Any]
+    request_id: str  # the client's X-Request-Id as a valid header value, else a new one
+    category: str | None  # X-Specproxy-Category as text (bytes that are not UTF-8 replaced)
+    concurrency_level: int | None  # X-Specproxy-Concurrency-Level
 
 
 async def read_request(request: web.Request, *, max_body_bytes: int) -> ClientRequest:
@@ -57,7 +66,26 @@ async def read_request(request: web.Request, *, max_body_bytes: int) -> ClientRe
         raise Rejected(400, "request body must be a JSON object")
     if json_depth_over(body, MAX_JSON_DEPTH):
         raise Rejected(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
-    return ClientRequest(body=body)
+    headers = request.headers
+    # The request id goes back to the client and on to every arm in headers: it must be one.
+    request_id = header_safe(headers.get(REQUEST_ID_HEADER) or "") or uuid.uuid4().hex
+    category = headers.get(CATEGORY_HEADER)
+    if category is not None:
+        category = category.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return ClientRequest(body, request_id, category or None, _concurrency_level(headers))
+
+
+def _concurrency_level(headers: Mapping[str, str]) -> int | None:
+    text = headers.get(CONCURRENCY_HEADER)
+    if text is None:
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise Rejected(400, f"header {CONCURRENCY_HEADER} must be an integer ≥ 1, got {text!r}")
+    return value
 
 
 async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
