@@ -47,6 +47,10 @@ class BackendConfig:
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
     fail: str | None = None
     eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
+    # Answer with these instead of generating: streaming, each is one event's data (then [DONE]);
+    # not streaming, the last is the whole body. A broken or hostile backend.
+    script: tuple[bytes, ...] = ()
+    content_type: str | None = None  # override the answer's Content-Type
     version: str = "0.33.0"
 
 
@@ -104,12 +108,25 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         return _error(429, "rate limited", "RateLimitError")
     stats.active += 1
     try:
+        if cfg.script:
+            return await _scripted(request, cfg, bool(body.get("stream")))
         return await _generate(request, cfg, stats, body, chat)
     except (asyncio.CancelledError, ConnectionError):
         stats.cancelled += 1
         raise
     finally:
         stats.active -= 1
+
+
+async def _scripted(request: web.Request, cfg: BackendConfig, stream: bool) -> web.StreamResponse:
+    if not stream:
+        return web.Response(body=cfg.script[-1], content_type=cfg.content_type or "application/json")
+    resp = web.StreamResponse(headers={"Content-Type": cfg.content_type or "text/event-stream"})
+    await resp.prepare(request)
+    for data in (*cfg.script, b"[DONE]"):
+        await resp.write(b"data: " + data + b"\n\n")
+    await resp.write_eof()
+    return resp
 
 
 async def _generate(

@@ -154,3 +154,62 @@ async def test_request_id_and_category_that_are_not_ascii_reach_every_arm_as_val
     (request_id,) = {r["request_id"] for r in rows}  # the one the client got back
     assert request_id.isascii() and sent_id[0].split(b":", 1)[1].strip() == request_id.encode()
     no_tracebacks(caplog)
+
+
+GOOD_CHUNK = b'{"choices": [{"index": 0, "text": " w1", "finish_reason": null}]}'
+MALFORMED = [
+    b'{"choices": "abc"}',
+    b"[null]",
+    b'{"choices": [null]}',
+    b'{"choices": [{"index": 0, "text": 5}]}',
+    b'{"choices": [{"index": 0, "token_ids": "abc"}]}',
+    b'{"choices": [], "usage": {"completion_tokens": "abc"}}',
+    b'{"choices": [], "usage": "lots"}',
+    b'{"choices": [{"index": 0, "text": "a", "logprobs": {"top_logprobs": [5], "tokens": 3}}]}',
+    b'{"choices": [{"index": 0, "finish_reason": 7}]}',
+    b"not json",
+    b'{"choices": [], "metrics": {"speculative_decoding": {"num_spec_steps": "x"}}}',
+    b'{"choices": [], "usage": {"completion_tokens": 1e400}}',
+]
+
+
+@pytest.mark.parametrize("event", MALFORMED)
+async def test_a_baseline_sending_malformed_events_ends_the_stream_with_an_error_and_a_502(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, event: bytes
+) -> None:
+    async with (
+        running_backend(BackendConfig(script=(GOOD_CHUNK, event))) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        streamed = await raw_exchange(
+            p.url, post("/v1/completions", orjson.dumps({"prompt": "p", "stream": True}))
+        )
+        assert streamed.startswith(b"HTTP/1.1 200") and streamed.count(b"HTTP/1.1") == 1, streamed
+        assert streamed.endswith(b"\r\n0\r\n\r\n")  # the chunked body ended cleanly, once
+        # (What arrived in the same read as the bad event was already relayed: forward first, parse after.)
+        assert b'data: {"error":{"message":"upstream b failed mid-stream: malformed' in streamed
+        plain = await raw_exchange(p.url, post("/v1/completions", orjson.dumps({"prompt": "p"})))
+        status, err = status_and_error(plain)
+        assert status == 502 and "malformed" in err["message"], plain
+    rows = spans(p.db)
+    assert [r["status"] for r in rows] == ["upstream_error"] * 2
+    assert all("malformed" in (r["error"] or "") for r in rows), [r["error"] for r in rows]
+    no_tracebacks(caplog)
+
+
+async def test_a_candidate_sending_malformed_events_is_an_upstream_error_span_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        running_backend(BackendConfig(tokens=5)) as base,
+        running_backend(BackendConfig(script=(MALFORMED[0],))) as cand,
+        running_proxy(tmp_path, shadow_arms(base, cand)) as p,
+    ):
+        for stream in (True, False):
+            out = await raw_exchange(
+                p.url, post("/v1/completions", orjson.dumps({"prompt": "p", "stream": stream}))
+            )
+            assert out.startswith(b"HTTP/1.1 200") and b'"error"' not in out
+    rows = sorted(spans(p.db), key=lambda r: (r["arm"], r["stream"]))
+    assert [(r["arm"], r["status"]) for r in rows] == [("base", "ok")] * 2 + [("cand", "upstream_error")] * 2
+    no_tracebacks(caplog)

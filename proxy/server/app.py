@@ -269,6 +269,15 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             tap=tap,
         )
         return await relay.finish(result)
+    except Exception:
+        if relay.response is None:
+            raise  # nothing sent yet: the error middleware answers
+        # A bug once the stream is under way: another response cannot be sent inside this one, so
+        # end the stream the way an upstream failure mid-stream ends it.
+        log.exception("internal error while relaying request %s from %s", request_id, primary.name)
+        record.status, record.error = "upstream_error", "internal error in specproxy"
+        result = CallResult(record=record, tap=tap, relay_started=True)
+        return await relay.finish(result)
     except asyncio.CancelledError:
         if result is None and tap.relayed_done is not None:
             # The client left after the final event reached it: the call is complete (call_arm kept the

@@ -49,7 +49,7 @@ import orjson
 
 from specproxy.config import Arm
 from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, traceparent
-from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, SSEParser
+from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, MalformedEvent, SSEParser
 from specproxy.proxy.upstream.wire import Exchange, UpstreamClient
 from specproxy.record import SpanRecord, decode_tok_s
 
@@ -373,9 +373,10 @@ async def call_arm(
                         payload = await ex.read()
                         now = time.perf_counter()
                         if tap.feed_body(payload, now) is None:
+                            # Not a completion: the relay is not started, so the client gets a 502.
                             record.status = "upstream_error"
-                            record.error = "response is not a JSON object"
-                        if relay is not None:
+                            record.error = tap.malformed or "response is not a JSON object"
+                        elif relay is not None:
                             await _relay_start(relay, result, ex.status, ex.content_type)
                             await _relay_body(relay, _strip_body(payload, strip))
                     if tap.error is not None:
@@ -415,6 +416,9 @@ async def call_arm(
                 else "upstream timed out"
             )
         )
+    except MalformedEvent as exc:
+        record.status = "upstream_error"
+        record.error = str(exc)
     except (OSError, ValueError) as exc:  # refused, reset, closed early (wire.UpstreamDisconnected), bad HTTP
         record.status = "upstream_error"
         record.error = f"{exc.__class__.__name__}: {exc}"[:500]
@@ -524,6 +528,9 @@ class _StreamConsumer:
             for ev in events:
                 if ev.data is not None:
                     tap.feed_data(ev.data, now)
+        if tap.malformed is not None:
+            # Ends the exchange (the upstream connection closes) and the call: an upstream_error.
+            raise MalformedEvent(tap.malformed)
         if tap.done and not was_done:
             # The final event has reached the client (or there is no client): the call is complete.
             tap.relayed_done = now
@@ -541,6 +548,8 @@ class _StreamConsumer:
                 _relay_send(self.relay, ev.raw)
             if tap.done and not was_done:
                 tap.relayed_done = now
+        if tap.malformed is not None:
+            raise MalformedEvent(tap.malformed)
 
 
 def _finish_record(
