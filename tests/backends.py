@@ -45,6 +45,7 @@ class BackendConfig:
     spec_metrics: bool = False  # attach metrics.speculative_decoding (k = tokens_per_chunk - 1)
     diverge_at: int | None = None  # token index from which this backend's output differs
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
+    # | "echo400" (a 400 quoting the request, like vLLM's validation errors)
     fail: str | None = None
     eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
     # Answer with these instead of generating: streaming, each is one event's data (then [DONE]);
@@ -104,6 +105,10 @@ async def _completion(request: web.Request) -> web.StreamResponse:
                 return _error(400, f"Unrecognized request argument supplied: {key}")
     if cfg.fail == "http500":
         return _error(500, "backend exploded", "InternalServerError")
+    if cfg.fail == "echo400":  # like vLLM's validation errors: the input quoted, long values cut
+        quoted = repr(body.get("messages") or body.get("prompt"))
+        quoted = quoted if len(quoted) <= 50 else quoted[:25] + "..." + quoted[-24:]
+        return _error(400, f"1 validation error for Request: Input should be valid [input_value={quoted}]")
     if cfg.fail == "http429":
         return _error(429, "rate limited", "RateLimitError")
     stats.active += 1

@@ -213,3 +213,33 @@ async def test_a_candidate_sending_malformed_events_is_an_upstream_error_span_on
     rows = sorted(spans(p.db), key=lambda r: (r["arm"], r["stream"]))
     assert [(r["arm"], r["status"]) for r in rows] == [("base", "ok")] * 2 + [("cand", "upstream_error")] * 2
     no_tracebacks(caplog)
+
+
+SECRET = "the launch code is zebra-7731 and the vault opens at midnight behind the 秘密の扉"
+
+
+@pytest.mark.parametrize("capture", [False, True])
+async def test_error_texts_in_spans_hold_no_prompt_text_unless_capture_is_on(
+    tmp_path: Path, capture: bool
+) -> None:
+    kw: dict[str, Any] = {"capture": str(tmp_path / "c.jsonl")} if capture else {}
+    async with (
+        running_backend(BackendConfig(fail="echo400")) as base,
+        running_backend(BackendConfig(fail="echo400")) as cand,
+        running_proxy(tmp_path, shadow_arms(base, cand), **kw) as p,
+    ):
+        for body in (
+            {"messages": [{"role": "user", "content": SECRET}]},
+            {"messages": [{"role": "user", "content": SECRET[:30]}]},
+        ):
+            out = await raw_exchange(p.url, post("/v1/chat/completions", orjson.dumps(body)))
+            assert out.startswith(b"HTTP/1.1 400")
+            assert "'}]" in out.decode()  # the client gets the arm's answer as it is
+        out = await raw_exchange(p.url, post("/v1/completions", orjson.dumps({"prompt": SECRET})))
+    rows = spans(p.db)
+    assert len(rows) == 6 and {r["status"] for r in rows} == {"http_error"}
+    for r in rows:
+        error = r["error"]
+        assert error.startswith("1 validation error for Request") and len(error) <= 300
+        leaked = [w for w in ("zebra", "7731", "night", "behind", "秘密", "扉") if w in error]
+        assert bool(leaked) == capture, error

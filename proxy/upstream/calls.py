@@ -49,6 +49,7 @@ import orjson
 
 from specproxy.config import Arm
 from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, traceparent
+from specproxy.proxy.upstream.redact import redact_request_text
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, MalformedEvent, SSEParser
 from specproxy.proxy.upstream.wire import Exchange, UpstreamClient
 from specproxy.record import SpanRecord, decode_tok_s
@@ -424,6 +425,8 @@ async def call_arm(
         record.error = f"{exc.__class__.__name__}: {exc}"[:500]
     finally:
         state.inflight[arm.url] -= 1
+        if record.error and not capture_output and (record.status == "http_error" or tap.error is not None):
+            record.error = redact_request_text(record.error, body)  # the arm's text may quote the prompt
         _finish_record(record, arm, tap, t_send, t_end, capture_output)
     return result
 
