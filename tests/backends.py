@@ -99,6 +99,10 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     if stats.keep_requests:
         stats.bodies.append(body)
         stats.headers.append(CIMultiDict(request.headers))
+    opts = body.get("stream_options")
+    known = {"include_usage", "continuous_usage_stats"}
+    if opts is not None and not (isinstance(opts, dict) and set(opts) <= known):
+        return _error(400, "stream_options: Extra inputs are not permitted")  # like vLLM
     if cfg.reject_extensions:
         for key in ("stream_options", "return_token_ids"):
             if key in body:

@@ -7,9 +7,11 @@ What :func:`call_arm` does:
 
 - asks vLLM arms for what a span needs unless the arm has ``vllm_extensions = "off"``: on streams
   ``stream_options.include_usage`` (the final count), plus ``continuous_usage_stats`` (tokens per
-  chunk) for arms with speculation, and ``return_token_ids`` when the arm sets it; a backend that
-  rejects them (400/422 naming them) is retried once without, and remembered per arm URL in
-  :class:`UpstreamState`;
+  chunk) for arms with speculation, and ``return_token_ids`` when the arm sets it. A 400/422 that names
+  them, to a request the proxy added them to, is retried once without; only when that retry succeeds
+  does the arm's URL count as refusing them (:class:`UpstreamState`), and only for
+  ``reprobe_after_s``: then they are tried again. A client's own bad request (the retry fails too, or
+  the proxy added nothing) changes nothing;
 - relays the response to an optional :class:`Relay` (the proxy's client writer) as it arrives, with
   everything the client did not ask for stripped again, so the client gets what the backend would have
   sent it; when nothing needs stripping the received bytes are forwarded untouched. A stream's bytes
@@ -103,12 +105,28 @@ class UpstreamTimeout:
         return aiohttp.ClientTimeout(total=self.total, sock_connect=self.connect, sock_read=self.read)
 
 
+# How long an arm that refused vLLM's extensions goes without them before they are tried again (it
+# may have been upgraded or replaced behind the same URL).
+REPROBE_EXTENSIONS_S = 600.0
+
+
 @dataclass(slots=True)
 class UpstreamState:
-    """Per-process memory about arms: which reject vLLM's extensions, and calls in flight per arm."""
+    """Per-process memory about arms: which refuse vLLM's extensions (URL -> since when, monotonic
+    seconds), and calls in flight per arm."""
 
-    rejects_extensions: set[str] = field(default_factory=set)
+    rejects_extensions: dict[str, float] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
+    reprobe_after_s: float = REPROBE_EXTENSIONS_S
+
+    def extensions_refused(self, url: str) -> bool:
+        since = self.rejects_extensions.get(url)
+        if since is None:
+            return False
+        if time.monotonic() - since >= self.reprobe_after_s:
+            del self.rejects_extensions[url]  # probe again
+            return False
+        return True
 
 
 DEFAULT_STATE = UpstreamState()
@@ -121,6 +139,7 @@ class _Strip:
     usage: bool = False  # client did not ask include_usage: drop usage and the usage-only chunk
     chunk_usage: bool = False  # client asked include_usage but not continuous stats
     token_ids: bool = False  # client did not ask return_token_ids
+    added: bool = False  # the body sent upstream holds something the client did not send
 
     @property
     def any(self) -> bool:
@@ -222,6 +241,7 @@ def _upstream_body(arm: Arm, body: dict[str, Any], *, with_extensions: bool) -> 
     if arm.return_token_ids:
         strip.token_ids = not body.get("return_token_ids")
         out["return_token_ids"] = True
+    strip.added = out != body
     return orjson.dumps(out), strip
 
 
@@ -333,8 +353,9 @@ async def call_arm(
     record.inflight_at_start = inflight
     state.inflight[arm.url] = inflight + 1
     with_ext = arm.vllm_extensions == "on" or (
-        arm.vllm_extensions == "auto" and arm.url not in state.rejects_extensions
+        arm.vllm_extensions == "auto" and not state.extensions_refused(arm.url)
     )
+    retried_without = False
     record.t_start_ns = time.time_ns()
     result.t_send = t_send = time.perf_counter()
     t_end: float | None = None
@@ -353,10 +374,10 @@ async def call_arm(
                             with_ext
                             and arm.vllm_extensions == "auto"
                             and ex.status in (400, 422)
+                            and strip.added
                             and any(m in err_body for m in _REJECTION_MARKERS)
                         ):
-                            state.rejects_extensions.add(arm.url)
-                            with_ext = False
+                            with_ext, retried_without = False, True
                             continue
                         t_end = time.perf_counter()
                         record.status = "http_error"
@@ -365,6 +386,9 @@ async def call_arm(
                             await _relay_start(relay, result, ex.status, ex.content_type)
                             await _relay_body(relay, err_body)
                         break
+                    if retried_without:
+                        # Refused with what the proxy added, accepted without: the arm refuses them.
+                        state.rejects_extensions[arm.url] = time.monotonic()
                     if ex.content_type == "text/event-stream":
                         await _read_stream(ex, tap, relay, strip, result)
                         if not tap.done and tap.error is None:
