@@ -243,3 +243,97 @@ async def test_error_texts_in_spans_hold_no_prompt_text_unless_capture_is_on(
         assert error.startswith("1 validation error for Request") and len(error) <= 300
         leaked = [w for w in ("zebra", "7731", "night", "behind", "秘密", "扉") if w in error]
         assert bool(leaked) == capture, error
+
+
+TLS_HELLO = bytes.fromhex("16030100c4010000c00303") + b"\x00" * 64
+BAD_HTTP = [
+    b"GARBAGE\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Big: " + b"a" * 20000 + b"\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(300)) + b"\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: bogus\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+    b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n",
+    TLS_HELLO,
+]
+
+
+@pytest.mark.parametrize("request_bytes", BAD_HTTP)
+async def test_malformed_http_gets_one_log_line_and_a_json_400(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, request_bytes: bytes
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        out = await raw_exchange(p.url, request_bytes)
+        status, err = status_and_error(out)
+        assert 400 <= status < 500 and err["message"], out[:300]
+        # Good requests still flow.
+        good = await raw_exchange(p.url, post("/v1/completions", orjson.dumps({"prompt": "p"})))
+        assert good.startswith(b"HTTP/1.1 200")
+    no_tracebacks(caplog)
+    lines = [r for r in caplog.records if "bad HTTP" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+
+
+async def test_no_host_header_and_unknown_encodings_are_answered_in_json(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        body = orjson.dumps({"prompt": "p"})
+        no_host = b"POST /v1/completions HTTP/1.1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
+        out = await raw_exchange(p.url, no_host % (len(body), body))
+        assert out.startswith(b"HTTP/1.1 200") or status_and_error(out)[0] == 400
+        for encoding in (b"br", b"zstd", b"x-unknown"):
+            out = await raw_exchange(p.url, post("/v1/completions", body, b"Content-Encoding: " + encoding))
+            assert out.startswith(b"HTTP/1.1 200") or status_and_error(out)[0] == 400, out[:300]
+    no_tracebacks(caplog)
+
+
+async def test_expect_100_continue_over_the_limit_is_a_413_before_the_body(tmp_path: Path) -> None:
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(
+            tmp_path, [{"name": "b", "role": "baseline", "url": base.url}], max_body_bytes=1000
+        ) as p,
+    ):
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        head += b"Content-Length: %d\r\nExpect: %b\r\n\r\n"
+        out = await raw_exchange(p.url, head % (5000, b"100-continue"))
+        assert b"100 Continue" not in out and status_and_error(out)[0] == 413
+        out = await raw_exchange(p.url, head % (10, b"something-else"))
+        assert status_and_error(out)[0] == 417
+        body = orjson.dumps({"prompt": "p"})
+        out = await raw_exchange(p.url, head % (len(body), b"100-continue") + body)
+        assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200")
+
+
+@pytest.mark.parametrize(
+    ("level", "ok"),
+    [
+        (b"4", True),
+        ("٣".encode(), False),
+        (b"1_0", False),
+        (b"+5", False),
+        (b"0", False),
+        (b"99999999999999999999", False),
+    ],
+)
+async def test_the_concurrency_level_header_takes_ascii_digits_only(
+    tmp_path: Path, level: bytes, ok: bool
+) -> None:
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        body = orjson.dumps({"prompt": "p"})
+        out = await raw_exchange(
+            p.url, post("/v1/completions", body, b"X-Specproxy-Concurrency-Level: " + level)
+        )
+        assert out.startswith(b"HTTP/1.1 200") if ok else status_and_error(out)[0] == 400, out[:300]
+    assert [r["concurrency_level"] for r in spans(p.db)] == ([4] if ok else [])

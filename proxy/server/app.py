@@ -48,7 +48,7 @@ from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
 from specproxy.proxy.server.routing import ArmRouter
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
-from specproxy.proxy.server.validate import Rejected, read_request
+from specproxy.proxy.server.validate import Rejected, expect_handler, read_request
 from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, client_trace_context
 from specproxy.proxy.spans.sink import DEFAULT_MEMORY_LIMIT, SpanSink
 from specproxy.proxy.upstream.calls import (
@@ -413,8 +413,9 @@ def create_app(settings: ProxySettings) -> web.Application:
         middlewares.append(_auth_middleware(settings.api_key))
     app = web.Application(client_max_size=exp.max_body_bytes, middlewares=middlewares)
     app[STATE] = state
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    expect = expect_handler(exp.max_body_bytes)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -206,6 +206,7 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
     from aiohttp import web
 
     from specproxy.proxy.server.app import STATE, create_app
+    from specproxy.proxy.server.connections import ProxyRunner
     from specproxy.proxy.spans.sink import SpanSinkError
 
     exp = settings.experiment
@@ -218,9 +219,7 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
     app = create_app(settings)
     st = app[STATE]
     where = f" (worker {settings.worker_index})" if settings.worker_index is not None else ""
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=exp.shutdown_grace_s
-    )
+    runner = ProxyRunner(app, shutdown_timeout=exp.shutdown_grace_s)
     try:
         await runner.setup()
     except SpanSinkError as exc:

@@ -20,13 +20,14 @@ Example::
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
+from specproxy.proxy.server.errors import error_body
 from specproxy.proxy.upstream.calls import CATEGORY_HEADER, CONCURRENCY_HEADER, REQUEST_ID_HEADER
 from specproxy.proxy.upstream.wire import header_safe
 
@@ -79,13 +80,43 @@ def _concurrency_level(headers: Mapping[str, str]) -> int | None:
     text = headers.get(CONCURRENCY_HEADER)
     if text is None:
         return None
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise Rejected(400, f"header {CONCURRENCY_HEADER} must be an integer ≥ 1, got {text!r}")
-    return value
+    # ASCII digits only: int() would also take "1_000", "+5" and digits of other scripts.
+    if not (text.isascii() and text.isdigit() and len(text) <= 7 and int(text) >= 1):
+        raise Rejected(400, f"header {CONCURRENCY_HEADER} must be an integer from 1 to 9999999, got {text!r}")
+    return int(text)
+
+
+def expect_handler(max_body_bytes: int) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+    """aiohttp's ``Expect`` handling, answered in OpenAI's shape: ``100-continue`` only for a body
+    within the limit (413 before the client sends it otherwise), 417 for any other expectation."""
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        expectation = request.headers.get("Expect", "")
+        if expectation.lower() != "100-continue":
+            return _refusal(request, 417, f"unsupported Expect: {expectation!r} (only 100-continue)")
+        length = request.content_length
+        if length is not None and length > max_body_bytes:
+            return _refusal(
+                request,
+                413,
+                f"request body is {length} bytes; the limit is {max_body_bytes} "
+                "(max_body_bytes in the experiment file)",
+            )
+        if request.version >= HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # (as aiohttp's own handler: the response has not begun)
+        return None
+
+    return expect
+
+
+def _refusal(request: web.Request, status: int, message: str) -> web.Response:
+    # The body will not come (the client waits for 100 Continue): end it, so that aiohttp does not
+    # wait for it after the answer, and close the connection, which cannot be reused.
+    request.content.feed_eof()
+    resp = web.Response(status=status, body=error_body(status, message), content_type="application/json")
+    resp.force_close()
+    return resp
 
 
 async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
