@@ -22,7 +22,7 @@ from aiohttp import web
 from specproxy.config import parse_experiment
 from specproxy.proxy.replay.formats import read_items
 from specproxy.proxy.server.app import STATE, ClientRelay, ProxySettings, ProxyState, create_app
-from specproxy.proxy.server.connections import ProxyRunner
+from specproxy.proxy.server.connections import ClientLimits, ProxyRunner
 from tests.backends import BackendConfig, RunningBackend, running_backend
 from tests.support import free_port
 
@@ -48,7 +48,8 @@ async def running_proxy(
     tmp_path.mkdir(parents=True, exist_ok=True)
     db = tmp_path / "spans.duckdb"
     app = create_app(ProxySettings(experiment=exp, db=str(db), **settings_kw))
-    runner = ProxyRunner(app, shutdown_timeout=5)  # what `specproxy serve` runs
+    limits = ClientLimits(exp.max_client_connections or 1000, header_timeout_s=exp.client_header_timeout_s)
+    runner = ProxyRunner(app, limits, shutdown_timeout=5)  # what `specproxy serve` runs
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -337,3 +337,52 @@ async def test_the_concurrency_level_header_takes_ascii_digits_only(
         )
         assert out.startswith(b"HTTP/1.1 200") if ok else status_and_error(out)[0] == 400, out[:300]
     assert [r["concurrency_level"] for r in spans(p.db)] == ([4] if ok else [])
+
+
+async def test_slowloris_connections_are_closed_and_never_starve_real_or_slow_reading_clients(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    limits = {"max_client_connections": 20, "client_header_timeout_s": 1.0, "client_body_timeout_s": 1.0}
+    async with (
+        running_backend(BackendConfig(itl_s=0.03, tokens=60)) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}], **limits) as p,
+    ):
+        host, port = p.url.removeprefix("http://").split(":")
+        # A client that reads its stream slowly: longer than the header timeout, and through the attack.
+        slow = await asyncio.open_connection(host, int(port))
+        slow[1].write(post("/v1/completions", orjson.dumps({"prompt": "p", "stream": True})))
+        first = await slow[0].read(200)
+        assert first.startswith(b"HTTP/1.1 200")
+        attackers = []
+        for _ in range(60):  # three times the cap, each holding a request head open
+            r, w = await asyncio.open_connection(host, int(port))
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            attackers.append((r, w))
+        for i in range(10):  # real clients keep getting through
+            out = await raw_exchange(p.url, post("/v1/completions", orjson.dumps({"prompt": f"g{i}"})))
+            assert out.startswith(b"HTTP/1.1 200"), out[:300]
+        for r, w in attackers:  # every attacker is closed: evicted, or at the header timeout
+            for _ in range(100):
+                w.write(b"X")  # (one more header byte now and then)
+                try:
+                    if await asyncio.wait_for(r.read(100), 0.1) == b"":
+                        break
+                except TimeoutError:
+                    continue
+            else:
+                pytest.fail("a connection sending a header byte every 0.1 s was never closed")
+            w.close()
+        body = first
+        while not body.endswith(b"\r\n0\r\n\r\n"):
+            await asyncio.sleep(0.05)  # reading slowly
+            data = await slow[0].read(256)
+            assert data, body[-300:]
+            body += data
+        slow[1].close()
+        assert body.count(b"data: ") == 61  # 60 tokens and [DONE]: every event arrived
+        # A body that trickles in slower than the body timeout: 408.
+        head = post("/v1/completions", b"x" * 100)[:-100]
+        out = await raw_exchange(p.url, head + b'{"prompt":')
+        assert status_and_error(out)[0] == 408
+    no_tracebacks(caplog)
+    assert any("client connections at the limit of 20" in r.getMessage() for r in caplog.records)

@@ -206,7 +206,9 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     st = request.app[STATE]
     exp = st.settings.experiment
     try:
-        checked = await read_request(request, max_body_bytes=exp.max_body_bytes)
+        checked = await read_request(
+            request, max_body_bytes=exp.max_body_bytes, body_timeout_s=exp.client_body_timeout_s
+        )
     except Rejected as exc:
         st.metrics.client_error(exc.status)
         refusal = openai_error(exc.status, exc.message)

@@ -206,7 +206,7 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
     from aiohttp import web
 
     from specproxy.proxy.server.app import STATE, create_app
-    from specproxy.proxy.server.connections import ProxyRunner
+    from specproxy.proxy.server.connections import ClientLimits, ProxyRunner, default_max_connections
     from specproxy.proxy.spans.sink import SpanSinkError
 
     exp = settings.experiment
@@ -219,7 +219,11 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
     app = create_app(settings)
     st = app[STATE]
     where = f" (worker {settings.worker_index})" if settings.worker_index is not None else ""
-    runner = ProxyRunner(app, shutdown_timeout=exp.shutdown_grace_s)
+    limits = ClientLimits(
+        max_connections=exp.max_client_connections or default_max_connections(len(exp.arms)),
+        header_timeout_s=exp.client_header_timeout_s,
+    )
+    runner = ProxyRunner(app, limits, shutdown_timeout=exp.shutdown_grace_s)
     try:
         await runner.setup()
     except SpanSinkError as exc:

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -56,9 +57,19 @@ class ClientRequest:
     concurrency_level: int | None  # X-Specproxy-Concurrency-Level
 
 
-async def read_request(request: web.Request, *, max_body_bytes: int) -> ClientRequest:
-    """The request's body, checked (see the module docstring); raises :class:`Rejected`."""
-    raw = await _read_body(request, max_body_bytes)
+async def read_request(
+    request: web.Request, *, max_body_bytes: int, body_timeout_s: float | None = None
+) -> ClientRequest:
+    """The request's body, checked (see the module docstring); raises :class:`Rejected`.
+    ``body_timeout_s``: the whole body must have arrived by then (408 otherwise)."""
+    try:
+        async with asyncio.timeout(body_timeout_s):
+            raw = await _read_body(request, max_body_bytes)
+    except TimeoutError as exc:
+        request.content.feed_eof()  # (aiohttp would otherwise wait for the rest after the answer)
+        raise Rejected(
+            408, f"the request body did not arrive within {body_timeout_s:g} s", close=True
+        ) from exc
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
