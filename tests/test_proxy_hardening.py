@@ -386,3 +386,19 @@ async def test_slowloris_connections_are_closed_and_never_starve_real_or_slow_re
         assert status_and_error(out)[0] == 408
     no_tracebacks(caplog)
     assert any("client connections at the limit of 20" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("path", [b"/health", b"/v1/models", b"/nowhere"])
+async def test_errors_aiohttp_raises_on_any_path_are_json_and_broken_bodies_log_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, path: bytes
+) -> None:
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        head = b"POST %b HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 4\r\n" % path
+        out = await raw_exchange(p.url, head + b"Expect: something\r\n\r\nabcd")
+        assert status_and_error(out)[0] == 417
+        out = await raw_exchange(p.url, head + b"Content-Encoding: gzip\r\n\r\nabcd")
+        assert status_and_error(out)[0] in (404, 405)
+    no_tracebacks(caplog)

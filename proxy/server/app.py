@@ -43,7 +43,13 @@ from opentelemetry.trace import SpanContext
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.identity import is_comparable
 from specproxy.proxy.server.capture import CaptureWriter
-from specproxy.proxy.server.errors import Handler, error_body, openai_error, openai_errors
+from specproxy.proxy.server.errors import (
+    Handler,
+    error_body,
+    json_http_exceptions,
+    openai_error,
+    openai_errors,
+)
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
 from specproxy.proxy.server.routing import ArmRouter
@@ -426,6 +432,7 @@ def create_app(settings: ProxySettings) -> web.Application:
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(_capture)
     app.on_shutdown.append(_mark_shutdown)
+    app.on_response_prepare.append(json_http_exceptions)
     return app
 
 

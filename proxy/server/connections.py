@@ -142,6 +142,15 @@ class GuardedRequestHandler(web.RequestHandler):
         self.connections.forget(self)
         super().connection_lost(exc)
 
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, web.RequestPayloadError | HttpProcessingError):
+            # A body the client broke (a Content-Encoding it does not have, a bad chunk), met when
+            # aiohttp drains it after the answer: the client's problem, one line.
+            log.info("bad request body from a client: %s", " ".join(str(exc).split())[:200])
+            return
+        super().log_exception(*args, **kwargs)
+
     def handle_error(
         self,
         request: Any,

@@ -60,6 +60,15 @@ def openai_error(
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+async def json_http_exceptions(request: web.Request, response: web.StreamResponse) -> None:
+    """An ``on_response_prepare`` signal: an error aiohttp itself raises outside the middleware (an
+    unsupported ``Expect`` on any path) gets OpenAI's shape instead of its plain text."""
+    if isinstance(response, web.HTTPException) and response.status >= 400:
+        text = (response.text or response.reason or "").strip()
+        response.body = error_body(response.status, text)
+        response.content_type = "application/json"
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """404, 405, 413 and anything unexpected from aiohttp's router become OpenAI-shaped errors."""
