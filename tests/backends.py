@@ -115,6 +115,9 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         return _error(400, f"1 validation error for Request: Input should be valid [input_value={quoted}]")
     if cfg.fail == "http429":
         return _error(429, "rate limited", "RateLimitError")
+    invalid = _invalid(body, chat)
+    if invalid is not None:
+        return _error(400, invalid)
     stats.active += 1
     try:
         if cfg.script:
@@ -125,6 +128,29 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         stats.active -= 1
+
+
+MAX_MODEL_LEN = 8192
+
+
+def _invalid(body: dict[str, Any], chat: bool) -> str | None:
+    """What vLLM's request validation would refuse (400) among what this backend reads."""
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    if max_tokens and not (
+        isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens <= MAX_MODEL_LEN
+    ):
+        return f"max_tokens must be an integer from 1 to {MAX_MODEL_LEN}"
+    if chat and not isinstance(body.get("messages"), list):
+        return "messages: Input should be a valid list"
+    if not chat and not isinstance(body.get("prompt"), str | list):
+        return "prompt: Input should be a valid string or list"
+    try:
+        _logprobs_n(body, chat)
+    except (TypeError, ValueError, OverflowError):
+        return "logprobs / top_logprobs must be integers"
+    if not isinstance(body.get("stream_options") or {}, dict):
+        return "stream_options: Input should be a valid dictionary"
+    return None
 
 
 async def _scripted(request: web.Request, cfg: BackendConfig, stream: bool) -> web.StreamResponse:
