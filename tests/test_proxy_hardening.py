@@ -76,7 +76,7 @@ async def test_an_api_key_of_undecodable_bytes_is_refused_not_a_crash(
     no_tracebacks(caplog)
 
 
-@pytest.mark.parametrize("encoding", [b"gzip", b"deflate"])
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate", b"\xff\r\nContent-Encoding: gzip"])
 async def test_a_content_encoding_the_body_does_not_have_is_a_400(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, encoding: bytes
 ) -> None:

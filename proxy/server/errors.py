@@ -33,6 +33,10 @@ _TYPES = {
 
 
 def error_body(status: int, message: str, *, code: str | None = None) -> bytes:
+    # A message may quote what a client sent, undecodable bytes included (kept by aiohttp as lone
+    # surrogates, which JSON cannot hold): those are written as \udcXX escapes.
+    if not message.isascii():
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return orjson.dumps(
         {
             "error": {
