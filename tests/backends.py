@@ -130,7 +130,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         stats.active -= 1
 
 
-MAX_MODEL_LEN = 8192
+MAX_MODEL_LEN = 131072  # (Llama 3.1)
 
 
 def _invalid(body: dict[str, Any], chat: bool) -> str | None:
