@@ -22,6 +22,9 @@ Three parts, each printing a table; the process exits non-zero when a target is 
 3. **Faulty baselines.** The same kinds as the baseline: a streaming and a plain request each; the
    status the client gets and what the span says. Targets: 502/504 (or the upstream's own 500, or a
    stream ended by an error event) and a span whose status says what happened.
+4. **Slowloris.** ``--slowloris`` connections (1,100) each send a header byte every 2 s, replaced on
+   the next tick when closed, against a proxy whose file limit is 1024; a good request every 0.2 s
+   for 20 s must be answered. Targets: every good request answered, no traceback or ERROR line.
 
 Backends (tests/backends.py) run in one helper process, proxies in their own processes, the load
 generator here: all share this machine, so TTFTs are noisy; read them against the same run's healthy
@@ -36,6 +39,7 @@ import json
 import os
 import random
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -139,7 +143,9 @@ class Proxy:
         return f"http://127.0.0.1:{self.port}"
 
 
-def start_proxy(workdir: Path, name: str, base: str, cand: str | None, **experiment: Any) -> Proxy:
+def start_proxy(
+    workdir: Path, name: str, base: str, cand: str | None, *, fd_limit: int | None = None, **experiment: Any
+) -> Proxy:
     cfg = workdir / f"{name}.toml"
     text = f'[experiment]\nname = "{name}"\nmode = "shadow"\n'
     text += "".join(f"{k} = {v}\n" for k, v in experiment.items())
@@ -153,7 +159,14 @@ def start_proxy(workdir: Path, name: str, base: str, cand: str | None, **experim
     argv += ["--db", str(db), "--no-scrape", "--log-level", "info"]
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+            argv,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit)))
+            if fd_limit
+            else None,
         )
     return Proxy(name, port, db, log, proc)
 
@@ -668,6 +681,73 @@ async def run_baselines(workdir: Path, ports: dict[str, int]) -> bool:
     return ok
 
 
+# -- part 4: slowloris ---------------------------------------------------------------------------------
+
+
+async def run_slowloris(workdir: Path, ports: dict[str, int], attackers: int, seconds: float) -> bool:
+    """``attackers`` connections each sending one header byte every 2 s (replaced on the next tick when
+    closed), the proxy under a file limit of 1024; a good request every 0.2 s must be answered."""
+    p = start_proxy(workdir, "slowloris", f"http://127.0.0.1:{ports['healthy']}", None, fd_limit=1024)
+    host, port = "127.0.0.1", p.port
+    stop = asyncio.Event()
+    closed = 0
+
+    async def attacker() -> None:
+        # Like the slowloris tool: every tick (2 s) one more header byte on each connection, and a new
+        # connection in place of one the server closed.
+        nonlocal closed
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-")
+                while not stop.is_set():
+                    try:
+                        if await asyncio.wait_for(reader.read(100), 2.0) == b"":
+                            break
+                    except TimeoutError:
+                        writer.write(b"a")
+                closed += 1
+                writer.close()
+            except OSError:
+                pass
+            await asyncio.sleep(2.0)
+
+    latencies: list[float] = []
+    failed = 0
+    try:
+        await asyncio.to_thread(wait_http, p.url + "/health", 60.0, p.proc)
+        tasks = [asyncio.create_task(attacker()) for _ in range(attackers)]
+        await asyncio.sleep(3)  # the attack is under way
+        deadline = time.perf_counter() + seconds
+        i = 0
+        while time.perf_counter() < deadline:
+            i += 1
+            t0 = time.perf_counter()
+            out = await exchange(p.url, good_request(i)[0], 10.0)
+            if out and out.startswith(b"HTTP/1.1 200") and out.rstrip().endswith((b"}", b"0")):
+                latencies.append(time.perf_counter() - t0)
+            else:
+                failed += 1
+            await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.gather(*tasks)
+    finally:
+        stop_proxy(p)
+    tracebacks, errors = log_problems(p.log)
+    notices = p.log.read_bytes().count(b"client connections at the limit")
+    print(f"\n## Slowloris: {attackers} connections dribbling header bytes, proxy under a file limit of 1024")
+    p50 = statistics.median(latencies) * 1000 if latencies else float("nan")
+    print(f"good requests answered {len(latencies)} (p50 {p50:.0f} ms), attacker connections closed {closed}")
+    return print_checks(
+        [
+            ("good requests not answered during the attack", failed, 0),
+            ("'at the limit' log lines (one per 10 s at most)", notices, None),
+            ("tracebacks in the proxy log", tracebacks, 0),
+            ("ERROR lines in the proxy log", errors, 0),
+        ]
+    )
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
 
@@ -682,6 +762,8 @@ async def run(args: argparse.Namespace) -> bool:
             if args.rounds:
                 ok = await run_candidates(workdir, ports, args.rounds, args.seconds) and ok
                 ok = await run_baselines(workdir, ports) and ok
+            if args.slowloris:
+                ok = await run_slowloris(workdir, ports, args.slowloris, 20.0) and ok
     finally:
         backends.send_signal(signal.SIGTERM)
         backends.wait(30)
@@ -696,6 +778,7 @@ def main() -> None:
         "--rounds", type=int, default=3, help="interleaved rounds per faulty candidate (0: skip 2, 3)"
     )
     ap.add_argument("--seconds", type=float, default=3.0, help="closed-loop seconds per candidate per round")
+    ap.add_argument("--slowloris", type=int, default=1100, help="slowloris connections in part 4 (0: skip)")
     ap.add_argument(
         "--no-poison", action="store_true", help="no integers beyond the span store's columns in bodies"
     )
