@@ -197,6 +197,17 @@ async def test_a_baseline_sending_malformed_events_ends_the_stream_with_an_error
     no_tracebacks(caplog)
 
 
+async def test_empty_data_lines_are_keep_alives_not_malformed(tmp_path: Path) -> None:
+    async with (
+        running_backend(BackendConfig(script=(b"", GOOD_CHUNK, b" ", GOOD_CHUNK))) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        body = orjson.dumps({"model": "m", "prompt": "p", "stream": True})
+        out = await raw_exchange(p.url, post("/v1/completions", body))
+        assert out.startswith(b"HTTP/1.1 200") and b"[DONE]" in out and b'"error"' not in out
+    assert [(r["status"], r["chunks"]) for r in spans(p.db)] == [("ok", 2)]
+
+
 async def test_a_candidate_sending_malformed_events_is_an_upstream_error_span_only(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -204,6 +204,8 @@ class CompletionTap:
         if data == DONE:
             self.done = True
             return None
+        if not data.strip():
+            return None  # an empty `data:` line (a keep-alive some servers send) says nothing
         try:
             obj = orjson.loads(data)
             if not isinstance(obj, dict):
