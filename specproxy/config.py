@@ -43,6 +43,8 @@ SPEC_METHODS = frozenset(
     }
 )
 REMOVED_SPEC_METHODS = frozenset({"medusa", "mlp_speculator"})
+# The serving engines whose responses the proxy reads; "auto" detects it from what the arm returns.
+ENGINE_KINDS = ("auto", "vllm", "sglang", "trtllm", "llamacpp")
 
 
 class ConfigError(ValueError):
@@ -83,6 +85,11 @@ class Arm:
     return_token_ids: bool = False
     description: str = ""
     engine: EngineSettings = field(default_factory=EngineSettings)
+    # Which engine serves this arm (`engine = "llamacpp"`, or `kind` in the [arms.engine] table).
+    engine_kind: str = "auto"
+    # A tokenizer.json to count output tokens with when the arm reports no usage (else the
+    # experiment's `tokenizer`); read from disk, never downloaded.
+    tokenizer: str | None = None
 
     @property
     def spec_method(self) -> str:
@@ -126,6 +133,8 @@ class Experiment:
     scrape_interval_s: float = 5.0
     otlp_endpoint: str | None = None
     source_path: str | None = None
+    # The default tokenizer.json for arms that name none (see Arm.tokenizer).
+    tokenizer: str | None = None
 
     @property
     def baseline(self) -> Arm:
@@ -228,6 +237,7 @@ def _frozen_map(d: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _load_engine(where: str, table: Mapping[str, Any], path: str) -> EngineSettings:
     r = _Reader(where, table, path)
+    r.used.add("kind")  # read by _engine_kind
     port = r.get("port", int, None)
     gpus = r.get("gpus", list, [])
     if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
@@ -292,7 +302,10 @@ def _load_arm(where: str, table: Any, index: int) -> Arm:
         raise r.fail("vllm_extensions", f"must be 'auto', 'on' or 'off', got {ext!r}")
     rti = r.get("return_token_ids", bool, False)
     desc = r.get("description", str, "")
-    engine = _load_engine(where, r.get("engine", dict, {}), f"{path}.engine")
+    engine_value = r.get("engine", (str, dict), {})
+    engine_kind = _engine_kind(r, engine_value)
+    engine = _load_engine(where, engine_value if isinstance(engine_value, dict) else {}, f"{path}.engine")
+    tokenizer = _tokenizer_path(r, where)
     r.check_unknown(r.used)
     return Arm(
         name=name,
@@ -307,7 +320,30 @@ def _load_arm(where: str, table: Any, index: int) -> Arm:
         return_token_ids=rti,
         description=desc,
         engine=engine,
+        engine_kind=engine_kind,
+        tokenizer=tokenizer,
     )
+
+
+def _engine_kind(r: _Reader, value: str | Mapping[str, Any]) -> str:
+    kind = value if isinstance(value, str) else value.get("kind", "auto")
+    if kind not in ENGINE_KINDS:
+        key = "engine" if isinstance(value, str) else "engine.kind"
+        raise r.fail(key, f"must be one of {', '.join(repr(k) for k in ENGINE_KINDS)}, got {kind!r}")
+    return str(kind)
+
+
+def _tokenizer_path(r: _Reader, where: str) -> str | None:
+    """The tokenizer.json named in this table, relative to the experiment file; it must exist."""
+    value = r.get("tokenizer", str, None)
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_absolute() and not where.startswith("<"):
+        path = Path(where).resolve().parent / path
+    if not path.is_file():
+        raise r.fail("tokenizer", f"{value!r} is not a file (a tokenizer.json, read offline)")
+    return str(path)
 
 
 def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Experiment:
@@ -349,6 +385,9 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
             raise r.fail(key, "must be > 0")
         return v
 
+    tokenizer = _tokenizer_path(r, where)
+    if tokenizer is not None:  # the arms without their own tokenizer use the experiment's
+        arms = tuple(a if a.tokenizer else dataclasses.replace(a, tokenizer=tokenizer) for a in arms)
     exp = Experiment(
         name=name,
         arms=arms,
@@ -370,6 +409,7 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
         scrape_interval_s=float(positive("scrape_interval_s", 5.0)),
         otlp_endpoint=r.get("otlp_endpoint", str, None),
         source_path=None if where.startswith("<") else where,
+        tokenizer=tokenizer,
     )
     r.check_unknown(r.used)
     return exp

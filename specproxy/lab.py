@@ -18,8 +18,8 @@ The sweep goes to 256, not only 64: on the h100-llama3.1-8b profile (the SpecDec
 an H100) verifying k+1 tokens per request is still cheap enough at batch 64 for n-gram to pay on
 copy-heavy traffic; its crossover lies near 100–130, and a sweep that stops at 64 never shows it.
 
-Time. The simulators run on the profile's own clock by default (``--time-scale 1``): measured here, four
-simulators and the client at c=64 use well under one of the two cores, so the client never falls behind
+Time. The simulators run on the profile's own clock by default (``--time-scale 1``): four simulators
+and the client at c=64 use well under one CPU core, so the client never falls behind
 and the figures are the profile's. ``--time-scale X`` runs every simulator X times faster; every arm is
 scaled alike, so ratios between arms (what the verdicts use) are kept as long as the client keeps up,
 while absolute tok/s are multiplied by X and times divided by it (the lab says so under its tables).

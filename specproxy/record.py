@@ -13,7 +13,27 @@ from datetime import datetime
 from typing import Any, Literal
 
 Status = Literal["ok", "http_error", "upstream_error", "timeout", "client_cancelled", "dropped"]
-SpecSource = Literal["vllm_request_metrics", "stream_shape", "none"]
+# Where a span's speculation figures came from: reported by the engine for the request (one value per
+# engine format), estimated from the stream's shape (reliable or not), unknown for an arm that
+# speculates without either, none for an arm that does not speculate. See proxy/upstream/acceptance.py.
+SpecSource = Literal[
+    "vllm_request_metrics",
+    "sglang_request_metrics",
+    "trtllm_request_metrics",
+    "llamacpp_timings",
+    "stream_shape",
+    "stream_shape_unreliable",
+    "unknown",
+    "none",
+]
+REPORTED_SPEC_SOURCES: tuple[str, ...] = (
+    "vllm_request_metrics",
+    "sglang_request_metrics",
+    "trtllm_request_metrics",
+    "llamacpp_timings",
+)
+# Where completion_tokens came from; text_estimate is an estimate (see proxy/upstream/tokens.py).
+TokensSource = Literal["usage", "tokenizer", "chunks", "text_estimate"]
 RoutedAs = Literal["primary", "shadow", "split", "verify", "replay"]
 Source = Literal["live", "replay"]
 STATUSES: tuple[str, ...] = ("ok", "http_error", "upstream_error", "timeout", "client_cancelled", "dropped")
@@ -107,7 +127,7 @@ OTEL_ATTRIBUTE: dict[str, str] = {name: f"specproxy.{name}" for name in COLUMNS}
 def decode_tok_s(
     completion_tokens: int | None, t_first_token: float | None, t_last_token: float | None
 ) -> float | None:
-    """DESIGN.md's per-request decode speed: (completion_tokens − 1) / (t_last − t_first).
+    """The per-request decode speed: (completion_tokens − 1) / (t_last − t_first).
 
     None when it is not defined (fewer than two tokens, or all tokens arrived in one chunk).
     """

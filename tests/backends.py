@@ -5,8 +5,9 @@
 logprobs), /v1/models, /version, /health and /metrics. Outputs are deterministic: token i of a prompt
 is a function of the prompt and i, so two backends agree unless one is told to diverge.
 :class:`BackendConfig` sets timing (TTFT, gap between chunks), tokens per chunk (a speculative arm
-sends several), failures and non-vLLM behaviour. :class:`BackendStats` counts what happened
-(requests, completions, cancellations seen when the client went away) and keeps received headers.
+sends several), failures, non-vLLM behaviour, and a gate that holds every generation until a test opens
+it. :class:`BackendStats` counts what happened (requests, completions, cancellations seen when the client
+went away) and keeps received headers.
 
 Example::
 
@@ -47,12 +48,18 @@ class BackendConfig:
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
     # | "echo400" (a 400 quoting the request, like vLLM's validation errors)
     fail: str | None = None
-    eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
+    gate: asyncio.Event | None = None  # when given, generation waits for it (a backend slow until told)
+    eof_gate: asyncio.Event | None = None  # when given, the body ends after [DONE] only once it is set
     # Answer with these instead of generating: streaming, each is one event's data (then [DONE]);
     # not streaming, the last is the whole body. A broken or hostile backend.
     script: tuple[bytes, ...] = ()
     content_type: str | None = None  # override the answer's Content-Type
     version: str = "0.33.0"
+    # Answer as llama.cpp's llama-server does: one token per chunk; `timings` on the last chat chunk
+    # (the usage-only chunk when include_usage was asked for); streamed completions end with a chunk
+    # holding `usage` next to `choices`; JSON content types carry `charset=utf-8`. With spec_metrics,
+    # `timings` reports draft_n / draft_n_accepted.
+    llama_server: bool = False
 
 
 @dataclass
@@ -174,14 +181,15 @@ async def _generate(
     ids = token_ids_for(prompt_key, n, cfg.diverge_at)
     prompt_tokens = len(prompt_key) // 4 + 1
     finish = "length"
-    want_ids = cfg.vllm and bool(body.get("return_token_ids"))
+    want_ids = cfg.vllm and not cfg.llama_server and bool(body.get("return_token_ids"))
     opts = body.get("stream_options") or {}
-    usage_final = cfg.vllm and bool(opts.get("include_usage"))
+    usage_final = (cfg.vllm or cfg.llama_server) and bool(opts.get("include_usage"))
     usage_cont = usage_final and bool(opts.get("continuous_usage_stats"))
     lp_n = _logprobs_n(body, chat)
     k = max(cfg.tokens_per_chunk - 1, 0)
-    steps = [ids[i : i + cfg.tokens_per_chunk] for i in range(0, len(ids), cfg.tokens_per_chunk)]
-    if steps and cfg.tokens_per_chunk > 1:
+    per_chunk = 1 if cfg.llama_server else cfg.tokens_per_chunk
+    steps = [ids[i : i + per_chunk] for i in range(0, len(ids), per_chunk)]
+    if steps and cfg.tokens_per_chunk > 1 and not cfg.llama_server:
         steps = [ids[:1]] + [
             ids[1 + i : 1 + i + cfg.tokens_per_chunk] for i in range(0, len(ids) - 1, cfg.tokens_per_chunk)
         ]
@@ -212,6 +220,8 @@ async def _generate(
         writer = await stream.prepare(request)
         assert writer is not None
         writer.send_headers()
+    if cfg.gate is not None:
+        await cfg.gate.wait()
     if cfg.ttft_s:
         await asyncio.sleep(cfg.ttft_s)
     if cfg.fail == "hang":
@@ -240,11 +250,16 @@ async def _generate(
                 "total_tokens": prompt_tokens + len(ids),
             },
         }
-        if spec:
+        if spec and not cfg.llama_server:
             out["metrics"] = {"speculative_decoding": spec}
+        if cfg.llama_server:
+            out["timings"] = _llama_timings(cfg, len(ids))
+            out["system_fingerprint"] = "b1234-abcdef0"
         stats.completed += 1
         if cfg.fail == "garbage":
             return web.Response(body=b"<html>not json", content_type="application/json")
+        if cfg.llama_server:
+            return web.Response(body=orjson.dumps(out), headers={"Content-Type": JSON_UTF8})
         return web.Response(body=orjson.dumps(out), content_type="application/json")
 
     resp = stream
@@ -296,11 +311,16 @@ async def _generate(
         else:
             c["text"] = text
         c["logprobs"] = _logprobs(step, lp_n, chat) if lp_n else None
-        c["finish_reason"] = finish if last else None
+        c["finish_reason"] = finish if last and not cfg.llama_server else None
         if want_ids:
             c["token_ids"] = step
         await resp.write(chunk([c]))
-    if usage_final:
+    if cfg.llama_server:
+        tail = _llama_stream_tail(cfg, chat, usage_final, finish, done, prompt_tokens)
+        for piece in tail:
+            piece.update({"id": rid, "object": obj_name, "created": created, "model": model})
+            await resp.write(b"data: " + orjson.dumps(piece) + b"\n\n")
+    elif usage_final:
         final: dict[str, Any] = {
             "id": rid,
             "object": obj_name,
@@ -318,10 +338,36 @@ async def _generate(
         await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     stats.completed += 1
-    if cfg.eof_delay_s:
-        await asyncio.sleep(cfg.eof_delay_s)
+    if cfg.eof_gate is not None:
+        await cfg.eof_gate.wait()
     await resp.write_eof()
     return resp
+
+
+JSON_UTF8 = "application/json; charset=utf-8"
+
+
+def _llama_timings(cfg: BackendConfig, predicted: int) -> dict[str, Any]:
+    timings: dict[str, Any] = {"prompt_n": 5, "prompt_ms": 1.5, "predicted_n": predicted, "predicted_ms": 9.0}
+    if cfg.spec_metrics:
+        timings["draft_n"] = 2 * predicted
+        timings["draft_n_accepted"] = predicted // 2
+    return timings
+
+
+def _llama_stream_tail(
+    cfg: BackendConfig, chat: bool, include_usage: bool, finish: str, done: int, prompt_tokens: int
+) -> list[dict[str, Any]]:
+    """The chunks llama-server ends a stream with (tools/server/server-task.cpp)."""
+    usage = {"completion_tokens": done, "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + done}
+    if not chat:  # to_json_oaicompat: one final chunk, usage always next to choices
+        choice = {"text": "", "index": 0, "logprobs": None, "finish_reason": finish}
+        return [{"choices": [choice], "usage": usage, "timings": _llama_timings(cfg, done)}]
+    tail: list[dict[str, Any]] = [{"choices": [{"finish_reason": finish, "index": 0, "delta": {}}]}]
+    if include_usage:
+        tail.append({"choices": [], "usage": usage})
+    tail[-1]["timings"] = _llama_timings(cfg, done)
+    return tail
 
 
 def _logprobs_n(body: dict[str, Any], chat: bool) -> int:
@@ -382,6 +428,9 @@ async def _metrics(request: web.Request) -> web.Response:
     text = (
         "# TYPE vllm:num_requests_running gauge\n"
         f'vllm:num_requests_running{{engine="0",model_name="test-model"}} {stats.active}\n'
+        # Not a vLLM series (scrapers keep vllm:* only): lets a test in another process wait for answers.
+        "# TYPE test_backend_completed counter\n"
+        f"test_backend_completed_total {stats.completed}\n"
     )
     return web.Response(text=text, content_type="text/plain")
 

@@ -277,7 +277,7 @@ def test_service_names_are_dns_labels(arm: str, service: str) -> None:
 
 def test_readme_shows_the_real_plan_of_the_deploy_experiment() -> None:
     root = Path(__file__).resolve().parent.parent
-    readme = root / "README.md"
+    readme = root / "engines" / "README.md"
     section = readme.read_text().split("<!-- section: engines -->")[1].split("<!-- /section: engines -->")[0]
     result = _run("engines", "plan", str(root / "deploy" / "experiment.toml"))
     assert result.exit_code == 0 and result.stderr == ""

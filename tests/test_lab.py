@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import duckdb
@@ -18,6 +17,8 @@ from specproxy.cli import main
 from tests.support import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
+# A deadline for a stuck lab, not a speed target: a loaded shared machine runs it several times slower.
+LAB_DEADLINE_S = 600
 
 
 def lab(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -33,7 +34,9 @@ def verdicts(stdout: str) -> dict[tuple[str, str], str]:
     """(level, arm) → verdict from the analyze table's rows."""
     out = {}
     for line in stdout.splitlines():
-        m = re.match(r"^(c=\d+)\s+(\w+)\s+\d+/\d+\s.*\s(WIN|LOSS|NO CLEAR GAIN|baseline)\s*$", line)
+        m = re.match(
+            r"^(c=\d+)\s+(\w+)\s+\d+/\d+\s.*\s(WIN|LOSS|NO CLEAR GAIN|UNRELIABLE|baseline)\s*$", line
+        )
         if m:
             out[(m.group(1), m.group(2))] = m.group(3)
     return out
@@ -41,10 +44,8 @@ def verdicts(stdout: str) -> dict[tuple[str, str], str]:
 
 def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     out = tmp_path / "lab"
-    t0 = time.monotonic()
-    res = lab("--quick", "--concurrency", "1,4", "--items", "5", "--out", str(out), timeout=110)
+    res = lab("--quick", "--concurrency", "1,4", "--items", "5", "--out", str(out), timeout=LAB_DEADLINE_S)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert time.monotonic() - t0 < 100
     table = verdicts(res.stdout)
     assert set(table) == {
         (lv, arm) for lv in ("c=1", "c=4") for arm in ("baseline", "ngram", "draft_model", "eagle3")
@@ -159,21 +160,26 @@ def test_lab_errors_are_sentences(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
-    """The README's first command: under 2 minutes, and the published shape of the results."""
+    """The README's first command: the whole sweep, and the published shape of the results (how long it
+    takes is tests/bench/bench_lab.py's figure)."""
     out = tmp_path / "lab"
-    t0 = time.monotonic()
-    res = lab("--quick", "--out", str(out), timeout=180)
-    elapsed = time.monotonic() - t0
+    res = lab("--quick", "--out", str(out), timeout=LAB_DEADLINE_S)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert elapsed < 120, f"lab --quick took {elapsed:.0f} s"
     db = out / "specproxy.duckdb"
     assert (out / "report.html").exists()
     with duckdb.connect(str(db), read_only=True) as conn:
         run_id = conn.execute("SELECT run_id FROM runs").fetchone()[0]  # type: ignore[index]
+        levels = conn.execute(
+            "SELECT arm, list(DISTINCT concurrency_level ORDER BY concurrency_level) FROM requests "
+            "GROUP BY arm"
+        ).fetchall()
         same, compared = conn.execute(
             "SELECT count(*) FILTER (identical), count(identical) FROM requests WHERE arm_role <> 'baseline'"
         ).fetchone()  # type: ignore[misc]
     assert compared > 0 and same == compared  # outputs identical
+    assert sorted(levels) == [
+        (arm, [1, 4, 16, 64, 256]) for arm in ("baseline", "draft_model", "eagle3", "ngram")
+    ]
     lag_line = next(line for line in res.stderr.splitlines() if "clock lag" in line)
     # The n-gram simulator's own search costs it about 10 % at c=256; far beyond that, the machine was
     # too busy for the figures to mean anything and the outcome is not checked.

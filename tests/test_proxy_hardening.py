@@ -16,7 +16,8 @@ import orjson
 import pytest
 
 from tests.backends import BackendConfig, running_backend
-from tests.test_proxy_app import running_proxy, shadow_arms, spans
+from tests.proxies import running_proxy, spans
+from tests.test_proxy_app import shadow_arms
 
 CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
 

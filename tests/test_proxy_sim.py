@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import aiohttp
@@ -10,7 +9,8 @@ import openai
 
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import running_sim
-from tests.test_proxy_app import running_proxy, spans
+from specproxy.proxy.upstream.calls import upstream_request_id
+from tests.proxies import running_proxy, spans, wait_for_calls
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 
@@ -42,11 +42,12 @@ async def test_shadow_in_front_of_simulated_vllm_matches_its_ground_truth(tmp_pa
                 text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
                 assert text
             await client.close()
-            await asyncio.sleep(0.2)
+            await wait_for_calls(p, 8)  # the shadow copies end after their client's calls
             truths = {}
             async with aiohttp.ClientSession() as s:
                 for i in range(4):
-                    async with s.get(f"{cand.url}/sim/requests/r{i}") as r:
+                    # the arm knows each request by the UUID the proxy sent for it
+                    async with s.get(f"{cand.url}/sim/requests/{upstream_request_id(f'r{i}')}") as r:
                         truths[f"r{i}"] = await r.json()
     rows = spans(p.db, "arm = 'ngram'")
     assert len(rows) == 4

@@ -28,7 +28,7 @@ from specproxy.proxy.upstream.scrape import (
     parse_metrics,
     spec_decode_summary,
 )
-from tests.support import free_port
+from tests.support import free_port, wait_for_count
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -332,9 +332,13 @@ async def test_run_scrapes_periodically_until_cancelled(aiohttp_server: Any) -> 
     url = await start(aiohttp_server, {"/metrics": vllm.metrics})
     async with aiohttp.ClientSession() as session:
         scraper = MetricsScraper([Arm(name="a", url=url)], None, session, run_id="r", interval_s=0.05)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         task = asyncio.create_task(scraper.run())
-        await asyncio.sleep(0.4)
+        await wait_for_count(lambda: scraper.scrapes, 3, "scrapes")
+        waited_s = loop.time() - t0
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert 3 <= scraper.scrapes <= 10 and vllm.hits == scraper.scrapes
+    assert scraper.scrapes >= 3 and scraper.scrapes <= vllm.hits <= scraper.scrapes + 1  # +1: cut mid-scrape
+    assert waited_s >= 2 * 0.05 * 0.9  # three scrapes, an interval apart: not a busy loop

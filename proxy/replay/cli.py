@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from specproxy.commandline import ConcurrencyLevels, experiment_or_none, run_async
+from specproxy.commandline import ConcurrencyLevels, FiniteFloat, experiment_or_none, run_async
 from specproxy.config import Arm
 from specproxy.proxy.replay.formats import FORMATS, FormatError, read_items
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
@@ -46,11 +46,16 @@ from specproxy.proxy.spans.sink import SpanSinkError
     show_default=True,
     help="Closed loop: the concurrency levels of the sweep, one phase each.",
 )
-@click.option("--rate", type=float, metavar="R", help="Open loop: Poisson arrivals at R requests/s.")
+@click.option(
+    "--rate",
+    type=FiniteFloat(min=0, min_open=True),
+    metavar="R",
+    help="Open loop: Poisson arrivals at R requests/s.",
+)
 @click.option("--timed", is_flag=True, help="Open loop at the log's recorded timestamps.")
 @click.option(
     "--speedup",
-    type=float,
+    type=FiniteFloat(min=0, min_open=True),
     default=1.0,
     show_default=True,
     metavar="X",
@@ -65,7 +70,7 @@ from specproxy.proxy.spans.sink import SpanSinkError
 )
 @click.option(
     "--temperature",
-    type=float,
+    type=FiniteFloat(min=0),
     default=0.0,
     show_default=True,
     help="Temperature sent with every request (0 keeps outputs comparable for identity).",
@@ -80,7 +85,7 @@ from specproxy.proxy.spans.sink import SpanSinkError
 @click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Replay only the first N items.")
 @click.option(
     "--duration",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloat(min=0, min_open=True),
     metavar="S",
     help="Stop sending after S seconds (per level in a closed-loop sweep).",
 )
@@ -155,8 +160,6 @@ def replay(
         raise click.UsageError("give exactly one of --config exp.toml (the arms) or --target URL (a proxy)")
     if rate is not None and timed:
         raise click.UsageError("--rate and --timed are two different load shapes; choose one")
-    if rate is not None and rate <= 0:
-        raise click.BadParameter("must be > 0", param_hint="--rate")
     experiment = experiment_or_none(config_path)
     if experiment is not None:
         arms = experiment.arms

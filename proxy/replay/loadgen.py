@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -182,8 +183,8 @@ async def open_loop(
 
 def poisson_offsets(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     """Start offsets of ``n`` arrivals of a Poisson process (exponential gaps), the first at 0."""
-    if rate_per_s <= 0:
-        raise ValueError("rate must be > 0")
+    if not math.isfinite(rate_per_s) or rate_per_s <= 0:
+        raise ValueError(f"rate must be a finite number > 0, got {rate_per_s}")
     rng = random.Random(seed)
     gaps = (0.0, *(rng.expovariate(rate_per_s) for _ in range(max(0, n - 1))))
     return list(itertools.accumulate(gaps))[:n]
@@ -191,9 +192,11 @@ def poisson_offsets(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
 
 def timed_offsets(arrivals_s: Sequence[float], speedup: float = 1.0) -> list[float]:
     """Recorded arrival times (seconds, any origin) as offsets from the first, divided by ``speedup``."""
-    if speedup <= 0:
-        raise ValueError("speedup must be > 0")
+    if not math.isfinite(speedup) or speedup <= 0:
+        raise ValueError(f"speedup must be a finite number > 0, got {speedup}")
     if not arrivals_s:
         return []
+    if not all(math.isfinite(t) for t in arrivals_s):
+        raise ValueError("arrival times must be finite numbers")
     t0 = min(arrivals_s)
     return [(t - t0) / speedup for t in arrivals_s]

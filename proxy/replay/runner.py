@@ -50,6 +50,7 @@ from specproxy.proxy.upstream.calls import (
     call_arm,
     level_header,
     new_record,
+    upstream_request_id,
 )
 from specproxy.proxy.upstream.scrape import MetricsScraper
 from specproxy.proxy.upstream.stacks import arm_stacks
@@ -257,9 +258,11 @@ class ReplayRunner:
 
     def _calls(self, tag: str, items: Sequence[ReplayItem], level: int | None) -> list[_Call]:
         short = self.run_id.removeprefix("replay-")[:6]
+        # Request ids are UUIDs, as some servers require: sent as they are, so a --target proxy stores
+        # the same request_id in its spans (the join between its spans and replay's).
         return [
             _Call(
-                f"{short}-{tag}-{i:05d}-{_SAFE_ID.sub('_', it.item_id)[:48]}",
+                upstream_request_id(f"{short}-{tag}-{i:05d}-{_SAFE_ID.sub('_', it.item_id)[:48]}"),
                 it,
                 self._body(it, warmup=False),
                 level,

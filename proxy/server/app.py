@@ -146,9 +146,9 @@ class ClientRelay:
 
     async def start(self, status: int, content_type: str) -> None:
         self.status, self.content_type = status, content_type
-        if content_type == "text/event-stream":
+        if content_type.split(";", 1)[0].strip().lower() == "text/event-stream":
             resp = web.StreamResponse(status=status, headers=self.headers)
-            resp.content_type = content_type
+            resp.headers["Content-Type"] = content_type  # as the backend sent it, parameters and all
             resp.headers["Cache-Control"] = "no-cache"
             if self.request.version >= aiohttp.HttpVersion11:
                 resp.enable_chunked_encoding()  # (an HTTP/1.0 client gets the body until close)
@@ -197,8 +197,7 @@ class ClientRelay:
             return web.Response(
                 status=self.status,
                 body=b"".join(self.parts),
-                headers=self.headers,
-                content_type=self.content_type,
+                headers={**self.headers, "Content-Type": self.content_type},
             )
         if rec is not None and rec.status == "timeout":
             return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.headers)
@@ -356,7 +355,8 @@ async def models(request: web.Request) -> web.StreamResponse:
             f"{arm.url}/v1/models", headers=arm_auth(arm), timeout=st.primary_timeout.client_timeout()
         ) as resp:
             payload = await resp.read()
-            return web.Response(status=resp.status, body=payload, content_type=resp.content_type)
+            content_type = resp.headers.get("Content-Type", "application/json")
+            return web.Response(status=resp.status, body=payload, headers={"Content-Type": content_type})
     except TimeoutError:
         return openai_error(504, f"baseline {arm.name} did not answer GET /v1/models in time")
     except (aiohttp.ClientError, OSError) as exc:

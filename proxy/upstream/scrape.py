@@ -1,4 +1,4 @@
-"""Scraping each arm's vLLM ``/metrics`` into ``backend_metrics``, and the counter arithmetic on scrapes.
+"""Scraping each arm's engine ``/metrics`` into ``backend_metrics``, and the counter arithmetic on scrapes.
 
 ::
 
@@ -11,10 +11,14 @@
     # {'num_drafts': 812.0, 'draft_tokens': 2436.0, 'accepted_tokens': 1702.0, 'acceptance_rate': 0.698...,
     #  'mean_acceptance_length': 3.096..., 'per_position_rates': [0.87, 0.70, 0.52]}
 
-A scrape parses the Prometheus text with ``prometheus_client``'s parser and keeps vLLM's ``vllm:*``
-samples (``_created`` series are dropped: they are timestamps, not values). Each kept sample becomes one
-``backend_metrics`` row (arm, scraped_at, phase, name, labels as sorted JSON with ``engine`` kept, value)
-sent to the :class:`~specproxy.proxy.spans.sink.SpanSink`, which never blocks.
+A scrape parses the Prometheus text with ``prometheus_client``'s parser and keeps the samples of the
+engines it knows (``vllm:*``, ``llamacpp:*``, ``sglang:*``; ``_created`` series are dropped: they are
+timestamps, not values). Which engine an arm runs is read from the names it exports, and each engine's
+names for its load gauges and speculation counters come from
+:data:`~specproxy.proxy.upstream.engines.METRIC_NAMES` (:func:`engine_load`,
+:func:`spec_decode_summary`). Each kept sample becomes one ``backend_metrics`` row (arm, scraped_at,
+phase, name, labels as sorted JSON with ``engine`` kept, value) sent to the
+:class:`~specproxy.proxy.spans.sink.SpanSink`, which never blocks.
 
 Backends without ``/metrics`` (llama.cpp-style servers, vLLM with ``--disable-log-stats``), refused
 connections, timeouts and text that does not parse are tolerated: the arm's :class:`Snapshot` has
@@ -44,6 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specproxy.config import Arm
 from specproxy.proxy.spans.sink import BackendMetricRow, SpanSink
+from specproxy.proxy.upstream.engines import METRIC_NAMES, MetricNames, engine_of_metrics
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +60,14 @@ SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 ENGINE_LABEL = "engine"
+# Metric name prefixes kept from a scrape: the engines whose names METRIC_NAMES knows.
+KEPT_PREFIXES = ("vllm:", "llamacpp:", "sglang:")
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One scrape of one arm: every ``vllm:*`` sample, by name and then by labels (``engine`` included)."""
+    """One scrape of one arm: every sample of a known engine, by name and then by labels (``engine``
+    included)."""
 
     arm: str
     scraped_at: datetime
@@ -69,6 +77,11 @@ class Snapshot:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def engine(self) -> str | None:
+        """The engine whose names this scrape holds (vllm, llamacpp, sglang), None if none."""
+        return engine_of_metrics(frozenset(self.series))
 
     def value(self, name: str, **labels: str) -> float | None:
         """Sum of the series of ``name`` whose labels include ``labels`` (so over engines); None if absent."""
@@ -88,7 +101,7 @@ def _without_engine(labels: Labels) -> Labels:
 
 
 def parse_metrics(arm: str, text: str, scraped_at: datetime | None = None) -> Snapshot:
-    """Parse Prometheus exposition text into a :class:`Snapshot` of its ``vllm:*`` samples.
+    """Parse Prometheus exposition text into a :class:`Snapshot` of its known engines' samples.
 
     Raises ValueError for text that is not Prometheus exposition format.
     """
@@ -96,7 +109,7 @@ def parse_metrics(arm: str, text: str, scraped_at: datetime | None = None) -> Sn
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
-            if not name.startswith("vllm:") or name.endswith("_created"):
+            if not name.startswith(KEPT_PREFIXES) or name.endswith("_created"):
                 continue
             series.setdefault(name, {})[tuple(sorted(sample.labels.items()))] = float(sample.value)
     return Snapshot(
@@ -137,17 +150,37 @@ def counter_delta(before: Snapshot, after: Snapshot, name: str, **labels: str) -
     return sum(v for lab, v in deltas.items() if _matches(lab, labels))
 
 
+def _names(snapshot: Snapshot) -> MetricNames:
+    return METRIC_NAMES.get(snapshot.engine or "vllm", METRIC_NAMES["vllm"])
+
+
+def _delta(before: Snapshot, after: Snapshot, name: str | None) -> float | None:
+    return counter_delta(before, after, name) if name else None
+
+
+def engine_load(snapshot: Snapshot) -> tuple[float | None, float | None]:
+    """The arm's running and waiting requests in this scrape, under its engine's gauge names."""
+    names = _names(snapshot)
+    running = snapshot.value(names.running) if names.running else None
+    waiting = snapshot.value(names.waiting) if names.waiting else None
+    return running, waiting
+
+
 def spec_decode_summary(before: Snapshot, after: Snapshot) -> dict[str, Any]:
-    """vLLM's speculative-decoding figures between two scrapes, as ``vllm bench serve`` computes them.
+    """The speculative-decoding figures between two scrapes, as ``vllm bench serve`` computes them,
+    under the names of the arm's engine (vLLM's, or llama.cpp's ``llamacpp:spec_decode_*``).
 
     ``acceptance_rate`` = Δaccepted / Δdraft_tokens; ``mean_acceptance_length`` = 1 + Δaccepted / Δdrafts;
     ``per_position_rates[i]`` = Δaccepted_per_pos{position=i} / Δdrafts. Counts are None when the arm
     exports no speculative counters (or a scrape failed); ratios are None when their denominator is 0.
     """
-    drafts = counter_delta(before, after, SPEC_DRAFTS)
-    draft_tokens = counter_delta(before, after, SPEC_DRAFT_TOKENS)
-    accepted = counter_delta(before, after, SPEC_ACCEPTED)
-    per_pos = counter_deltas(before, after, SPEC_ACCEPTED_PER_POS) or {}
+    names = _names(after)
+    drafts = _delta(before, after, names.drafts)
+    draft_tokens = _delta(before, after, names.draft_tokens)
+    accepted = _delta(before, after, names.accepted)
+    per_pos = (
+        counter_deltas(before, after, names.accepted_per_pos) if names.accepted_per_pos else None
+    ) or {}
     by_position: dict[int, float] = {}
     for labels, value in per_pos.items():
         position = dict(labels).get("position")

@@ -16,8 +16,15 @@ The tap never raises on what an upstream sends: an event or body whose shape is 
 to what was wrong, and the caller ends the call as an upstream error.
 
 Tokens per chunk come from the chunk's ``token_ids`` (vLLM ``return_token_ids``), else from the change
-in continuous ``usage.completion_tokens`` (vLLM ``stream_options.continuous_usage_stats``), else one
-per content chunk (a llama.cpp-style server). They are never derived from text.
+in continuous ``usage.completion_tokens`` (vLLM ``stream_options.continuous_usage_stats``: usage on every
+chunk from the first), else one per content chunk (a count whose truth is judged elsewhere, see
+:mod:`.tokens`). A ``usage`` that first appears on a late chunk next to ``choices`` is a final total
+(llama.cpp's ``llama-server`` puts it on the last chunk of a streamed ``/v1/completions``), never a
+per-chunk increment. The last usage seen is the response's count.
+
+What an engine reports beside the OpenAI fields (vLLM's ``metrics``, llama.cpp's ``timings``,
+SGLang's ``sglext``, TensorRT-LLM's per-choice ``speculative_decoding``) is kept raw in
+:attr:`CompletionTap.extras` for :mod:`.engines` to read, with the signals that name the engine.
 
 Example::
 
@@ -171,6 +178,10 @@ class CompletionTap:
         "count_source",
         "prompt_tokens",
         "relayed_done",
+        "extras",
+        "engine_hint",
+        "content_chunks",
+        "prompt_token_ids",
         "malformed",
     )
 
@@ -197,6 +208,11 @@ class CompletionTap:
         # How tokens were counted: token_ids | continuous_usage | chunks (one per content chunk)
         self.count_source = "chunks"
         self.prompt_tokens: int | None = None
+        # Engine-specific objects, raw (see .engines): metrics, timings, sglext, speculative_decoding
+        self.extras: dict[str, Any] = {}
+        self.engine_hint: str | None = None  # the engine the response's shape names, when it names one
+        self.content_chunks = 0  # chunks with content for the client (text, reasoning, tool calls)
+        self.prompt_token_ids: list[int] | None = None  # vLLM return_token_ids: the templated prompt
         self.malformed: str | None = None  # the first thing an upstream sent that is not a completion
 
     def feed_data(self, data: bytes, now: float) -> dict[str, Any] | None:
@@ -233,6 +249,7 @@ class CompletionTap:
         metrics = obj.get("metrics")
         if metrics:
             self._take_metrics(metrics)
+        self._take_extras(obj)
         choices = _list_or_none(obj.get("choices"), "choices")
         if not choices:
             # The usage-only chunk at the end (include_usage): final counts.
@@ -269,19 +286,24 @@ class CompletionTap:
             reason = _str_or_none(choice.get("finish_reason"), "finish_reason")
             if reason:
                 self.finish_reason = reason
+                self._take_choice_extras(choice)
+        has_usage = isinstance(usage, dict) and usage.get("completion_tokens") is not None
+        if usage and has_usage:
+            # The last usage seen is the count: cumulative when continuous, the total when final.
+            self._take_final_usage(usage)
         if self._have_token_ids:
             n = n_ids
             self.count_source = "token_ids"
-        elif usage and usage.get("completion_tokens") is not None:
+        elif usage and has_usage and (self._continuous or self.chunks == 0):
             cum = _count(usage["completion_tokens"], "usage.completion_tokens")
             n = cum - self._usage_tokens
             self._usage_tokens = cum
             self._continuous = True
             self.count_source = "continuous_usage"
-            if self.prompt_tokens is None and usage.get("prompt_tokens") is not None:
-                self.prompt_tokens = _count(usage["prompt_tokens"], "usage.prompt_tokens")
         else:
             n = 1 if has_content else 0
+        if has_content:
+            self.content_chunks += 1
         if n > 0 or has_content:
             if self.t_first is None:
                 self.t_first = now
@@ -309,9 +331,11 @@ class CompletionTap:
     def _take_body(self, obj: dict[str, Any], now: float) -> None:
         if obj.get("metrics"):
             self._take_metrics(obj["metrics"])
+        self._take_extras(obj)
         for choice in _list_or_none(obj.get("choices"), "choices") or ():
             if not isinstance(choice, dict):
                 raise MalformedEvent("a choice is not an object")
+            self._take_choice_extras(choice)
             if choice.get("index", 0) != 0:
                 continue
             if self.endpoint == "chat":
@@ -346,6 +370,7 @@ class CompletionTap:
 
     def _take_metrics(self, metrics: Any) -> None:
         if isinstance(metrics, dict):
+            self.extras["metrics"] = metrics
             sd = metrics.get("speculative_decoding")
             if isinstance(sd, dict):
                 for key in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens"):
@@ -355,6 +380,37 @@ class CompletionTap:
                 if mal is not None and (isinstance(mal, bool) or not isinstance(mal, int | float)):
                     raise MalformedEvent("speculative_decoding.mean_acceptance_length is not a number")
                 self.spec_metrics = sd
+
+    def _take_extras(self, obj: dict[str, Any]) -> None:
+        """Engine-specific top-level objects, and the first signal of which engine answered."""
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            self.extras["timings"] = timings
+        sglext = obj.get("sglext")
+        if isinstance(sglext, dict):
+            self.extras["sglext"] = sglext
+        if self.engine_hint is None:
+            self.engine_hint = _engine_signal(obj)
+        if self.prompt_token_ids is None:
+            ids = obj.get("prompt_token_ids")  # chat: on the first chunk
+            choices = obj.get("choices")
+            if not ids and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                ids = choices[0].get("prompt_token_ids")  # completions: on the first choice
+            if isinstance(ids, list) and ids:
+                self.prompt_token_ids = ids
+
+    def _take_choice_extras(self, choice: dict[str, Any]) -> None:
+        """Per-choice engine objects, which ride the choice that carries ``finish_reason``."""
+        sd = choice.get("speculative_decoding")
+        if isinstance(sd, dict):
+            self.extras["choice_speculative_decoding"] = sd
+        sglext = choice.get("sglext")
+        if isinstance(sglext, dict):
+            self.extras["sglext"] = sglext
+        if "avg_decoded_tokens_per_iter" in choice:
+            self.engine_hint = "trtllm"
+        elif "matched_stop" in choice:
+            self.engine_hint = "sglang"
 
     def _take_logprobs(self, lp: Any) -> None:
         if not isinstance(lp, dict):
@@ -374,10 +430,21 @@ class CompletionTap:
             self.margins.append(_margin(tops.values() if isinstance(tops, dict) else ()))
 
     @property
-    def completion_tokens(self) -> int | None:
-        """Final usage when the backend sent it, else the counted tokens (None if nothing arrived)."""
+    def usage_tokens(self) -> int | None:
+        """``completion_tokens`` of the last usage the backend sent (None: it sent none)."""
         if self.final_usage and self.final_usage.get("completion_tokens") is not None:
             return int(self.final_usage["completion_tokens"])
+        return None
+
+    @property
+    def completion_tokens(self) -> int | None:
+        """Final usage when the backend sent it, else the counted tokens (None if nothing arrived).
+
+        The counted figure is exact only with token ids or continuous usage; :mod:`.tokens` decides
+        what a span records and says where it came from."""
+        used = self.usage_tokens
+        if used is not None:
+            return used
         counted = sum(self.tokens_per_chunk)
         if counted:
             return counted
@@ -435,6 +502,20 @@ class CompletionTap:
             accepted_tokens=_int_or_none(sd.get("num_accepted_draft_tokens")),
             acceptance_length=float(mal) if mal is not None else None,
         )
+
+
+def _engine_signal(obj: dict[str, Any]) -> str | None:
+    """The engine a response object's own shape names: a key only that engine sends."""
+    if "timings" in obj:
+        return "llamacpp"  # llama-server: tools/server/server-task.cpp, result_timings::to_json
+    if "sglext" in obj or "meta_info" in obj:
+        return "sglang"
+    if "kv_transfer_params" in obj or "prompt_logprobs" in obj:
+        return "vllm"  # fields of vLLM's ChatCompletionResponse / CompletionStreamResponse models
+    model = obj.get("model")
+    if isinstance(model, str) and model.lower().endswith(".gguf"):
+        return "llamacpp"  # llama-cpp-python's server names the model by its GGUF path
+    return None
 
 
 def _int_or_none(v: Any) -> int | None:

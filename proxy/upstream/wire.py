@@ -2,7 +2,7 @@
 
 A streamed completion arrives as one small HTTP chunk per token. A general-purpose client (aiohttp's)
 hands each one to the reading coroutine through a buffer and a future: one task wake-up, one timer
-re-arm and several Python frames per token, which on a shared 2-core box costs as much CPU as the
+re-arm and several Python frames per token, which on a machine with few cores costs as much CPU as the
 generation it relays. Here each call is an :class:`Exchange` on a pooled keep-alive connection
 (an ``asyncio.Protocol``): ``httptools`` (llhttp, the parser uvicorn uses) decodes the response, and
 every body piece goes straight from ``data_received`` to the caller's consumer callback, which can

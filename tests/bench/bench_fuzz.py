@@ -238,9 +238,8 @@ PLAIN_INTS = [-1, 0, 7, 4096]
 def rand_value(rng: random.Random, ints: list[int], depth: int = 0) -> Any:
     r = rng.random()
     if depth > 6 or r < 0.45:
-        return rng.choice(
-            [None, True, False, rng.randint(-5, 5), rng.choice(ints), 1.5e308, -0.0, 3.7] + JUNK_STRINGS
-        )
+        scalars: list[Any] = [None, True, False, rng.randint(-5, 5), rng.choice(ints), 1.5e308, -0.0, 3.7]
+        return rng.choice(scalars + JUNK_STRINGS)
     if r < 0.7:
         return [rand_value(rng, ints, depth + 1) for _ in range(rng.randint(0, 4))]
     return {

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/bench_ingest.py [--spans 200000] [--repeats 3]
 
-Target (issue 4): ≥ 100k span rows/s from the exporter thread into DuckDB. Measured side by side:
+Target: ≥ 100k span rows/s from the exporter thread into DuckDB. Measured side by side:
 
 - ``writer thread``: ``DuckDBSpanExporter.write_rows`` on queued rows, exactly what the sink's writer
   thread does per batch (rows → numpy columns → one INSERT ... SELECT);
@@ -128,7 +128,7 @@ def bench_writer(tmp: Path, spans: list[ReadableSpan], batch: int, rows: bool) -
             exporter.write_rows(ready[k : k + batch])
         else:
             exporter.export(spans[k : k + batch])
-    assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == len(spans)  # type: ignore[index]
+    assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == len(spans)
     conn.close()  # the final checkpoint is part of the cost
     dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     return len(spans) / dt, len(spans) / dcpu
