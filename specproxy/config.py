@@ -130,6 +130,11 @@ class Experiment:
     upstream_read_timeout_s: float | None = 600.0
     shadow_timeout_s: float = 600.0
     max_body_bytes: int = 32 * 1024 * 1024
+    # Clients: a request head must arrive within client_header_timeout_s of the connection opening (or
+    # of its previous response), its body within client_body_timeout_s; None: from the file limit.
+    client_header_timeout_s: float = 30.0
+    client_body_timeout_s: float = 60.0
+    max_client_connections: int | None = None
     shutdown_grace_s: float = 30.0
     span_queue_size: int = 100_000
     scrape_interval_s: float = 5.0
@@ -434,6 +439,9 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
         upstream_read_timeout_s=positive("upstream_read_timeout_s", 600.0),
         shadow_timeout_s=float(positive("shadow_timeout_s", 600.0)),
         max_body_bytes=int(positive("max_body_bytes", 32 * 1024 * 1024)),
+        client_header_timeout_s=float(positive("client_header_timeout_s", 30.0)),
+        client_body_timeout_s=float(positive("client_body_timeout_s", 60.0)),
+        max_client_connections=_optional_int(positive("max_client_connections", None)),
         shutdown_grace_s=float(positive("shutdown_grace_s", 30.0)),
         span_queue_size=int(positive("span_queue_size", 100_000)),
         scrape_interval_s=float(positive("scrape_interval_s", 5.0)),
@@ -445,6 +453,10 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
     )
     r.check_unknown(r.used)
     return exp
+
+
+def _optional_int(value: float | None) -> int | None:
+    return int(value) if value is not None else None
 
 
 def load_experiment(path: str | Path) -> Experiment:

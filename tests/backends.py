@@ -46,9 +46,14 @@ class BackendConfig:
     spec_metrics: bool = False  # attach metrics.speculative_decoding (k = tokens_per_chunk - 1)
     diverge_at: int | None = None  # token index from which this backend's output differs
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
+    # | "echo400" (a 400 quoting the request, like vLLM's validation errors)
     fail: str | None = None
     gate: asyncio.Event | None = None  # when given, generation waits for it (a backend slow until told)
     eof_gate: asyncio.Event | None = None  # when given, the body ends after [DONE] only once it is set
+    # Answer with these instead of generating: streaming, each is one event's data (then [DONE]);
+    # not streaming, the last is the whole body. A broken or hostile backend.
+    script: tuple[bytes, ...] = ()
+    content_type: str | None = None  # override the answer's Content-Type
     version: str = "0.33.0"
     # Answer as llama.cpp's llama-server does: one token per chunk; `timings` on the last chat chunk
     # (the usage-only chunk when include_usage was asked for); streamed completions end with a chunk
@@ -101,22 +106,69 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     if stats.keep_requests:
         stats.bodies.append(body)
         stats.headers.append(CIMultiDict(request.headers))
+    opts = body.get("stream_options")
+    known = {"include_usage", "continuous_usage_stats"}
+    if opts is not None and not (isinstance(opts, dict) and set(opts) <= known):
+        return _error(400, "stream_options: Extra inputs are not permitted")  # like vLLM
     if cfg.reject_extensions:
         for key in ("stream_options", "return_token_ids"):
             if key in body:
                 return _error(400, f"Unrecognized request argument supplied: {key}")
     if cfg.fail == "http500":
         return _error(500, "backend exploded", "InternalServerError")
+    if cfg.fail == "echo400":  # like vLLM's validation errors: the input quoted, long values cut
+        quoted = repr(body.get("messages") or body.get("prompt"))
+        quoted = quoted if len(quoted) <= 50 else quoted[:25] + "..." + quoted[-24:]
+        return _error(400, f"1 validation error for Request: Input should be valid [input_value={quoted}]")
     if cfg.fail == "http429":
         return _error(429, "rate limited", "RateLimitError")
+    invalid = _invalid(body, chat)
+    if invalid is not None:
+        return _error(400, invalid)
     stats.active += 1
     try:
+        if cfg.script:
+            return await _scripted(request, cfg, bool(body.get("stream")))
         return await _generate(request, cfg, stats, body, chat)
     except (asyncio.CancelledError, ConnectionError):
         stats.cancelled += 1
         raise
     finally:
         stats.active -= 1
+
+
+MAX_MODEL_LEN = 131072  # (Llama 3.1)
+
+
+def _invalid(body: dict[str, Any], chat: bool) -> str | None:
+    """What vLLM's request validation would refuse (400) among what this backend reads."""
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    if max_tokens and not (
+        isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens <= MAX_MODEL_LEN
+    ):
+        return f"max_tokens must be an integer from 1 to {MAX_MODEL_LEN}"
+    if chat and not isinstance(body.get("messages"), list):
+        return "messages: Input should be a valid list"
+    if not chat and not isinstance(body.get("prompt"), str | list):
+        return "prompt: Input should be a valid string or list"
+    try:
+        _logprobs_n(body, chat)
+    except (TypeError, ValueError, OverflowError):
+        return "logprobs / top_logprobs must be integers"
+    if not isinstance(body.get("stream_options") or {}, dict):
+        return "stream_options: Input should be a valid dictionary"
+    return None
+
+
+async def _scripted(request: web.Request, cfg: BackendConfig, stream: bool) -> web.StreamResponse:
+    if not stream:
+        return web.Response(body=cfg.script[-1], content_type=cfg.content_type or "application/json")
+    resp = web.StreamResponse(headers={"Content-Type": cfg.content_type or "text/event-stream"})
+    await resp.prepare(request)
+    for data in (*cfg.script, b"[DONE]"):
+        await resp.write(b"data: " + data + b"\n\n")
+    await resp.write_eof()
+    return resp
 
 
 async def _generate(

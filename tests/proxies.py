@@ -21,6 +21,7 @@ from aiohttp import web
 
 from specproxy.config import parse_experiment
 from specproxy.proxy.server.app import STATE, ProxySettings, ProxyState, create_app
+from specproxy.proxy.server.connections import ClientLimits, ProxyRunner
 from tests.support import free_port, wait_for_count
 
 
@@ -43,7 +44,8 @@ async def running_proxy(
     tmp_path.mkdir(parents=True, exist_ok=True)
     db = tmp_path / "spans.duckdb"
     app = create_app(ProxySettings(experiment=exp, db=str(db), **settings_kw))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    limits = ClientLimits(exp.max_client_connections or 1000, header_timeout_s=exp.client_header_timeout_s)
+    runner = ProxyRunner(app, limits, shutdown_timeout=5)  # what `specproxy serve` runs
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
 import duckdb
+import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
@@ -165,3 +168,47 @@ def test_config_mistakes_are_sentences_not_tracebacks(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
     helped = runner.invoke(main, ["serve", "--help"])
     assert helped.exit_code == 0 and "--workers" in helped.output and "--capture" in helped.output
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_workers_shut_down_when_the_parent_is_killed(tmp_path: Path) -> None:
+    db = tmp_path / "spans.duckdb"
+    async with running_backend(BackendConfig(tokens=3)) as base:
+        cfg = _write_config(tmp_path / "exp.toml", base.url, None, db)
+        port = free_port()
+        proc = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--workers", "2"])
+        try:
+            await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", 40.0, proc)
+            files = [tmp_path / f"spans.w{i}.duckdb" for i in (0, 1)]
+            deadline = time.monotonic() + 60
+            while not (all(f.exists() for f in files) and len(_children(proc.pid)) == 2):
+                assert time.monotonic() < deadline, _children(proc.pid)
+                await asyncio.sleep(0.05)
+            workers = _children(proc.pid)
+            proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(proc.wait, 10)
+            deadline = time.monotonic() + 90  # they finish shutting down (spans written) and exit
+            while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not any(_alive(w) for w in workers), [w for w in workers if _alive(w)]
+        finally:
+            out = _stop(proc)
+    for f in files:  # each worker closed its store cleanly, with its run ended
+        with duckdb.connect(str(f), read_only=True) as con:
+            assert con.execute("SELECT count(*) FROM runs WHERE ended_at IS NOT NULL").fetchone() == (1,), out
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (closed connections may linger)
+        s.bind(("127.0.0.1", port))  # nothing listens on the port any more

@@ -179,6 +179,43 @@ async def test_call_arm_non_vllm_backend_rejecting_extensions_is_retried_and_rem
         assert b.url in state.rejects_extensions and b.url in state.rejects_stream_options
 
 
+async def test_a_clients_own_bad_stream_options_do_not_switch_extensions_off() -> None:
+    async with running_backend(BackendConfig()) as b, UpstreamClient() as s:
+        arm, state = (
+            _arm(b.url, speculative={"method": "ngram", "num_speculative_tokens": 2}),
+            UpstreamState(),
+        )
+        bad = {**CHAT, "stream": True, "stream_options": {"bogus": True}}
+        rec = new_record("run", "bad", arm, bad, endpoint="chat", routed_as="primary")
+        await call_arm(s, arm, bad, endpoint="chat", record=rec, state=state)
+        assert (rec.status, rec.http_status) == ("http_error", 400)
+        # Tried again without the extensions, then without stream_options: still refused each time.
+        assert b.stats.requests == 3
+        assert not state.rejects_extensions
+        good = {**CHAT, "stream": True}
+        rec = new_record("run", "good", arm, good, endpoint="chat", routed_as="primary")
+        await call_arm(s, arm, good, endpoint="chat", record=rec, state=state)
+        assert b.stats.bodies[-1]["stream_options"]["continuous_usage_stats"] is True
+        assert rec.status == "ok" and (rec.spec_source or "").startswith("stream_shape")
+
+
+async def test_a_plain_client_error_is_not_retried_and_a_refusal_is_probed_again_later() -> None:
+    async with running_backend(BackendConfig(reject_extensions=True)) as b, UpstreamClient() as s:
+        arm, state = _arm(b.url), UpstreamState(reprobe_after_s=0.0)
+        plain = {**CHAT, "stream_options": {"include_usage": True}}  # not streaming: the proxy adds nothing
+        rec = new_record("run", "p", arm, plain, endpoint="chat", routed_as="primary")
+        await call_arm(s, arm, plain, endpoint="chat", record=rec, state=state)
+        assert rec.http_status == 400 and b.stats.requests == 1
+        for i in range(2):
+            body = {**CHAT, "stream": True}
+            rec = new_record("run", f"r{i}", arm, body, endpoint="chat", routed_as="primary")
+            await call_arm(s, arm, body, endpoint="chat", record=rec, state=state)
+            assert rec.status == "ok"
+        # Re-probed at once (reprobe_after_s=0): each call tries the extensions, then stream_options,
+        # again before the plain request that this backend takes.
+        assert b.stats.requests == 1 + 2 * 3
+
+
 async def test_call_arm_non_streaming_passes_body_through() -> None:
     async with running_backend(BackendConfig()) as b, UpstreamClient() as s:
         arm = _arm(b.url)

@@ -7,10 +7,13 @@ What :func:`call_arm` does:
 
 - asks every arm's streams for the standard ``stream_options.include_usage`` (the final count), and
   vLLM arms, unless the arm has ``vllm_extensions = "off"``, for ``continuous_usage_stats`` (tokens
-  per chunk) where the arm speculates and ``return_token_ids`` when the arm sets it; a backend that
-  rejects them (400/422 naming them) is retried without (the extensions first, then
-  ``stream_options``), and remembered per arm URL in :class:`UpstreamState`. A llama.cpp arm is asked
-  for nothing: it reports its counts in ``timings`` (chat) or ``usage`` (completions) on its own;
+  per chunk) where the arm speculates and ``return_token_ids`` when the arm sets it. A 400/422 that
+  names them, to a request the proxy added something to, is retried without (the extensions first,
+  then ``stream_options``); only when a retry succeeds does the arm's URL count as refusing what it
+  left out (:class:`UpstreamState`), and only for ``reprobe_after_s``: then it is tried again. A
+  client's own bad request (every retry fails too, or the proxy added nothing) changes nothing. A
+  llama.cpp arm is asked for nothing: it reports its counts in ``timings`` (chat) or ``usage``
+  (completions) on its own;
 - relays the response to an optional :class:`Relay` (the proxy's client writer) as it arrives, with
   everything the client did not ask for stripped again, so the client gets what the backend would have
   sent it; when nothing needs stripping the received bytes are forwarded untouched. A stream's bytes
@@ -54,7 +57,8 @@ from specproxy.config import Arm
 from specproxy.proxy.spans.otel import TRACEPARENT_HEADER, traceparent
 from specproxy.proxy.upstream.acceptance import MergeCalibration, speculation_for
 from specproxy.proxy.upstream.engines import engine_report
-from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, SSEEvent, SSEParser
+from specproxy.proxy.upstream.redact import redact_request_text
+from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, MalformedEvent, SSEEvent, SSEParser
 from specproxy.proxy.upstream.tokens import ChunkEvidence, count_completion_tokens, load_tokenizer
 from specproxy.proxy.upstream.wire import Exchange, UpstreamClient
 from specproxy.record import SpanRecord, decode_tok_s
@@ -133,17 +137,34 @@ class UpstreamTimeout:
         return aiohttp.ClientTimeout(total=self.total, sock_connect=self.connect, sock_read=self.read)
 
 
+# How long an arm that refused vLLM's extensions (or stream_options) goes without them before they
+# are tried again (it may have been upgraded or replaced behind the same URL).
+REPROBE_EXTENSIONS_S = 600.0
+
+
 @dataclass(slots=True)
 class UpstreamState:
-    """Per-process memory about arms: which reject vLLM's extensions or ``stream_options``, calls in
-    flight, the engine each arm URL answered as, and what their streams showed about chunking."""
+    """Per-process memory about arms: which refuse vLLM's extensions or ``stream_options`` (URL ->
+    since when, monotonic seconds), calls in flight, the engine each arm URL answered as, and what
+    their streams showed about chunking."""
 
-    rejects_extensions: set[str] = field(default_factory=set)
+    rejects_extensions: dict[str, float] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
-    rejects_stream_options: set[str] = field(default_factory=set)
+    rejects_stream_options: dict[str, float] = field(default_factory=dict)
     engines: dict[str, str] = field(default_factory=dict)
     chunk_evidence: ChunkEvidence = field(default_factory=ChunkEvidence)
     merging: MergeCalibration = field(default_factory=MergeCalibration)
+    reprobe_after_s: float = REPROBE_EXTENSIONS_S
+
+    def refuses(self, refusals: dict[str, float], url: str) -> bool:
+        """Whether ``url`` is in ``refusals`` (one of the two above) and not yet due a new probe."""
+        since = refusals.get(url)
+        if since is None:
+            return False
+        if time.monotonic() - since >= self.reprobe_after_s:
+            del refusals[url]  # probe again
+            return False
+        return True
 
     def engine_of(self, arm: Arm) -> str:
         """The arm's engine: as configured, else as detected from its responses, else unknown."""
@@ -165,6 +186,7 @@ class _Strip:
     # vLLM sends `"token_ids": null` when not asked: the value goes back to null, the key stays.
     # Another backend's unasked ids are removed with their key.
     null_ids: bool = False
+    added: bool = False  # the body sent upstream holds something the client did not send
 
     @property
     def any(self) -> bool:
@@ -275,6 +297,7 @@ def _upstream_body(
     if arm.return_token_ids:
         strip.token_ids = not body.get("return_token_ids")
         out["return_token_ids"] = True
+    strip.added = out != body
     return orjson.dumps(out), strip
 
 
@@ -284,7 +307,7 @@ def _with_standard_usage(body: dict[str, Any], strip: _Strip) -> bytes:
     client_opts = opts if isinstance(opts, dict) else {}
     if not body.get("stream") or client_opts.get("include_usage"):
         return orjson.dumps(body)
-    strip.usage = True
+    strip.usage = strip.added = True
     return orjson.dumps({**body, "stream_options": {**client_opts, "include_usage": True}})
 
 
@@ -411,9 +434,10 @@ async def call_arm(
     engine = state.engine_of(arm)
     with_ext = engine != "llamacpp" and (
         arm.vllm_extensions == "on"
-        or (arm.vllm_extensions == "auto" and arm.url not in state.rejects_extensions)
+        or (arm.vllm_extensions == "auto" and not state.refuses(state.rejects_extensions, arm.url))
     )
-    with_usage = engine != "llamacpp" and arm.url not in state.rejects_stream_options
+    with_usage = engine != "llamacpp" and not state.refuses(state.rejects_stream_options, arm.url)
+    left_out: list[dict[str, float]] = []  # refusals to remember if the attempt without them succeeds
     record.t_start_ns = time.time_ns()
     result.t_send = t_send = time.perf_counter()
     t_end: float | None = None
@@ -429,14 +453,18 @@ async def call_arm(
                     result.http_status = record.http_status = ex.status
                     if ex.status >= 400:
                         err_body = await ex.read()
-                        rejected = ex.status in (400, 422) and any(m in err_body for m in _REJECTION_MARKERS)
+                        rejected = (
+                            ex.status in (400, 422)
+                            and strip.added
+                            and any(m in err_body for m in _REJECTION_MARKERS)
+                        )
                         if rejected and with_ext and arm.vllm_extensions == "auto":
-                            state.rejects_extensions.add(arm.url)
                             with_ext = False
+                            left_out.append(state.rejects_extensions)
                             continue
                         if rejected and not with_ext and strip.usage:
-                            state.rejects_stream_options.add(arm.url)
                             with_usage = False
+                            left_out.append(state.rejects_stream_options)
                             continue
                         t_end = time.perf_counter()
                         record.status = "http_error"
@@ -445,6 +473,9 @@ async def call_arm(
                             await _relay_start(relay, result, ex.status, _content_type(ex))
                             await _relay_body(relay, err_body)
                         break
+                    for refusals in left_out:
+                        # Refused with what the proxy added, accepted without: the arm refuses it.
+                        refusals[arm.url] = time.monotonic()
                     if ex.content_type == "text/event-stream":
                         await _read_stream(ex, tap, relay, strip, result)
                         if not tap.done and tap.error is None:
@@ -454,9 +485,10 @@ async def call_arm(
                         payload = await ex.read()
                         now = time.perf_counter()
                         if tap.feed_body(payload, now) is None:
+                            # Not a completion: the relay is not started, so the client gets a 502.
                             record.status = "upstream_error"
-                            record.error = "response is not a JSON object"
-                        if relay is not None:
+                            record.error = tap.malformed or "response is not a JSON object"
+                        elif relay is not None:
                             await _relay_start(relay, result, ex.status, _content_type(ex))
                             await _relay_body(relay, _strip_body(payload, strip))
                     if tap.error is not None:
@@ -496,11 +528,16 @@ async def call_arm(
                 else "upstream timed out"
             )
         )
+    except MalformedEvent as exc:
+        record.status = "upstream_error"
+        record.error = str(exc)
     except (OSError, ValueError) as exc:  # refused, reset, closed early (wire.UpstreamDisconnected), bad HTTP
         record.status = "upstream_error"
         record.error = f"{exc.__class__.__name__}: {exc}"[:500]
     finally:
         state.inflight[arm.url] -= 1
+        if record.error and not capture_output and (record.status == "http_error" or tap.error is not None):
+            record.error = redact_request_text(record.error, body)  # the arm's text may quote the prompt
         _finish_record(record, arm, tap, t_send, t_end, capture_output)
         _record_engine_facts(record, arm, tap, state)
     return result
@@ -607,6 +644,9 @@ class _StreamConsumer:
             for ev in events:
                 if ev.data is not None:
                     tap.feed_data(ev.data, now)
+        if tap.malformed is not None:
+            # Ends the exchange (the upstream connection closes) and the call: an upstream_error.
+            raise MalformedEvent(tap.malformed)
         if tap.done and not was_done:
             # The final event has reached the client (or there is no client): the call is complete.
             tap.relayed_done = now
@@ -627,6 +667,8 @@ class _StreamConsumer:
         held = self.rewriter.release()
         if held and self.relay is not None:
             _relay_send(self.relay, held)
+        if tap.malformed is not None:
+            raise MalformedEvent(tap.malformed)
 
 
 # Keys an engine moves from a stream's last chunk onto the usage-only chunk when include_usage is asked
