@@ -95,7 +95,12 @@ def test_a_tokenizer_counts_when_there_is_no_usage_and_is_named_in_the_experimen
     path = _word_tokenizer(tmp_path)
     tap = _stream("completions", [_text_chunk(" the cache"), _text_chunk(" holds the batch", "stop")])
     count = count_completion_tokens(tap, PLAIN, ChunkEvidence(), tokenizer=load_tokenizer(str(path)))
-    assert (count.tokens, count.source) == (5, "tokenizer")
+    # Five words of text, and the end token the engine stopped on (counted by vLLM, no text of its own).
+    assert (count.tokens, count.source) == (6, "tokenizer")
+    cut = _stream("completions", [_text_chunk(" the cache"), _text_chunk(" holds the batch", "length")])
+    assert (
+        count_completion_tokens(cut, PLAIN, ChunkEvidence(), tokenizer=load_tokenizer(str(path))).tokens == 5
+    )
     exp_file = tmp_path / "exp.toml"
     exp_file.write_text("")
     data = {

@@ -5,8 +5,9 @@ A span's ``completion_tokens`` is one of these, best first (``tokens_source`` na
 - ``usage``: the backend's own count (the final ``usage``, continuous usage, the token ids it returned,
   or an engine's own report such as llama.cpp's ``timings.predicted_n``). Exact.
 - ``tokenizer``: the output text encoded with the model's tokenizer (a ``tokenizer.json`` given per arm
-  or per experiment, loaded offline with the ``tokenizers`` package). Exact but for the rare text whose
-  re-encoding differs from the ids the model generated.
+  or per experiment, loaded offline with the ``tokenizers`` package), plus the end token when the
+  engine stopped on one. Exact but for the rare text whose re-encoding differs from the ids the model
+  generated, and for stop strings.
 - ``chunks``: one token per content chunk, used only for an arm whose chunks have been seen to hold one
   token each: a plain (non-speculative) arm whose chunk counts matched its usage on earlier streams.
   A speculative arm sends several tokens per chunk, so its chunks are never counted as tokens.
@@ -128,6 +129,13 @@ class ChunkEvidence:
         return tap.content_chunks + offset if offset is not None else None
 
 
+def end_tokens(finish_reason: str | None) -> int:
+    """1 when the engine stopped on an end token: vLLM counts the EOS (or stop_token_ids) token that
+    ended generation in ``completion_tokens`` though it adds no text, so the text's re-encoding is one
+    short. Approximate when the request used stop strings (those tokens are counted, their text cut)."""
+    return 1 if finish_reason == "stop" else 0
+
+
 @dataclass(frozen=True, slots=True)
 class TokenCount:
     tokens: int | None
@@ -162,7 +170,7 @@ def count_completion_tokens(
         ended = complete and (tap.done or tap.finish_reason is not None)
         return TokenCount(0, "text_estimate") if ended else TokenCount(None, None)
     if tokenizer is not None:
-        return TokenCount(tokenizer.count(text), "tokenizer")
+        return TokenCount(tokenizer.count(text) + end_tokens(tap.finish_reason), "tokenizer")
     counted = evidence.count(arm, tap)
     if counted is not None:
         return TokenCount(counted, "chunks")

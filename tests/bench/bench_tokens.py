@@ -41,7 +41,7 @@ from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import RunningSim, running_sim
 from specproxy.proxy.upstream.calls import UpstreamState, call_arm, new_record
-from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR, estimate_tokens, load_tokenizer
+from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR, end_tokens, estimate_tokens, load_tokenizer
 from specproxy.proxy.upstream.wire import UpstreamClient
 from tests.proxies import running_proxy
 from tests.transparency import ARM_OPTIONS, SPEC, sdk_responses
@@ -72,7 +72,7 @@ def sim_tokenizer(directory: Path) -> Path:
     """The simulator's word-level tokenizer (engines/sim/text.py: a word or one punctuation mark, with
     the whitespace before it) as a tokenizer.json: one id per piece is all a count needs."""
     tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s*(?:\w+|[^\w\s])"), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s*(?:\w+|[^\w\s])|\s+$"), behavior="isolated")
     path = directory / "sim-tokenizer.json"
     tok.save(str(path))
     return path
@@ -128,7 +128,8 @@ def token_table(rows: dict[str, list[dict[str, Any]]], tokenizer_path: Path) -> 
         truth = [r["truth"]["completion_tokens"] for r in items]
         sources = {
             "usage": [r["record"].completion_tokens for r in items],
-            "tokenizer": [tokenizer.count(r["text"]) for r in items],
+            # What a span records without usage: the text's ids plus the end token it stopped on.
+            "tokenizer": [tokenizer.count(r["text"]) + end_tokens(r["record"].finish_reason) for r in items],
             "text_estimate": [estimate_tokens(r["text"]) for r in items],
         }
         for source, counts in sources.items():
