@@ -48,7 +48,7 @@ def analyze_text(
 
     settings = settings or Settings()
     skipped: list[str] = []
-    with open_store(db_paths) as store, query_errors():
+    with open_store(db_paths) as store, query_errors(store.paths):
         return render(evaluate(store, run, settings, skipped), settings, fmt, skipped)
 
 
@@ -64,7 +64,7 @@ def write_report(
     settings = settings or Settings()
     out = Path(out_path)
     skipped: list[str] = []
-    with open_store(db_paths) as store, query_errors():
+    with open_store(db_paths) as store, query_errors(store.paths):
         html = build_report(store, evaluate(store, run, settings, skipped), settings, skipped)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(html, encoding="utf-8")

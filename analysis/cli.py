@@ -21,8 +21,9 @@ import duckdb
 
 from specproxy.analysis.evaluation import Settings
 from specproxy.analysis.render import FORMATS
-from specproxy.analysis.store import StoreError, open_store
+from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
 from specproxy.analysis.verdict import Thresholds
+from specproxy.commandline import FiniteFloat
 
 DEFAULT_DB = "specproxy.duckdb"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -39,32 +40,48 @@ def settings_options(func: F) -> F:
             "--run", "run", metavar="NAME", help="Only this run (its name or run_id); default: every run."
         ),
         click.option(
-            "--win-threshold",
-            type=float,
-            default=1.05,
+            "--at-concurrency",
+            type=click.IntRange(1),
+            metavar="N",
+            help="The concurrency you run at: the deploy verdict answers there (default: the experiment "
+            "file's at_concurrency, else the lowest reliable level, said so).",
+        ),
+        click.option(
+            "--peak-concurrency",
+            type=click.IntRange(1),
+            metavar="N",
+            help="Your peak concurrency: throughput there must not be lower (default: the experiment "
+            "file's peak_concurrency, else the highest reliable level, said so).",
+        ),
+        click.option(
+            "--margin",
+            type=FiniteFloat(0, 100),
+            default=3.0,
             show_default=True,
-            help="WIN needs the decode speedup's CI lower bound above this.",
+            help="Smallest difference, in percent, a WIN or LOSS must clear; a replica arm's measured "
+            "noise floor raises it.",
         ),
         click.option(
             "--identity-min",
-            type=click.FloatRange(0, 100),
+            type=FiniteFloat(0, 100),
             default=99.0,
             show_default=True,
-            help="Identical outputs needed, in percent (below it: LOSS).",
+            help="Identical outputs needed, in percent (LOSS when the mismatch rate is surely above "
+            "100 minus this).",
         ),
         click.option(
             "--near-tie-margin",
-            type=float,
+            type=FiniteFloat(),
             default=0.5,
             show_default=True,
             help="A mismatch whose logprob margin (top-1 minus top-2, nats) is at most this is a near-tie.",
         ),
         click.option(
             "--confidence",
-            type=click.FloatRange(0.5, 0.999),
+            type=FiniteFloat(0.5, 0.999),
             default=0.95,
             show_default=True,
-            help="Confidence level of the bootstrap intervals.",
+            help="Confidence level of the intervals, jointly over each arm's levels.",
         ),
         click.option(
             "--bootstrap-iterations",
@@ -88,11 +105,13 @@ def settings_options(func: F) -> F:
 
 def _settings(kw: dict[str, Any]) -> Settings:
     return Settings(
-        thresholds=Thresholds(win_threshold=kw["win_threshold"], identity_min=kw["identity_min"] / 100.0),
+        thresholds=Thresholds(min_margin=kw["margin"] / 100.0, identity_min=kw["identity_min"] / 100.0),
         near_tie_margin=kw["near_tie_margin"],
         confidence=kw["confidence"],
         bootstrap_iterations=kw["bootstrap_iterations"],
         bootstrap_seed=kw["bootstrap_seed"],
+        at_concurrency=kw["at_concurrency"],
+        peak_concurrency=kw["peak_concurrency"],
     )
 
 
@@ -109,7 +128,7 @@ def _settings(kw: dict[str, Any]) -> Settings:
 @settings_options
 def analyze(dbs: tuple[str, ...], fmt: str, **kw: Any) -> None:
     """The verdict table: per run, arm and concurrency level; then by workload category, and each
-    arm's deploy verdict (aggregate throughput at the peak level not lower).
+    arm's deploy verdict at your operating point (aggregate throughput at your peak not lower).
 
     DB files default to specproxy.duckdb; each file's worker siblings (specproxy.w0.duckdb, ...) are
     read too, and several files (machines) are analysed as one store. Files are opened read-only.
@@ -197,22 +216,20 @@ def format_result(names: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str)
     help="Output format.",
 )
 def sql(args: tuple[str, ...], fmt: str) -> None:
-    """Run QUERY (the last argument) on the span store(s).
+    """Run QUERY (the last argument) on the span store(s), read-only.
 
-    Tables requests, runs, backend_metrics and views arm_summary, pairs, identity, acceptance are
-    available; several DB files are queried as their union. Example:
+    Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance
+    are available; several DB files are queried as their union. Example:
 
         specproxy sql specproxy.duckdb "SELECT arm, level, agg_tok_s FROM arm_summary"
+
+    Only SELECT-style statements run (SELECT, WITH, FROM, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN), and
+    the query reads no file but the span store: it is read-only. Use the DuckDB CLI to change the file.
     """
     *dbs, query = args
     try:
         with open_store(_dbs(dbs)) as store:
-            try:
-                cur = store.conn.execute(query)
-                names = [d[0] for d in cur.description or []]
-                rows = cur.fetchall() if names else []
-            except duckdb.Error as exc:
-                raise click.ClickException(f"the query failed: {str(exc).splitlines()[0]}") from exc
+            names, rows = store.read_only_query(query)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_result(names, rows, fmt), nl=False)
@@ -258,4 +275,4 @@ def export(dbs: tuple[str, ...], out_dir: str, run: str | None) -> None:
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     except duckdb.Error as exc:
-        raise click.ClickException(f"export failed: {str(exc).splitlines()[0]}") from exc
+        raise click.ClickException(str(query_failure(exc, expand_paths(_dbs(dbs)), "export"))) from exc

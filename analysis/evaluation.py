@@ -1,161 +1,79 @@
-"""From the span store to the figures of the verdict table: one :class:`RunEvaluation` per run.
+"""From the span store to the verdict table: one :class:`RunEvaluation` per run, in pure stages.
 
-The per-level figures come from the views (DuckDB does the heavy lifting); speedup intervals are
-bootstrapped in numpy from each level's pairs (or calls), subsampled in SQL for large levels.
+1. figures (:mod:`.figures`, SQL): per arm and level the summary, per replay round the wall-clock
+   figures, the pairs (or each arm's calls) with a sample for the bootstrap, the level's health;
+2. comparisons (:mod:`.comparison`, :mod:`.matched`): speedup intervals per arm and level, widened by
+   the level's rounds (or time blocks), simultaneous over the arm's levels (Bonferroni: each interval
+   at 1 − (1 − confidence) / L for an arm with L reliable levels), at matched engine load for live and
+   split traffic;
+3. verdicts (:mod:`.verdict`): the margin per level from the replica arms, each row's verdict, the
+   crossover and the deploy verdict at the operating point.
+
+Rows are frozen and built once, with their verdict.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from specproxy.analysis.stats import (
-    Interval,
-    paired_median_ratio,
-    rng_for,
-    throughput_ratio,
-    unpaired_median_ratio,
+from specproxy.analysis import comparison, matched
+from specproxy.analysis.comparison import Bootstrap, Comparison
+from specproxy.analysis.figures import (
+    BlockKey,
+    CallGroup,
+    IdentityCounts,
+    LevelSummary,
+    PairGroup,
+    RoundFigures,
+    call_groups,
+    level_sort_key,
+    level_summaries,
+    pair_groups,
+    round_figures,
 )
+from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
+from specproxy.analysis.stats import Interval, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
+from specproxy.analysis.validity import LevelHealth, level_health
 from specproxy.analysis.verdict import (
     NO_CLEAR_GAIN,
+    UNRELIABLE,
     Crossover,
     DeployVerdict,
+    IdentityCheck,
+    LevelJudgement,
+    Margin,
+    OperatingPoint,
     Thresholds,
+    check_identity,
     crossover,
     deploy_verdict,
     level_verdict,
 )
 
+__all__ = [
+    "ArmOutcome",
+    "CategoryRow",
+    "LevelRow",
+    "RunEvaluation",
+    "Settings",
+    "evaluate",
+    "level_sort_key",
+    "list_runs",
+    "select_runs",
+]
+
 # Pairs must cover at least this share of a candidate level's calls with a decode speed for the level to
 # be analysed paired (a split run with a small verify fraction has a few pairs: they would not represent
 # the level).
 PAIRED_MIN_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything `analyze` can be told; defaults are the issue's."""
-
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    near_tie_margin: float = 0.5
-    confidence: float = 0.95
-    bootstrap_iterations: int = 1000
-    bootstrap_seed: int = 0
-    bootstrap_max_sample: int = 2000
-
-
-@dataclass
-class LevelRow:
-    """One row of the verdict table: an arm at a concurrency level."""
-
-    arm: str
-    role: str
-    spec_method: str
-    level: str
-    concurrency_level: int | None
-    calls: int
-    ok: int
-    completion_tokens: int
-    decode_calls: int
-    wall_s: float | None
-    agg_tok_s: float | None
-    p50_decode_tok_s: float | None
-    p50_ttft_s: float | None
-    p95_ttft_s: float | None
-    acceptance_rate: float | None
-    acceptance_length: float | None
-    req_acceptance_rate: float | None
-    req_acceptance_length: float | None
-    compared: int = 0
-    identical: int = 0
-    near_tie: int = 0
-    gross: int = 0
-    margin_unknown: int = 0
-    paired: bool | None = None
-    pairs: int = 0
-    decode_speedup: Interval | None = None
-    throughput_speedup: Interval | None = None
-    # "wall": agg tok/s ratio (closed-loop replay levels); "per call": Σ tokens / Σ e2e ratio (live
-    # traffic, split traffic), where wall-clock rates reflect arrivals and traffic shares, not speed
-    throughput_basis: str = "wall"
-    verdict: str | None = None
-    reason: str = ""
-
-    @property
-    def identical_rate(self) -> float | None:
-        return self.identical / self.compared if self.compared else None
-
-
-@dataclass
-class CategoryRow:
-    """A candidate arm on one workload category at one level: the requests of that category only.
-
-    ``throughput_speedup`` is per call (Σ tokens / Σ e2e of the category's calls, candidate over
-    baseline): a category has no wall time of its own inside a mixed closed-loop level. The verdict
-    uses the category's decode speedup and identity with the LEVEL's aggregate throughput ratio.
-    """
-
-    arm: str
-    category: str
-    level: str
-    concurrency_level: int | None
-    paired: bool
-    calls: int
-    baseline_calls: int
-    p50_decode_tok_s: float | None
-    baseline_p50_decode_tok_s: float | None
-    compared: int = 0
-    identical: int = 0
-    decode_speedup: Interval | None = None
-    throughput_speedup: Interval | None = None
-    throughput_basis: str = "per call"
-    verdict: str | None = None
-    reason: str = ""
-
-
-@dataclass
-class ArmOutcome:
-    arm: str
-    role: str
-    spec_method: str
-    kind: str  # baseline | candidate | replica
-    crossover: Crossover | None
-    crossover_text: str
-    deploy: DeployVerdict | None
-    compared: int
-    mismatched: int
-    near_tie: int
-    gross: int
-
-
-@dataclass
-class RunEvaluation:
-    run_id: str
-    name: str
-    mode: str | None
-    source: str | None
-    started_at: Any
-    baseline: str
-    peak_level: str
-    rows: list[LevelRow]
-    arms: list[ArmOutcome]
-    categories: list[CategoryRow]
-    noise_compared: int
-    noise_mismatched: int
-    stacks: dict[str, Any]
-    notes: list[str]
-
-    @property
-    def noise_floor(self) -> float | None:
-        return self.noise_mismatched / self.noise_compared if self.noise_compared else None
-
-
-def level_sort_key(level: str) -> tuple[int, int, str]:
-    return (0, int(level), "") if level.isdigit() else (1, 0, level)
+ONE_ROUND = "1 round: cannot see between-run drift"
+# A level's wall-clock throughput compares arms only when they served the same work: a shadow sampled
+# at 0.2 (even one driven by replay through the proxy, which carries the replay's level) served a fifth.
+SAME_WORK_SHARE = 0.9
 
 
 def list_runs(store: SpanStore) -> list[dict[str, Any]]:
@@ -164,11 +82,13 @@ def list_runs(store: SpanStore) -> list[dict[str, Any]]:
         SELECT r.run_id, coalesce(any_value(u.name), r.run_id) AS name, any_value(u.mode) AS mode,
                coalesce(any_value(u.source), any_value(r.source)) AS source,
                coalesce(any_value(u.started_at), min(r.t_start)) AS started_at,
-               any_value(u.stacks_json) AS stacks_json, count(*) AS spans
+               any_value(u.stacks_json) AS stacks_json, any_value(u.config_json) AS config_json,
+               count(*) AS spans
         FROM requests r
         LEFT JOIN (  -- each worker file of a run may hold its runs row: one per run_id
             SELECT run_id, any_value(name) AS name, any_value(mode) AS mode, any_value(source) AS source,
-                   min(started_at) AS started_at, any_value(stacks_json) AS stacks_json
+                   min(started_at) AS started_at, any_value(stacks_json) AS stacks_json,
+                   any_value(config_json) AS config_json
             FROM runs GROUP BY run_id
         ) u ON u.run_id = r.run_id
         GROUP BY r.run_id ORDER BY started_at, r.run_id
@@ -216,460 +136,611 @@ def evaluate(
     return out
 
 
+@dataclass(frozen=True)
+class RunFigures:
+    """Stage 1's output for one run: everything measured, nothing judged yet."""
+
+    run_id: str
+    baseline: str
+    summaries: list[LevelSummary]
+    rounds: dict[tuple[str, str], RoundFigures]
+    health: dict[str, LevelHealth]
+    pairs: list[PairGroup]
+    calls: dict[tuple[str, str, str | None], CallGroup]
+    loads: dict[tuple[str, str], matched.LoadBands]
+
+    def summary(self, arm: str, level: str) -> LevelSummary | None:
+        return next((s for s in self.summaries if s.arm == arm and s.level == level), None)
+
+    def reliable(self, level: str) -> bool:
+        h = self.health.get(level)
+        return h is None or h.reliable
+
+
 def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) -> RunEvaluation:
+    notes: list[str] = []
+    run = _run_figures(store, info, settings, notes)
+    confidence = _confidences(run, settings)
+    comparisons = _comparisons(run, confidence, settings)
+    loads = _matched_loads(run, confidence, settings)
+    margins = _margins(run, comparisons, settings.thresholds)
+    identity = _identity_counts(run)
+    rows = [
+        _level_row(
+            run,
+            s,
+            comparisons.get((s.arm, s.level)),
+            loads.get((s.arm, s.level)),
+            margins,
+            identity,
+            confidence,
+            settings,
+        )
+        for s in run.summaries
+    ]
+    categories = _category_rows(run, rows, margins, confidence, settings)
+    point, point_text = _operating_point(settings, info)
+    arms = [_arm_outcome(run, arm, rows, point, confidence, settings) for arm in _arm_order(run)]
+    numeric = [r.concurrency_level for r in rows if r.concurrency_level is not None and r.reliable]
+    return RunEvaluation(
+        run_id=run.run_id,
+        name=info["name"],
+        mode=info.get("mode"),
+        source=info.get("source"),
+        started_at=info.get("started_at"),
+        baseline=run.baseline,
+        peak_level=str(max(numeric)) if numeric else "live",
+        rows=rows,
+        arms=arms,
+        categories=categories,
+        noise_compared=sum(c.compared for (arm, _), c in identity.items() if _kind(run, arm) != "candidate"),
+        noise_mismatched=sum(
+            c.compared - c.identical for (arm, _), c in identity.items() if _kind(run, arm) != "candidate"
+        ),
+        stacks=_stacks(info, notes),
+        notes=notes + _run_notes(run, rows),
+        at_concurrency=point.at,
+        peak_concurrency=point.peak,
+        operating_point=point_text,
+        unreliable_levels=sorted((lv for lv, h in run.health.items() if not h.reliable), key=level_sort_key),
+    )
+
+
+def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, notes: list[str]) -> RunFigures:
     run_id = info["run_id"]
-    summary = store.query("SELECT * FROM arm_summary WHERE run_id = ?", [run_id])
-    baselines = sorted({r["arm"] for r in summary if r["arm_role"] == "baseline"})
+    summaries = level_summaries(store, run_id)
+    baselines = sorted({s.arm for s in summaries if s.role == "baseline"})
     if not baselines:
         raise StoreError(
             f"run {info['name']!r} has no baseline arm (no span with arm_role = 'baseline'); speedups need "
             'one: give one arm role = "baseline" in the experiment file'
         )
-    notes: list[str] = []
     baseline = baselines[0]
     if len(baselines) > 1:
         notes.append(f"several baseline arms ({', '.join(baselines)}); speedups are against {baseline}")
-    acceptance = {
-        (r["arm"], r["level"]): r for r in store.query("SELECT * FROM acceptance WHERE run_id = ?", [run_id])
+    rounds = round_figures(store, run_id)
+    keys = _block_keys(summaries, rounds, settings.bootstrap_max_sample)
+    pairs = pair_groups(
+        store,
+        run_id,
+        baseline,
+        keys,
+        near_tie_margin=settings.near_tie_margin,
+        seed=settings.bootstrap_seed,
+        blocks=settings.time_blocks,
+    )
+    unpaired = _unpaired_levels(summaries, pairs, baseline)
+    needed = {(arm, lv) for arm, lv in unpaired} | {(baseline, lv) for _, lv in unpaired}
+    calls = call_groups(
+        store,
+        run_id,
+        [k for k in keys if (k.arm, k.level) in needed],
+        seed=settings.bootstrap_seed,
+        blocks=settings.time_blocks,
+    )
+    base_of = {s.level: s for s in summaries if s.arm == baseline}
+    live_or_split = {
+        (s.arm, s.level)
+        for s in summaries
+        if s.arm != baseline
+        and s.level in base_of
+        and (
+            s.concurrency_level is None or (s.arm, s.level) in unpaired or not _same_work(s, base_of[s.level])
+        )
     }
-    rows: list[LevelRow] = []
-    for r in sorted(
-        summary, key=lambda r: (level_sort_key(r["level"]), r["arm_role"] != "baseline", r["arm"])
-    ):
-        acc = acceptance.get((r["arm"], r["level"]), {})
-        rows.append(
-            LevelRow(
-                arm=r["arm"],
-                role=r["arm_role"],
-                spec_method=r["spec_method"] or "none",
-                level=r["level"],
-                concurrency_level=r["concurrency_level"],
-                calls=r["calls"],
-                ok=r["ok"],
-                completion_tokens=int(r["completion_tokens"]),
-                decode_calls=int(r["decode_calls"]),
-                wall_s=r["wall_s"],
-                agg_tok_s=r["agg_tok_s"],
-                p50_decode_tok_s=r["p50_decode_tok_s"],
-                p50_ttft_s=r["p50_ttft_s"],
-                p95_ttft_s=r["p95_ttft_s"],
-                acceptance_rate=acc.get("acceptance_rate"),
-                acceptance_length=acc.get("acceptance_length"),
-                req_acceptance_rate=r["req_acceptance_rate"],
-                req_acceptance_length=r["req_acceptance_length"],
+    loads = matched.load_bands(
+        store,
+        run_id,
+        baseline,
+        sorted(live_or_split),
+        max_sample=settings.bootstrap_max_sample,
+        seed=settings.bootstrap_seed,
+    )
+    return RunFigures(run_id, baseline, summaries, rounds, level_health(store, run_id), pairs, calls, loads)
+
+
+def _block_keys(
+    summaries: Sequence[LevelSummary], rounds: dict[tuple[str, str], RoundFigures], max_sample: int
+) -> list[BlockKey]:
+    spans: dict[str, tuple[float, float]] = {}
+    for s in summaries:
+        if s.first_start_s is None or s.last_end_s is None:
+            continue
+        lo, hi = spans.get(s.level, (s.first_start_s, s.last_end_s))
+        spans[s.level] = (min(lo, s.first_start_s), max(hi, s.last_end_s))
+    keys = []
+    for s in summaries:
+        t0, t1 = spans.get(s.level, (0.0, 0.0))
+        r = rounds.get((s.arm, s.level))
+        keys.append(
+            BlockKey(
+                arm=s.arm,
+                level=s.level,
+                keep=min(1.0, max_sample / max(s.ok, 1)),
+                by_round=r is not None and len(r.rounds) >= 2,
+                t0=t0,
+                span_s=t1 - t0,
             )
         )
-    by_key = {(row.arm, row.level): row for row in rows}
-    numeric = sorted({row.concurrency_level for row in rows if row.concurrency_level is not None})
-    peak_level = str(numeric[-1]) if numeric else "live"
-    categories: list[CategoryRow] = []
-    noise_compared, noise_mismatched = _fill_comparisons(store, run_id, baseline, rows, categories, settings)
-    _fill_unpaired(store, run_id, baseline, rows, categories, settings)
-    for cat in categories:
+    return keys
+
+
+def _same_work(cand: LevelSummary, base: LevelSummary) -> bool:
+    return cand.calls >= SAME_WORK_SHARE * base.calls
+
+
+def _unpaired_levels(
+    summaries: Sequence[LevelSummary], pairs: Sequence[PairGroup], baseline: str
+) -> set[tuple[str, str]]:
+    """(arm, level) of non-baseline arms without enough pairs to represent the level."""
+    n_decode = {(g.arm, g.level): g.n_decode for g in pairs if g.category is None and g.kind != "repeat"}
+    levels_with_baseline = {s.level for s in summaries if s.arm == baseline}
+    return {
+        (s.arm, s.level)
+        for s in summaries
+        if s.arm != baseline
+        and s.level in levels_with_baseline
+        and n_decode.get((s.arm, s.level), 0) < max(2, PAIRED_MIN_SHARE * s.decode_calls)
+    }
+
+
+def _kind(run: RunFigures, arm: str) -> str:
+    if arm == run.baseline:
+        return "baseline"
+    first = next(s for s in run.summaries if s.arm == arm)
+    return (
+        "replica"
+        if first.role in ("replica", "baseline") or first.spec_method in ("none", "")
+        else "candidate"
+    )
+
+
+def _arm_order(run: RunFigures) -> list[str]:
+    return sorted({s.arm for s in run.summaries}, key=lambda a: (a != run.baseline, a))
+
+
+def _confidences(run: RunFigures, settings: Settings) -> dict[str, float]:
+    """Each arm's per-interval confidence: Bonferroni over its reliable levels with a baseline."""
+    levels_with_baseline = {s.level for s in run.summaries if s.arm == run.baseline}
+    out = {}
+    for arm in _arm_order(run):
+        n = sum(
+            1
+            for s in run.summaries
+            if s.arm == arm and s.level in levels_with_baseline and run.reliable(s.level)
+        )
+        out[arm] = 1.0 - (1.0 - settings.confidence) / max(n, 1)
+    return out
+
+
+def _round_count(run: RunFigures, arm: str, level: str) -> int | None:
+    s = run.summary(arm, level)
+    if s is None or s.concurrency_level is None:
+        return None
+    r = run.rounds.get((arm, level))
+    return len(r.rounds) if r is not None else 1
+
+
+def _block_kind(run: RunFigures, arm: str, level: str, settings: Settings) -> str:
+    n = _round_count(run, arm, level)
+    return f"{n} rounds" if n is not None and n >= 2 else f"{settings.time_blocks} time blocks"
+
+
+def _comparisons(
+    run: RunFigures, confidence: dict[str, float], settings: Settings
+) -> dict[tuple[str, str], Comparison]:
+    """Per non-baseline arm and level: paired or unpaired, then at matched load where loads differ."""
+    out: dict[tuple[str, str], Comparison] = {}
+
+    def boot(arm: str, *keys: str) -> Bootstrap:
+        rng = rng_for(settings.bootstrap_seed, run.run_id, arm, *keys)
+        return Bootstrap(settings.bootstrap_iterations, confidence[arm], rng)
+
+    unpaired = _unpaired_levels(run.summaries, run.pairs, run.baseline)
+    for g in run.pairs:
+        if g.category is not None or g.kind == "repeat" or (g.arm, g.level) in unpaired:
+            continue
+        cand, base = run.summary(g.arm, g.level), run.summary(run.baseline, g.level)
+        if cand is None or base is None:
+            continue
+        wall, rounds = _wall_point(run, cand, base)
+        kind = _block_kind(run, g.arm, g.level, settings)
+        out[(g.arm, g.level)] = comparison.paired(g, wall, rounds, kind, boot(g.arm, g.level))
+    for arm, level in sorted(unpaired):
+        c, b = run.calls.get((arm, level, None)), run.calls.get((run.baseline, level, None))
+        if c is not None and b is not None:
+            kind = _block_kind(run, arm, level, settings)
+            out[(arm, level)] = comparison.unpaired(c, b, kind, boot(arm, level))
+    return out
+
+
+def _wall_point(
+    run: RunFigures, cand: LevelSummary, base: LevelSummary
+) -> tuple[float | None, tuple[RoundFigures, RoundFigures] | None]:
+    """A replay level's wall-clock throughput ratio (None for live traffic, or when the arms did not
+    serve the same work): over the rounds when it has several (Σ tokens / Σ wall per arm, with the
+    per-round figures for the drift term), else the level's agg tok/s ratio."""
+    if cand.concurrency_level is None or not _same_work(cand, base):
+        return None, None
+    rc, rb = run.rounds.get((cand.arm, cand.level)), run.rounds.get((base.arm, base.level))
+    if rc is not None and rb is not None and len(rc.rounds) >= 2:
+        return comparison.wall_ratio(rc, rb), (rc, rb)
+    if cand.agg_tok_s and base.agg_tok_s:
+        return cand.agg_tok_s / base.agg_tok_s, None
+    return None, None
+
+
+def _margins(
+    run: RunFigures, comparisons: dict[tuple[str, str], Comparison], thresholds: Thresholds
+) -> dict[str, Margin]:
+    """Per level: the default margin, raised to the replicas' noise floor there (the farthest of a
+    replica's interval bounds from 1, per figure)."""
+    out = {}
+    for level in {s.level for s in run.summaries}:
+        replicas = [
+            comparisons[(s.arm, level)]
+            for s in run.summaries
+            if s.level == level and _kind(run, s.arm) == "replica" and (s.arm, level) in comparisons
+        ]
+
+        def noise(ivs: list[Interval | None]) -> float:
+            bounds = [
+                max(iv.high - 1, 1 - iv.low)
+                for iv in ivs
+                if iv and iv.low is not None and iv.high is not None
+            ]
+            return max(bounds, default=0.0)
+
+        d = noise([c.decode for c in replicas])
+        t = noise([c.throughput for c in replicas])
+        m = thresholds.min_margin
+        if max(d, t) > m:
+            source = f"replica noise floor: decode {max(d, m):.1%}, throughput {max(t, m):.1%}"
+        elif replicas:
+            source = f"default {m:.0%}, above the replica noise floor"
+        else:
+            source = f"default {m:.0%}, no replica"
+        out[level] = Margin(max(d, m), max(t, m), source)
+    return out
+
+
+def _identity_counts(run: RunFigures) -> dict[tuple[str, str], IdentityCounts]:
+    """Per arm and level (the baseline's own repeats under the baseline), summed over kinds."""
+    out: dict[tuple[str, str], IdentityCounts] = {}
+    for g in run.pairs:
+        if g.category is not None:
+            continue
+        prev = out.get((g.arm, g.level), IdentityCounts())
+        c = g.identity
+        out[(g.arm, g.level)] = IdentityCounts(
+            prev.compared + c.compared,
+            prev.identical + c.identical,
+            prev.near_tie + c.near_tie,
+            prev.gross + c.gross,
+            prev.margin_unknown + c.margin_unknown,
+        )
+    return out
+
+
+def _matched_loads(
+    run: RunFigures, confidence: dict[str, float], settings: Settings
+) -> dict[tuple[str, str], matched.MatchedLoad]:
+    return {
+        (arm, level): matched.compare(
+            bands,
+            iterations=settings.bootstrap_iterations,
+            confidence=confidence[arm],
+            rng=rng_for(settings.bootstrap_seed, run.run_id, arm, level, "matched load"),
+        )
+        for (arm, level), bands in run.loads.items()
+    }
+
+
+def _level_row(
+    run: RunFigures,
+    s: LevelSummary,
+    comp: Comparison | None,
+    load: matched.MatchedLoad | None,
+    margins: dict[str, Margin],
+    identity: dict[tuple[str, str], IdentityCounts],
+    confidence: dict[str, float],
+    settings: Settings,
+) -> LevelRow:
+    counts = identity.get((s.arm, s.level), IdentityCounts())
+    health = run.health.get(s.level)
+    margin = margins[s.level]
+    decode, throughput = (comp.decode, comp.throughput) if comp else (None, None)
+    basis = comp.throughput_basis if comp else "wall"
+    if load is not None and load.decode is not None:
+        decode, throughput, basis = load.decode, load.throughput, "per call"
+    check = check_identity(counts.identical, counts.compared, confidence[s.arm], settings.thresholds)
+    verdict, reason = _row_verdict(run, s, comp, decode, throughput, check, margin, load)
+    rounds = _round_count(run, s.arm, s.level)
+    return LevelRow(
+        arm=s.arm,
+        role=s.role,
+        spec_method=s.spec_method,
+        level=s.level,
+        concurrency_level=s.concurrency_level,
+        calls=s.calls,
+        ok=s.ok,
+        completion_tokens=s.completion_tokens,
+        decode_calls=s.decode_calls,
+        wall_s=s.wall_s,
+        agg_tok_s=s.agg_tok_s,
+        p50_decode_tok_s=s.p50_decode_tok_s,
+        p50_ttft_s=s.p50_ttft_s,
+        p95_ttft_s=s.p95_ttft_s,
+        acceptance_rate=s.acceptance_rate,
+        acceptance_length=s.acceptance_length,
+        req_acceptance_rate=s.req_acceptance_rate,
+        req_acceptance_length=s.req_acceptance_length,
+        compared=counts.compared,
+        identical=counts.identical,
+        near_tie=counts.near_tie,
+        gross=counts.gross,
+        margin_unknown=counts.margin_unknown,
+        paired=comp.paired if comp else (None if s.arm == run.baseline else False),
+        pairs=comp.pairs if comp else 0,
+        decode_speedup=decode,
+        throughput_speedup=throughput,
+        throughput_basis=basis,
+        verdict=verdict,
+        reason=reason,
+        rounds=rounds,
+        blocks=comp.blocks if comp else "",
+        drift_note=ONE_ROUND if rounds == 1 and s.arm != run.baseline else "",
+        confidence=confidence[s.arm] if comp else None,
+        decode_margin=margin.decode if comp else None,
+        throughput_margin=margin.throughput if comp else None,
+        margin_source=margin.source if comp else "",
+        identity_mismatch=check.mismatch,
+        reliable=health is None or health.reliable,
+        health=health.describe() if health is not None and not health.reliable else "",
+        health_checks=health.checks if health is not None else 0,
+        load=load.figures if load is not None else None,
+        unmatched_decode_speedup=comp.decode if comp and load is not None and load.decode else None,
+        unmatched_throughput_speedup=(comp.throughput if comp and load is not None and load.decode else None),
+    )
+
+
+def _row_verdict(
+    run: RunFigures,
+    s: LevelSummary,
+    comp: Comparison | None,
+    decode: Interval | None,
+    throughput: Interval | None,
+    identity: IdentityCheck,
+    margin: Margin,
+    load: matched.MatchedLoad | None,
+) -> tuple[str | None, str]:
+    if s.arm == run.baseline or s.role == "baseline" or comp is None:
+        return None, ""
+    health = run.health.get(s.level)
+    if health is not None and not health.reliable:
+        return UNRELIABLE, f"the measurement failed its health checks: {health.describe()}"
+    if load is not None and load.decode is None and load.note:
+        return NO_CLEAR_GAIN, load.note
+    verdict, reason = level_verdict(decode, throughput, identity, margin)
+    if load is not None and load.note:
+        reason += f"; {load.note}"
+    if _round_count(run, s.arm, s.level) == 1:
+        reason += f"; {ONE_ROUND}"
+    return verdict, reason
+
+
+@dataclass(frozen=True)
+class CategoryFigures:
+    """A category's comparison and its counts, before it is judged."""
+
+    category: str
+    comparison: Comparison
+    calls: int
+    baseline_calls: int
+    p50: float | None
+    baseline_p50: float | None
+    identity: IdentityCounts
+
+
+def _category_rows(
+    run: RunFigures,
+    rows: Sequence[LevelRow],
+    margins: dict[str, Margin],
+    confidence: dict[str, float],
+    settings: Settings,
+) -> list[CategoryRow]:
+    """The category rows of paired levels (from the pairs) and of unpaired ones (from each arm's
+    calls); each judged on its own decode speedup and identity against the level's throughput."""
+    # Categories of a level compared at matched load are left out: their calls ran at other loads.
+    by_key = {(r.arm, r.level): r for r in rows if r.load is None or not r.load.unequal}
+
+    def boot(arm: str, level: str, category: str) -> Bootstrap:
+        rng = rng_for(settings.bootstrap_seed, run.run_id, arm, level, category)
+        return Bootstrap(settings.bootstrap_iterations, confidence[arm], rng)
+
+    figures: list[tuple[LevelRow, CategoryFigures]] = []
+    for g in run.pairs:
+        row = by_key.get((g.arm, g.level))
+        if g.category is None or row is None or not row.paired or g.kind == "repeat":
+            continue
+        comp = comparison.paired(g, None, None, row.blocks, boot(g.arm, g.level, g.category))
+        figures.append(
+            (row, CategoryFigures(g.category, comp, g.n_decode, g.n_decode, g.c_med, g.b_med, g.identity))
+        )
+    for (arm, level, cat), c in run.calls.items():
+        row = by_key.get((arm, level))
+        b = run.calls.get((run.baseline, level, cat))
+        if cat is None or row is None or row.paired is not False or b is None or arm == run.baseline:
+            continue
+        comp = comparison.unpaired(c, b, row.blocks, boot(arm, level, cat))
+        figures.append(
+            (
+                row,
+                CategoryFigures(
+                    cat, comp, c.n_decode, b.n_decode, c.p50_decode, b.p50_decode, IdentityCounts()
+                ),
+            )
+        )
+    out = [_category_row(row, fig, margins[row.level], settings.thresholds) for row, fig in figures]
+    return sorted(out, key=lambda c: (c.arm, c.category, level_sort_key(c.level)))
+
+
+def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, thresholds: Thresholds) -> CategoryRow:
+    counts = fig.identity
+    check = check_identity(counts.identical, counts.compared, row.confidence or 0.95, thresholds)
+    if not row.reliable:
+        verdict, reason = UNRELIABLE, row.reason
+    else:
         # Aggregate throughput is the level's, shared by every category in the batch: a category has
         # no wall-clock throughput of its own, and an arm that lowers the level's throughput costs
-        # every category's users. So the category's verdict is its own decode speedup and identity
-        # against the level's aggregate throughput ratio (its per-call ratio is shown beside it).
-        level_row = by_key.get((cat.arm, cat.level))
-        cat.verdict, cat.reason = level_verdict(
-            cat.decode_speedup,
-            level_row.throughput_speedup if level_row else None,
-            cat.identical,
-            cat.compared,
-            settings.thresholds,
-        )
-    categories.sort(key=lambda c: (c.arm, c.category, level_sort_key(c.level)))
+        # every category's users.
+        verdict, reason = level_verdict(fig.comparison.decode, row.throughput_speedup, check, margin)
+    return CategoryRow(
+        arm=row.arm,
+        category=fig.category,
+        level=row.level,
+        concurrency_level=row.concurrency_level,
+        paired=fig.comparison.paired,
+        calls=fig.calls,
+        baseline_calls=fig.baseline_calls,
+        p50_decode_tok_s=fig.p50,
+        baseline_p50_decode_tok_s=fig.baseline_p50,
+        compared=counts.compared,
+        identical=counts.identical,
+        decode_speedup=fig.comparison.decode,
+        throughput_speedup=fig.comparison.throughput,
+        verdict=verdict,
+        reason=reason,
+    )
 
-    arms: list[ArmOutcome] = []
-    for arm in sorted({row.arm for row in rows}, key=lambda a: (a != baseline, a)):
-        arm_rows = [row for row in rows if row.arm == arm]
-        for row in arm_rows:
-            if row.arm == baseline or row.role == "baseline":
-                continue
-            # each level on its own figures: its decode speedup and its own throughput ratio
-            row.verdict, row.reason = level_verdict(
-                row.decode_speedup, row.throughput_speedup, row.identical, row.compared, settings.thresholds
+
+def _operating_point(settings: Settings, info: dict[str, Any]) -> tuple[OperatingPoint, str]:
+    """The user's operating point: the command line's, else the experiment file's, else none (the
+    deploy verdict then says what it assumed)."""
+    try:
+        experiment = json.loads(info.get("config_json") or "{}")
+    except ValueError:
+        experiment = {}
+    if not isinstance(experiment, dict):
+        experiment = {}
+
+    def pick(given: int | None, key: str) -> tuple[int | None, str]:
+        if given is not None:
+            return given, "command line"
+        value = experiment.get(key)
+        if isinstance(value, int) and value > 0:
+            return value, "experiment file"
+        return None, "assumed"
+
+    at, at_from = pick(settings.at_concurrency, "at_concurrency")
+    peak, peak_from = pick(settings.peak_concurrency, "peak_concurrency")
+    parts = [
+        f"operating point c={at} ({at_from})" if at else "operating point: not given",
+        f"peak c={peak} ({peak_from})" if peak else "peak: not given",
+    ]
+    return OperatingPoint(at, peak), "; ".join(parts)
+
+
+def _arm_outcome(
+    run: RunFigures,
+    arm: str,
+    rows: Sequence[LevelRow],
+    point: OperatingPoint,
+    confidence: dict[str, float],
+    settings: Settings,
+) -> ArmOutcome:
+    arm_rows = [r for r in rows if r.arm == arm]
+    first = arm_rows[0]
+    kind = _kind(run, arm)
+    reliable_rows = [r for r in arm_rows if r.reliable]
+    compared = sum(r.compared for r in reliable_rows)
+    identical = sum(r.identical for r in reliable_rows)
+    cross: Crossover | None = None
+    deploy: DeployVerdict | None = None
+    text = "—" if kind == "baseline" else "n/a"
+    judged = [r for r in arm_rows if r.verdict is not None]
+    if kind != "baseline" and judged:
+        levels = [
+            LevelJudgement(
+                r.concurrency_level,
+                r.verdict or NO_CLEAR_GAIN,
+                r.throughput_speedup,
+                r.throughput_margin or 0.0,
             )
-        first = arm_rows[0]
-        kind = "baseline" if arm == baseline else ("replica" if first.spec_method == "none" else "candidate")
-        compared = sum(r.compared for r in arm_rows)
-        identical = sum(r.identical for r in arm_rows)
-        cross: Crossover | None = None
-        deploy: DeployVerdict | None = None
-        text = "—" if kind == "baseline" else "n/a"
-        if kind != "baseline":
-            points = [
-                (row.concurrency_level, row.verdict or NO_CLEAR_GAIN)
-                for row in arm_rows
-                if row.concurrency_level is not None
-            ]
-            if points:
-                cross = crossover(points)
-                text = cross.describe([p[0] for p in points])
-            peak = by_key.get((arm, peak_level))
-            if points:
-                deploy = deploy_verdict(
-                    points,
-                    peak_level,
-                    peak.throughput_speedup if peak else None,
-                    identical,
-                    compared,
-                    settings.thresholds,
-                )
-            elif peak is not None and peak.verdict:
-                deploy = DeployVerdict(peak.verdict, f"{peak.verdict} on live traffic ({peak.reason})")
-        arms.append(
-            ArmOutcome(
-                arm=arm,
-                role=first.role,
-                spec_method=first.spec_method,
-                kind=kind,
-                crossover=cross,
-                crossover_text=text,
-                deploy=deploy,
-                compared=compared,
-                mismatched=compared - identical,
-                near_tie=sum(r.near_tie for r in arm_rows),
-                gross=sum(r.gross for r in arm_rows),
+            for r in judged
+            if r.concurrency_level is not None
+        ]
+        check = check_identity(identical, compared, confidence[arm], settings.thresholds)
+        if levels:
+            cross = crossover([(j.level, j.verdict) for j in levels])
+            text = cross.describe([j.level for j in levels if j.verdict != UNRELIABLE])
+            deploy = deploy_verdict(levels, point, check)
+        else:
+            live = judged[0]
+            deploy = DeployVerdict(
+                live.verdict or NO_CLEAR_GAIN, f"{live.verdict} on live traffic ({live.reason})"
             )
+    return ArmOutcome(
+        arm=arm,
+        role=first.role,
+        spec_method=first.spec_method,
+        kind=kind,
+        crossover=cross,
+        crossover_text=text,
+        deploy=deploy,
+        compared=compared,
+        mismatched=compared - identical,
+        near_tie=sum(r.near_tie for r in reliable_rows),
+        gross=sum(r.gross for r in reliable_rows),
+    )
+
+
+def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
+    notes = []
+    for level, h in sorted(run.health.items(), key=lambda x: level_sort_key(x[0])):
+        lv = f"c={level}" if level.isdigit() else level
+        if not h.reliable:
+            notes.append(f"{lv} UNRELIABLE: {h.describe()}; no verdicts there, left out of crossovers")
+    for r in rows:
+        if r.load is not None and r.load.unequal and r.verdict is not None:
+            notes.append(
+                f"{r.arm} {'c=' + r.level if r.level.isdigit() else r.level}: no by-category figures (its "
+                "calls ran at another load than the baseline's; the level is compared at matched load)"
+            )
+    one_round = sorted({r.level for r in rows if r.drift_note and r.verdict is not None}, key=level_sort_key)
+    if one_round:
+        levels = ", ".join(f"c={lv}" for lv in one_round)
+        notes.append(
+            f"{levels}: 1 round: cannot see between-run drift (the intervals see drift within the run, "
+            "in time blocks); replay with --rounds 3 or more"
         )
+    return notes
+
+
+def _stacks(info: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     try:
         stacks = json.loads(info["stacks_json"]) if info.get("stacks_json") else {}
     except ValueError:
-        stacks = {}
         notes.append("runs.stacks_json is not valid JSON; stacks not shown")
-    return RunEvaluation(
-        run_id=run_id,
-        name=str(info["name"]),
-        mode=info["mode"],
-        source=info["source"],
-        started_at=info["started_at"],
-        baseline=baseline,
-        peak_level=peak_level,
-        rows=rows,
-        arms=arms,
-        categories=categories,
-        noise_compared=noise_compared,
-        noise_mismatched=noise_mismatched,
-        stacks=stacks if isinstance(stacks, dict) else {},
-        notes=notes,
-    )
-
-
-def _fill_comparisons(
-    store: SpanStore,
-    run_id: str,
-    baseline: str,
-    rows: list[LevelRow],
-    categories: list[CategoryRow],
-    settings: Settings,
-) -> tuple[int, int]:
-    """Identity counts, paired speedups and their intervals, in one pass over ``pairs``.
-
-    The pass groups by level and, in the same scan (GROUPING SETS), by level and category: the
-    category rows of paired levels are appended to ``categories``.
-
-    The same pass returns, per group, a uniform subsample (hash of request_id, keep-probability from
-    the level's call count) of the pairs for the bootstrap. Returns the noise floor (compared,
-    mismatched) of the baseline-vs-baseline comparisons. Levels without enough pairs are analysed
-    unpaired (:func:`_fill_unpaired`).
-    """
-    by_key = {(row.arm, row.level): row for row in rows}
-    m, seed = settings.bootstrap_max_sample, settings.bootstrap_seed
-    keep = [(row.arm, row.level, min(1.0, m / max(row.ok, 1))) for row in rows]
-    store.conn.execute("CREATE OR REPLACE TEMP TABLE keep_pairs (arm VARCHAR, level VARCHAR, p DOUBLE)")
-    store.conn.executemany("INSERT INTO keep_pairs VALUES (?, ?, ?)", keep)
-    both_ok = "q.status = 'ok' AND q.baseline_status = 'ok' AND q.kind <> 'repeat' AND q.baseline_arm = $base"
-    dec_ok = "q.decode_tok_s > 0 AND q.baseline_decode_tok_s > 0"
-    thr_ok = (
-        "q.completion_tokens IS NOT NULL AND q.baseline_completion_tokens IS NOT NULL"
-        " AND q.e2e_s > 0 AND q.baseline_e2e_s > 0"
-    )
-    # The filters are evaluated once per pair (dok, tok, sok), not once per aggregate and grouping set.
-    groups = store.query(
-        f"""
-        WITH q AS (
-            SELECT q.arm, q.level, q.kind, coalesce(q.category, '(none)') AS cat, q.identical,
-                   q.divergence_margin, q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
-                   q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s,
-                   ({both_ok} AND {dec_ok}) AS dok,
-                   ({both_ok} AND {thr_ok}) AS tok,
-                   ({both_ok} AND (coalesce(k.p, 1) >= 1
-                                   OR hash(q.request_id, $seed) % 1000000007 < k.p * 1000000007)) AS sok
-            FROM pairs q LEFT JOIN keep_pairs k ON k.arm = q.arm AND k.level = q.level
-            WHERE q.run_id = $run
-        )
-        SELECT q.arm, q.level, q.kind, q.cat, grouping(q.cat) = 0 AS by_category,
-               count(q.identical) AS compared,
-               count(*) FILTER (WHERE q.identical) AS identical,
-               count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin <= $margin) AS near_tie,
-               count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin > $margin) AS gross,
-               count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin IS NULL) AS margin_unknown,
-               count(*) FILTER (WHERE dok) AS n_decode,
-               quantile_cont(q.decode_tok_s, 0.5) FILTER (WHERE dok) AS c_med,
-               quantile_cont(q.baseline_decode_tok_s, 0.5) FILTER (WHERE dok) AS b_med,
-               count(*) FILTER (WHERE tok) AS n_thr,
-               sum(q.completion_tokens) FILTER (WHERE tok) AS c_tokens,
-               -- e2e totals summed as integer nanoseconds: the same total (to the bit) whatever order
-               -- the rows of several files arrive in, which a float sum does not promise
-               sum(CAST(round(q.e2e_s * 1e9) AS HUGEINT)) FILTER (WHERE tok) / 1e9 AS c_e2e,
-               sum(q.baseline_completion_tokens) FILTER (WHERE tok) AS b_tokens,
-               sum(CAST(round(q.baseline_e2e_s * 1e9) AS HUGEINT)) FILTER (WHERE tok) / 1e9 AS b_e2e,
-               list([q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
-                     q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s]) FILTER (WHERE sok) AS sample
-        FROM q
-        GROUP BY GROUPING SETS ((q.arm, q.level, q.kind), (q.arm, q.level, q.kind, q.cat))
-        """,
-        {"margin": settings.near_tie_margin, "seed": seed, "run": run_id, "base": baseline},
-    )
-    noise_compared = noise_mismatched = 0
-    by_category = [g for g in groups if g["by_category"]]
-    groups = [g for g in groups if not g["by_category"]]
-    for g in groups:
-        if g["kind"] in ("replica", "repeat"):
-            noise_compared += int(g["compared"])
-            noise_mismatched += int(g["compared"]) - int(g["identical"])
-        row = by_key.get((g["arm"], g["level"]))
-        if row is None:
-            continue
-        row.compared += int(g["compared"])
-        row.identical += int(g["identical"])
-        row.near_tie += int(g["near_tie"])
-        row.gross += int(g["gross"])
-        row.margin_unknown += int(g["margin_unknown"])
-        base = by_key.get((baseline, g["level"]))
-        if g["kind"] == "repeat" or base is None:
-            continue
-        n_decode = int(g["n_decode"])
-        row.pairs = n_decode
-        row.paired = n_decode >= max(2, PAIRED_MIN_SHARE * row.decode_calls)
-        if not row.paired:
-            continue
-        sample = _ordered(g["sample"], 6)
-        rng = rng_for(seed, run_id, row.arm, row.level)
-        if g["c_med"] and g["b_med"]:
-            row.decode_speedup = _paired_decode_interval(sample, g, n_decode, settings, rng)
-        # A replay level is a closed loop at a fixed concurrency: its wall-clock tok/s is the arm's
-        # capacity. Live traffic arrives at the clients' pace (and shadows may be sampled), so there
-        # the per-call token rate Σ tokens / Σ e2e over the pairs is compared instead.
-        point = None
-        if row.concurrency_level is not None:
-            point = row.agg_tok_s / base.agg_tok_s if row.agg_tok_s and base.agg_tok_s else None
-        elif g["c_e2e"] and g["b_e2e"] and g["c_tokens"] and g["b_tokens"]:
-            point = (g["c_tokens"] / g["c_e2e"]) / (g["b_tokens"] / g["b_e2e"])
-            row.throughput_basis = "per call"
-        if point is not None:
-            row.throughput_speedup = _paired_throughput_interval(sample, point, g, settings, rng)
-    for row in rows:
-        if row.arm != baseline and row.paired is None and (baseline, row.level) in by_key:
-            row.paired = False
-    for g in by_category:
-        row = by_key.get((g["arm"], g["level"]))
-        if row is None or not row.paired or g["kind"] == "repeat":
-            continue
-        cat = CategoryRow(
-            arm=row.arm,
-            category=g["cat"],
-            level=row.level,
-            concurrency_level=row.concurrency_level,
-            paired=True,
-            calls=int(g["n_decode"]),
-            baseline_calls=int(g["n_decode"]),
-            p50_decode_tok_s=g["c_med"],
-            baseline_p50_decode_tok_s=g["b_med"],
-            compared=int(g["compared"]),
-            identical=int(g["identical"]),
-        )
-        categories.append(cat)
-        sample = _ordered(g["sample"], 6)
-        rng = rng_for(seed, run_id, row.arm, row.level, g["cat"])
-        if g["c_med"] and g["b_med"]:
-            cat.decode_speedup = _paired_decode_interval(sample, g, int(g["n_decode"]), settings, rng)
-        if g["c_e2e"] and g["b_e2e"] and g["c_tokens"] and g["b_tokens"]:
-            point = (g["c_tokens"] / g["c_e2e"]) / (g["b_tokens"] / g["b_e2e"])
-            cat.throughput_speedup = _paired_throughput_interval(sample, point, g, settings, rng)
-    return noise_compared, noise_mismatched
-
-
-def _paired_decode_interval(
-    sample: np.ndarray[Any, np.dtype[np.float64]],
-    g: dict[str, Any],
-    n_total: int,
-    settings: Settings,
-    rng: np.random.Generator,
-) -> Interval:
-    """Paired median-ratio interval of decode tok/s over a pair sample (columns 0: candidate, 1: baseline)."""
-    dec = sample[(sample[:, 0] > 0) & (sample[:, 1] > 0)]
-    return paired_median_ratio(
-        dec[:, 0],
-        dec[:, 1],
-        point=g["c_med"] / g["b_med"],
-        n_total=n_total,
-        iterations=settings.bootstrap_iterations,
-        rng=rng,
-        confidence=settings.confidence,
-    )
-
-
-def _paired_throughput_interval(
-    sample: np.ndarray[Any, np.dtype[np.float64]],
-    point: float,
-    g: dict[str, Any],
-    settings: Settings,
-    rng: np.random.Generator,
-) -> Interval:
-    """Paired Σtokens/Σe2e ratio interval (columns 2, 3: tokens; 4, 5: e2e; candidate then baseline)."""
-    thr = sample[
-        np.isfinite(sample[:, 2]) & np.isfinite(sample[:, 3]) & (sample[:, 4] > 0) & (sample[:, 5] > 0)
-    ]
-    return throughput_ratio(
-        thr[:, 2],
-        thr[:, 4],
-        thr[:, 3],
-        thr[:, 5],
-        point=point,
-        n_cand=max(int(g["n_thr"]), 1),
-        n_base=max(int(g["n_thr"]), 1),
-        paired=True,
-        iterations=settings.bootstrap_iterations,
-        rng=rng,
-        confidence=settings.confidence,
-    )
-
-
-def _fill_unpaired(
-    store: SpanStore,
-    run_id: str,
-    baseline: str,
-    rows: list[LevelRow],
-    categories: list[CategoryRow],
-    settings: Settings,
-) -> None:
-    """Speedups of levels without (enough) pairs: each arm's own calls, resampled independently; the
-    same scan groups by category too (GROUPING SETS) for those levels' category rows."""
-    by_key = {(row.arm, row.level): row for row in rows}
-    todo = [row for row in rows if row.paired is False]
-    if not todo:
-        return
-    needed = {(r.arm, r.level) for r in todo} | {(baseline, r.level) for r in todo}
-    m, seed = settings.bootstrap_max_sample, settings.bootstrap_seed
-    store.conn.execute("CREATE OR REPLACE TEMP TABLE keep_calls (arm VARCHAR, level VARCHAR, p DOUBLE)")
-    store.conn.executemany(
-        "INSERT INTO keep_calls VALUES (?, ?, ?)",
-        [(arm, level, min(1.0, m / max(by_key[(arm, level)].ok, 1))) for arm, level in needed],
-    )
-    thr_ok = "r.completion_tokens IS NOT NULL AND r.e2e_s > 0"
-    groups = {
-        (g["arm"], g["level"], g["cat"] if g["by_category"] else None): g
-        for g in store.query(
-            f"""
-            SELECT r.arm, r.level, r.cat, grouping(r.cat) = 0 AS by_category,
-                   count(*) FILTER (WHERE r.decode_tok_s > 0) AS n_decode,
-                   quantile_cont(r.decode_tok_s, 0.5) FILTER (WHERE r.decode_tok_s > 0) AS p50_decode,
-                   count(*) FILTER (WHERE {thr_ok}) AS n_thr,
-                   sum(r.completion_tokens) FILTER (WHERE {thr_ok}) AS thr_tokens,
-                   sum(CAST(round(r.e2e_s * 1e9) AS HUGEINT)) FILTER (WHERE {thr_ok}) / 1e9 AS thr_e2e,
-                   list([r.decode_tok_s, r.completion_tokens, r.e2e_s])
-                       FILTER (WHERE k.p >= 1 OR hash(r.request_id, r.span_id, $seed) % 1000000007
-                                                  < k.p * 1000000007) AS sample
-            FROM (SELECT *, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
-                         coalesce(category, '(none)') AS cat
-                  FROM requests WHERE run_id = $run AND status = 'ok') r
-            JOIN keep_calls k ON k.arm = r.arm AND k.level = r.level
-            GROUP BY GROUPING SETS ((r.arm, r.level), (r.arm, r.level, r.cat))
-            """,
-            {"seed": seed, "run": run_id},
-        )
-    }
-    for row in todo:
-        base = by_key[(baseline, row.level)]
-        c, b = groups.get((row.arm, row.level, None)), groups.get((baseline, row.level, None))
-        if c is None or b is None:
-            continue
-        point = (
-            row.p50_decode_tok_s / base.p50_decode_tok_s
-            if row.p50_decode_tok_s and base.p50_decode_tok_s
-            else None
-        )
-        row.decode_speedup, row.throughput_speedup = _unpaired_intervals(
-            c, b, point, rng_for(seed, run_id, row.arm, row.level), settings
-        )
-        # The arms got different shares of the traffic, so their wall-clock tok/s say more about the
-        # split than about speed: the per-call token rate Σ tokens / Σ e2e (by Little's law,
-        # throughput per concurrent call) is compared instead.
-        if row.throughput_speedup is not None:
-            row.throughput_basis = "per call"
-        for (arm, level, cat), cg in groups.items():
-            if arm != row.arm or level != row.level or cat is None:
-                continue
-            bg = groups.get((baseline, row.level, cat))
-            if bg is None:
-                continue
-            point = cg["p50_decode"] / bg["p50_decode"] if cg["p50_decode"] and bg["p50_decode"] else None
-            dec, thr = _unpaired_intervals(cg, bg, point, rng_for(seed, run_id, arm, level, cat), settings)
-            categories.append(
-                CategoryRow(
-                    arm=arm,
-                    category=cat,
-                    level=level,
-                    concurrency_level=row.concurrency_level,
-                    paired=False,
-                    calls=int(cg["n_decode"]),
-                    baseline_calls=int(bg["n_decode"]),
-                    p50_decode_tok_s=cg["p50_decode"],
-                    baseline_p50_decode_tok_s=bg["p50_decode"],
-                    decode_speedup=dec,
-                    throughput_speedup=thr,
-                )
-            )
-
-
-def _unpaired_intervals(
-    c: dict[str, Any],
-    b: dict[str, Any],
-    decode_point: float | None,
-    rng: np.random.Generator,
-    settings: Settings,
-) -> tuple[Interval | None, Interval | None]:
-    """(decode speedup, per-call throughput ratio) intervals of two independent groups of calls."""
-    cs, bs = _ordered(c["sample"], 3), _ordered(b["sample"], 3)
-    decode = None
-    if decode_point:
-        decode = unpaired_median_ratio(
-            cs[cs[:, 0] > 0, 0],
-            bs[bs[:, 0] > 0, 0],
-            point=decode_point,
-            n_cand=int(c["n_decode"]),
-            n_base=int(b["n_decode"]),
-            iterations=settings.bootstrap_iterations,
-            rng=rng,
-            confidence=settings.confidence,
-        )
-    thr = None
-    if c["thr_e2e"] and b["thr_e2e"] and c["thr_tokens"] and b["thr_tokens"]:
-        c_ok = np.isfinite(cs[:, 1]) & (cs[:, 2] > 0)
-        b_ok = np.isfinite(bs[:, 1]) & (bs[:, 2] > 0)
-        thr = throughput_ratio(
-            cs[c_ok, 1],
-            cs[c_ok, 2],
-            bs[b_ok, 1],
-            bs[b_ok, 2],
-            point=(c["thr_tokens"] / c["thr_e2e"]) / (b["thr_tokens"] / b["thr_e2e"]),
-            n_cand=max(int(c["n_thr"]), 1),
-            n_base=max(int(b["n_thr"]), 1),
-            paired=False,
-            iterations=settings.bootstrap_iterations,
-            rng=rng,
-            confidence=settings.confidence,
-        )
-    return decode, thr
-
-
-def _ordered(rows: list[list[float | None]] | None, width: int) -> np.ndarray[Any, np.dtype[np.float64]]:
-    """A sample as a float matrix (NULL → NaN) in a canonical row order.
-
-    DuckDB's parallel ``list()`` aggregate returns rows in no fixed order; sorting them makes the
-    bootstrap (same seed) give the same intervals every time.
-    """
-    sample = np.array(rows or [], dtype=np.float64).reshape(-1, width)
-    return sample[np.lexsort(sample.T[::-1])] if len(sample) else sample
+        return {}
+    return stacks if isinstance(stacks, dict) else {}

@@ -36,6 +36,9 @@ HEADERS = (
     "identical",
     "decode speedup [95% CI]",
     "throughput ratio [95% CI]",
+    "rounds",
+    "margin",
+    "load P50 arm/base",
     "verdict",
 )
 
@@ -58,6 +61,34 @@ def fmt_level(level: str) -> str:
     return f"c={level}" if level.isdigit() else level
 
 
+def fmt_margin(row: LevelRow) -> str:
+    """The margin a bound must clear: one figure, or decode/throughput when they differ."""
+    if row.decode_margin is None or row.throughput_margin is None:
+        return DASH
+    if round(row.decode_margin, 3) == round(row.throughput_margin, 3):
+        return f"{row.decode_margin:.1%}"
+    return f"{row.decode_margin:.1%}/{row.throughput_margin:.1%}"
+
+
+def fmt_rounds(row: LevelRow) -> str:
+    if row.rounds is None:
+        return DASH
+    return f"{row.rounds}*" if row.drift_note else str(row.rounds)
+
+
+def fmt_load(row: LevelRow) -> str:
+    load = row.load
+    if load is None or load.p50 is None or load.baseline_p50 is None:
+        return DASH
+    return f"{load.p50:.1f}/{load.baseline_p50:.1f}" + (" unequal" if load.unequal else "")
+
+
+def decode_suffix(row: LevelRow) -> str:
+    if row.unmatched_decode_speedup is not None:
+        return " (matched load)"
+    return " (unpaired)" if row.paired is False else ""
+
+
 def row_cells(row: LevelRow) -> list[str]:
     return [
         fmt_level(row.level),
@@ -71,8 +102,11 @@ def row_cells(row: LevelRow) -> list[str]:
         fmt_num(row.acceptance_length, 2),
         fmt_num(row.req_acceptance_length, 2),
         f"{row.identical}/{row.compared}" if row.compared else DASH,
-        fmt_interval(row.decode_speedup) + (" (unpaired)" if row.paired is False else ""),
+        fmt_interval(row.decode_speedup) + decode_suffix(row),
         fmt_interval(row.throughput_speedup) + (" (per call)" if row.throughput_basis == "per call" else ""),
+        fmt_rounds(row),
+        fmt_margin(row),
+        fmt_load(row),
         row.verdict or ("baseline" if row.role == "baseline" else DASH),
     ]
 
@@ -106,10 +140,12 @@ def run_title(ev: RunEvaluation) -> str:
         bits.append(str(ev.mode))
     bits.append(f"baseline: {ev.baseline}")
     bits.append(f"peak level: {fmt_level(ev.peak_level)}")
+    if ev.operating_point:
+        bits.append(ev.operating_point)
     return " · ".join(bits)
 
 
-VERDICT_SHORT = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG"}
+VERDICT_SHORT = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG", "UNRELIABLE": "UNREL"}
 
 
 def category_levels(ev: RunEvaluation) -> list[str]:
@@ -140,7 +176,7 @@ def category_matrix(ev: RunEvaluation) -> tuple[list[str], list[list[str]]]:
 
 
 def deploy_lines(ev: RunEvaluation) -> list[str]:
-    """Each candidate's overall verdict (the issue's rule: peak-level throughput included)."""
+    """Each arm's overall verdict at the operating point, peak throughput included."""
     return [f"{a.arm}: {a.deploy.verdict} — {a.deploy.text}" for a in ev.arms if a.deploy is not None]
 
 
@@ -171,10 +207,29 @@ def run_notes(ev: RunEvaluation, settings: Settings, all_reasons: bool = True) -
             f"{unknown} without margin"
         )
     lines.append(floor_text)
+    lines += _interval_notes(ev, settings)
     for row in ev.rows:
         if row.verdict and (all_reasons or row.verdict != "WIN"):
             lines.append(f"{row.arm} {fmt_level(row.level)}: {row.verdict}: {row.reason}")
     return lines + ev.notes
+
+
+def _interval_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
+    """What the intervals and margins are, once per run."""
+    lines = []
+    per_arm = sorted({(r.arm, r.confidence) for r in ev.rows if r.confidence is not None})
+    if per_arm:
+        levels = ", ".join(f"{arm} {conf:.2%}" for arm, conf in per_arm)
+        lines.append(
+            f"intervals: {settings.confidence:.0%} jointly over each arm's reliable levels (Bonferroni; "
+            f"each interval at: {levels}), widened by the spread between rounds (or time blocks)"
+        )
+    margins = {r.level: r.margin_source for r in ev.rows if r.margin_source}
+    for level, source in sorted(margins.items(), key=lambda x: level_sort_key(x[0])):
+        lines.append(f"margin {fmt_level(level)}: {source}")
+    if any(r.drift_note for r in ev.rows):
+        lines.append("rounds: * = 1 round: cannot see between-run drift")
+    return lines
 
 
 def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: bool = False) -> str:
@@ -189,7 +244,7 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
             if cat_rows:
                 block += f"\n\n{CATEGORY_TITLE}:\n\n{_markdown(cat_headers, cat_rows)}"
             if deploy:
-                block += "\n\ndeploy verdict (peak-level throughput included):\n\n"
+                block += "\n\ndeploy verdict (at the operating point, peak throughput included):\n\n"
                 block += "\n".join(f"- {d}" for d in deploy)
         else:
             notes = "\n".join(f"  {n}" for n in run_notes(ev, settings, all_reasons=False))
@@ -197,7 +252,7 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
             if cat_rows:
                 block += f"\n\n{CATEGORY_TITLE}\n{_aligned(cat_headers, cat_rows, left={0, 1})}"
             if deploy:
-                block += "\n\ndeploy verdict (peak-level throughput included)\n"
+                block += "\n\ndeploy verdict (at the operating point, peak throughput included)\n"
                 block += "\n".join(f"  {d}" for d in deploy)
         blocks.append(block)
     return "\n\n".join(blocks) + "\n"
@@ -265,6 +320,21 @@ CSV_FIELDS = (
     "verdict",
     "reason",
     "baseline_p50_decode_tok_s",
+    "rounds",
+    "blocks",
+    "drift_note",
+    "confidence",
+    "decode_margin",
+    "throughput_margin",
+    "margin_source",
+    "reliable",
+    "health",
+    "load_basis",
+    "load_p50",
+    "baseline_load_p50",
+    "matched_load_share",
+    "unmatched_decode_speedup",
+    "unmatched_throughput_ratio",
 )
 
 
@@ -276,6 +346,19 @@ def render_csv(evals: Sequence[RunEvaluation]) -> str:
         for r in ev.rows:
             d = asdict(r)
             d.update(run_id=ev.run_id, run_name=ev.name)
+            load = r.load
+            d.update(
+                load_basis=load.basis if load else None,
+                load_p50=load.p50 if load else None,
+                baseline_load_p50=load.baseline_p50 if load else None,
+                matched_load_share=load.matched_share if load else None,
+                unmatched_decode_speedup=r.unmatched_decode_speedup.point
+                if r.unmatched_decode_speedup
+                else None,
+                unmatched_throughput_ratio=(
+                    r.unmatched_throughput_speedup.point if r.unmatched_throughput_speedup else None
+                ),
+            )
             for key, iv in (("decode_speedup", r.decode_speedup), ("throughput_ratio", r.throughput_speedup)):
                 d[key] = iv.point if iv else None
                 d[f"{key}_low"] = iv.low if iv else None

@@ -30,6 +30,7 @@ from specproxy.analysis.store import SpanStore
 from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
 
 MAX_MISMATCH_ROWS = 100
+VERDICT_CSS = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG", "UNRELIABLE": "UNREL"}
 MAX_CDF_LEVELS = 6
 SNIPPET = 40
 
@@ -42,7 +43,7 @@ th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: right; white-spac
 th { background: #f4f4f4; white-space: normal; max-width: 110px; vertical-align: bottom; }
 td.l, th.l { text-align: left; }
 td.WIN { background: #d9f2d9; font-weight: 600; } td.LOSS { background: #f8d7d7; font-weight: 600; }
-td.NCG { background: #fff3cd; }
+td.NCG { background: #fff3cd; } td.UNREL { background: #e2e3e5; color: #555; font-style: italic; }
 .charts { display: flex; flex-wrap: wrap; gap: 12px; }
 .charts.small svg { width: 420px; height: auto; }
 td.wrap { white-space: normal; max-width: 900px; }
@@ -87,7 +88,7 @@ def _table(
 
 def _verdict_table(ev: RunEvaluation) -> str:
     rows = [row_cells(r) for r in ev.rows]
-    css = [{"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG"}.get(r.verdict or "", "") for r in ev.rows]
+    css = [VERDICT_CSS.get(r.verdict or "", "") for r in ev.rows]
     return _table(HEADERS, rows, {0, 1, len(HEADERS) - 1}, css)
 
 
@@ -251,7 +252,7 @@ def _deploy(ev: RunEvaluation) -> str:
     for a in ev.arms:
         if a.deploy is None:
             continue
-        cls = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG"}.get(a.deploy.verdict, "")
+        cls = VERDICT_CSS.get(a.deploy.verdict, "")
         items.append(
             f'<tr><td class="l"><b>{escape(a.arm)}</b></td>'
             f'<td class="l {cls}">{escape(a.deploy.verdict)}</td>'
@@ -261,7 +262,7 @@ def _deploy(ev: RunEvaluation) -> str:
         return ""
     return (
         '<table class="deploy"><thead><tr><th class="l">arm</th><th class="l">deploy verdict</th>'
-        '<th class="l">per level, and at the peak level</th></tr></thead><tbody>'
+        '<th class="l">per level, at the operating point and at the peak</th></tr></thead><tbody>'
         + "".join(items)
         + "</tbody></table>"
     )
@@ -535,14 +536,17 @@ def build_report(
 </section>""")
     t = settings.thresholds
     rules = (
-        f"Per arm and level: WIN when the decode speedup's CI lower bound is &gt; {t.win_threshold:g}, that "
-        f"level's aggregate throughput ratio has CI upper bound ≥ 1 and identical outputs are ≥ "
-        f"{t.identity_min:.0%}; LOSS when the decode speedup or that level's throughput ratio has CI upper "
-        f"bound &lt; 1, or identity is below {t.identity_min:.0%}; NO CLEAR GAIN otherwise. The deploy "
-        f"verdict of an arm: WIN when it wins at some level and aggregate throughput at the PEAK level is "
-        f"not lower (CI upper ≥ 1); LOSS when peak throughput is lower beyond the CI or identity fails. "
-        f"Intervals: {settings.confidence:.0%} bootstrap, {settings.bootstrap_iterations} resamples, "
-        f"seed {settings.bootstrap_seed}."
+        f"Per arm and level: WIN when the decode speedup's lower bound is above 1 + margin, no figure is "
+        f"lower beyond the margin and identity holds; LOSS when the decode speedup's or the throughput "
+        f"ratio's upper bound is below 1 − margin, or the mismatch rate is surely above "
+        f"{1 - t.identity_min:.0%} (Wilson interval); NO CLEAR GAIN otherwise; UNRELIABLE when the "
+        f"level failed the measurement's health checks (no verdict, left out of crossovers and deploy "
+        f"verdicts). The margin is {t.min_margin:.0%}, or a replica arm's measured noise floor at that "
+        f"level when larger. The deploy verdict answers at the operating point, with aggregate "
+        f"throughput at the peak not lower beyond the margin. Intervals: {settings.confidence:.0%} "
+        f"jointly over each arm's levels (Bonferroni), bootstrap ({settings.bootstrap_iterations} "
+        f"resamples, seed {settings.bootstrap_seed}) widened by the spread between replay rounds (or "
+        f"time blocks of a one-round level)."
     )
     files = ", ".join(escape(str(p)) for p in store.paths)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -1,18 +1,30 @@
 """The verdict rules, the crossover and the deploy verdict, as pure functions of the measured figures.
 
-Per candidate arm and concurrency level (issue 4), each level judged on its own figures:
-- WIN: that level's P50 decode speedup has CI lower bound > ``win_threshold`` (1.05), that level's
-  aggregate throughput ratio has CI upper bound ≥ 1.0, and identical outputs ≥ ``identity_min`` (99 %);
-- LOSS: the decode speedup's CI upper bound < 1.0, or that level's throughput ratio's CI upper bound
-  < 1.0, or identity < ``identity_min``;
-- NO CLEAR GAIN otherwise (including when a CI cannot be estimated).
-Identity is "checked" only where greedy outputs were compared; with none compared it does not block a
-WIN, and the reason says so.
+Per arm and concurrency level, each level judged on its own figures, against a margin:
 
-Per arm, the deploy verdict applies the issue's rule literally: the arm must WIN at some level (and
-lose at none), and aggregate throughput at the run's PEAK level must not be lower (CI upper ≥ 1);
-LOSS when peak throughput is lower beyond the CI, identity fails, or no level wins and some level
-loses. Its sentence also says up to which level the arm pays, so "enable below c=X only" is visible.
+- WIN: the decode speedup's lower bound is above 1 + margin, nothing is lower beyond the margin
+  (throughput's upper bound ≥ 1 − margin) and identity does not fail;
+- LOSS: a bound beyond the margin on the losing side: the decode speedup's or the throughput ratio's
+  upper bound below 1 − margin, or identity fails;
+- NO CLEAR GAIN otherwise (including when an interval cannot be estimated);
+- UNRELIABLE: the level failed a health check of the measurement (:mod:`.validity`): no verdict.
+
+The margin is per level and per figure: the larger of ``min_margin`` (3 %) and the noise floor
+measured there by the replica arms (a plain copy of the baseline): the farthest of a replica's interval
+bounds from 1. The rule is symmetric, so an arm identical to the baseline comes out NO CLEAR GAIN
+unless its intervals leave the margin, which the intervals' confidence makes rare; the intervals are
+simultaneous over an arm's levels (Bonferroni, in :mod:`.evaluation`), so more levels do not mean more
+false WINs or LOSSes.
+
+Identity fails when Wilson's interval on the mismatch rate lies wholly above ``1 − identity_min``: 2
+mismatches in 149 is no evidence of a rate above 1 %, 9 in 149 is.
+
+The deploy verdict answers at the user's operating point and peak (:class:`OperatingPoint`): WIN
+when the arm wins at the operating point, its throughput at the peak is not lower beyond the margin,
+it loses at no level between the two and identity holds; LOSS when it loses at the operating point,
+peak throughput is lower beyond the margin, or identity fails; NO CLEAR GAIN otherwise. A point between
+tested levels is judged at the two levels around it (the less favourable verdict); outside the tested
+range, at the nearest tested level; unreliable levels are never used.
 """
 
 from __future__ import annotations
@@ -20,17 +32,56 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specproxy.analysis.stats import Interval
+from specproxy.analysis.stats import Interval, wilson_interval
 
 WIN = "WIN"
 LOSS = "LOSS"
 NO_CLEAR_GAIN = "NO CLEAR GAIN"
+UNRELIABLE = "UNRELIABLE"
+_RANK = {LOSS: 0, NO_CLEAR_GAIN: 1, WIN: 2}
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    win_threshold: float = 1.05
+    min_margin: float = 0.03
     identity_min: float = 0.99
+
+
+@dataclass(frozen=True)
+class Margin:
+    """How far from 1 a bound must be to count, per figure, and where that came from."""
+
+    decode: float
+    throughput: float
+    source: str
+
+    @staticmethod
+    def default(thresholds: Thresholds) -> Margin:
+        return Margin(thresholds.min_margin, thresholds.min_margin, f"default {thresholds.min_margin:.0%}")
+
+
+@dataclass(frozen=True)
+class IdentityCheck:
+    """Identity at one level (or over an arm's levels): counts and Wilson's interval on the mismatch rate."""
+
+    compared: int
+    identical: int
+    mismatch: Interval | None
+    fails: bool
+    text: str
+
+
+def check_identity(identical: int, compared: int, confidence: float, thresholds: Thresholds) -> IdentityCheck:
+    allowed = 1.0 - thresholds.identity_min
+    mismatch = wilson_interval(compared - identical, compared, confidence)
+    if mismatch is None or mismatch.low is None:
+        return IdentityCheck(compared, identical, None, False, "identity not checked: no greedy pairs")
+    fails = mismatch.low > allowed
+    text = (
+        f"mismatched {compared - identical}/{compared} = {mismatch.point:.2%} "
+        f"[{mismatch.low:.2%}, {mismatch.high:.2%}] {'>' if fails else 'not above'} {allowed:.0%}"
+    )
+    return IdentityCheck(compared, identical, mismatch, fails, text)
 
 
 def fmt_ratio(iv: Interval) -> str:
@@ -42,40 +93,38 @@ def fmt_ratio(iv: Interval) -> str:
 def level_verdict(
     decode: Interval | None,
     throughput: Interval | None,
-    identical: int,
-    compared: int,
-    thresholds: Thresholds,
+    identity: IdentityCheck,
+    margin: Margin,
 ) -> tuple[str, str]:
-    """(verdict, reason) for one candidate arm at one level (or one category at one level), from that
-    level's own decode speedup and throughput ratio intervals."""
-    identity_rate = identical / compared if compared else None
+    """(verdict, reason) for one arm at one level (or one category at one level)."""
+    floor_d, floor_t = 1.0 - margin.decode, 1.0 - margin.throughput
     losses: list[str] = []
-    if decode is not None and decode.high is not None and decode.high < 1.0:
-        losses.append(f"decode speedup CI upper {decode.high:.3f} < 1")
-    if throughput is not None and throughput.high is not None and throughput.high < 1.0:
-        losses.append(f"throughput CI upper {throughput.high:.3f} < 1")
-    if identity_rate is not None and identity_rate < thresholds.identity_min:
-        losses.append(
-            f"identical {identical}/{compared} = {identity_rate:.2%} < {thresholds.identity_min:.2%}"
-        )
+    if decode is not None and decode.high is not None and decode.high < floor_d:
+        losses.append(f"decode speedup CI upper {decode.high:.3f} < {floor_d:.3f} (margin {margin.source})")
+    if throughput is not None and throughput.high is not None and throughput.high < floor_t:
+        losses.append(f"throughput CI upper {throughput.high:.3f} < {floor_t:.3f} (margin {margin.source})")
+    if identity.fails:
+        losses.append(identity.text)
     if losses:
         return LOSS, "; ".join(losses)
     if decode is None or decode.low is None:
         return NO_CLEAR_GAIN, "no decode speedup interval (too few calls)"
-    if decode.low <= thresholds.win_threshold:
-        return NO_CLEAR_GAIN, f"decode speedup CI lower {decode.low:.3f} ≤ {thresholds.win_threshold:g}"
+    if decode.low <= 1.0 + margin.decode:
+        return NO_CLEAR_GAIN, (
+            f"decode speedup CI lower {decode.low:.3f} ≤ {1 + margin.decode:.3f} (margin {margin.source})"
+        )
     if throughput is None or throughput.high is None:
         return NO_CLEAR_GAIN, "no throughput interval"
-    note = "" if identity_rate is not None else " (identity not checked: no greedy pairs)"
+    note = f" ({identity.text})" if identity.mismatch is None else ""
     return WIN, (
-        f"decode speedup CI lower {decode.low:.3f} > {thresholds.win_threshold:g}, throughput CI upper "
-        f"{throughput.high:.3f} ≥ 1" + note
+        f"decode speedup CI lower {decode.low:.3f} > {1 + margin.decode:.3f}, throughput CI upper "
+        f"{throughput.high:.3f} ≥ {floor_t:.3f} (margin {margin.source})" + note
     )
 
 
 @dataclass(frozen=True)
 class Crossover:
-    """Where an arm stops paying, by the per-level verdicts.
+    """Where an arm stops paying, by the per-level verdicts of its reliable levels.
 
     ``pays_up_to``: the highest level of the unbroken run of WINs from the lowest tested level (None:
     it does not win at the lowest level). ``first_not_paying``: the first level above that whose
@@ -88,7 +137,7 @@ class Crossover:
 
     def describe(self, levels: Sequence[int]) -> str:
         if not levels:
-            return "n/a (no concurrency levels)"
+            return "n/a (no reliable concurrency levels)"
         if self.first_not_paying is None:
             return f"WIN at every tested level (up to c={max(levels)})"
         if self.pays_up_to is None:
@@ -97,9 +146,9 @@ class Crossover:
 
 
 def crossover(verdicts: Sequence[tuple[int, str]]) -> Crossover:
-    """The crossover from (level, verdict) points, any order."""
+    """The crossover from (level, verdict) points, any order; UNRELIABLE levels are left out."""
     pays_up_to: int | None = None
-    for level, verdict in sorted(verdicts):
+    for level, verdict in sorted(v for v in verdicts if v[1] != UNRELIABLE):
         if verdict == WIN:
             pays_up_to = level
             continue
@@ -132,61 +181,101 @@ def verdict_runs(verdicts: Sequence[tuple[int, str]]) -> str:
 
 
 @dataclass(frozen=True)
+class OperatingPoint:
+    """Where the user runs (``at``) and their peak; None: not given (the deploy verdict assumes the
+    lowest and the highest reliable tested level, and says so)."""
+
+    at: int | None = None
+    peak: int | None = None
+
+
+@dataclass(frozen=True)
+class LevelJudgement:
+    """One level of an arm, as the deploy verdict sees it."""
+
+    level: int
+    verdict: str
+    throughput: Interval | None
+    throughput_margin: float
+
+
+@dataclass(frozen=True)
 class DeployVerdict:
-    """The arm's overall verdict under the issue's rule, and the sentence that explains it."""
+    """The arm's overall verdict at the operating point and peak, and the sentence that explains it."""
 
     verdict: str
     text: str
+    at_concurrency: int | None = None
+    peak_concurrency: int | None = None
+    assumed: str = ""
+
+
+def _around(target: int, levels: Sequence[LevelJudgement]) -> tuple[list[LevelJudgement], str]:
+    """The tested level(s) a concurrency is judged at, and how that was chosen."""
+    by_level = sorted(levels, key=lambda j: j.level)
+    exact = [j for j in by_level if j.level == target]
+    if exact:
+        return exact, f"c={target}"
+    below = [j for j in by_level if j.level < target]
+    above = [j for j in by_level if j.level > target]
+    if below and above:
+        lo, hi = below[-1], above[0]
+        return [lo, hi], f"c={target}, between tested c={lo.level} and c={hi.level}: the less favourable"
+    if above:
+        return [above[0]], f"c={target}, below the lowest tested level: judged at c={above[0].level}"
+    return [below[-1]], f"c={target}, above the highest tested level: judged at c={below[-1].level}"
+
+
+def _worst_throughput(levels: Sequence[LevelJudgement]) -> LevelJudgement:
+    def key(j: LevelJudgement) -> float:
+        high = j.throughput.high if j.throughput is not None else None
+        return float("inf") if high is None else high + j.throughput_margin
+
+    return min(levels, key=key)
 
 
 def deploy_verdict(
-    verdicts: Sequence[tuple[int, str]],
-    peak_level: str,
-    peak_throughput: Interval | None,
-    identical: int,
-    compared: int,
-    thresholds: Thresholds,
+    levels: Sequence[LevelJudgement], point: OperatingPoint, identity: IdentityCheck
 ) -> DeployVerdict:
-    """WIN when the arm wins at some level, loses at none, peak-level throughput is not lower (CI upper
-    ≥ 1) and identity holds; LOSS when peak throughput is lower beyond the CI, identity fails, or it
-    wins nowhere and loses somewhere; NO CLEAR GAIN otherwise (a WIN at some levels and a LOSS at others
-    below the peak included: the sentence names both)."""
-    peak = f"c={peak_level}" if peak_level.isdigit() else peak_level
-    per_level = verdict_runs(verdicts) if verdicts else "no per-level verdicts"
-    wins = [lv for lv, v in verdicts if v == WIN]
-    cross = crossover(verdicts)
-    rate = identical / compared if compared else None
-    if peak_throughput is None or peak_throughput.high is None:
-        peak_text = f"at peak ({peak}) throughput not estimable"
-    else:
-        peak_text = f"at peak ({peak}) throughput {fmt_ratio(peak_throughput)}"
-    head = f"{per_level}; {peak_text}"
-    if rate is not None and rate < thresholds.identity_min:
-        return DeployVerdict(
-            LOSS, f"{head}; identical {rate:.2%} < {thresholds.identity_min:.0%}: do not enable"
-        )
-    peak_lower = (
-        peak_throughput is not None and peak_throughput.high is not None and peak_throughput.high < 1.0
+    """The arm's verdict at the operating point and the peak (module docstring)."""
+    reliable = [j for j in levels if j.verdict != UNRELIABLE]
+    per_level = verdict_runs([(j.level, j.verdict) for j in levels]) if levels else "no per-level verdicts"
+    if not reliable:
+        return DeployVerdict(UNRELIABLE, f"{per_level}: no level passed the measurement's health checks")
+    tested = sorted(j.level for j in reliable)
+    assumed = []
+    at = point.at if point.at is not None else tested[0]
+    if point.at is None:
+        assumed.append(f"operating point = lowest reliable level c={at}")
+    peak = point.peak if point.peak is not None else tested[-1]
+    if point.peak is None:
+        assumed.append(f"peak = highest reliable level c={peak}")
+    assumption = f" (assumed: {', '.join(assumed)})" if assumed else ""
+    at_levels, at_text = _around(at, reliable)
+    at_verdict = min((j.verdict for j in at_levels), key=lambda v: _RANK.get(v, 1))
+    peak_levels, peak_text = _around(peak, reliable)
+    peak_j = _worst_throughput(peak_levels)
+    thr = peak_j.throughput
+    thr_text = "not estimable" if thr is None or thr.high is None else fmt_ratio(thr)
+    head = (
+        f"{per_level}; at the operating point ({at_text}) {at_verdict}; at peak ({peak_text}) throughput "
+        f"{thr_text}{assumption}"
     )
-    if peak_lower:
-        below = (
-            f"; it pays below that only up to c={cross.pays_up_to}" if cross.pays_up_to is not None else ""
-        )
-        return DeployVerdict(LOSS, f"{head}: do not enable for peak load{below}")
-    losses = [lv for lv, v in verdicts if v == LOSS]
-    if wins and losses:
-        # it pays at some loads and costs at others: no blanket answer
-        return DeployVerdict(
-            NO_CLEAR_GAIN,
-            f"{head}: it loses at c={', c='.join(map(str, losses))}; enable only where the load matches the "
-            f"levels it wins at (c={', c='.join(map(str, wins))})",
-        )
-    if wins and peak_throughput is not None and peak_throughput.high is not None:
-        if cross.first_not_paying is None:
-            return DeployVerdict(WIN, f"{head}: enable, it pays at every tested level")
-        return DeployVerdict(
-            WIN, f"{head}: enable; peak throughput is not lower, the decode gain is clear up to c={max(wins)}"
-        )
-    if not wins and any(v == LOSS for _, v in verdicts):
-        return DeployVerdict(LOSS, f"{head}: do not enable")
-    return DeployVerdict(NO_CLEAR_GAIN, f"{head}: no clear gain")
+
+    def verdict(v: str, why: str) -> DeployVerdict:
+        return DeployVerdict(v, f"{head}: {why}", at, peak, ", ".join(assumed))
+
+    if identity.fails:
+        return verdict(LOSS, f"{identity.text}: do not enable")
+    if thr is not None and thr.high is not None and thr.high < 1.0 - peak_j.throughput_margin:
+        return verdict(LOSS, "do not enable for peak load (throughput lower beyond the margin)")
+    lo, hi = min(at, peak), max(at, peak)
+    losing = [j.level for j in reliable if lo <= j.level <= hi and j.verdict == LOSS]
+    if at_verdict == LOSS:
+        return verdict(LOSS, "do not enable: it loses at the operating point")
+    if at_verdict == WIN and losing:
+        where = ", ".join(f"c={lv}" for lv in losing)
+        return verdict(NO_CLEAR_GAIN, f"it wins at the operating point but loses at {where}, up to the peak")
+    if at_verdict == WIN and thr is not None and thr.high is not None:
+        return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")
+    return verdict(NO_CLEAR_GAIN, "no clear gain at the operating point")

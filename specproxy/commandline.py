@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +25,10 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
+# More calls in flight than any one machine can hold open; also keeps a level within a span's INTEGER.
+MAX_CONCURRENCY = 1_000_000
+
+
 def parse_levels(text: str) -> tuple[int, ...]:
     """``"1,4,16,64"`` → (1, 4, 16, 64); ValueError with a sentence otherwise."""
     try:
@@ -32,6 +37,8 @@ def parse_levels(text: str) -> tuple[int, ...]:
         raise ValueError(f"concurrency must be a comma-separated list of integers, got {text!r}") from None
     if not levels or any(c < 1 for c in levels):
         raise ValueError(f"concurrency levels must be integers ≥ 1, got {text!r}")
+    if any(c > MAX_CONCURRENCY for c in levels):
+        raise ValueError(f"concurrency levels must be at most {MAX_CONCURRENCY:,}, got {text!r}")
     return levels
 
 
@@ -50,6 +57,29 @@ class ConcurrencyLevels(click.ParamType):  # type: ignore[type-arg]
             return parse_levels(str(value))
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+
+
+class FiniteFloat(click.FloatRange):
+    """A float option in an optional range that must also be a finite number.
+
+    click's FloatRange compares with < and >, which NaN always passes, and accepts infinity.
+
+    >>> FiniteFloat(min=0, min_open=True).convert("2.5", None, None)
+    2.5
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.name = "float" if self.min is None and self.max is None else "float range"
+
+    def _describe_range(self) -> str:
+        return "" if self.min is None and self.max is None else super()._describe_range()
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(number, param, ctx)
 
 
 def experiment_or_none(path: Path | None) -> Experiment | None:

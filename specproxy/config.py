@@ -1,7 +1,13 @@
 """The experiment file: TOML in, typed frozen config out.
 
-    [experiment]            name, mode (shadow | split), db, model, and proxy settings
-    [[arms]]                one per backend; exactly one has role = "baseline"
+    [experiment]            name, mode (shadow | split), db, model, the operating point
+                            (at_concurrency, peak_concurrency) and proxy settings
+    [[arms]]                one per backend, each with a role:
+                              "baseline"   exactly one: the configuration candidates are measured against
+                              "candidate"  (the default) a configuration under test
+                              "replica"    any number: a plain copy of the baseline (no speculation),
+                                           measured like a candidate; its spread against the baseline
+                                           is the noise floor a real difference must clear
 
 A mistake raises :class:`ConfigError` whose message names the file, the arm and the field, e.g.
 ``exp.toml: arms[2].speculative.num_speculative_tokens: must be ≥ 1``.
@@ -24,7 +30,8 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 Mode = Literal["shadow", "split"]
-Role = Literal["baseline", "candidate"]
+Role = Literal["baseline", "candidate", "replica"]
+ROLES: tuple[Role, ...] = ("baseline", "candidate", "replica")
 
 # vLLM 0.33's `method` values (vllm/config/speculative.py).
 SPEC_METHODS = frozenset(
@@ -43,6 +50,8 @@ SPEC_METHODS = frozenset(
     }
 )
 REMOVED_SPEC_METHODS = frozenset({"medusa", "mlp_speculator"})
+# The serving engines whose responses the proxy reads; "auto" detects it from what the arm returns.
+ENGINE_KINDS = ("auto", "vllm", "sglang", "trtllm", "llamacpp")
 
 
 class ConfigError(ValueError):
@@ -83,6 +92,11 @@ class Arm:
     return_token_ids: bool = False
     description: str = ""
     engine: EngineSettings = field(default_factory=EngineSettings)
+    # Which engine serves this arm (`engine = "llamacpp"`, or `kind` in the [arms.engine] table).
+    engine_kind: str = "auto"
+    # A tokenizer.json to count output tokens with when the arm reports no usage (else the
+    # experiment's `tokenizer`); read from disk, never downloaded.
+    tokenizer: str | None = None
 
     @property
     def spec_method(self) -> str:
@@ -116,11 +130,22 @@ class Experiment:
     upstream_read_timeout_s: float | None = 600.0
     shadow_timeout_s: float = 600.0
     max_body_bytes: int = 32 * 1024 * 1024
+    # Clients: a request head must arrive within client_header_timeout_s of the connection opening (or
+    # of its previous response), its body within client_body_timeout_s; None: from the file limit.
+    client_header_timeout_s: float = 30.0
+    client_body_timeout_s: float = 60.0
+    max_client_connections: int | None = None
     shutdown_grace_s: float = 30.0
     span_queue_size: int = 100_000
     scrape_interval_s: float = 5.0
     otlp_endpoint: str | None = None
     source_path: str | None = None
+    # The default tokenizer.json for arms that name none (see Arm.tokenizer).
+    tokenizer: str | None = None
+    # The operating point: the concurrency the user runs at, and their peak. The deploy verdict is
+    # answered at these levels; None: the analysis says what it assumed.
+    at_concurrency: int | None = None
+    peak_concurrency: int | None = None
 
     @property
     def baseline(self) -> Arm:
@@ -128,7 +153,12 @@ class Experiment:
 
     @property
     def candidates(self) -> tuple[Arm, ...]:
+        """Every arm but the baseline (replicas included: they are called the way candidates are)."""
         return tuple(a for a in self.arms if a.role != "baseline")
+
+    @property
+    def replicas(self) -> tuple[Arm, ...]:
+        return tuple(a for a in self.arms if a.role == "replica")
 
     def arm(self, name: str) -> Arm:
         for a in self.arms:
@@ -223,6 +253,7 @@ def _frozen_map(d: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _load_engine(where: str, table: Mapping[str, Any], path: str) -> EngineSettings:
     r = _Reader(where, table, path)
+    r.used.add("kind")  # read by _engine_kind
     port = r.get("port", int, None)
     gpus = r.get("gpus", list, [])
     if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
@@ -268,13 +299,19 @@ def _load_arm(where: str, table: Any, index: int) -> Arm:
     if not url.startswith(("http://", "https://")):
         raise r.fail("url", f"must start with http:// or https://, got {url!r}")
     role = r.get("role", str, "candidate")
-    if role not in ("baseline", "candidate"):
-        raise r.fail("role", f"must be 'baseline' or 'candidate', got {role!r}")
+    if role not in ROLES:
+        raise r.fail("role", f"must be 'baseline', 'candidate' or 'replica', got {role!r}")
     weight = float(r.get("weight", (int, float), 1.0))
     if weight < 0:
         raise r.fail("weight", "must be ≥ 0")
     spec = r.get("speculative", dict, {})
     validate_speculative(spec, where, f"{path}.speculative")
+    if role == "replica" and spec:
+        raise r.fail(
+            "speculative",
+            "a replica is a plain copy of the baseline and runs without speculation; "
+            'remove speculative, or make this arm role = "candidate"',
+        )
     sample = float(r.get("sample", (int, float), 1.0))
     if not 0 <= sample <= 1:
         raise r.fail("sample", "must be between 0 and 1")
@@ -287,7 +324,10 @@ def _load_arm(where: str, table: Any, index: int) -> Arm:
         raise r.fail("vllm_extensions", f"must be 'auto', 'on' or 'off', got {ext!r}")
     rti = r.get("return_token_ids", bool, False)
     desc = r.get("description", str, "")
-    engine = _load_engine(where, r.get("engine", dict, {}), f"{path}.engine")
+    engine_value = r.get("engine", (str, dict), {})
+    engine_kind = _engine_kind(r, engine_value)
+    engine = _load_engine(where, engine_value if isinstance(engine_value, dict) else {}, f"{path}.engine")
+    tokenizer = _tokenizer_path(r, where)
     r.check_unknown(r.used)
     return Arm(
         name=name,
@@ -302,7 +342,30 @@ def _load_arm(where: str, table: Any, index: int) -> Arm:
         return_token_ids=rti,
         description=desc,
         engine=engine,
+        engine_kind=engine_kind,
+        tokenizer=tokenizer,
     )
+
+
+def _engine_kind(r: _Reader, value: str | Mapping[str, Any]) -> str:
+    kind = value if isinstance(value, str) else value.get("kind", "auto")
+    if kind not in ENGINE_KINDS:
+        key = "engine" if isinstance(value, str) else "engine.kind"
+        raise r.fail(key, f"must be one of {', '.join(repr(k) for k in ENGINE_KINDS)}, got {kind!r}")
+    return str(kind)
+
+
+def _tokenizer_path(r: _Reader, where: str) -> str | None:
+    """The tokenizer.json named in this table, relative to the experiment file; it must exist."""
+    value = r.get("tokenizer", str, None)
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_absolute() and not where.startswith("<"):
+        path = Path(where).resolve().parent / path
+    if not path.is_file():
+        raise r.fail("tokenizer", f"{value!r} is not a file (a tokenizer.json, read offline)")
+    return str(path)
 
 
 def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Experiment:
@@ -344,6 +407,25 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
             raise r.fail(key, "must be > 0")
         return v
 
+    tokenizer = _tokenizer_path(r, where)
+    if tokenizer is not None:  # the arms without their own tokenizer use the experiment's
+        arms = tuple(a if a.tokenizer else dataclasses.replace(a, tokenizer=tokenizer) for a in arms)
+
+    def concurrency(key: str) -> int | None:
+        v = r.get(key, int, None)
+        if v is not None and v < 1:
+            raise r.fail(key, f"must be a concurrency ≥ 1, got {v}")
+        return int(v) if v is not None else None
+
+    at_concurrency = concurrency("at_concurrency")
+    peak_concurrency = concurrency("peak_concurrency")
+    if at_concurrency is not None and peak_concurrency is not None and peak_concurrency < at_concurrency:
+        raise r.fail(
+            "peak_concurrency",
+            "must be ≥ at_concurrency (the peak is the busiest you run): "
+            f"{peak_concurrency} < {at_concurrency}",
+        )
+
     exp = Experiment(
         name=name,
         arms=arms,
@@ -357,14 +439,24 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
         upstream_read_timeout_s=positive("upstream_read_timeout_s", 600.0),
         shadow_timeout_s=float(positive("shadow_timeout_s", 600.0)),
         max_body_bytes=int(positive("max_body_bytes", 32 * 1024 * 1024)),
+        client_header_timeout_s=float(positive("client_header_timeout_s", 30.0)),
+        client_body_timeout_s=float(positive("client_body_timeout_s", 60.0)),
+        max_client_connections=_optional_int(positive("max_client_connections", None)),
         shutdown_grace_s=float(positive("shutdown_grace_s", 30.0)),
         span_queue_size=int(positive("span_queue_size", 100_000)),
         scrape_interval_s=float(positive("scrape_interval_s", 5.0)),
         otlp_endpoint=r.get("otlp_endpoint", str, None),
         source_path=None if where.startswith("<") else where,
+        tokenizer=tokenizer,
+        at_concurrency=at_concurrency,
+        peak_concurrency=peak_concurrency,
     )
     r.check_unknown(r.used)
     return exp
+
+
+def _optional_int(value: float | None) -> int | None:
+    return int(value) if value is not None else None
 
 
 def load_experiment(path: str | Path) -> Experiment:

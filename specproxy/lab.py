@@ -1,40 +1,43 @@
 """`specproxy lab`: the standard speculative-decoding evaluation in one command.
 
-Without ``--config`` it starts four simulated vLLM arms (``specproxy sim`` subprocesses, one per arm,
+Without ``--config`` it starts five simulated vLLM arms (``specproxy sim`` subprocesses, one per arm,
 so both cores work, launched and stopped by ``specproxy engines`` exactly as ``engines up --engine sim``
-would) on free local ports — the lab's four configurations:
+would) on free local ports — the lab's four configurations and a replica of the baseline:
 
     baseline     no speculation
+    replica      no speculation either (role "replica"): its spread against the baseline is the
+                 noise floor a real difference must clear (``--no-replica`` leaves it out)
     ngram        {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, ...}
     draft_model  {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct", ...}
     eagle3       {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", ...}
 
 then replays the built-in mixed workload (:mod:`specproxy.proxy.replay.workload`) in paired mode at
-temperature 0 over a closed-loop concurrency sweep, prints the analysis table and a per-category
-latency table, and writes the DuckDB span store and report.html into ``--out``. With ``--config``
-it replays against the experiment's (running) arms instead.
+temperature 0 over a closed-loop concurrency sweep, each level in ``--rounds`` rounds (the arms'
+order rotated each round), prints the analysis table and a per-category latency table, and writes
+the DuckDB span store and report.html into ``--out``. With ``--config`` it replays against the
+experiment's (running) arms instead.
 
 The sweep goes to 256, not only 64: on the h100-llama3.1-8b profile (the SpecDecode-Bench fit of vLLM on
 an H100) verifying k+1 tokens per request is still cheap enough at batch 64 for n-gram to pay on
 copy-heavy traffic; its crossover lies near 100–130, and a sweep that stops at 64 never shows it.
 
-Time. The simulators run on the profile's own clock by default (``--time-scale 1``): measured here, four
-simulators and the client at c=64 use well under one of the two cores, so the client never falls behind
-and the figures are the profile's. ``--time-scale X`` runs every simulator X times faster; every arm is
-scaled alike, so ratios between arms (what the verdicts use) are kept as long as the client keeps up,
+Time. ``--time-scale X`` runs every simulator X times faster than the profile's clock; every arm is
+scaled alike, so ratios between arms (what the verdicts use) are kept as long as the machine keeps up,
 while absolute tok/s are multiplied by X and times divided by it (the lab says so under its tables).
+A simulator that cannot keep its clock (too many streams for the cores it gets) stretches every time
+it reports, and the level's health says so. Without ``--time-scale`` the lab first probes: one short
+wave at the top level at time scale 1; while a simulator falls more than the health limit behind its
+clock, the simulators are restarted at half the speed and probed again (down to 1/4). It prints what it
+chose and why, and the run's experiment description records it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
+import dataclasses
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,24 +47,37 @@ import click
 from rich.console import Console
 
 from specproxy.commandline import ConcurrencyLevels, experiment_or_none, run_async
-from specproxy.config import Arm, EngineSettings, Experiment
+from specproxy.config import Arm, EngineSettings, Experiment, Role
 from specproxy.engine_state import EngineError
 from specproxy.engines.launch.plan import SimOptions, plan_arm
 from specproxy.engines.launch.supervisor import start_arms, stop_experiment
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
-from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
+from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, THRESHOLDS
+from specproxy.proxy.replay.runner import (
+    LoadPlan,
+    ReplayError,
+    ReplaySettings,
+    replay_until_stopped,
+    run_replay,
+)
 from specproxy.proxy.replay.summary import print_summary
 from specproxy.proxy.replay.workload import mixed_workload
-from specproxy.proxy.spans.sink import SpanSinkError
+from specproxy.proxy.spans.sink import HealthRow, SpanSinkError
 
 LAB_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_PROFILE = "h100-llama3.1-8b"
-# Above this share of busy time behind its clock, a simulator's figures are flagged as distorted.
-MAX_CLOCK_LAG = 0.05
+# Above this share of busy time behind its clock, a simulator's figures are stretched by the machine.
+MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG]
+# The time-scale probe: one wave of this many tokens per call at the top level; never slower than this.
+PROBE_MAX_TOKENS = 64
+SLOWEST_PROBED_SCALE = 1 / 4
+REPLICA = "replica"
 
-# The lab's four configurations: (arm name, vLLM --speculative-config or None).
+# The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
+# REPLICA is a plain copy of it.
 LAB_ARMS: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("baseline", None),
+    (REPLICA, None),
     (
         "ngram",
         {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
@@ -79,16 +95,19 @@ LAB_ARMS: tuple[tuple[str, dict[str, Any] | None], ...] = (
 
 @dataclass(frozen=True, slots=True)
 class LabPlan:
-    """How big a lab run is; ``quick`` is tuned to finish in under 2 minutes on 2 cores."""
+    """How big a lab run is."""
 
     levels: tuple[int, ...]
-    min_items_per_level: int
+    min_items_per_level: int  # over all rounds
     waves_per_level: int  # items per level ≥ waves × concurrency, so each level reaches steady state
     time_scale: float
     max_tokens_scale: float
+    rounds: int
 
-    def items_per_level(self, level: int) -> int:
-        return max(self.min_items_per_level, self.waves_per_level * level)
+    def items_per_round(self, level: int) -> int:
+        """A level's items split over its rounds; every round fills the level's slots at least once."""
+        total = max(self.min_items_per_level, self.waves_per_level * level)
+        return max(level, -(-total // self.rounds))
 
 
 QUICK = LabPlan(
@@ -97,6 +116,7 @@ QUICK = LabPlan(
     waves_per_level=2,
     time_scale=1.0,
     max_tokens_scale=0.5,
+    rounds=3,
 )
 FULL = LabPlan(
     levels=(1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -104,6 +124,7 @@ FULL = LabPlan(
     waves_per_level=3,
     time_scale=1.0,
     max_tokens_scale=1.0,
+    rounds=3,
 )
 
 
@@ -116,16 +137,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def lab_experiment(out: Path, profile: str, time_scale: float) -> Experiment:
-    """The lab's four arms as an experiment on free local ports (its state lives under ``out``)."""
+def lab_experiment(out: Path, profile: str, time_scale: float, *, replica: bool = True) -> Experiment:
+    """The lab's arms as an experiment on free local ports (its state lives under ``out``)."""
     arms = []
-    for name, spec in LAB_ARMS:
+    for i, (name, spec) in enumerate(LAB_ARMS):
+        if name == REPLICA and not replica:
+            continue
         port = _free_port()
+        role: Role = "baseline" if i == 0 else "replica" if name == REPLICA else "candidate"
         arms.append(
             Arm(
                 name=name,
                 url=f"http://127.0.0.1:{port}",
-                role="baseline" if spec is None else "candidate",
+                role=role,
                 speculative=spec or {},
                 engine=EngineSettings(port=port),
                 description=f"specproxy sim, profile {profile}, time scale {time_scale:g}",
@@ -137,10 +161,12 @@ def lab_experiment(out: Path, profile: str, time_scale: float) -> Experiment:
 
 
 @contextlib.contextmanager
-def simulated_arms(out: Path, profile: str, time_scale: float, seed: int) -> Iterator[Experiment]:
+def simulated_arms(
+    out: Path, profile: str, time_scale: float, seed: int, *, replica: bool = True
+) -> Iterator[Experiment]:
     """Start one `specproxy sim` per lab arm through `specproxy engines` (the same launch plan as
     `engines up --engine sim`); stop them all on the way out, whatever happened."""
-    exp = lab_experiment(out, profile, time_scale)
+    exp = lab_experiment(out, profile, time_scale, replica=replica)
     # Simulators left behind by a lab in this folder that was killed outright.
     stop_experiment(exp, grace_s=5.0)
     options = SimOptions(profile=profile, time_scale=time_scale, seed=seed)
@@ -163,66 +189,104 @@ def simulated_arms(out: Path, profile: str, time_scale: float, seed: int) -> Ite
         stop_experiment(exp, grace_s=10.0)
 
 
-class SimClocks:
-    """Each simulator's clock at every phase boundary (``/sim/stats``), for the lag of each level: how
-    far a simulator's real clock fell behind the profile's while busy. Above a few percent the machine
-    could not keep up and that level's times are stretched."""
-
-    def __init__(self, arms: Sequence[Arm]) -> None:
-        self.arms = arms
-        # phase → arm → (lag_s, ideal_busy_wall_s), both cumulative since the simulator started
-        self.marks: dict[str, dict[str, tuple[float, float]]] = {}
-
-    async def mark(self, phase: str) -> None:
-        self.marks[phase] = await asyncio.to_thread(self._read)
-
-    def _read(self) -> dict[str, tuple[float, float]]:
-        clocks: dict[str, tuple[float, float]] = {}
-        for arm in self.arms:
-            try:
-                with urllib.request.urlopen(f"{arm.url}/sim/stats", timeout=5.0) as resp:
-                    stats = json.loads(resp.read())
-                clocks[arm.name] = (float(stats["lag_s"]), float(stats["ideal_busy_wall_s"]))
-            except (urllib.error.URLError, OSError, ValueError, KeyError):
-                continue
-        return clocks
-
-    def lag_by_level(self) -> dict[str, dict[str, float]]:
-        """level label → arm → share of the level's busy time the simulator ran behind its clock."""
-        out: dict[str, dict[str, float]] = {}
-        for phase, after in self.marks.items():
-            if not phase.endswith(":after"):
-                continue
-            label = phase.removesuffix(":after")
-            before = self.marks.get(f"{label}:before", {})
-            out[label] = {
-                arm: (lag - before[arm][0]) / (busy - before[arm][1])
-                for arm, (lag, busy) in after.items()
-                if arm in before and busy > before[arm][1]
-            }
-        return out
+def probe_clock_lag(exp: Experiment, items: Sequence[ReplayItem], level: int, out: Path, seed: int) -> float:
+    """The worst simulator clock lag over one short wave at ``level`` (its spans go to probe.duckdb)."""
+    settings = ReplaySettings(
+        arms=exp.arms,
+        db_path=out / "probe.duckdb",
+        run_name="lab-probe",
+        load=LoadPlan(kind="closed", levels=(level,), warmup=0, items_per_level=lambda c: c),
+        max_tokens=PROBE_MAX_TOKENS,
+        seed=seed,
+        experiment=exp,
+        show_progress=False,
+    )
+    result = run_async(run_replay(settings, items))
+    lags = [r.value for r in result.health if r.check_name == ENGINE_CLOCK_LAG and r.value is not None]
+    return max(lags, default=0.0)
 
 
-def print_clock_lag(lag: dict[str, dict[str, float]], console: Console) -> None:
+@dataclass(frozen=True, slots=True)
+class ScaleChoice:
+    time_scale: float
+    probed: tuple[tuple[float, float], ...]  # (time scale, worst clock lag) in the order tried
+
+    def sentence(self, level: int) -> str:
+        if not self.probed:
+            return f"time scale {self.time_scale:g} (given)"
+        tried = ", ".join(f"{lag:.1%} at {scale:g}" for scale, lag in self.probed)
+        kept_up = self.probed[-1][1] <= MAX_CLOCK_LAG
+        why = "the fastest that kept up" if kept_up else f"the slowest probed, still over {MAX_CLOCK_LAG:.0%}"
+        return (
+            f"time scale {self.time_scale:g}, {why}: a probe at c={level} saw a worst simulator clock lag of "
+            f"{tried}"
+        )
+
+
+def start_simulated_arms(
+    stack: contextlib.ExitStack[Any],
+    out: Path,
+    profile: str,
+    plan: LabPlan,
+    seed: int,
+    *,
+    replica: bool,
+    probe_items: Sequence[ReplayItem] | None,
+    console: Console,
+) -> tuple[Experiment, ScaleChoice]:
+    """Start the simulated arms, at ``plan.time_scale`` or, with ``probe_items``, at the fastest time
+    scale (halving from it) at which a probe at the top level keeps every simulator on its clock."""
+    top = max(plan.levels)
+    scale = plan.time_scale
+    probed: list[tuple[float, float]] = []
+    while True:
+        n = len(LAB_ARMS) - (0 if replica else 1)
+        console.print(f"starting {n} simulated arms ({profile}, time scale {scale:g}) ...", highlight=False)
+        arms = contextlib.ExitStack()
+        exp = arms.enter_context(simulated_arms(out, profile, scale, seed, replica=replica))
+        if probe_items is None:
+            break
+        try:
+            lag = probe_clock_lag(exp, probe_items, top, out, seed)
+        except BaseException:
+            arms.close()
+            raise
+        probed.append((scale, lag))
+        console.print(f"probe at c={top}, time scale {scale:g}: worst clock lag {lag:.1%}", highlight=False)
+        if lag <= MAX_CLOCK_LAG or scale / 2 < plan.time_scale * SLOWEST_PROBED_SCALE:
+            break
+        arms.close()
+        scale /= 2
+    stack.enter_context(arms)
+    return exp, ScaleChoice(scale, tuple(probed))
+
+
+def clock_lag_by_level(health: Sequence[HealthRow]) -> dict[int, tuple[float, str]]:
+    """level → the worst engine clock lag over its rounds and arms, and that arm."""
+    worst: dict[int, tuple[float, str]] = {}
+    for row in health:
+        if row.check_name != ENGINE_CLOCK_LAG or row.value is None or row.concurrency_level is None:
+            continue
+        if row.concurrency_level not in worst or row.value > worst[row.concurrency_level][0]:
+            worst[row.concurrency_level] = (row.value, row.arm or "?")
+    return dict(sorted(worst.items()))
+
+
+def print_clock_lag(lag: dict[int, tuple[float, str]], console: Console) -> None:
     if not lag:
         return
-    cells = []
-    for label, arms in lag.items():
-        if arms:
-            worst = max(arms, key=lambda a: arms[a])
-            cells.append(f"{label} {arms[worst]:.1%} ({worst})")
+    cells = [f"c={level} {value:.1%} ({arm})" for level, (value, arm) in lag.items()]
     console.print(
-        "simulator clock lag by level (worst arm; share of busy time behind the profile's clock): "
-        + ", ".join(cells),
+        "simulator clock lag by level (worst arm and round; share of busy time behind the profile's "
+        "clock): " + ", ".join(cells),
         highlight=False,
     )
-    late = [label for label, arms in lag.items() if arms and max(arms.values()) > MAX_CLOCK_LAG]
+    late = [f"c={level}" for level, (value, _) in lag.items() if value > MAX_CLOCK_LAG]
     if late:
         console.print(
             f"[yellow]warning: at {', '.join(late)} a simulator fell more than {MAX_CLOCK_LAG:.0%} "
-            "behind its clock (this machine could not keep up): those rows' times are stretched "
-            "and their ratios less certain; rerun on a quieter machine or with --time-scale "
-            "0.5[/yellow]"
+            "behind its clock (this machine could not keep up): those levels' times are stretched; "
+            "rerun on a quieter machine or with a smaller --time-scale[/yellow]"
         )
 
 
@@ -248,7 +312,7 @@ def analysis_outputs(db_path: Path, out: Path, run: str, console: Console) -> Pa
 
 def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayItem]:
     if workload is None:
-        n = max(plan.items_per_level(c) for c in plan.levels)
+        n = max(plan.items_per_round(c) for c in plan.levels)
         return mixed_workload(n, seed=seed, max_tokens_scale=plan.max_tokens_scale)
     try:
         return read_items(workload, "auto", seed=seed).items
@@ -256,12 +320,23 @@ def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayIt
         raise click.ClickException(str(exc)) from None
 
 
+def _with_operating_point(exp: Experiment, at: int | None, peak: int | None, note: str) -> Experiment:
+    """The experiment as the run records it: the operating point given on the command line wins."""
+    description = "; ".join(x for x in (exp.description, note) if x)
+    return dataclasses.replace(
+        exp,
+        at_concurrency=at if at is not None else exp.at_concurrency,
+        peak_concurrency=peak if peak is not None else exp.peak_concurrency,
+        description=description,
+    )
+
+
 @click.command("lab")
 @click.option(
     "--config",
     "config_path",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Experiment file with running arms (default: start four simulated arms).",
+    help="Experiment file with running arms (default: start five simulated arms).",
 )
 @click.option(
     "--workload",
@@ -275,13 +350,34 @@ def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayIt
     help="Concurrency levels of the sweep (default 1,2,4,8,16,32,64,128,256; with --quick 1,4,16,64,256).",
 )
 @click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Measure each level in N rounds, the arms' order rotated each round (default 3).",
+)
+@click.option(
+    "--at-concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="The concurrency you run at: the deploy verdict answers there (default: the experiment's).",
+)
+@click.option(
+    "--peak-concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Your peak concurrency: throughput must not drop there (default: the experiment's).",
+)
+@click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("lab-out"),
     show_default=True,
     help="Folder for the span store, report.html and the simulators' logs.",
 )
-@click.option("--quick", is_flag=True, help="A smaller run: under 2 minutes on a 2-core machine.")
+@click.option("--quick", is_flag=True, help="A smaller run: fewer levels and requests.")
 @click.option(
     "--profile",
     default=DEFAULT_PROFILE,
@@ -292,14 +388,16 @@ def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayIt
     "--time-scale",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="Simulated arms run this many times faster than the profile's clock (default 1); "
-    "ratios between arms are kept, absolute tok/s are multiplied by it.",
+    help="Simulated arms run this many times faster than the profile's clock (default: the fastest, "
+    "from 1 down, at which a probe at the top level keeps up); ratios between arms are kept, absolute "
+    "tok/s are multiplied by it.",
 )
+@click.option("--no-replica", is_flag=True, help="Do not start the baseline's replica (the noise floor).")
 @click.option(
     "--items",
     type=click.IntRange(min=1),
     default=None,
-    help="At least this many requests per arm and level (default 40; 20 with --quick).",
+    help="At least this many requests per arm and level, over all rounds (default 40; 20 with --quick).",
 )
 @click.option(
     "--max-tokens",
@@ -313,62 +411,81 @@ def lab(
     config_path: Path | None,
     workload: Path | None,
     levels: tuple[int, ...] | None,
+    rounds: int | None,
+    at_concurrency: int | None,
+    peak_concurrency: int | None,
     out: Path,
     quick: bool,
     profile: str,
     time_scale: float | None,
+    no_replica: bool,
     items: int | None,
     max_tokens: int | None,
     seed: int,
     no_progress: bool,
 ) -> None:
-    """The whole evaluation in one command: four speculative configs, a concurrency sweep, a verdict.
+    """The whole evaluation in one command: four speculative configs and a replica of the baseline, a
+    concurrency sweep in rounds, a verdict.
 
     \b
     Examples:
-      specproxy lab --quick                      # simulated arms, about 2 minutes
+      specproxy lab --quick                      # simulated arms
       specproxy lab --profile h200-llama3.1-8b   # the full sweep on another cost profile
       specproxy lab --config exp.toml --workload capture.jsonl --concurrency 1,8,32
     """
     console = Console(stderr=True, soft_wrap=True)
-    plan = QUICK if quick else FULL
+    base = QUICK if quick else FULL
     plan = LabPlan(
-        levels=levels or plan.levels,
-        min_items_per_level=items or plan.min_items_per_level,
-        waves_per_level=plan.waves_per_level,
-        time_scale=time_scale or plan.time_scale,
-        max_tokens_scale=plan.max_tokens_scale,
+        levels=levels or base.levels,
+        min_items_per_level=items or base.min_items_per_level,
+        waves_per_level=base.waves_per_level,
+        time_scale=time_scale or base.time_scale,
+        max_tokens_scale=base.max_tokens_scale,
+        rounds=rounds or base.rounds,
     )
     experiment = experiment_or_none(config_path)
+    if at_concurrency is not None and peak_concurrency is not None and peak_concurrency < at_concurrency:
+        raise click.BadParameter(
+            f"must be ≥ --at-concurrency ({peak_concurrency} < {at_concurrency})",
+            param_hint="--peak-concurrency",
+        )
     out.mkdir(parents=True, exist_ok=True)
     db_path = out / "specproxy.duckdb"
     lab_items = _lab_items(workload, plan, seed)
     t0 = time.monotonic()
+    scale_note = ""
     with contextlib.ExitStack() as stack:
         simulated = experiment is None
         if experiment is None:
-            console.print(
-                f"starting 4 simulated arms ({profile}, time scale {plan.time_scale:g}) ...", highlight=False
+            top = max(plan.levels)
+            probe = [lab_items[i % len(lab_items)] for i in range(top)] if time_scale is None else None
+            experiment, choice = start_simulated_arms(
+                stack, out, profile, plan, seed, replica=not no_replica, probe_items=probe, console=console
             )
-            experiment = stack.enter_context(simulated_arms(out, profile, plan.time_scale, seed))
-        arms = experiment.arms
-        clocks = SimClocks(arms) if simulated else None
+            plan = dataclasses.replace(plan, time_scale=choice.time_scale)
+            scale_note = choice.sentence(top)
+            click.echo(f"lab: {scale_note}")
+        experiment = _with_operating_point(
+            experiment, at_concurrency, peak_concurrency, f"lab: {scale_note}" if scale_note else ""
+        )
         settings = ReplaySettings(
-            arms=arms,
+            arms=experiment.arms,
             db_path=db_path,
             run_name="lab-quick" if quick else "lab",
             mode="paired",
-            load=LoadPlan(kind="closed", levels=plan.levels, items_per_level=plan.items_per_level),
+            load=LoadPlan(
+                kind="closed", levels=plan.levels, items_per_level=plan.items_per_round, rounds=plan.rounds
+            ),
             temperature=0.0,
             max_tokens=max_tokens,
             seed=seed,
             experiment=experiment,
-            on_phase=clocks.mark if clocks is not None else None,
             show_progress=not no_progress,
         )
-        n_calls = sum(plan.items_per_level(c) for c in plan.levels)
+        n_calls = plan.rounds * sum(plan.items_per_round(c) for c in plan.levels)
         console.print(
-            f"sweep {','.join(map(str, plan.levels))} in paired mode, {n_calls} requests per arm",
+            f"sweep {','.join(map(str, plan.levels))} in paired mode, {plan.rounds} rounds per level, "
+            f"{n_calls} requests per arm",
             highlight=False,
         )
         try:
@@ -384,12 +501,11 @@ def lab(
         console.print("interrupted: what was measured so far is analysed below", highlight=False)
     if simulated and plan.time_scale != 1:
         console.print(
-            f"note: the simulated arms ran {plan.time_scale:g}x faster than the {profile} clock: "
+            f"note: the simulated arms ran {plan.time_scale:g}x as fast as the {profile} clock: "
             f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
             highlight=False,
         )
-    if clocks is not None:
-        print_clock_lag(clocks.lag_by_level(), console)
+    print_clock_lag(clock_lag_by_level(result.health), console)
     report = analysis_outputs(db_path, out, result.run_id, console)
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)
     if result.interrupted:

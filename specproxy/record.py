@@ -19,9 +19,27 @@ from operator import attrgetter
 from typing import Any, Literal, get_args, get_type_hints
 
 Status = Literal["ok", "http_error", "upstream_error", "timeout", "client_cancelled", "dropped"]
-# Where the speculation counts came from: vLLM's per-request metrics, the shape of the stream (tokens
-# per chunk), another engine's own report; unknown (an engine that may speculate but did not say), none.
-SpecSource = Literal["vllm_request_metrics", "stream_shape", "engine_reported", "unknown", "none"]
+# Where a span's speculation figures came from: reported by the engine for the request (one value per
+# engine format), estimated from the stream's shape (reliable or not), unknown for an arm that
+# speculates without either, none for an arm that does not speculate. See proxy/upstream/acceptance.py.
+SpecSource = Literal[
+    "vllm_request_metrics",
+    "sglang_request_metrics",
+    "trtllm_request_metrics",
+    "llamacpp_timings",
+    "stream_shape",
+    "stream_shape_unreliable",
+    "unknown",
+    "none",
+]
+REPORTED_SPEC_SOURCES: tuple[str, ...] = (
+    "vllm_request_metrics",
+    "sglang_request_metrics",
+    "trtllm_request_metrics",
+    "llamacpp_timings",
+)
+# Where completion_tokens came from; text_estimate is an estimate (see proxy/upstream/tokens.py).
+TokensSource = Literal["usage", "tokenizer", "chunks", "text_estimate"]
 RoutedAs = Literal["primary", "shadow", "split", "verify", "replay"]
 Source = Literal["live", "replay"]
 Endpoint = Literal["chat", "completions"]
@@ -84,7 +102,7 @@ class SpanRecord:
     # added in schema 7 (appended, so older files migrate by ALTER TABLE ADD COLUMN)
     round: int | None = None  # replay's round of this level (1-based); None for live traffic
     engine: str | None = None  # the engine that answered: vllm | sglang | trtllm | llamacpp | unknown
-    tokens_source: str | None = None  # completion_tokens from: usage | tokenizer | text_estimate | chunks
+    tokens_source: TokensSource | None = None  # where completion_tokens came from
     queue_s: float | None = None  # engine-reported time queued before scheduling, where reported
     engine_running: float | None = None  # the arm's running-requests gauge at call start (last scrape)
     engine_waiting: float | None = None  # the arm's waiting-requests gauge at call start (last scrape)
@@ -264,7 +282,7 @@ OTEL_ATTRIBUTE: dict[str, str] = {name: f"specproxy.{name}" for name in COLUMNS}
 def decode_tok_s(
     completion_tokens: int | None, t_first_token: float | None, t_last_token: float | None
 ) -> float | None:
-    """DESIGN.md's per-request decode speed: (completion_tokens − 1) / (t_last − t_first).
+    """The per-request decode speed: (completion_tokens − 1) / (t_last − t_first).
 
     None when it is not defined (fewer than two tokens, or all tokens arrived in one chunk).
     """

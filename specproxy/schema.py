@@ -148,14 +148,65 @@ SELECT run_id, arm, arm_role, spec_method, level, concurrency_level, calls, ok, 
 FROM agg
 """
 
-# Each call beside the baseline call of the same request_id (the first ok one). kind says what the
-# comparison measures: 'candidate' (a speculative arm), 'replica' (a non-speculative candidate arm, a
-# second baseline: Diffy's secondary) or 'repeat' (the same request sent to the baseline again); the
-# last two give the noise floor. identical is the proxy's verdict, else a comparison of output hashes
-# when both calls were greedy (temperature 0). Columns are listed, not `*`: DuckDB does not prune unused
-# columns through the window, and the view over 10 M spans is twice as fast for it. `calls` is used
-# twice and DuckDB would materialise it (all spans, in memory): NOT MATERIALIZED halves peak memory.
+# Each call beside the baseline call of the same request_id in the same replay round (the first ok
+# one). kind says what the comparison measures: 'candidate' (a speculative arm), 'replica' (an arm with
+# role 'replica', or any non-speculative arm beside the baseline: Diffy's secondary) or 'repeat' (the
+# same request sent to the baseline again); the last two give the noise floor. start_s is the call's
+# start in seconds since the epoch (the analysis cuts levels into time blocks with it). identical is
+# the proxy's verdict, else a comparison of output hashes when both calls were greedy (temperature 0).
+# Columns are listed, not `*`: DuckDB does not prune unused columns through the window, and the view
+# over 10 M spans is twice as fast for it. `calls` is used twice and DuckDB would materialise it (all
+# spans, in memory): NOT MATERIALIZED halves peak memory.
 PAIRS_VIEW = """
+CREATE OR REPLACE VIEW pairs AS
+WITH calls AS NOT MATERIALIZED (
+    SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
+           status, decode_tok_s, ttft_s, e2e_s, completion_tokens, identical, first_divergence,
+           divergence_margin, output_text, t_start, t_start_ns, span_id, round,
+           coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s,
+           temperature = 0 AS greedy, hash(output_sha256) AS output_hash
+    FROM requests
+), ranked AS (
+    SELECT *, row_number() OVER (
+        PARTITION BY run_id, request_id, round
+        ORDER BY (status = 'ok') DESC, t_start, t_start_ns, span_id) AS base_rank
+    FROM calls
+    WHERE arm_role = 'baseline'
+), base AS (
+    SELECT run_id, request_id, round, arm, status, decode_tok_s, ttft_s, e2e_s, completion_tokens,
+           output_text, greedy, output_hash
+    FROM ranked WHERE base_rank = 1
+), others AS (
+    SELECT * EXCLUDE (t_start, t_start_ns, span_id) FROM calls WHERE arm_role <> 'baseline'
+    UNION ALL
+    SELECT * EXCLUDE (t_start, t_start_ns, span_id, base_rank) FROM ranked WHERE base_rank > 1
+)
+SELECT c.run_id, c.request_id,
+       coalesce(CAST(c.concurrency_level AS VARCHAR), 'live') AS level,
+       c.concurrency_level, c.round, c.start_s, c.category, c.arm, c.arm_role, c.spec_method,
+       c.routed_as,
+       CASE WHEN c.arm_role = 'baseline' THEN 'repeat'
+            WHEN c.arm_role = 'replica' OR coalesce(c.spec_method, 'none') IN ('none', '') THEN 'replica'
+            ELSE 'candidate' END AS kind,
+       b.arm AS baseline_arm,
+       c.status, b.status AS baseline_status,
+       c.decode_tok_s, b.decode_tok_s AS baseline_decode_tok_s,
+       c.decode_tok_s / nullif(b.decode_tok_s, 0) AS decode_speedup,
+       c.ttft_s, b.ttft_s AS baseline_ttft_s,
+       c.e2e_s, b.e2e_s AS baseline_e2e_s,
+       c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
+       coalesce(c.identical,
+                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.greedy AND b.greedy
+                     THEN c.output_hash = b.output_hash END) AS identical,
+       c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
+       c.output_text, b.output_text AS baseline_output_text
+FROM others c
+JOIN base b ON c.run_id = b.run_id AND c.request_id = b.request_id
+            AND c.round IS NOT DISTINCT FROM b.round
+"""
+
+# The pairs view of migrations 2-7 (before calls carried a replay round), kept as those migrations ran it.
+PAIRS_VIEW_V2 = """
 CREATE OR REPLACE VIEW pairs AS
 WITH calls AS NOT MATERIALIZED (
     SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
@@ -216,12 +267,67 @@ FROM pairs
 GROUP BY run_id, arm, level
 """
 
-# Speculative-decoding counters per run, arm and window, from backend_metrics. A window is a phase
-# pair 'X:before' / 'X:after' (replay's 'c=16' → level '16') or every scrape of one other phase
-# ('periodic' → level 'live'). Each series (name + labels, so each `engine`) contributes its increase,
-# Prometheus-style: a drop means the counter restarted from zero, so the new value is the increase.
-# Then series are summed (over `engine` and any other label).
+# Speculative-decoding counters per run, arm and level, from backend_metrics. A window is a phase
+# pair 'X:before' / 'X:after' (replay's 'c=16', or one round of it, 'c=16 r2/3' → level '16') or every
+# scrape of one other phase ('periodic' → level 'live'). Each series (name + labels, so each `engine`)
+# contributes its increase in each window, Prometheus-style: a drop means the counter restarted from
+# zero, so the new value is the increase. Then windows and series are summed per level (over rounds,
+# `engine` and any other label).
 ACCEPTANCE_VIEW = """
+CREATE OR REPLACE VIEW acceptance AS
+WITH samples AS (
+    SELECT run_id, arm, scraped_at, name, labels_json, value,
+           CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
+                THEN regexp_replace(phase, ':(before|after)$', '')
+                ELSE coalesce(phase, 'periodic') END AS win,
+           json_extract_string(labels_json, '$.position') AS position
+    FROM backend_metrics
+    WHERE name IN ('vllm:spec_decode_num_drafts_total', 'vllm:spec_decode_num_draft_tokens_total',
+                   'vllm:spec_decode_num_accepted_tokens_total',
+                   'vllm:spec_decode_num_accepted_tokens_per_pos_total')
+), steps AS (
+    SELECT *, regexp_replace(win, ' r[0-9]+/[0-9]+$', '') AS phase,
+           lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
+    FROM samples
+), series AS (
+    SELECT run_id, arm, phase, name, position,
+           sum(CASE WHEN previous IS NULL THEN 0
+                    WHEN value >= previous THEN value - previous
+                    ELSE value END) AS increase
+    FROM steps
+    GROUP BY run_id, arm, phase, win, name, labels_json, position
+), totals AS (
+    SELECT run_id, arm, phase,
+           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_drafts_total') AS drafts,
+           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_draft_tokens_total') AS draft_tokens,
+           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_accepted_tokens_total') AS accepted_tokens
+    FROM series
+    GROUP BY run_id, arm, phase
+), positions AS (
+    SELECT s.run_id, s.arm, s.phase,
+           list(s.increase / nullif(t.drafts, 0) ORDER BY TRY_CAST(s.position AS INTEGER))
+               AS acceptance_per_position
+    FROM (SELECT run_id, arm, phase, position, sum(increase) AS increase
+          FROM series
+          WHERE name = 'vllm:spec_decode_num_accepted_tokens_per_pos_total'
+          GROUP BY run_id, arm, phase, position) s
+    JOIN totals t USING (run_id, arm, phase)
+    GROUP BY s.run_id, s.arm, s.phase
+)
+SELECT t.run_id, t.arm, t.phase,
+       CASE WHEN t.phase LIKE 'c=%' THEN substr(t.phase, 3)
+            WHEN t.phase = 'periodic' THEN 'live'
+            ELSE t.phase END AS level,
+       t.drafts, t.draft_tokens, t.accepted_tokens,
+       t.accepted_tokens / nullif(t.draft_tokens, 0) AS acceptance_rate,
+       1 + t.accepted_tokens / nullif(t.drafts, 0) AS acceptance_length,
+       p.acceptance_per_position
+FROM totals t
+LEFT JOIN positions p USING (run_id, arm, phase)
+"""
+
+# The acceptance view of migrations 2-7 (one window per level), kept as those migrations ran it.
+ACCEPTANCE_VIEW_V2 = """
 CREATE OR REPLACE VIEW acceptance AS
 WITH samples AS (
     SELECT run_id, arm, scraped_at, name, labels_json, value,
@@ -275,20 +381,22 @@ LEFT JOIN positions p USING (run_id, arm, phase)
 """
 
 VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
+# The views as migrations 2-6 created them: a migration's statements never change once shipped.
+VIEWS_DDL_V2: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW_V2]
 
 # One list of statements per version; index 0 brings an empty file to version 1.
 MIGRATIONS: list[list[str]] = [
     [REQUESTS_DDL, RUNS_DDL, BACKEND_METRICS_DDL],
     # 2: the analysis views (arm_summary, pairs, identity, acceptance)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 3: the same views re-created (pairs lists its columns: twice as fast)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 4: re-created again (pairs does not materialise its input: half the memory)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 5: arm_summary.decode_calls (calls with a measured decode speed)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 6: arm_summary takes both TTFT percentiles from one aggregate (30 % less CPU)
-    VIEWS_DDL,
+    VIEWS_DDL_V2,
     # 7: per-call round, engine, token source, queueing and engine load; the measurement's health
     [
         "ALTER TABLE requests ADD COLUMN round INTEGER",
@@ -300,6 +408,9 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE requests ADD COLUMN notes VARCHAR",
         HEALTH_DDL,
     ],
+    # 8: pairs matches calls within a replay round, shows round and start_s; role 'replica' is a replica;
+    # acceptance sums a level's rounds (each round its own before/after window, 'c=16 r2/3')
+    VIEWS_DDL,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -5,8 +5,9 @@
 logprobs), /v1/models, /version, /health and /metrics. Outputs are deterministic: token i of a prompt
 is a function of the prompt and i, so two backends agree unless one is told to diverge.
 :class:`BackendConfig` sets timing (TTFT, gap between chunks), tokens per chunk (a speculative arm
-sends several), failures and non-vLLM behaviour. :class:`BackendStats` counts what happened
-(requests, completions, cancellations seen when the client went away) and keeps received headers.
+sends several), failures, non-vLLM behaviour, and a gate that holds every generation until a test opens
+it. :class:`BackendStats` counts what happened (requests, completions, cancellations seen when the client
+went away) and keeps received headers.
 
 Example::
 
@@ -45,11 +46,20 @@ class BackendConfig:
     spec_metrics: bool = False  # attach metrics.speculative_decoding (k = tokens_per_chunk - 1)
     diverge_at: int | None = None  # token index from which this backend's output differs
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
+    # | "echo400" (a 400 quoting the request, like vLLM's validation errors)
     fail: str | None = None
-    eof_delay_s: float = 0.0  # gap between `data: [DONE]` and the end of the body (a server finishing up)
+    gate: asyncio.Event | None = None  # when given, generation waits for it (a backend slow until told)
+    eof_gate: asyncio.Event | None = None  # when given, the body ends after [DONE] only once it is set
+    # Answer with these instead of generating: streaming, each is one event's data (then [DONE]);
+    # not streaming, the last is the whole body. A broken or hostile backend.
+    script: tuple[bytes, ...] = ()
+    content_type: str | None = None  # override the answer's Content-Type
     version: str = "0.33.0"
-    # like vLLM's context limit: a max_tokens above it (or below 0) is a 400, never 2**31 tokens in memory
-    max_model_len: int = 131072
+    # Answer as llama.cpp's llama-server does: one token per chunk; `timings` on the last chat chunk
+    # (the usage-only chunk when include_usage was asked for); streamed completions end with a chunk
+    # holding `usage` next to `choices`; JSON content types carry `charset=utf-8`. With spec_metrics,
+    # `timings` reports draft_n / draft_n_accepted.
+    llama_server: bool = False
 
 
 @dataclass
@@ -96,22 +106,69 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     if stats.keep_requests:
         stats.bodies.append(body)
         stats.headers.append(CIMultiDict(request.headers))
+    opts = body.get("stream_options")
+    known = {"include_usage", "continuous_usage_stats"}
+    if opts is not None and not (isinstance(opts, dict) and set(opts) <= known):
+        return _error(400, "stream_options: Extra inputs are not permitted")  # like vLLM
     if cfg.reject_extensions:
         for key in ("stream_options", "return_token_ids"):
             if key in body:
                 return _error(400, f"Unrecognized request argument supplied: {key}")
     if cfg.fail == "http500":
         return _error(500, "backend exploded", "InternalServerError")
+    if cfg.fail == "echo400":  # like vLLM's validation errors: the input quoted, long values cut
+        quoted = repr(body.get("messages") or body.get("prompt"))
+        quoted = quoted if len(quoted) <= 50 else quoted[:25] + "..." + quoted[-24:]
+        return _error(400, f"1 validation error for Request: Input should be valid [input_value={quoted}]")
     if cfg.fail == "http429":
         return _error(429, "rate limited", "RateLimitError")
+    invalid = _invalid(body, chat)
+    if invalid is not None:
+        return _error(400, invalid)
     stats.active += 1
     try:
+        if cfg.script:
+            return await _scripted(request, cfg, bool(body.get("stream")))
         return await _generate(request, cfg, stats, body, chat)
     except (asyncio.CancelledError, ConnectionError):
         stats.cancelled += 1
         raise
     finally:
         stats.active -= 1
+
+
+MAX_MODEL_LEN = 131072  # (Llama 3.1)
+
+
+def _invalid(body: dict[str, Any], chat: bool) -> str | None:
+    """What vLLM's request validation would refuse (400) among what this backend reads."""
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    if max_tokens and not (
+        isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens <= MAX_MODEL_LEN
+    ):
+        return f"max_tokens must be an integer from 1 to {MAX_MODEL_LEN}"
+    if chat and not isinstance(body.get("messages"), list):
+        return "messages: Input should be a valid list"
+    if not chat and not isinstance(body.get("prompt"), str | list):
+        return "prompt: Input should be a valid string or list"
+    try:
+        _logprobs_n(body, chat)
+    except (TypeError, ValueError, OverflowError):
+        return "logprobs / top_logprobs must be integers"
+    if not isinstance(body.get("stream_options") or {}, dict):
+        return "stream_options: Input should be a valid dictionary"
+    return None
+
+
+async def _scripted(request: web.Request, cfg: BackendConfig, stream: bool) -> web.StreamResponse:
+    if not stream:
+        return web.Response(body=cfg.script[-1], content_type=cfg.content_type or "application/json")
+    resp = web.StreamResponse(headers={"Content-Type": cfg.content_type or "text/event-stream"})
+    await resp.prepare(request)
+    for data in (*cfg.script, b"[DONE]"):
+        await resp.write(b"data: " + data + b"\n\n")
+    await resp.write_eof()
+    return resp
 
 
 async def _generate(
@@ -121,19 +178,18 @@ async def _generate(
     prompt_key = orjson.dumps(prompt_part, option=orjson.OPT_SORT_KEYS)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
     n = int(max_tokens) if max_tokens else cfg.tokens
-    if not 0 <= n <= cfg.max_model_len:
-        return _error(400, f"max_tokens must be at most {cfg.max_model_len} (the context length), got {n}")
     ids = token_ids_for(prompt_key, n, cfg.diverge_at)
     prompt_tokens = len(prompt_key) // 4 + 1
     finish = "length"
-    want_ids = cfg.vllm and bool(body.get("return_token_ids"))
+    want_ids = cfg.vllm and not cfg.llama_server and bool(body.get("return_token_ids"))
     opts = body.get("stream_options") or {}
-    usage_final = cfg.vllm and bool(opts.get("include_usage"))
+    usage_final = (cfg.vllm or cfg.llama_server) and bool(opts.get("include_usage"))
     usage_cont = usage_final and bool(opts.get("continuous_usage_stats"))
     lp_n = _logprobs_n(body, chat)
     k = max(cfg.tokens_per_chunk - 1, 0)
-    steps = [ids[i : i + cfg.tokens_per_chunk] for i in range(0, len(ids), cfg.tokens_per_chunk)]
-    if steps and cfg.tokens_per_chunk > 1:
+    per_chunk = 1 if cfg.llama_server else cfg.tokens_per_chunk
+    steps = [ids[i : i + per_chunk] for i in range(0, len(ids), per_chunk)]
+    if steps and cfg.tokens_per_chunk > 1 and not cfg.llama_server:
         steps = [ids[:1]] + [
             ids[1 + i : 1 + i + cfg.tokens_per_chunk] for i in range(0, len(ids) - 1, cfg.tokens_per_chunk)
         ]
@@ -164,6 +220,8 @@ async def _generate(
         writer = await stream.prepare(request)
         assert writer is not None
         writer.send_headers()
+    if cfg.gate is not None:
+        await cfg.gate.wait()
     if cfg.ttft_s:
         await asyncio.sleep(cfg.ttft_s)
     if cfg.fail == "hang":
@@ -192,11 +250,16 @@ async def _generate(
                 "total_tokens": prompt_tokens + len(ids),
             },
         }
-        if spec:
+        if spec and not cfg.llama_server:
             out["metrics"] = {"speculative_decoding": spec}
+        if cfg.llama_server:
+            out["timings"] = _llama_timings(cfg, len(ids))
+            out["system_fingerprint"] = "b1234-abcdef0"
         stats.completed += 1
         if cfg.fail == "garbage":
             return web.Response(body=b"<html>not json", content_type="application/json")
+        if cfg.llama_server:
+            return web.Response(body=orjson.dumps(out), headers={"Content-Type": JSON_UTF8})
         return web.Response(body=orjson.dumps(out), content_type="application/json")
 
     resp = stream
@@ -248,11 +311,16 @@ async def _generate(
         else:
             c["text"] = text
         c["logprobs"] = _logprobs(step, lp_n, chat) if lp_n else None
-        c["finish_reason"] = finish if last else None
+        c["finish_reason"] = finish if last and not cfg.llama_server else None
         if want_ids:
             c["token_ids"] = step
         await resp.write(chunk([c]))
-    if usage_final:
+    if cfg.llama_server:
+        tail = _llama_stream_tail(cfg, chat, usage_final, finish, done, prompt_tokens)
+        for piece in tail:
+            piece.update({"id": rid, "object": obj_name, "created": created, "model": model})
+            await resp.write(b"data: " + orjson.dumps(piece) + b"\n\n")
+    elif usage_final:
         final: dict[str, Any] = {
             "id": rid,
             "object": obj_name,
@@ -270,10 +338,36 @@ async def _generate(
         await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     stats.completed += 1
-    if cfg.eof_delay_s:
-        await asyncio.sleep(cfg.eof_delay_s)
+    if cfg.eof_gate is not None:
+        await cfg.eof_gate.wait()
     await resp.write_eof()
     return resp
+
+
+JSON_UTF8 = "application/json; charset=utf-8"
+
+
+def _llama_timings(cfg: BackendConfig, predicted: int) -> dict[str, Any]:
+    timings: dict[str, Any] = {"prompt_n": 5, "prompt_ms": 1.5, "predicted_n": predicted, "predicted_ms": 9.0}
+    if cfg.spec_metrics:
+        timings["draft_n"] = 2 * predicted
+        timings["draft_n_accepted"] = predicted // 2
+    return timings
+
+
+def _llama_stream_tail(
+    cfg: BackendConfig, chat: bool, include_usage: bool, finish: str, done: int, prompt_tokens: int
+) -> list[dict[str, Any]]:
+    """The chunks llama-server ends a stream with (tools/server/server-task.cpp)."""
+    usage = {"completion_tokens": done, "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + done}
+    if not chat:  # to_json_oaicompat: one final chunk, usage always next to choices
+        choice = {"text": "", "index": 0, "logprobs": None, "finish_reason": finish}
+        return [{"choices": [choice], "usage": usage, "timings": _llama_timings(cfg, done)}]
+    tail: list[dict[str, Any]] = [{"choices": [{"finish_reason": finish, "index": 0, "delta": {}}]}]
+    if include_usage:
+        tail.append({"choices": [], "usage": usage})
+    tail[-1]["timings"] = _llama_timings(cfg, done)
+    return tail
 
 
 def _logprobs_n(body: dict[str, Any], chat: bool) -> int:
@@ -334,6 +428,9 @@ async def _metrics(request: web.Request) -> web.Response:
     text = (
         "# TYPE vllm:num_requests_running gauge\n"
         f'vllm:num_requests_running{{engine="0",model_name="test-model"}} {stats.active}\n'
+        # Not a vLLM series (scrapers keep vllm:* only): lets a test in another process wait for answers.
+        "# TYPE test_backend_completed counter\n"
+        f"test_backend_completed_total {stats.completed}\n"
     )
     return web.Response(text=text, content_type="text/plain")
 

@@ -8,7 +8,11 @@ Two generators:
 The population truth is simple on purpose: per arm and level, decode tok/s is lognormal with median
 ``BASE_DECODE_MEDIAN / (1 + level / 32) * speedup`` (paired runs multiply the baseline's own draw, so the
 true ratio of medians is exactly ``speedup``), TTFT is lognormal, outputs are identical with
-probability ``identical_p``.
+probability ``identical_p``. With ``rounds`` each level is replayed that many times (the same
+request ids, ``round`` set); ``round_sigma`` gives each arm a slow or fast moment per round (its decode
+speed and e2e scaled by one lognormal draw for the whole round): drift that requests within a round
+share. :func:`make_live_load_run` builds shadow traffic whose arms ran at different loads, and
+:func:`health_row` the measurement's health checks.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 import duckdb
 
 from specproxy import schema
-from specproxy.record import SpanRecord
+from specproxy.record import SpanRecord, Status
 
 BASE_DECODE_MEDIAN = 80.0
 DECODE_SIGMA = 0.35
@@ -67,6 +71,22 @@ class SyntheticRun:
     spans: list[SpanRecord]
     metrics: list[tuple[Any, ...]]
     run_row: tuple[Any, ...]
+    health: list[tuple[Any, ...]] = field(default_factory=list)
+
+
+def health_row(
+    run_id: str,
+    level: int | None,
+    check: str,
+    value: float,
+    *,
+    threshold: float | None = None,
+    arm: str | None = None,
+    round_: int | None = None,
+) -> tuple[Any, ...]:
+    """One row of the `health` table (run_id, arm, concurrency_level, round, check_name, value,
+    threshold, measured_at)."""
+    return (run_id, arm, level, round_, check, value, threshold, T0)
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
@@ -88,6 +108,9 @@ def make_run(
     restart_engine: str | None = None,
     split_cycle: Sequence[int] | None = None,
     shadow_sample: float = 1.0,
+    rounds: int = 1,
+    round_sigma: float = 0.0,
+    health: Sequence[tuple[Any, ...]] = (),
 ) -> SyntheticRun:
     """A run: every request goes to every arm (paired) or to one arm (split): round robin, or the arm
     indices of ``split_cycle`` in turn (``[0, 0, 0, 1]``: the first arm gets 3 requests in 4)."""
@@ -96,9 +119,10 @@ def make_run(
     metrics: list[tuple[Any, ...]] = []
     baseline = next(a for a in arms if a.role == "baseline")
     t_level = T0
-    for level in levels:
+    for level, round_no in [(lv, r) for lv in levels for r in range(1, rounds + 1)]:
         level_end = t_level
         counters: dict[str, dict[str, float]] = {}
+        shock = {a.name: math.exp(rng.gauss(0.0, round_sigma)) for a in arms}
         for i in range(n_per_level):
             request_id = f"{run_id}-{level}-{i}"
             category = categories[i % len(categories)]
@@ -111,18 +135,26 @@ def make_run(
             start = t_level + timedelta(microseconds=rng.randint(0, 2_000_000))
             for arm in targets:
                 if arm is baseline:
-                    decode = base_decode
+                    decode = base_decode * shock[arm.name]
                 elif paired:
-                    decode = base_decode * arm.true_speedup(level) * math.exp(rng.gauss(0.0, PAIR_SIGMA))
+                    decode = (
+                        base_decode
+                        * arm.true_speedup(level)
+                        * math.exp(rng.gauss(0.0, PAIR_SIGMA))
+                        * shock[arm.name]
+                    )
                 else:
-                    decode = _lognormal(
-                        rng,
-                        BASE_DECODE_MEDIAN / (1 + (level or 0) / 32) * arm.true_speedup(level),
-                        DECODE_SIGMA,
+                    decode = (
+                        _lognormal(
+                            rng,
+                            BASE_DECODE_MEDIAN / (1 + (level or 0) / 32) * arm.true_speedup(level),
+                            DECODE_SIGMA,
+                        )
+                        * shock[arm.name]
                     )
                 ttft = _lognormal(rng, 0.05 * (1 + (level or 0) / 8), 0.5)
                 e2e = ttft + (tokens - 1) / decode
-                status = "ok" if rng.random() > 0.01 else "timeout"
+                status: Status = "ok" if rng.random() > 0.01 else "timeout"
                 same = rng.random() < arm.identical_p
                 comparable = arm is not baseline and paired and status == "ok"
                 drafts = (
@@ -183,11 +215,13 @@ def make_run(
                             else rng.choice([0.05, 0.2, 2.5, 4.0])
                         ),
                         status=status,
+                        round=round_no if level is not None else None,
                     )
                 )
         # before/after scrapes of the level, split over two engines; with restart_engine, that engine
         # restarted during the level: its counter went back to zero, so "after" is below "before".
-        window = f"c={level}" if level is not None else None
+        # one before/after window per level, or per round of it ('c=16 r2/3') when measured in rounds
+        window = None if level is None else f"c={level}" if rounds == 1 else f"c={level} r{round_no}/{rounds}"
         for arm_name, c in counters.items():
             for cname, total in c.items():
                 share0 = math.floor(total * 0.6)
@@ -220,7 +254,74 @@ def make_run(
         "testhost",
         "0.1.0",
     )
-    return SyntheticRun(run_id, name, spans, metrics, run_row)
+    return SyntheticRun(run_id, name, spans, metrics, run_row, list(health))
+
+
+def make_live_load_run(
+    n_requests: int = 2000,
+    *,
+    sample: float = 0.2,
+    speedup: float = 1.0,
+    load_column: str = "inflight_at_start",
+    run_id: str = "live-load",
+    seed: int = 5,
+) -> SyntheticRun:
+    """Shadow traffic in front of two engines that differ only by ``speedup``; the candidate gets a
+    copy of one request in ``1 / sample``, so it runs at about ``sample`` times the baseline's load.
+
+    Each call's decode speed depends on its own engine's load at its start (median
+    ``BASE_DECODE_MEDIAN / (1 + load / 32) * speedup``), the load is recorded in ``load_column``
+    (``inflight_at_start`` or ``engine_running``). The baseline's load wanders over 1-40 (traffic
+    comes and goes), so the two loads overlap at the low end.
+    """
+    rng = random.Random(seed)
+    arms = (
+        ArmSpec("baseline", "baseline", "none"),
+        ArmSpec("candidate", spec_method="eagle3", speedup=speedup),
+    )
+    spans: list[SpanRecord] = []
+    every = round(1 / sample)
+    for i in range(n_requests):
+        base_load = rng.uniform(1.0, 40.0)
+        loads = {"baseline": base_load, "candidate": base_load * sample + rng.uniform(0.0, 2.0)}
+        start = T0 + timedelta(milliseconds=50 * i)
+        tokens = rng.randint(16, 256)
+        for arm in arms if i % every == 0 else arms[:1]:
+            load = loads[arm.name]
+            decode = _lognormal(rng, BASE_DECODE_MEDIAN / (1 + load / 32) * arm.speedup, DECODE_SIGMA)
+            ttft = _lognormal(rng, 0.05 * (1 + load / 8), 0.5)
+            record = SpanRecord(
+                run_id=run_id,
+                request_id=f"{run_id}-{i}",
+                arm=arm.name,
+                arm_role=arm.role,
+                backend_url="http://127.0.0.1:9001",
+                spec_method=arm.spec_method,
+                source="live",
+                routed_as="primary" if arm.role == "baseline" else "shadow",
+                category="chat",
+                endpoint="chat",
+                model="m",
+                stream=True,
+                temperature=0.0,
+                t_start=start,
+                t_start_ns=(start - EPOCH) // timedelta(microseconds=1) * 1000,
+                ttft_s=ttft,
+                e2e_s=ttft + (tokens - 1) / decode,
+                decode_tok_s=decode,
+                completion_tokens=tokens,
+                finish_reason="stop",
+                output_sha256=f"out-{i}",
+                identical=True if arm.role != "baseline" else None,
+                status="ok",
+            )
+            if load_column == "engine_running":
+                record.engine_running = load
+            else:
+                record.inflight_at_start = round(load)
+            spans.append(record)
+    run_row = (run_id, "live load", "shadow", "live", T0, T0, "{}", "{}", "testhost", "0.1.0")
+    return SyntheticRun(run_id, "live load", spans, [], run_row)
 
 
 def write_db(path: str | Path, runs: Iterable[SyntheticRun]) -> Path:
@@ -233,6 +334,7 @@ def write_db(path: str | Path, runs: Iterable[SyntheticRun]) -> Path:
             _insert(conn, "requests", [s.as_row() for s in run.spans])
             _insert(conn, "backend_metrics", run.metrics)
             _insert(conn, "runs", [run.run_row])
+            _insert(conn, "health", run.health)
     return path
 
 

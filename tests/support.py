@@ -1,7 +1,9 @@
-"""Helpers for tests that start real servers: free ports, readiness polls, CLI subprocesses."""
+"""Helpers for tests that start real servers: free ports, readiness polls, CLI subprocesses, and
+waiting for an event (a condition polled with a deadline) instead of sleeping and hoping."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -9,7 +11,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Long enough for a loaded shared machine; a test that waits this long has failed anyway.
+WAIT_S = 30.0
+_POLL_S = 0.01  # in-process conditions are cheap to check
+_POLL_SYNC_S = 0.05  # these often ask another process (HTTP, /proc)
 
 
 def free_port() -> int:
@@ -19,7 +28,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_http(url: str, timeout: float = WAIT_S, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Poll `url` until it answers 2xx; fail early if `proc` died."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
@@ -33,8 +42,60 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | N
                     return
         except (urllib.error.URLError, OSError) as exc:
             last = exc
-        time.sleep(0.05)
+        time.sleep(_POLL_SYNC_S)
     raise TimeoutError(f"{url} did not answer within {timeout}s (last error: {last})")
+
+
+async def wait_until(condition: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``condition`` on the event loop until it is true; fail saying ``what`` was awaited."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what}")
+        await asyncio.sleep(_POLL_S)
+
+
+async def wait_for_count(count: Callable[[], int], n: int, what: str, timeout: float = WAIT_S) -> None:
+    """Until ``count()`` reaches ``n`` ("after N completions"); a failure says how far it got."""
+    try:
+        await wait_until(lambda: count() >= n, f"{n} {what}", timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; got {count()}") from None
+
+
+async def loop_turns(n: int) -> None:
+    """Let the event loop run ``n`` times (each turn polls its sockets): what is ready has happened."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def http_ok(url: str) -> bool:
+    """Whether ``url`` answers 2xx right now (a refused connection is a no)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5.0) as resp:
+            status: int = resp.status
+    except (urllib.error.URLError, OSError):
+        return False
+    return 200 <= status < 300
+
+
+def wait_until_sync(condition: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
+    """:func:`wait_until` for tests without an event loop."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what}")
+        time.sleep(_POLL_SYNC_S)
+
+
+def metric_sum(metrics_url: str, sample: str) -> float:
+    """The sum of every ``sample`` series on a Prometheus /metrics page (0 when there is none yet)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == sample
+    )
 
 
 def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

@@ -1,4 +1,4 @@
-"""The README's analysis section: its SQL queries and its Python example run on a real span store."""
+"""analysis/README.md: its SQL queries and its Python example run on a real span store."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from specproxy.cli import main
 from tests.spanfactory import ArmSpec, make_run, write_db
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "analysis" / "README.md"
 
 
 def _section() -> str:

@@ -8,7 +8,6 @@ compare their outputs and take acceptance from the periodic window, equal to the
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
-from tests.support import free_port, start_cli, stop, wait_http
+from tests.support import free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
 
 
 @pytest.fixture
@@ -84,8 +83,10 @@ speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
             )
             with urllib.request.urlopen(request, timeout=30) as resp:
                 assert b"data: [DONE]" in resp.read()
-        # let the shadows finish and a periodic scrape follow them
-        time.sleep(2.0)
+        # The shadow copies end after their clients' calls; the proxy scrapes the arms once more when
+        # it stops, after them.
+        calls = f"http://127.0.0.1:{port}/metrics"
+        wait_until_sync(lambda: metric_sum(calls, "specproxy_requests_total") >= 16, "16 finished calls")
     finally:
         stop(proxy)
 

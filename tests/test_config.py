@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specproxy.config import ConfigError, load_experiment
+from specproxy.config import ConfigError, experiment_json, load_experiment
 
 GOOD = """
 [experiment]
@@ -81,6 +81,31 @@ def test_good_file_loads_typed_and_frozen(tmp_path: Path) -> None:
         ('role = "baseline"', 'role = "candidate"', 'exactly one arm must have role = "baseline"'),
         ('name = "ngram"', 'name = "eagle3"', "arms[2].name: duplicate arm name 'eagle3'"),
         ("sample = 0.5", "sample = true", "arms[2].sample: must be a number"),
+        (
+            'role = "baseline"',
+            'role = "shadow"',
+            "arms[0].role: must be 'baseline', 'candidate' or 'replica'",
+        ),
+        (
+            'name = "eagle3"',
+            'name = "eagle3"\nrole = "replica"',
+            "arms[1].speculative: a replica is a plain copy of the baseline",
+        ),
+        (
+            'mode = "shadow"',
+            'mode = "shadow"\nat_concurrency = 0',
+            "experiment.at_concurrency: must be a concurrency ≥ 1",
+        ),
+        (
+            'mode = "shadow"',
+            'mode = "shadow"\nat_concurrency = "8"',
+            "experiment.at_concurrency: must be an integer",
+        ),
+        (
+            'mode = "shadow"',
+            'mode = "shadow"\nat_concurrency = 32\npeak_concurrency = 8',
+            "experiment.peak_concurrency: must be ≥ at_concurrency",
+        ),
     ],
 )
 def test_mistakes_name_file_arm_and_field(tmp_path: Path, replace: str, by: str, message: str) -> None:
@@ -90,6 +115,21 @@ def test_mistakes_name_file_arm_and_field(tmp_path: Path, replace: str, by: str,
         load_experiment(path)
     assert str(info.value).startswith(f"{path}: ")
     assert message in str(info.value)
+
+
+def test_replica_arms_and_the_operating_point(tmp_path: Path) -> None:
+    text = GOOD.replace('mode = "shadow"', 'mode = "shadow"\nat_concurrency = 8\npeak_concurrency = 64')
+    text += '\n[[arms]]\nname = "baseline-2"\nrole = "replica"\nurl = "http://127.0.0.1:8004"\n'
+    exp = load_experiment(write(tmp_path, text))
+    assert (exp.at_concurrency, exp.peak_concurrency) == (8, 64)
+    assert [a.name for a in exp.replicas] == ["baseline-2"]
+    replica = exp.arm("baseline-2")
+    assert replica.role == "replica" and replica.spec_method == "none"
+    assert [a.name for a in exp.candidates] == ["eagle3", "ngram", "baseline-2"]
+    # the operating point travels with the run (runs.config_json)
+    assert '"at_concurrency": 8' in experiment_json(exp) and '"peak_concurrency": 64' in experiment_json(exp)
+    plain = load_experiment(write(tmp_path, GOOD))
+    assert plain.replicas == () and plain.at_concurrency is None and plain.peak_concurrency is None
 
 
 def test_unreadable_and_invalid_toml(tmp_path: Path) -> None:

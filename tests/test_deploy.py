@@ -13,12 +13,20 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
-from dockerfile_parse import DockerfileParser
 from prometheus_client.parser import text_string_to_metric_families
+
+try:
+    import jsonschema
+    import kubernetes_validate
+    from dockerfile_parse import DockerfileParser
+except ModuleNotFoundError as missing:
+    pytest.skip(
+        f"{missing.name} is not installed: the deploy checks need the deploy-validation dependency group "
+        "(pip install --group deploy-validation)",
+        allow_module_level=True,
+    )
 
 from specproxy.config import load_experiment, parse_experiment
 from specproxy.engines.launch.render import compose_document, render_k8s
@@ -43,6 +51,7 @@ def _experiment() -> Any:
 @pytest.fixture(scope="module")
 def compose_schema() -> jsonschema.protocols.Validator:
     # check-jsonschema vendors the Compose Specification's schema (compose-spec/compose-spec).
+    pytest.importorskip("check_jsonschema", reason="the deploy-validation dependency group is not installed")
     vendored = importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
     schema = json.loads((vendored / "compose-spec.json").read_text())
     cls = jsonschema.validators.validator_for(schema)
@@ -261,3 +270,38 @@ def test_dockerfile_is_slim_non_root_with_a_healthcheck() -> None:
             source = v.split()[0]
             assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
     assert (DEPLOY / "Dockerfile.dockerignore").exists()
+
+
+def test_the_image_has_the_otlp_extra_the_deployments_export_with() -> None:
+    # Compose and Kubernetes point specproxy at an OpenTelemetry Collector; OTLP export needs the otlp
+    # extra (without it serve refuses to start), so the image must build specproxy with it.
+    services = yaml.safe_load(COMPOSE_FILES["vllm"].read_text())["services"]
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in services["specproxy"]["environment"]
+    k8s_env = [
+        e["name"]
+        for doc in _yaml_docs(DEPLOY / "k8s" / "specproxy.yaml")
+        if doc.get("kind") in ("Deployment", "StatefulSet")
+        for c in doc["spec"]["template"]["spec"]["containers"]
+        for e in c.get("env", [])
+    ]
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in k8s_env
+    parser = DockerfileParser(str(DEPLOY / "Dockerfile"))
+    builds = [v for i in parser.structure if i["instruction"] == "RUN" and "pip wheel" in (v := i["value"])]
+    assert builds and all("'.[otlp]'" in v for v in builds), builds
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("opentelemetry-exporter-otlp-proto-http") for d in extras["otlp"])
+
+
+def test_the_image_smoke_tests_what_it_installed() -> None:
+    # The final stage runs CI's smoke test of an installed specproxy, as the image's user, from the
+    # build context; the context lets the script in, and the wheel's license file.
+    parser = DockerfileParser(str(DEPLOY / "Dockerfile"))
+    instructions = [(i["instruction"], i["value"]) for i in parser.structure]
+    final = instructions[max(i for i, (k, _) in enumerate(instructions) if k == "FROM") :]
+    smoke = [i for i, (k, v) in enumerate(final) if k == "RUN" and "cli_smoke.py" in v]
+    user = max(i for i, (k, _) in enumerate(final) if k == "USER")
+    assert smoke and smoke[0] > user, "no smoke test after the image's USER"
+    assert "source=.ci/cli_smoke.py" in final[smoke[0]][1]
+    assert (ROOT / ".ci" / "cli_smoke.py").is_file()
+    allowed = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    assert {"!.ci/cli_smoke.py", "!LICENSE"} <= set(allowed)

@@ -173,6 +173,27 @@ def test_sim_plan_uses_the_same_model_port_and_config(tmp_path: Path) -> None:
     assert "CUDA_VISIBLE_DEVICES" not in sim.env
 
 
+def test_a_replica_is_planned_as_a_plain_copy_of_the_baseline(tmp_path: Path) -> None:
+    path = _exp_with(tmp_path, METHOD_CONFIGS["eagle3"])
+    path.write_text(
+        path.read_text()
+        + '\n[[arms]]\nname = "baseline-2"\nrole = "replica"\nurl = "http://127.0.0.1:8003"\n'
+        "engine = { gpus = [2] }\n"
+    )
+    result = _run("engines", "plan", str(path))
+    assert result.exit_code == 0, result.output
+    cmds = _commands(result.stdout)
+    base, replica = cmds["baseline"], cmds["baseline-2"]
+    assert replica[:4] == ["CUDA_VISIBLE_DEVICES=2", "vllm", "serve", MODEL]
+    assert replica[replica.index("--port") + 1] == "8003"
+    # the same command as the baseline's but for the GPU and the port
+    assert [w for w in replica if w not in ("CUDA_VISIBLE_DEVICES=2", "8003")] == [
+        w for w in base if w not in ("CUDA_VISIBLE_DEVICES=0", "8001")
+    ]
+    sim = plan_experiment(load_experiment(path), engine="sim", sim=SimOptions(profile="h100"))[2]
+    assert "--speculative-config" not in sim.argv and sim.port == 8003
+
+
 def test_plan_without_model_or_port_is_a_sentence(tmp_path: Path) -> None:
     path = _write(
         tmp_path,
@@ -277,7 +298,7 @@ def test_service_names_are_dns_labels(arm: str, service: str) -> None:
 
 def test_readme_shows_the_real_plan_of_the_deploy_experiment() -> None:
     root = Path(__file__).resolve().parent.parent
-    readme = root / "README.md"
+    readme = root / "engines" / "README.md"
     section = readme.read_text().split("<!-- section: engines -->")[1].split("<!-- /section: engines -->")[0]
     result = _run("engines", "plan", str(root / "deploy" / "experiment.toml"))
     assert result.exit_code == 0 and result.stderr == ""

@@ -67,7 +67,7 @@ speculative = {{ method = "eagle3", model = "{EAGLE3_HEAD}", num_speculative_tok
         )
         assert up.returncode == 0, up.stderr
         for port in ports:
-            wait_http(f"http://127.0.0.1:{port}/health", timeout=5)
+            wait_http(f"http://127.0.0.1:{port}/health")  # engines up waited for it already
 
         # Each arm answers as vLLM would, with per-request speculation stats on the candidates.
         with openai.OpenAI(base_url=f"http://127.0.0.1:{ports[2]}/v1", api_key="none") as direct:
@@ -96,7 +96,7 @@ speculative = {{ method = "eagle3", model = "{EAGLE3_HEAD}", num_speculative_tok
                 str(tmp_path / "spans.duckdb"),
             ]
         )
-        wait_http(f"http://127.0.0.1:{proxy_port}/health", timeout=20, proc=proxy)
+        wait_http(f"http://127.0.0.1:{proxy_port}/health", proc=proxy)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key="none") as client:
             for i in range(4):
                 stream = client.chat.completions.create(

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from specproxy.config import load_experiment
 from specproxy.engine_state import read_state, recorded_stacks, state_path
 from specproxy.engines.launch.plan import ArmLaunch
 from specproxy.engines.launch.stack import capture_stack, gpu_inventory
-from tests.support import free_port
+from tests.support import free_port, wait_until_sync
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -179,10 +178,7 @@ def test_up_status_down_with_vllm(tmp_path: Path, fake_vllm: Path, cleanup: list
     assert "baseline (pid" in down.stdout and "stopped" in down.stdout
     assert not state_path(exp).exists()
     # The whole process group went, the engine's workers too.
-    deadline = time.monotonic() + 5
-    while _alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(worker)
+    wait_until_sync(lambda: not _alive(worker), "the engine's worker to exit")
     assert all(not _alive(a.pid) for a in state.arms)
 
     nothing = _cli("engines", "down", str(path))
@@ -270,9 +266,7 @@ def test_status_reports_an_arm_that_died(tmp_path: Path, fake_vllm: Path, cleanu
     state = read_state(load_experiment(path))
     assert state is not None
     os.killpg(state.arms[0].pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while _alive(state.arms[0].pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until_sync(lambda: not _alive(state.arms[0].pid), "the killed engine to be gone")
     status = _cli("engines", "status", str(path))
     assert status.returncode == 1
     assert "stopped" in status.stdout
@@ -301,17 +295,12 @@ def test_down_stops_the_workers_of_an_engine_that_died(
     assert state is not None
     # The API server dies alone (as after a crash); its worker keeps running in the group.
     os.kill(state.arms[0].pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while _alive(state.arms[0].pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until_sync(lambda: not _alive(state.arms[0].pid), "the killed engine to be gone")
     worker = int(worker_pid_file.read_text())
     assert _alive(worker)
     down = _cli("engines", "down", str(path))
     assert "had exited; its leftover worker processes were stopped" in down.stdout
-    deadline = time.monotonic() + 5
-    while _alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(worker)
+    wait_until_sync(lambda: not _alive(worker), "the engine's worker to exit")
 
 
 def test_stack_reads_gpus_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ def _router(mode: str, arms: list[dict[str, Any]], **exp: Any) -> ArmRouter:
     return ArmRouter(experiment, rng=random.Random(7))
 
 
-ARMS = [
+ARMS: list[dict[str, Any]] = [
     {"name": "base", "role": "baseline", "url": "http://b"},
     {"name": "half", "url": "http://h", "sample": 0.5, "weight": 3},
     {"name": "never", "url": "http://n", "sample": 0.0, "weight": 0},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,11 +12,12 @@ from pathlib import Path
 
 import aiohttp
 import duckdb
+import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
 from tests.backends import BackendConfig, running_backend
-from tests.support import free_port, start_cli, stop, wait_http
+from tests.support import free_port, http_ok, start_cli, stop, wait_http, wait_until, wait_until_sync
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> str:
@@ -38,9 +40,10 @@ def _write_config(path: Path, base_url: str, cand_url: str | None, db: Path) -> 
 async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_path: Path) -> None:
     db = tmp_path / "spans.duckdb"
     n = 24
+    release = asyncio.Event()  # the backends generate once the proxy has been told to stop
     async with (
-        running_backend(BackendConfig(itl_s=0.02, tokens=30)) as base,
-        running_backend(BackendConfig(itl_s=0.02, tokens=30, tokens_per_chunk=3)) as cand,
+        running_backend(BackendConfig(itl_s=0.02, tokens=30, gate=release)) as base,
+        running_backend(BackendConfig(itl_s=0.02, tokens=30, tokens_per_chunk=3, gate=release)) as cand,
     ):
         cfg = _write_config(tmp_path / "exp.toml", base.url, cand.url, db)
         port = free_port()
@@ -56,12 +59,15 @@ async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_pa
                         return await r.read()
 
                 tasks = [asyncio.create_task(one(i)) for i in range(n)]
-                for _ in range(200):  # every request (and its shadow) is in flight
-                    if base.stats.active == n and cand.stats.active == n:
-                        break
-                    await asyncio.sleep(0.01)
-                assert base.stats.active == n
+                await wait_until(
+                    lambda: base.stats.active == n and cand.stats.active == n,
+                    f"all {n} requests and their shadow copies in flight",
+                )
                 proc.send_signal(signal.SIGTERM)
+                health = f"http://127.0.0.1:{port}/health"
+                stopping = "the proxy to stop taking connections"
+                await asyncio.to_thread(wait_until_sync, lambda: not http_ok(health), stopping)
+                release.set()
                 bodies = await asyncio.gather(*tasks)
             assert all(b.endswith(b"data: [DONE]\n\n") for b in bodies)  # graceful: all finished
             code = await asyncio.to_thread(proc.wait, 30)
@@ -92,10 +98,8 @@ async def test_workers_share_the_port_and_write_one_store_each(tmp_path: Path) -
         try:
             await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", 40.0, proc)
             files = [tmp_path / f"spans.w{i}.duckdb" for i in (0, 1)]
-            for _ in range(1000):  # both workers are past their signal set-up once their stores exist
-                if all(f.exists() for f in files):
-                    break
-                await asyncio.sleep(0.01)
+            # Both workers are past their signal set-up once their stores exist.
+            await wait_until(lambda: all(f.exists() for f in files), "both workers' span stores")
             # Each request on its own connection, so the kernel spreads them over the workers.
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
                 for i in range(30):
@@ -121,10 +125,8 @@ def test_sigterm_while_starting_still_records_the_run(tmp_path: Path) -> None:
     cfg = _write_config(tmp_path / "exp.toml", f"http://127.0.0.1:{free_port()}", None, db)
     proc = start_cli(["serve", "--config", str(cfg), "--port", str(free_port())])
     try:
-        for _ in range(400):  # the span store appears while the proxy is starting
-            if db.exists() or proc.poll() is not None:
-                break
-            time.sleep(0.01)
+        # The span store appears while the proxy is starting.
+        wait_until_sync(lambda: db.exists() or proc.poll() is not None, "the span store to be created")
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
     finally:
@@ -136,10 +138,11 @@ def test_sigterm_while_starting_still_records_the_run(tmp_path: Path) -> None:
 
 def test_a_span_store_held_by_another_process_is_a_sentence(tmp_path: Path) -> None:
     db = tmp_path / "held.duckdb"
-    hold = (
-        "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(9)"
+    # Holds the file until killed.
+    hold = "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(db)], stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
         cfg = _write_config(tmp_path / "exp.toml", f"http://127.0.0.1:{free_port()}", None, db)
@@ -147,8 +150,9 @@ def test_a_span_store_held_by_another_process_is_a_sentence(tmp_path: Path) -> N
     finally:
         holder.kill()
         holder.wait()
-        if holder.stdout is not None:
-            holder.stdout.close()
+        for pipe in (holder.stdin, holder.stdout):
+            if pipe is not None:
+                pipe.close()
     assert result.exit_code == 1, result.output
     assert str(db) in result.output and "Traceback" not in result.output
 
@@ -164,3 +168,47 @@ def test_config_mistakes_are_sentences_not_tracebacks(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
     helped = runner.invoke(main, ["serve", "--help"])
     assert helped.exit_code == 0 and "--workers" in helped.output and "--capture" in helped.output
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_workers_shut_down_when_the_parent_is_killed(tmp_path: Path) -> None:
+    db = tmp_path / "spans.duckdb"
+    async with running_backend(BackendConfig(tokens=3)) as base:
+        cfg = _write_config(tmp_path / "exp.toml", base.url, None, db)
+        port = free_port()
+        proc = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--workers", "2"])
+        try:
+            await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", 40.0, proc)
+            files = [tmp_path / f"spans.w{i}.duckdb" for i in (0, 1)]
+            deadline = time.monotonic() + 60
+            while not (all(f.exists() for f in files) and len(_children(proc.pid)) == 2):
+                assert time.monotonic() < deadline, _children(proc.pid)
+                await asyncio.sleep(0.05)
+            workers = _children(proc.pid)
+            proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(proc.wait, 10)
+            deadline = time.monotonic() + 90  # they finish shutting down (spans written) and exit
+            while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not any(_alive(w) for w in workers), [w for w in workers if _alive(w)]
+        finally:
+            out = _stop(proc)
+    for f in files:  # each worker closed its store cleanly, with its run ended
+        with duckdb.connect(str(f), read_only=True) as con:
+            assert con.execute("SELECT count(*) FROM runs WHERE ended_at IS NOT NULL").fetchone() == (1,), out
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (closed connections may linger)
+        s.bind(("127.0.0.1", port))  # nothing listens on the port any more

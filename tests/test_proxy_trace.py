@@ -12,8 +12,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from specproxy.config import Arm
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.upstream.calls import upstream_request_id
 from tests.backends import BackendConfig, running_backend
-from tests.test_proxy_app import running_proxy, spans
+from tests.proxies import running_proxy, spans
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
@@ -63,17 +64,20 @@ async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_tracepar
     assert len({r["trace_id"] for r in rows}) == 3
     # In OTel (what OTLP exports) the client's span is the parent of both calls; other requests are roots.
     otel = {format(s.context.span_id, "016x"): s for s in seen.get_finished_spans()}
-    for r in rows:
-        span = otel[r["span_id"]]
-        assert format(span.context.trace_id, "032x") == r["trace_id"]
+    for row in rows:
+        span = otel[row["span_id"]]
+        assert format(span.context.trace_id, "032x") == row["trace_id"]
         parent_id = format(span.parent.span_id, "016x") if span.parent is not None else None
-        assert parent_id == (PARENT if r["request_id"] == "with-parent" else None)
+        assert parent_id == (PARENT if row["request_id"] == "with-parent" else None)
     # Each arm is told its call's span, so its own tracing nests under it.
     for backend, arm in ((base, "base"), (cand, "cand")):
         sent = {h["X-Request-Id"]: h["traceparent"] for h in backend.stats.headers}
-        for r in rows:
-            if r["arm"] == arm:
-                assert sent[r["request_id"]] == f"00-{r['trace_id']}-{r['span_id']}-01"
+        for row in rows:
+            if row["arm"] == arm:
+                assert (
+                    sent[upstream_request_id(row["request_id"])]
+                    == f"00-{row['trace_id']}-{row['span_id']}-01"
+                )
 
 
 async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_path: Path) -> None:
@@ -130,7 +134,7 @@ def test_rows_are_the_same_with_otel_spans_built_or_not(tmp_path: Path) -> None:
     # OTel spans are built only when someone exports them; the store must not notice, errors too.
     from specproxy.proxy.spans.sink import SpanSink
     from specproxy.proxy.spans.trace import TraceParent
-    from tests.test_sink import full_record, read
+    from tests.records import full_record
 
     parent = TraceParent(TRACE, PARENT, flags=1)
     records = [full_record(0), full_record(1, status="timeout", error="upstream timed out"), full_record(2)]
@@ -146,7 +150,7 @@ def test_rows_are_the_same_with_otel_spans_built_or_not(tmp_path: Path) -> None:
                 assert sink.emit(
                     full_record(i, status=rec.status, error=rec.error, **ids), parent if i == 2 else None
                 )
-        rows.append(read(db, "SELECT * FROM requests ORDER BY request_id"))
+        rows.append(spans(db))
     assert len(rows[0]) == 3 and rows[0] == rows[1]
     assert len(seen.get_finished_spans()) == 3
 

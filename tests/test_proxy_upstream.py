@@ -10,11 +10,17 @@ import pytest
 
 from specproxy.config import Arm
 from specproxy.proxy.identity import compare, first_difference, is_comparable
-from specproxy.proxy.upstream.calls import UpstreamState, UpstreamTimeout, call_arm, new_record
+from specproxy.proxy.upstream.calls import (
+    UpstreamState,
+    UpstreamTimeout,
+    call_arm,
+    new_record,
+    upstream_request_id,
+)
 from specproxy.proxy.upstream.sse import CompletionTap, SSEParser
 from specproxy.proxy.upstream.wire import UpstreamClient
 from tests.backends import BackendConfig, running_backend, token_ids_for, token_text
-from tests.support import free_port
+from tests.support import free_port, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "héllo"}], "temperature": 0, "max_tokens": 9}
 
@@ -128,14 +134,16 @@ async def test_call_arm_stream_fills_span_and_relays_what_client_asked() -> None
         assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         assert sent["return_token_ids"] is True
         assert b.stats.headers[-1]["X-Specproxy-Category"] == "code"
-        assert b.stats.headers[-1]["X-Request-Id"] == "r1"
+        assert b.stats.headers[-1]["X-Request-Id"] == upstream_request_id("r1")
         # ...and the client got none of them.
         assert b"usage" not in relay.data and b"token_ids" not in relay.data
         assert relay.data.endswith(b"data: [DONE]\n\n")
         ids = token_ids_for(orjson.dumps(CHAT["messages"], option=orjson.OPT_SORT_KEYS), 9)
         assert res.token_ids == ids and res.text == "".join(token_text(t) for t in ids)
         assert rec.completion_tokens == 9 and rec.chunks == 4 and rec.finish_reason == "length"
-        assert rec.spec_source == "stream_shape" and rec.num_drafts == 3 and rec.accepted_tokens == 5
+        # n-gram drafts only where the text matched: an estimate from the shape, flagged as such.
+        assert rec.spec_source == "stream_shape_unreliable"
+        assert rec.num_drafts == 3 and rec.accepted_tokens == 5
         assert rec.draft_tokens == 6 and rec.acceptance_length == pytest.approx(1 + 5 / 3)
         assert rec.ttft_s is not None and rec.e2e_s is not None and rec.e2e_s >= rec.ttft_s
         assert rec.output_text is None and rec.output_sha256 and rec.prompt_sha256
@@ -150,7 +158,7 @@ async def test_call_arm_passes_usage_through_when_client_asked_and_reads_vllm_me
         relay = _Collect()
         await call_arm(s, arm, body, endpoint="chat", record=rec, relay=relay, capture_output=True)
         events = [e.data for e in SSEParser().feed(bytes(relay.data))]
-        chunks = [orjson.loads(d) for d in events if d != b"[DONE]"]
+        chunks = [orjson.loads(d) for d in events if d is not None and d != b"[DONE]"]
         assert all("usage" not in c for c in chunks if c["choices"])  # not continuous: not asked
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
         assert rec.spec_source == "vllm_request_metrics" and rec.num_drafts == 4 and rec.output_text
@@ -163,9 +171,49 @@ async def test_call_arm_non_vllm_backend_rejecting_extensions_is_retried_and_rem
             body = {**CHAT, "stream": True}
             rec = new_record("run", f"r{i}", arm, body, endpoint="chat", routed_as="primary")
             await call_arm(s, arm, body, endpoint="chat", record=rec, state=state)
-            assert rec.status == "ok" and rec.completion_tokens == 9 and rec.spec_source == "none"
-        assert b.stats.requests == 3  # one rejection, then remembered
-        assert b.url in state.rejects_extensions
+            assert rec.status == "ok" and rec.spec_source == "none"
+            # No usage and no tokenizer: the text estimate, marked as one.
+            assert rec.tokens_source == "text_estimate" and rec.completion_tokens
+        # The extensions rejected, then the standard include_usage; both remembered.
+        assert b.stats.requests == 4
+        assert b.url in state.rejects_extensions and b.url in state.rejects_stream_options
+
+
+async def test_a_clients_own_bad_stream_options_do_not_switch_extensions_off() -> None:
+    async with running_backend(BackendConfig()) as b, UpstreamClient() as s:
+        arm, state = (
+            _arm(b.url, speculative={"method": "ngram", "num_speculative_tokens": 2}),
+            UpstreamState(),
+        )
+        bad = {**CHAT, "stream": True, "stream_options": {"bogus": True}}
+        rec = new_record("run", "bad", arm, bad, endpoint="chat", routed_as="primary")
+        await call_arm(s, arm, bad, endpoint="chat", record=rec, state=state)
+        assert (rec.status, rec.http_status) == ("http_error", 400)
+        # Tried again without the extensions, then without stream_options: still refused each time.
+        assert b.stats.requests == 3
+        assert not state.rejects_extensions
+        good = {**CHAT, "stream": True}
+        rec = new_record("run", "good", arm, good, endpoint="chat", routed_as="primary")
+        await call_arm(s, arm, good, endpoint="chat", record=rec, state=state)
+        assert b.stats.bodies[-1]["stream_options"]["continuous_usage_stats"] is True
+        assert rec.status == "ok" and (rec.spec_source or "").startswith("stream_shape")
+
+
+async def test_a_plain_client_error_is_not_retried_and_a_refusal_is_probed_again_later() -> None:
+    async with running_backend(BackendConfig(reject_extensions=True)) as b, UpstreamClient() as s:
+        arm, state = _arm(b.url), UpstreamState(reprobe_after_s=0.0)
+        plain = {**CHAT, "stream_options": {"include_usage": True}}  # not streaming: the proxy adds nothing
+        rec = new_record("run", "p", arm, plain, endpoint="chat", routed_as="primary")
+        await call_arm(s, arm, plain, endpoint="chat", record=rec, state=state)
+        assert rec.http_status == 400 and b.stats.requests == 1
+        for i in range(2):
+            body = {**CHAT, "stream": True}
+            rec = new_record("run", f"r{i}", arm, body, endpoint="chat", routed_as="primary")
+            await call_arm(s, arm, body, endpoint="chat", record=rec, state=state)
+            assert rec.status == "ok"
+        # Re-probed at once (reprobe_after_s=0): each call tries the extensions, then stream_options,
+        # again before the plain request that this backend takes.
+        assert b.stats.requests == 1 + 2 * 3
 
 
 async def test_call_arm_non_streaming_passes_body_through() -> None:
@@ -208,33 +256,31 @@ async def test_call_arm_refused_and_timeout() -> None:
         arm = _arm(b.url)
         rec = new_record("run", "r", arm, CHAT, endpoint="chat", routed_as="primary")
         await call_arm(s, arm, CHAT, endpoint="chat", record=rec, timeout=UpstreamTimeout(total=0.3))
-        assert rec.status == "timeout" and 0.25 < (rec.e2e_s or 0) < 2
+        assert rec.status == "timeout" and (rec.e2e_s or 0) >= 0.25  # at its timeout, not at once
 
 
 async def test_read_timeout_ends_a_stream_that_stalls_but_not_one_that_keeps_sending() -> None:
     # The read timeout is a watchdog (one timer per period, not one per read): a stream silent
     # for longer than it times out; a stream whose whole length is many read timeouts but whose gaps are
-    # shorter does not.
-    timeout = UpstreamTimeout(read=0.3)
+    # shorter does not. Gaps 10x shorter than the timeout: a busy machine does not stretch them that far.
+    timeout = UpstreamTimeout(read=1.0)
     async with running_backend(BackendConfig(fail="stall", itl_s=0.01)) as b, UpstreamClient() as s:
         arm = _arm(b.url)
         body = {**CHAT, "stream": True}
         rec = new_record("run", "r", arm, body, endpoint="chat", routed_as="primary")
         relay = _Collect()
         await call_arm(s, arm, body, endpoint="chat", record=rec, relay=relay, timeout=timeout)
-        assert rec.status == "timeout" and 0.3 < (rec.e2e_s or 0) < 1.5
+        assert rec.status == "timeout" and (rec.e2e_s or 0) >= 1.0
         assert rec.chunks == 2 and b"w" in relay.data
-        for _ in range(50):
-            if b.stats.cancelled:
-                break
-            await asyncio.sleep(0.02)
-        assert b.stats.cancelled == 1  # the stalled connection was closed
-    async with running_backend(BackendConfig(itl_s=0.1, tokens=10)) as b, UpstreamClient() as s:
+        # The stalled connection is closed.
+        await wait_until(lambda: b.stats.cancelled == 1, "the backend to see the call cancelled")
+    async with running_backend(BackendConfig(itl_s=0.1, tokens=25)) as b, UpstreamClient() as s:
         arm = _arm(b.url)
-        body = {**CHAT, "stream": True, "max_tokens": 10}
+        body = {**CHAT, "stream": True, "max_tokens": 25}
         rec = new_record("run", "r", arm, body, endpoint="chat", routed_as="primary")
         await call_arm(s, arm, body, endpoint="chat", record=rec, timeout=timeout)
-        assert rec.status == "ok" and rec.completion_tokens == 10 and (rec.e2e_s or 0) > 0.9
+        # 24 gaps of 0.1 s: longer than two read timeouts in all.
+        assert rec.status == "ok" and rec.completion_tokens == 25 and (rec.e2e_s or 0) > 2.3
 
 
 async def test_cancelling_call_arm_aborts_the_upstream_generation() -> None:
@@ -243,13 +289,10 @@ async def test_cancelling_call_arm_aborts_the_upstream_generation() -> None:
         body = {"model": "m", "prompt": "p", "stream": True, "max_tokens": 100}
         rec = new_record("run", "r", arm, body, endpoint="completions", routed_as="primary")
         task = asyncio.create_task(call_arm(s, arm, body, endpoint="completions", record=rec))
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: b.stats.active == 1, "the backend to be generating")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert rec.status == "client_cancelled"
-        for _ in range(50):
-            if b.stats.cancelled:
-                break
-            await asyncio.sleep(0.02)
-        assert b.stats.cancelled == 1 and b.stats.completed == 0
+        await wait_until(lambda: b.stats.cancelled == 1, "the backend to see the call cancelled")
+        assert b.stats.completed == 0

@@ -18,6 +18,7 @@ from specproxy.proxy.replay.loadgen import closed_loop, open_loop, poisson_offse
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, run_replay
 from specproxy.proxy.replay.workload import CATEGORIES, mixed_workload
 from tests.backends import BackendConfig, running_backend
+from tests.support import free_port, wait_for_count
 
 
 def items(n: int) -> list[ReplayItem]:
@@ -150,7 +151,7 @@ async def test_poisson_rate_and_timed_runs(tmp_path: Path) -> None:
             db = tmp_path / f"{load.kind}.duckdb"
             settings = ReplaySettings(arms=one, db_path=db, show_progress=False, load=load)
             result = await run_replay(settings, items(20))
-            assert result.lag_p99_s is not None and result.lag_p99_s < 0.25
+            assert result.lag_p99_s is not None  # how well the schedule was kept is a benchmark's figure
             assert rows(db, "SELECT count(*), count(concurrency_level) FROM requests") == [(20, 0)]
             phase = "rate=200" if load.kind == "rate" else "timed x2"
             assert rows(
@@ -169,8 +170,9 @@ async def test_duration_bounds_each_level_and_items_per_level_cycles(tmp_path: P
         )
         await run_replay(settings, items(3))
     per_level = dict(rows(db, "SELECT concurrency_level, count(*) FROM requests GROUP BY 1"))
-    # 6 tokens at 20 ms each: about 0.1 s per call, so a 0.4 s level sends a handful, never 1000
-    assert 2 <= per_level[1] <= 8 and 4 <= per_level[2] <= 14
+    # 6 tokens 20 ms apart: a call takes at least 0.1 s, so a 0.4 s level sends a handful, never 1000.
+    # A level starts `level` calls at once, however slowly the machine then runs them.
+    assert 1 <= per_level[1] <= 8 and 2 <= per_level[2] <= 14
     assert rows(db, "SELECT count(DISTINCT prompt_sha256) FROM requests") == [(3,)]
 
 
@@ -188,8 +190,6 @@ async def test_timed_needs_timestamps(tmp_path: Path) -> None:
 
 
 async def test_unreachable_arm_fails_before_the_run_naming_its_url(tmp_path: Path) -> None:
-    from tests.support import free_port
-
     url = f"http://127.0.0.1:{free_port()}"
     async with running_backend() as base:
         settings = ReplaySettings(
@@ -211,9 +211,15 @@ async def test_stop_keeps_what_was_measured(tmp_path: Path) -> None:
             show_progress=False,
             load=LoadPlan(levels=(2,), warmup=0),
         )
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.5, stop.set)
+
+        async def stop_after_some_calls() -> None:
+            await wait_for_count(lambda: base.stats.completed, 4, "calls answered by the backend")
+            stop.set()
+
+        # Stopped by what has happened, not at a time: the run may take a while to start on a busy machine.
+        stopper = asyncio.create_task(stop_after_some_calls())
         result = await run_replay(settings, items(1000), stop)
+        await stopper
     assert result.interrupted
     (ok, cancelled, total) = rows(
         db,
@@ -260,26 +266,32 @@ async def test_closed_loop_holds_its_level() -> None:
         nonlocal inflight
         inflight += 1
         seen.append(inflight)
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0)  # the call yields; others run before it returns
         inflight -= 1
 
     stats = await closed_loop(list(range(100)), 8, send)
-    assert max(seen) == 8 and stats.gauge.peak == 8 and stats.sent == 100
-    assert stats.gauge.distribution()[8] > 0.8
+    # Eight start at once, then each call that ends is replaced at once: 8 in flight at every start.
+    assert seen == [*range(1, 9), *[8] * 92] and stats.gauge.peak == 8 and stats.sent == 100
+    shares = stats.gauge.distribution()
+    assert set(shares) <= set(range(9)) and sum(shares.values()) == pytest.approx(1.0)
 
 
 async def test_open_loop_keeps_schedule() -> None:
     starts: list[float] = []
     loop = asyncio.get_running_loop()
+    all_sent = asyncio.Event()
 
     async def send(_: int) -> None:
         starts.append(loop.time())
-        await asyncio.sleep(0.05)  # longer than the gaps: an open loop does not wait for answers
+        if len(starts) == 50:
+            all_sent.set()
+        await all_sent.wait()  # no call is answered before the last is sent: an open loop does not wait
 
     offsets = poisson_offsets(50, 500.0, seed=3)
-    stats = await open_loop(list(range(50)), offsets, send)
-    assert stats.sent == 50 and stats.gauge.peak > 1
-    assert max(stats.lag_s) < 0.05
+    stats = await asyncio.wait_for(open_loop(list(range(50)), offsets, send), 30)
+    assert stats.sent == 50 and stats.gauge.peak == 50 and len(stats.lag_s) == 50
+    # Never early: each call starts at or after its offset from the start of the loop.
+    assert all(s - stats.started_at >= o - 1e-3 for s, o in zip(starts, offsets, strict=True))
     assert timed_offsets([5.0, 7.0, 6.0], 2.0) == [0.0, 1.0, 0.5]
 
 

@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from specproxy.cli import main
-from tests.support import free_port, start_cli, stop, wait_http
+from tests.support import free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,11 +155,9 @@ def test_ctrl_c_stops_cleanly_and_keeps_spans(tmp_path: Path, backend_url: str) 
         ["replay", str(log), "--target", backend_url, "--concurrency", "4", "--db", str(db), "--no-progress"]
     )
     try:
-        deadline = time.monotonic() + 30
-        # wait until the run is under way (the run row exists once the sink started)
-        while time.monotonic() < deadline and not db.exists():
-            time.sleep(0.1)
-        time.sleep(1.5)
+        # Under way: the 4 warm-up calls and 8 measured ones answered (at most 4 more are in flight).
+        metrics = backend_url + "/metrics"
+        wait_until_sync(lambda: metric_sum(metrics, "test_backend_completed_total") >= 12, "12 answers")
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     finally:
@@ -193,6 +190,7 @@ def test_help_lists_every_option() -> None:
         "--max-tokens",
         "--limit",
         "--duration",
+        "--rounds",
         "--db",
         "--run-name",
         "--seed",

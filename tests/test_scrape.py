@@ -21,14 +21,17 @@ from specproxy.proxy.upstream.scrape import (
     SPEC_ACCEPTED,
     SPEC_ACCEPTED_PER_POS,
     SPEC_DRAFTS,
+    EngineLoad,
     MetricsScraper,
     Snapshot,
     counter_delta,
     counter_deltas,
+    engine_load,
+    engine_load_from_text,
     parse_metrics,
     spec_decode_summary,
 )
-from tests.support import free_port
+from tests.support import free_port, wait_for_count
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -265,6 +268,8 @@ async def test_scrapes_land_in_backend_metrics_and_give_deltas(aiohttp_server: A
         sink.close()
     b, a = before["eagle3"], after["eagle3"]
     assert b.ok and a.ok and scraper.latest["eagle3"] is a
+    # the running gauge summed over both engines; this backend exports no waiting gauge
+    assert scraper.engine_load["eagle3"] == EngineLoad(running=4.0, waiting=None)
     summary = spec_decode_summary(b, a)
     # Δdrafts = 50 (engine 0) + 50 (engine 1 from zero); Δdraft_tokens 300; Δaccepted 200.
     assert (summary["num_drafts"], summary["draft_tokens"], summary["accepted_tokens"]) == (100, 300, 200)
@@ -332,9 +337,42 @@ async def test_run_scrapes_periodically_until_cancelled(aiohttp_server: Any) -> 
     url = await start(aiohttp_server, {"/metrics": vllm.metrics})
     async with aiohttp.ClientSession() as session:
         scraper = MetricsScraper([Arm(name="a", url=url)], None, session, run_id="r", interval_s=0.05)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         task = asyncio.create_task(scraper.run())
-        await asyncio.sleep(0.4)
+        await wait_for_count(lambda: scraper.scrapes, 3, "scrapes")
+        waited_s = loop.time() - t0
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert 3 <= scraper.scrapes <= 10 and vllm.hits == scraper.scrapes
+    assert scraper.scrapes >= 3 and scraper.scrapes <= vllm.hits <= scraper.scrapes + 1  # +1: cut mid-scrape
+    assert waited_s >= 2 * 0.05 * 0.9  # three scrapes, an interval apart: not a busy loop
+
+
+def test_the_engine_load_line_scan_agrees_with_the_full_parse() -> None:
+    text = vllm_metrics_text(
+        {
+            "0": engine_state(1, 3, 2, (1, 1, 0), running=5.0),
+            "1": engine_state(1, 3, 2, (1, 1, 0), running=2.0),
+        }
+    )
+    assert (
+        engine_load_from_text(text)
+        == EngineLoad(*engine_load(parse_metrics("a", text)))
+        == EngineLoad(7.0, None)
+    )
+    text += 'vllm:num_requests_waiting{engine="0",model_name="m x"} 4.0 1700000000000\n'
+    text += "vllm:num_requests_waiting 1\n"
+    assert (
+        engine_load_from_text(text)
+        == EngineLoad(*engine_load(parse_metrics("a", text)))
+        == EngineLoad(7.0, 5.0)
+    )
+    assert engine_load_from_text("# nothing here\n") == EngineLoad(None, None)
+    # another engine's names (llama.cpp's server)
+    llamacpp = "llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n"
+    assert (
+        engine_load_from_text(llamacpp)
+        == EngineLoad(*engine_load(parse_metrics("a", llamacpp)))
+        == (2.0, 1.0)
+    )

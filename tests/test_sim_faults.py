@@ -11,6 +11,7 @@ import pytest
 
 from specproxy.engines.sim.config import Faults, SimConfig
 from specproxy.engines.sim.server import running_sim
+from tests.support import wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROMPTS = [f"Question {i}: what does the report say about the cost of the plan?" for i in range(12)]
@@ -85,12 +86,8 @@ async def test_drop_rate_cuts_the_stream() -> None:
                     sim.url + "/v1/chat/completions", json=_body(PROMPTS[0], stream=True, max_tokens=200)
                 ) as resp:
                     await resp.read()
-        # The engine stopped generating for the dropped request.
-        for _ in range(50):
-            if not sim.engine.core.running:
-                break
-            await asyncio.sleep(0.02)
-        assert not sim.engine.core.running
+        # The engine stops generating for the dropped request.
+        await wait_until(lambda: not sim.engine.core.running, "the engine to drop the request")
 
 
 async def test_stall_ms_pauses_mid_stream() -> None:
@@ -106,8 +103,8 @@ async def test_stall_ms_pauses_mid_stream() -> None:
                 if line.startswith(b"data: "):
                     stamps.append(time.monotonic())
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    assert max(gaps) >= 0.28
-    assert sorted(gaps)[-2] < 0.2  # one pause, not a slow stream
+    # The pause comes after the first write (the role chunk and the first tokens), mid-stream.
+    assert len(gaps) > 2 and max(gaps[:2]) >= 0.28
 
 
 async def test_max_concurrency_queues() -> None:
@@ -132,10 +129,8 @@ async def test_client_disconnect_aborts_the_request() -> None:
             async with session.post(sim.url + "/v1/chat/completions", json=body) as resp:
                 await resp.content.readline()
                 resp.close()
-        for _ in range(100):
-            truth = sim.engine.core.truths["gone"]
-            if truth.finish_reason is not None:
-                break
-            await asyncio.sleep(0.02)
+        truths = sim.engine.core.truths
+        await wait_until(lambda: truths["gone"].finish_reason is not None, "the engine to abort the request")
+        truth = truths["gone"]
         assert truth.finish_reason == "abort" and truth.completion_tokens < 500
         assert not sim.engine.core.running

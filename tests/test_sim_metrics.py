@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,7 +27,7 @@ def _value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
     return samples[(name, key)]
 
 
-async def _run(config: SimConfig, n: int) -> tuple[str, list[dict[str, object]]]:
+async def _run(config: SimConfig, n: int) -> tuple[str, list[dict[str, Any]]]:
     async with running_sim(config) as sim, aiohttp.ClientSession() as session:
         for i in range(n):
             content = (
@@ -55,11 +57,11 @@ async def test_spec_counters_equal_ground_truth() -> None:
     config = SimConfig(speculative=SpeculativeConfig.from_dict(NGRAM), time_scale=100)
     text, truths = await _run(config, 6)
     samples = _samples(text)
-    assert _value(samples, "vllm:spec_decode_num_drafts_total") == sum(t["num_drafts"] for t in truths)  # type: ignore[misc]
+    assert _value(samples, "vllm:spec_decode_num_drafts_total") == sum(t["num_drafts"] for t in truths)
     assert _value(samples, "vllm:spec_decode_num_draft_tokens_total") == sum(
         t["draft_tokens"] for t in truths
-    )  # type: ignore[misc]
-    accepted = sum(t["accepted_tokens"] for t in truths)  # type: ignore[misc]
+    )
+    accepted = sum(t["accepted_tokens"] for t in truths)
     assert accepted > 0
     assert _value(samples, "vllm:spec_decode_num_accepted_tokens_total") == accepted
     per_pos = [
@@ -67,14 +69,14 @@ async def test_spec_counters_equal_ground_truth() -> None:
         for p in range(4)
     ]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
-    assert _value(samples, "vllm:generation_tokens_total") == sum(t["completion_tokens"] for t in truths)  # type: ignore[misc]
-    assert _value(samples, "vllm:prompt_tokens_total") == sum(t["prompt_tokens"] for t in truths)  # type: ignore[misc]
-    assert _value(samples, "vllm:prefix_cache_hits_total") == sum(t["cached_prompt_tokens"] for t in truths)  # type: ignore[misc]
-    assert _value(samples, "vllm:prefix_cache_queries_total") == sum(t["prompt_tokens"] for t in truths)  # type: ignore[misc]
+    assert _value(samples, "vllm:generation_tokens_total") == sum(t["completion_tokens"] for t in truths)
+    assert _value(samples, "vllm:prompt_tokens_total") == sum(t["prompt_tokens"] for t in truths)
+    assert _value(samples, "vllm:prefix_cache_hits_total") == sum(t["cached_prompt_tokens"] for t in truths)
+    assert _value(samples, "vllm:prefix_cache_queries_total") == sum(t["prompt_tokens"] for t in truths)
     assert _value(samples, "vllm:request_success_total", finished_reason="length") == 6
     assert _value(samples, "vllm:e2e_request_latency_seconds_count") == 6
     assert _value(samples, "vllm:time_to_first_token_seconds_count") == 6
-    steps = sum(t["decode_steps"] for t in truths)  # type: ignore[misc]
+    steps = sum(t["decode_steps"] for t in truths)
     assert _value(samples, "vllm:inter_token_latency_seconds_count") == steps  # one per step, not per token
     assert _value(samples, "vllm:num_requests_running") == 0
     assert _value(samples, "vllm:num_requests_waiting") == 0

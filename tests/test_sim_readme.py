@@ -1,4 +1,4 @@
-"""The README's `specproxy sim` examples, run as written (ports swapped for free ones)."""
+"""engines/README.md's `specproxy sim` examples, run as written (ports swapped for free ones)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.support import free_port, start_cli, stop, wait_http
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "engines" / "README.md"
 
 
 def _commands() -> list[list[str]]:

@@ -8,13 +8,16 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import RunningSim, running_sim
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 EAGLE3 = SpeculativeConfig.from_dict({"method": "eagle3", "model": "e3", "num_speculative_tokens": 3})
-QUESTION = [{"role": "user", "content": "Tell me about the market and the energy plan of the city."}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Tell me about the market and the energy plan of the city."}
+]
 
 
 @pytest.fixture
@@ -67,8 +70,11 @@ async def _stream_checks(client: openai.AsyncOpenAI, sim: RunningSim) -> None:
         temperature=0,
         max_tokens=60,
         stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={"return_token_ids": True},
+        # vLLM's extensions (continuous_usage_stats is not in the openai client's types)
+        extra_body={
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "return_token_ids": True,
+        },
         extra_headers={"X-Request-Id": "req-stream"},
     )
     chunks = [chunk async for chunk in stream]
@@ -76,7 +82,7 @@ async def _stream_checks(client: openai.AsyncOpenAI, sim: RunningSim) -> None:
     assert first.choices[0].delta.role == "assistant"
     assert (first.model_extra or {})["prompt_token_ids"][0] == 128000
     content = [c for c in chunks if c.choices and (c.choices[0].model_extra or {}).get("token_ids")]
-    per_chunk = [len(c.choices[0].model_extra["token_ids"]) for c in content]  # type: ignore[index]
+    per_chunk = [len((c.choices[0].model_extra or {})["token_ids"]) for c in content]
     assert sum(per_chunk) == 60
     cumulative = [c.usage.completion_tokens for c in content if c.usage]
     assert cumulative == sorted(cumulative) and cumulative[-1] == 60
@@ -179,7 +185,8 @@ async def test_errors_in_vllm_shape(client: openai.AsyncOpenAI) -> None:
         )
     assert "stream=True" in opts.value.body["message"]  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
-        await client.chat.completions.create(model=MODEL, messages=QUESTION, logit_bias={"10": 1.0})
+        # Not supported with speculative decoding.
+        await client.chat.completions.create(model=MODEL, messages=QUESTION, logit_bias={"10": 1})
 
 
 async def test_models_version_health(client: openai.AsyncOpenAI, sim: RunningSim) -> None:
@@ -262,9 +269,48 @@ async def test_stream_interval_batches_tokens(client: openai.AsyncOpenAI) -> Non
         extra_body={"stream_interval": 10, "return_token_ids": True},
     )
     sizes = [
-        len(c.choices[0].model_extra["token_ids"])
-        async for c in stream  # type: ignore[index]
+        len((c.choices[0].model_extra or {})["token_ids"])
+        async for c in stream
         if c.choices and (c.choices[0].model_extra or {}).get("token_ids")
     ]
     assert sum(sizes) == 41 and len(sizes) <= 5
     assert all(size >= 10 for size in sizes[1:-1])
+
+
+TOOL: ChatCompletionFunctionToolParam = {
+    "type": "function",
+    "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+async def test_tools_and_response_format_answer_as_vllm_does(client: openai.AsyncOpenAI) -> None:
+    # A server without --enable-auto-tool-choice answers "auto" with a plain completion, no tool calls.
+    r = await client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=5,
+        tools=[TOOL],
+        tool_choice="auto",
+    )
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    json_mode = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=5, response_format={"type": "json_object"}
+    )
+    assert json_mode.choices[0].message.content
+    refused = [
+        ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "Invalid value for `tool_choice`: sometimes!"),
+        ({"tools": [], "tool_choice": "auto"}, "`tools` must not be an empty array."),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "does not match any of the specified `tools`",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "the 'json_schema' field must be provided."),
+    ]
+    for extra, message in refused:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(
+                model=MODEL, messages=QUESTION, temperature=0, extra_body=extra
+            )
+        assert message in err.value.body["message"]  # type: ignore[index]

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,58 +27,7 @@ from specproxy.proxy.spans.sink import BackendMetricRow, SpanSink, SpanSinkError
 from specproxy.proxy.spans.table import RequestsTable
 from specproxy.proxy.spans.trace import TraceParent
 from specproxy.record import COLUMNS, SpanRecord
-
-T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
-T0_NS = 1_772_366_400_123_456_789  # 2026-03-01T12:00:00.123456789Z
-
-
-def full_record(i: int = 0, **overrides: Any) -> SpanRecord:
-    """A record with every column set (so a round trip checks every column)."""
-    fields: dict[str, Any] = dict(
-        run_id="run-1",
-        request_id=f"req-{i}",
-        arm="eagle3",
-        arm_role="candidate",
-        backend_url="http://127.0.0.1:8002",
-        spec_method="eagle3",
-        num_speculative_tokens=3,
-        source="replay",
-        routed_as="shadow",
-        category="code",
-        concurrency_level=16,
-        inflight_at_start=5,
-        endpoint="chat",
-        model="meta-llama/Llama-3.1-8B-Instruct",
-        stream=True,
-        temperature=0.0,
-        max_tokens=256,
-        seed=1234567890123,
-        prompt_sha256="a" * 64,
-        prompt_tokens=321,
-        t_start=T0,
-        t_start_ns=T0_NS + i,
-        ttft_s=0.0213,
-        e2e_s=1.875,
-        decode_tok_s=97.25,
-        chunks=70,
-        completion_tokens=256,
-        finish_reason="length",
-        output_sha256="b" * 64,
-        output_text="héllo ✓",
-        num_drafts=60,
-        draft_tokens=180,
-        accepted_tokens=130,
-        acceptance_length=3.1666,
-        spec_source="vllm_request_metrics",
-        identical=False,
-        first_divergence=17,
-        divergence_margin=0.03125,
-        status="ok",
-        http_status=200,
-        error=None,
-    )
-    fields.update(overrides)
-    return SpanRecord(**fields)
+from tests.records import T0, T0_NS, full_record
 
 
 def minimal_record(i: int, run_id: str = "run-1") -> SpanRecord:
@@ -142,16 +90,18 @@ def test_every_column_round_trips_through_duckdb(db: Path) -> None:
 def test_t_start_alone_sets_the_start_and_none_fields_stay_null(db: Path) -> None:
     record = minimal_record(0)
     record.t_start = T0
+    before = datetime.now(UTC)
     with SpanSink(db) as sink:
         sink.emit(record)
         sink.emit(minimal_record(1))  # no start at all: now
+    after = datetime.now(UTC)
     rows = read(
         db,
         "SELECT request_id, t_start, t_start_ns, model, stream, ttft_s, identical, status "
         "FROM requests ORDER BY request_id",
     )
     assert rows[0] == ("req-0", T0, T0_NS // 1000 * 1000, None, False, None, None, "ok")
-    assert abs((rows[1][1] - datetime.now(UTC)).total_seconds()) < 60
+    assert before <= rows[1][1] <= after
 
 
 def test_otel_spans_carry_genai_names(db: Path) -> None:
@@ -232,10 +182,14 @@ class _StalledTable(RequestsTable):
 
     release = threading.Event()
     entered = threading.Event()
+    left = threading.Event()  # set once the stall is over (released, or given up after 30 s)
 
     def insert(self, rows: Any) -> None:
         type(self).entered.set()
-        assert type(self).release.wait(30)
+        try:
+            assert type(self).release.wait(30)
+        finally:
+            type(self).left.set()
         super().insert(rows)
 
 
@@ -245,23 +199,22 @@ def test_full_queue_drops_and_counts_without_blocking(
     monkeypatch.setattr("specproxy.proxy.spans.sink.RequestsTable", _StalledTable)
     _StalledTable.release.clear()
     _StalledTable.entered.clear()
+    _StalledTable.left.clear()
     capacity, batch, n = 1000, 100, 6000
     sink = SpanSink(db, queue_size=capacity, batch_size=batch, flush_interval_s=0.01)
     sink.start()
     sink.emit(minimal_record(0))
     assert _StalledTable.entered.wait(10)  # the writer now sits in insert() with one span
     accepted = 1
-    slowest = 0.0
     with caplog.at_level(logging.WARNING, logger="specproxy.proxy.spans.sink"):
         for i in range(1, n):
-            t = time.perf_counter()
             accepted += sink.emit(minimal_record(i))
-            slowest = max(slowest, time.perf_counter() - t)
+    # Every emit() returned while the writer was still stalled: none of them waited for it.
+    assert not _StalledTable.left.is_set()
     assert accepted == 1 + capacity  # the one being written plus a full queue
     assert caplog.text.count("the span queue is full") == 1  # said once, not once per span
     assert sink.dropped == n - accepted
     assert sink.queue_depth == capacity
-    assert slowest < 0.5, f"emit() took {slowest:.3f}s while the writer was stalled"
     # Backend metric rows have their own bound and are dropped the same way, not blocked.
     rows = [BackendMetricRow("run-1", "a", T0, "periodic", "vllm:x", "{}", 1.0)] * (capacity + 1)
     assert not sink.emit_backend_metrics(rows) and sink.dropped_metric_rows == capacity + 1
@@ -325,7 +278,7 @@ def test_runs_and_backend_metrics_rows(sink: SpanSink, db: Path) -> None:
         db,
         "SELECT run_id, arm, scraped_at, phase, name, labels_json, value FROM backend_metrics ORDER BY name",
     )
-    assert got == sorted((tuple(r) for r in rows), key=lambda r: r[4])
+    assert got == [tuple(r) for r in sorted(rows, key=lambda r: r.name)]
 
 
 def test_sdk_disabled_by_environment_still_fills_the_store(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -550,7 +503,7 @@ def test_rows_are_taken_when_emitted(db: Path) -> None:
 
 
 def test_readme_spans_example_runs(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "proxy" / "README.md").read_text()
     section = readme.split("<!-- section: spans -->")[1].split("<!-- /section: spans -->")[0]
     blocks = [block.split("```")[0] for block in section.split("```python\n")[1:]]
     example = next(block for block in blocks if "SpanSink(" in block)

@@ -95,13 +95,16 @@ async def test_calls_counted_equal_rows_plus_drops_with_poisoned_values(tmp_path
             requests: list[tuple[dict[str, Any], dict[str, str]]] = [
                 ({"seed": 18446744073709551615}, {"X-Request-Id": "seed"}),
                 ({"max_tokens": 2147483648}, {"X-Request-Id": "max-tokens"}),
-                ({}, {"X-Request-Id": "level", "X-Specproxy-Concurrency-Level": "2147483648"}),
                 ({"seed": -(2**63), "max_completion_tokens": -(2**40)}, {"X-Request-Id": "negative"}),
             ]
             requests += [({}, {"X-Request-Id": f"good-{i}"}) for i in range(6)]
             for extra, headers in requests:
                 async with s.post(url + "/v1/completions", json=BODY | extra, headers=headers) as r:
                     await r.read()
+            # A concurrency level out of range is the client's mistake: refused, no upstream call.
+            headers = {"X-Request-Id": "level", "X-Specproxy-Concurrency-Level": "2147483648"}
+            async with s.post(url + "/v1/completions", json=BODY, headers=headers) as r:
+                assert r.status == 400
         await asyncio.to_thread(raw_request, url, b"bad-\xff\xfe-utf8")
         n_calls = 2 * (len(requests) + 1)  # each request: the baseline call and its shadow
         totals = await wait_for_metrics(url, lambda t: t.get("specproxy_requests_total", 0) >= n_calls)
@@ -124,9 +127,10 @@ async def test_calls_counted_equal_rows_plus_drops_with_poisoned_values(tmp_path
     assert dropped == 0, out  # every poisoned value fits somewhere: NULL and a note
     assert "seed 18446744073709551615 is out of range for BIGINT" in notes["seed"]
     assert "max_tokens 2147483648 is out of range for INTEGER" in notes["max-tokens"]
-    assert "concurrency_level 2147483648 is out of range for INTEGER" in notes["level"]
+    assert "level" not in notes
     assert notes["negative"] == "max_tokens -1099511627776 is out of range for INTEGER: stored as NULL"
-    assert "request_id was not valid UTF-8" in notes["bad-\ufffd\ufffd-utf8"]
+    # The proxy makes a request id that is not UTF-8 a valid header value (percent-encoded) at the door.
+    assert "bad-%FF%FE-utf8" in notes
     assert stored == [(-(2**63), None), (-(2**63), None), (None, None), (None, None)]  # BIGINT's bound fits
     assert all(notes[f"good-{i}"] is None for i in range(6))
 

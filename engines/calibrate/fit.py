@@ -36,7 +36,7 @@ import numpy.typing as npt
 FloatArray = npt.NDArray[np.float64]
 
 # Values the forward-pass timings cannot measure, carried over from the H100 profile
-# (calibration.md, SpecDecode-Bench `simulator/predictor.py`).
+# (SpecDecode-Bench's linear fit of vLLM, `simulator/predictor.py`).
 H100_STEP_OVERHEAD_S = 1.207e-3
 H100_NGRAM_FRACTION_OF_VERIFY = 0.005875
 H100_SUFFIX_FRACTION_OF_VERIFY = 0.01

@@ -16,7 +16,7 @@ shapes, and fits the simulator's cost profile (engines/calibrate_fit.py) to them
 - a device-to-device copy, whose bandwidth sets the weight-read floor of a decode step.
 
 Every timed thing is captured once as a CUDA graph and replayed (a decode step is several hundred
-small kernels: eager launch overhead, not the GPU, would otherwise dominate, as calibration.md's
+small kernels: eager launch overhead, not the GPU, would otherwise dominate, as an earlier
 eager probe showed), timed with CUDA events around each replay; the median of the replays is kept.
 
 Kernels, chosen to be close to what vLLM runs: each layer's work outside attention (RMSNorm, QKV,

@@ -1,6 +1,6 @@
 """Simulator cost profiles: one JSON file per hardware x model, and the step-time formula they feed.
 
-The format is the contract in the project's profile-format note: every time is in seconds;
+The format is the contract between profiles and the simulator: every time is in seconds;
 KV = KV-cache tokens attended over the batch in a step, T = batched tokens in the step (1 per decoding
 request, k+1 per verifying request, a prefill chunk's tokens), B = requests in the step.
 

@@ -81,6 +81,64 @@ def message_text(content: Any) -> str:
     raise BadRequest("message content must be a string or a list of content parts.", param="messages")
 
 
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+
+
+def _check_tools(body: dict[str, Any]) -> None:
+    """vLLM 0.33's checks of ``tools`` / ``tool_choice`` (ChatCompletionRequest.check_tool_usage).
+
+    A server started without ``--enable-auto-tool-choice`` still accepts ``tool_choice: "auto"`` and
+    answers with a plain chat completion (no tool calls are parsed), which is what the simulator does.
+    """
+    tools = body.get("tools")
+    if tools == []:
+        raise BadRequest(
+            "`tools` must not be an empty array. "
+            "Either provide at least one tool or omit the field entirely.",
+            param="tools",
+        )
+    choice = body.get("tool_choice", "auto" if tools else None)
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise BadRequest("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        names = {(t.get("function") or {}).get("name") for t in tools if isinstance(t, dict)}
+        if not isinstance(name, str) or name not in names:
+            raise BadRequest(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                param="tool_choice",
+            )
+    elif choice not in ("auto", "required"):
+        raise BadRequest(
+            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
+            '"required" are supported.',
+            param="tool_choice",
+        )
+
+
+def _check_response_format(body: dict[str, Any]) -> None:
+    """vLLM 0.33's checks of ``response_format`` (ChatCompletionRequest.validate_response_format).
+
+    The simulator's text does not follow a schema; it only answers the requests vLLM refuses."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in _RESPONSE_FORMATS:
+        raise BadRequest(
+            f"response_format.type must be one of {', '.join(_RESPONSE_FORMATS)}, got {kind!r}.",
+            param="response_format",
+        )
+    if kind == "json_schema" and fmt.get("json_schema") is None:
+        raise BadRequest(
+            "When response_format type is 'json_schema', the 'json_schema' field must be provided.",
+            param="response_format",
+        )
+
+
 def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat: bool) -> ParsedRequest:
     """Validate a chat or completions body as vLLM does; raises `BadRequest` with vLLM's wording."""
     if not isinstance(body, dict):
@@ -192,6 +250,9 @@ def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat
                     f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}.", param="logprobs"
                 )
             logprobs = lp
+    if chat:
+        _check_tools(body)
+        _check_response_format(body)
     if config.speculative is not None:
         if body.get("min_p"):
             raise BadRequest("min_p is not supported with speculative decoding.", param="min_p")

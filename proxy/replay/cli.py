@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from specproxy.commandline import ConcurrencyLevels, experiment_or_none, run_async
+from specproxy.commandline import ConcurrencyLevels, FiniteFloat, experiment_or_none, run_async
 from specproxy.config import Arm
 from specproxy.proxy.replay.formats import FORMATS, FormatError, read_items
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
@@ -46,11 +46,16 @@ from specproxy.proxy.spans.sink import SpanSinkError
     show_default=True,
     help="Closed loop: the concurrency levels of the sweep, one phase each.",
 )
-@click.option("--rate", type=float, metavar="R", help="Open loop: Poisson arrivals at R requests/s.")
+@click.option(
+    "--rate",
+    type=FiniteFloat(min=0, min_open=True),
+    metavar="R",
+    help="Open loop: Poisson arrivals at R requests/s.",
+)
 @click.option("--timed", is_flag=True, help="Open loop at the log's recorded timestamps.")
 @click.option(
     "--speedup",
-    type=float,
+    type=FiniteFloat(min=0, min_open=True),
     default=1.0,
     show_default=True,
     metavar="X",
@@ -65,7 +70,7 @@ from specproxy.proxy.spans.sink import SpanSinkError
 )
 @click.option(
     "--temperature",
-    type=float,
+    type=FiniteFloat(min=0),
     default=0.0,
     show_default=True,
     help="Temperature sent with every request (0 keeps outputs comparable for identity).",
@@ -80,9 +85,18 @@ from specproxy.proxy.spans.sink import SpanSinkError
 @click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Replay only the first N items.")
 @click.option(
     "--duration",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloat(min=0, min_open=True),
     metavar="S",
     help="Stop sending after S seconds (per level in a closed-loop sweep).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Measure each level (or the open loop) N times, the arms' order rotated and the items "
+    "shuffled each round; the analysis reads the spread between rounds.",
 )
 @click.option(
     "--warmup",
@@ -130,6 +144,7 @@ def replay(
     max_tokens: int | None,
     limit: int | None,
     duration: float | None,
+    rounds: int,
     warmup: int | None,
     db_path: Path | None,
     run_name: str | None,
@@ -146,7 +161,7 @@ def replay(
 
     \b
     Examples:
-      specproxy replay capture.jsonl --config exp.toml --concurrency 1,4,16,64
+      specproxy replay capture.jsonl --config exp.toml --concurrency 1,4,16,64 --rounds 3
       specproxy replay question.jsonl --config exp.toml --rate 5 --duration 120
       specproxy replay mooncake.jsonl --target http://127.0.0.1:8000 --timed --speedup 10
     """
@@ -155,8 +170,6 @@ def replay(
         raise click.UsageError("give exactly one of --config exp.toml (the arms) or --target URL (a proxy)")
     if rate is not None and timed:
         raise click.UsageError("--rate and --timed are two different load shapes; choose one")
-    if rate is not None and rate <= 0:
-        raise click.BadParameter("must be > 0", param_hint="--rate")
     experiment = experiment_or_none(config_path)
     if experiment is not None:
         arms = experiment.arms
@@ -184,6 +197,7 @@ def replay(
         speedup=speedup,
         duration_s=duration,
         warmup=0 if warmup is None and target is not None else warmup,
+        rounds=rounds,
     )
     settings = ReplaySettings(
         arms=tuple(arms),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -55,6 +56,14 @@ FORMATS: tuple[str, ...] = (
 MOONCAKE_BLOCK_TOKENS = 512
 # ShareGPT and capture replies carry text, not token counts: about four characters per token.
 CHARS_PER_TOKEN = 4
+# The most tokens one record may ask for (prompt or output). A synthesized prompt holds one word per
+# token, so this also bounds the memory one record of a token-count trace can take (~6 MB).
+MAX_TOKENS_PER_RECORD = 1 << 20
+# OpenAI bodies are a few levels deep (tool schemas a few dozen); the proxy's JSON encoder stops at
+# 254, and Python's parser recurses once per level.
+MAX_JSON_DEPTH = 128
+# Format detection reads the first record whole, up to this size.
+MAX_FIRST_RECORD_BYTES = 64 << 20
 
 
 class FormatError(ValueError):
@@ -93,19 +102,9 @@ def _unknown_format_message(path: Path, why: str) -> str:
 
 def detect_format(path: Path) -> str:
     """The format of a log, from its first non-blank record; FormatError when none fits."""
-    try:
-        with path.open("r", encoding="utf-8-sig") as f:
-            head = f.read(64 * 1024)
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    except UnicodeDecodeError as exc:
-        raise FormatError(_unknown_format_message(path, "not UTF-8 text")) from exc
-    text = head.lstrip()
-    if not text:
-        raise FormatError(_unknown_format_message(path, "the file is empty"))
-    if text.startswith("["):
+    first_line = _first_record(path)
+    if first_line.startswith("["):
         return "sharegpt"
-    first_line = text.splitlines()[0].strip()
     if not first_line.startswith("{"):
         header = [h.strip().lower() for h in next(csv.reader([first_line]))]
         if {"timestamp", "contexttokens", "generatedtokens"} <= set(header):
@@ -114,9 +113,12 @@ def detect_format(path: Path) -> str:
             return "burstgpt"
         raise FormatError(_unknown_format_message(path, f"unrecognised first line {first_line[:80]!r}"))
     try:
+        # Only its keys matter here; reading the records says what else is wrong with it, and where.
         obj = json.loads(first_line)
     except json.JSONDecodeError as exc:
         raise FormatError(_unknown_format_message(path, f"first line is not JSON ({exc.msg})")) from exc
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(_unknown_format_message(path, f"first line is not JSON ({exc})")) from None
     if not isinstance(obj, dict):
         raise FormatError(_unknown_format_message(path, "first line is not a JSON object"))
     keys = set(obj)
@@ -133,6 +135,37 @@ def detect_format(path: Path) -> str:
     if "prompt" in keys:
         return "vllm-custom"
     raise FormatError(_unknown_format_message(path, f"unrecognised record keys {sorted(keys)[:8]}"))
+
+
+def _first_record(path: Path) -> str:
+    """The first non-blank line, whole however long (a capture body can be megabytes), stripped."""
+    try:
+        with path.open("rb") as f:
+            for line_no, raw in enumerate(_bounded_lines(f, MAX_FIRST_RECORD_BYTES), 1):
+                head = raw.removeprefix(b"\xef\xbb\xbf").strip()
+                if not head:
+                    continue
+                if head.startswith(b"["):
+                    return "["  # a JSON array (ShareGPT), often one line of hundreds of megabytes
+                if len(raw) >= MAX_FIRST_RECORD_BYTES:
+                    raise FormatError(
+                        f"{path}:{line_no}: the first record is over {MAX_FIRST_RECORD_BYTES >> 20} MiB; "
+                        "name the format with --format"
+                    )
+                try:
+                    return raw.decode("utf-8-sig").strip()
+                except UnicodeDecodeError as exc:
+                    raise FormatError(
+                        _unknown_format_message(path, f"line {line_no} is not UTF-8 text")
+                    ) from exc
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    raise FormatError(_unknown_format_message(path, "the file is empty"))
+
+
+def _bounded_lines(f: Any, limit: int) -> Iterator[bytes]:
+    while line := f.readline(limit):
+        yield line
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -161,26 +194,23 @@ def read_items(
     synth = PromptSynthesizer(seed)
     parse = _PARSERS[name]
     t0: float | None = None
-    try:
-        for line_no, raw in _records(p, name):
-            where = f"{p}:{line_no}"
-            try:
-                produced = parse(raw, line_no, synth)
-            except _BadRecord as exc:
-                if on_error == "stop":
-                    raise FormatError(f"{where}: {exc}") from None
-                result.skipped += 1
-                result.first_skip = result.first_skip or f"{where}: {exc}"
-                continue
-            for item in produced:
-                if item.arrival_s is not None:
-                    t0 = item.arrival_s if t0 is None else t0
-                    item = dataclasses.replace(item, arrival_s=item.arrival_s - t0)
-                result.items.append(dataclasses.replace(item, where=where))
-                if limit is not None and len(result.items) >= limit:
-                    return result
-    except UnicodeDecodeError as exc:
-        raise FormatError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    for line_no, raw in _records(p, name):
+        where = f"{p}:{line_no}"
+        try:
+            produced = parse(raw, line_no, synth)
+        except _BadRecord as exc:
+            if on_error == "stop":
+                raise FormatError(f"{where}: {exc}") from None
+            result.skipped += 1
+            result.first_skip = result.first_skip or f"{where}: {exc}"
+            continue
+        for item in produced:
+            if item.arrival_s is not None:
+                t0 = item.arrival_s if t0 is None else t0
+                item = dataclasses.replace(item, arrival_s=item.arrival_s - t0)
+            result.items.append(dataclasses.replace(item, where=where))
+            if limit is not None and len(result.items) >= limit:
+                return result
     if not result.items:
         if result.skipped:
             raise FormatError(
@@ -195,27 +225,73 @@ def _records(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
     if fmt in ("azure", "burstgpt"):
         yield from _csv_records(path)
         return
-    with path.open("r", encoding="utf-8-sig") as f:
-        text_start = f.read(1)
-        while text_start.isspace():
-            text_start = f.read(1)
-    if fmt == "sharegpt" and text_start == "[":
+    if fmt == "sharegpt" and _first_record(path).startswith("["):
         yield from _json_array_records(path)
         return
-    with path.open("r", encoding="utf-8-sig") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    for line_no, line in _text_lines(path):
+        if isinstance(line, _BadRecord):
+            yield line_no, line
+        elif line.strip():
             try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield line_no, _BadRecord(f"not valid JSON ({exc.msg} at column {exc.colno})")
+                yield line_no, _json(line)
+            except _BadRecord as exc:
+                yield line_no, exc
+
+
+def _text_lines(path: Path) -> Iterator[tuple[int, str | _BadRecord]]:
+    """Numbered lines, each decoded on its own, so bad UTF-8 is a bad record with its line number."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                yield line_no, raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                yield (
+                    line_no,
+                    _BadRecord(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"),
+                )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json(text: str) -> Any:
+    """A JSON value with the checks replay needs: no NaN or Infinity, nesting within MAX_JSON_DEPTH."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise _BadRecord(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:
+        raise _BadRecord(f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise _BadRecord(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_depth(value)
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    level = [value]
+    for _ in range(MAX_JSON_DEPTH):
+        level = [
+            child
+            for node in level
+            if isinstance(node, dict | list)
+            for child in (node.values() if isinstance(node, dict) else node)
+        ]
+        if not level:
+            return
+    raise _BadRecord(f"nested deeper than {MAX_JSON_DEPTH} levels (OpenAI bodies need a few dozen)")
 
 
 def _json_array_records(path: Path) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array with the line each starts on (for `file:line` errors)."""
-    text = path.read_text(encoding="utf-8-sig")
-    decoder = json.JSONDecoder()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = 1 + raw.count(b"\n", 0, exc.start)
+        raise FormatError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})") from None
+    decoder = json.JSONDecoder(parse_constant=_reject_constant)
     pos = text.index("[") + 1
     line = 1 + text.count("\n", 0, pos)
     while True:
@@ -231,24 +307,54 @@ def _json_array_records(path: Path) -> Iterator[tuple[int, Any]]:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
             raise FormatError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from exc
-        yield line, obj
+        except ValueError as exc:
+            raise FormatError(f"{path}:{line}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise FormatError(f"{path}:{line}: nested deeper than {MAX_JSON_DEPTH} levels") from None
+        try:
+            _check_depth(obj)
+        except _BadRecord as exc:
+            yield line, exc
+        else:
+            yield line, obj
         line += text.count("\n", pos, end)
         pos = end
 
 
 def _csv_records(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open("r", encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
+    undecodable: list[tuple[int, _BadRecord]] = []
+
+    def lines() -> Iterator[str]:
+        for line_no, line in _text_lines(path):
+            if isinstance(line, _BadRecord):
+                undecodable.append((line_no, line))
+                yield "\n"  # a blank line keeps the reader's line count; the record is reported below
+            else:
+                yield line
+
+    reader = csv.reader(lines())
+    names: list[str] | None = None
+    while True:
+        row: list[str] | _BadRecord | None
+        try:
+            row = next(reader)
+        except StopIteration:
+            row = None
+        except csv.Error as exc:
+            row = _BadRecord(f"not a CSV record ({exc})")
+        yield from undecodable
+        undecodable.clear()
+        if row is None:
             return
-        names = [h.strip().lower() for h in header]
-        for row in reader:
-            if not any(cell.strip() for cell in row):
-                continue
-            if len(row) != len(names):
-                yield reader.line_num, _BadRecord(f"expected {len(names)} columns, got {len(row)}")
-                continue
+        if isinstance(row, _BadRecord):
+            yield reader.line_num, row
+        elif names is None:
+            names = [h.strip().lower() for h in row]
+        elif not any(cell.strip() for cell in row):
+            continue
+        elif len(row) != len(names):
+            yield reader.line_num, _BadRecord(f"expected {len(names)} columns, got {len(row)}")
+        else:
             yield reader.line_num, dict(zip(names, (c.strip() for c in row), strict=True))
 
 
@@ -265,7 +371,9 @@ def _object(raw: Any) -> dict[str, Any]:
     return raw
 
 
-def _int_field(rec: Mapping[str, Any], key: str, *, minimum: int = 0) -> int:
+def _int_field(
+    rec: Mapping[str, Any], key: str, *, minimum: int = 0, maximum: int = MAX_TOKENS_PER_RECORD
+) -> int:
     value = rec.get(key)
     if isinstance(value, str):
         try:
@@ -278,7 +386,47 @@ def _int_field(rec: Mapping[str, Any], key: str, *, minimum: int = 0) -> int:
         raise _BadRecord(f"{key}: expected an integer, got {value!r}" if key in rec else f"{key} is missing")
     if value < minimum:
         raise _BadRecord(f"{key}: must be ≥ {minimum}, got {value}")
+    if value > maximum:
+        raise _BadRecord(f"{key}: must be ≤ {maximum}, got {_brief(value)}")
     return value
+
+
+def _brief(value: int) -> str:
+    digits = str(value)
+    return digits if len(digits) <= 12 else f"{digits[:4]}… ({len(digits)} digits)"
+
+
+def _finite(value: float, key: str) -> float:
+    if not math.isfinite(value):
+        raise _BadRecord(f"{key}: expected a finite number, got {value}")
+    return value
+
+
+# Body fields replay itself reads (for warm-up, the span and the identity check), with their bounds.
+_BODY_INTS = {"max_tokens": (1, 2**31 - 1), "max_completion_tokens": (1, 2**31 - 1), "n": (1, 2**31 - 1)}
+
+
+def _check_body(body: Mapping[str, Any]) -> None:
+    """The fields of a recorded body that replay reads: integers and numbers in range, or absent."""
+    for key, (low, high) in _BODY_INTS.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _BadRecord(f"body.{key}: expected an integer, got {value!r:.40}")
+        if not low <= value <= high:
+            raise _BadRecord(f"body.{key}: must be between {low} and {high}, got {_brief(value)}")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or abs(seed) >= 2**63):
+        raise _BadRecord(f"body.seed: expected a 64-bit integer, got {seed!r:.40}")
+    temperature = body.get("temperature")
+    if temperature is not None and (
+        not isinstance(temperature, int | float)
+        or isinstance(temperature, bool)
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise _BadRecord(f"body.temperature: expected a finite number ≥ 0, got {temperature!r:.40}")
 
 
 def _text_field(rec: Mapping[str, Any], key: str) -> str:
@@ -320,6 +468,7 @@ def _parse_capture(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[Rep
     body = rec.get("body")
     if not isinstance(body, dict):
         raise _BadRecord("body: expected a JSON object")
+    _check_body(body)
     path = rec.get("path") or rec.get("url") or rec.get("endpoint")
     endpoint = _endpoint_of_path(path, body) if isinstance(path, str) else _endpoint_of_body(body)
     arrival = _capture_time(rec)
@@ -336,7 +485,7 @@ def _capture_time(rec: Mapping[str, Any]) -> float | None:
         if isinstance(value, bool) or value is None:
             continue
         if isinstance(value, int | float):
-            return float(value)
+            return _finite(float(value), key)
         if isinstance(value, str):
             try:
                 return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
@@ -357,6 +506,7 @@ def _parse_openai_batch(raw: Any, line_no: int, synth: PromptSynthesizer) -> lis
     body = rec.get("body")
     if not isinstance(body, dict):
         raise _BadRecord("body: expected a JSON object")
+    _check_body(body)
     method = rec.get("method", "POST")
     if method != "POST":
         raise _BadRecord(f"method: only POST requests can be replayed, got {method!r}")
@@ -434,7 +584,7 @@ def _parse_sharegpt(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[Re
 
 def _parse_mooncake(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[ReplayItem]:
     rec = _object(raw)
-    ts_ms = _int_field(rec, "timestamp")
+    ts_ms = _int_field(rec, "timestamp", maximum=2**53)
     n_in = _int_field(rec, "input_length", minimum=1)
     n_out = _int_field(rec, "output_length", minimum=1)
     hash_ids = rec.get("hash_ids", [])
@@ -454,7 +604,7 @@ def _parse_mooncake(raw: Any, line_no: int, synth: PromptSynthesizer) -> list[Re
 
 def _csv_timestamp(value: str, key: str) -> float:
     try:
-        return float(value)
+        return _finite(float(value), key)
     except ValueError:
         pass
     try:

@@ -8,7 +8,9 @@
 They know nothing about HTTP: ``send(item)`` is any coroutine function (replay passes one that calls an
 arm and records a span) and must not raise for a failed request. An :class:`InflightGauge` counts the
 calls in flight and keeps the time spent at each in-flight count, which is how the benchmark shows the
-closed loop holds its concurrency; open loops record how late each call started (``lag_s``).
+closed loop holds its concurrency. Both loops record how late each call started (``lag_s``): open
+loops behind the schedule; the closed loop after its slot was freed, which is when the previous call's
+response ended if ``send`` returns that moment (a ``time.perf_counter()`` value), else when it returned.
 
 Example::
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 T = TypeVar("T")
-Send = Callable[[T], Awaitable[None]]
+# Returns the moment the call's response ended (time.perf_counter), or None.
+Send = Callable[[T], Awaitable[float | None]]
 
 
 class InflightGauge:
@@ -68,7 +72,8 @@ class LoadStats:
     sent: int = 0
     started_at: float = 0.0
     ended_at: float = 0.0
-    # Open loops only: how late each call started behind its schedule, in seconds.
+    # How late each call started, in seconds: behind its schedule (open loops), or after its slot was
+    # freed (closed loop).
     lag_s: list[float] = field(default_factory=list)
     gauge: InflightGauge = field(default_factory=InflightGauge)
     stopped: bool = False
@@ -102,16 +107,20 @@ async def closed_loop(
     queue = iter(items)
 
     async def worker() -> None:
+        freed: float | None = None  # the first call of a slot has no previous one to be late after
         for item in queue:
             if (stop is not None and stop.is_set()) or (end is not None and loop.time() >= end):
                 stats.stopped = stop is not None and stop.is_set()
                 return
             stats.sent += 1
+            if freed is not None:
+                stats.lag_s.append(max(0.0, time.perf_counter() - freed))
             stats.gauge.enter()
             try:
-                await send(item)
+                ended = await send(item)
             finally:
                 stats.gauge.leave()
+            freed = ended if ended is not None else time.perf_counter()
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, max(1, len(items))))))
     stats.ended_at = loop.time()
@@ -182,8 +191,8 @@ async def open_loop(
 
 def poisson_offsets(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     """Start offsets of ``n`` arrivals of a Poisson process (exponential gaps), the first at 0."""
-    if rate_per_s <= 0:
-        raise ValueError("rate must be > 0")
+    if not math.isfinite(rate_per_s) or rate_per_s <= 0:
+        raise ValueError(f"rate must be a finite number > 0, got {rate_per_s}")
     rng = random.Random(seed)
     gaps = (0.0, *(rng.expovariate(rate_per_s) for _ in range(max(0, n - 1))))
     return list(itertools.accumulate(gaps))[:n]
@@ -191,9 +200,11 @@ def poisson_offsets(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
 
 def timed_offsets(arrivals_s: Sequence[float], speedup: float = 1.0) -> list[float]:
     """Recorded arrival times (seconds, any origin) as offsets from the first, divided by ``speedup``."""
-    if speedup <= 0:
-        raise ValueError("speedup must be > 0")
+    if not math.isfinite(speedup) or speedup <= 0:
+        raise ValueError(f"speedup must be a finite number > 0, got {speedup}")
     if not arrivals_s:
         return []
+    if not all(math.isfinite(t) for t in arrivals_s):
+        raise ValueError("arrival times must be finite numbers")
     t0 = min(arrivals_s)
     return [(t - t0) / speedup for t in arrivals_s]

@@ -9,11 +9,16 @@ greedy identity against the baseline's output of the same ``request_id``.
              slots; spans share request_id across arms (routed_as = "replay")
     split    each item goes to one arm, chosen by weight with a seeded draw (routed_as = "split")
 
-Load (:class:`LoadPlan`): a closed-loop sweep over concurrency levels (each a labelled phase: a
-short unrecorded warm-up, a /metrics scrape, the measured calls, a scrape), an open-loop Poisson rate,
-or the recorded timestamps with a speed-up. Before anything runs, every arm's ``/v1/models`` is asked
-for its served model (an unreachable arm fails the run, naming its URL) and ``/version`` with it; both
-land in the run's ``stacks_json``.
+Load (:class:`LoadPlan`): a closed-loop sweep over concurrency levels, an open-loop Poisson rate, or
+the recorded timestamps with a speed-up. Each level (or the open loop) is measured in ``rounds``
+rounds, each a labelled phase (``c=16 r2/3``): a /metrics scrape and a reading of the simulators'
+clocks, the measured calls, the same again. A closed-loop level starts with a short unrecorded
+warm-up. Every call's span carries its round; from one round to the next the arms' order is rotated
+(in paired mode, the order in which each item's copies go out) and the items are shuffled with the
+seed, so that a slow moment of the machine does not always fall on the same arm or the same items.
+Each round also records the measurement's health (:mod:`.health`) in table ``health``. Before
+anything runs, every arm's ``/v1/models`` is asked for its served model (an unreachable arm fails
+the run, naming its URL) and ``/version`` with it; both land in the run's ``stacks_json``.
 
 ``run_replay(settings, items)`` returns a :class:`ReplayResult`; a :class:`ReplayError` carries a
 sentence for the user. Setting ``stop`` (the CLI does on Ctrl-C) ends the run cleanly: no new calls,
@@ -29,6 +34,7 @@ import random
 import re
 import secrets
 import signal
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,9 +46,10 @@ import aiohttp
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.identity import NOT_COMPARABLE, compare, is_comparable
 from specproxy.proxy.replay.formats import ItemSet, ReplayItem
+from specproxy.proxy.replay.health import LoopLagSampler, clock_lag, health_rows, p99, read_sim_clocks
 from specproxy.proxy.replay.loadgen import LoadStats, closed_loop, open_loop, poisson_offsets, timed_offsets
 from specproxy.proxy.replay.progress import ReplayProgress
-from specproxy.proxy.spans.sink import SpanSink
+from specproxy.proxy.spans.sink import HealthRow, SpanSink
 from specproxy.proxy.upstream.calls import (
     CallResult,
     UpstreamState,
@@ -50,6 +57,7 @@ from specproxy.proxy.upstream.calls import (
     call_arm,
     level_header,
     new_record,
+    upstream_request_id,
 )
 from specproxy.proxy.upstream.scrape import MetricsScraper
 from specproxy.proxy.upstream.stacks import arm_stacks
@@ -58,6 +66,11 @@ from specproxy.record import RoutedAs, SpanRecord
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
+# While a phase runs, each arm's running/waiting gauges are read from its /metrics this often (the first
+# time half as soon), so that every call's span carries the engine's load from a recent scrape. Calls
+# before the first have none: the scrape before the phase saw the engine idle, which says nothing about
+# the load the call meets.
+SCRAPE_DURING_PHASE_S = 1.0
 
 
 class ReplayError(Exception):
@@ -76,8 +89,10 @@ class LoadPlan:
     duration_s: float | None = None
     # Closed loop: calls per arm before each level that are not recorded; None = one per slot.
     warmup: int | None = None
-    # Closed loop: how many items each level sends (cycling the list); None = every item once.
+    # Closed loop: how many items each round of a level sends (cycling the list); None = every item once.
     items_per_level: Callable[[int], int] | None = None
+    # Each level (or the open loop) is measured this many times, the arms' order rotated each round.
+    rounds: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +111,6 @@ class ReplaySettings:
     timeout: UpstreamTimeout = UpstreamTimeout()
     capture_output: bool = False
     show_progress: bool = True
-    # Called with "<phase>:before" / "<phase>:after" next to each /metrics scrape (the lab reads its
-    # simulators' clocks there).
-    on_phase: Callable[[str], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -119,7 +131,8 @@ class ReplayResult:
     spans_written: int = 0
     spans_dropped: int = 0
     interrupted: bool = False
-    lag_p99_s: float | None = None
+    lag_p99_s: float | None = None  # open loops: the calls' start lag behind schedule, over all rounds
+    health: list[HealthRow] = field(default_factory=list)
 
 
 # -- stack and reachability ----------------------------------------------------------------------
@@ -204,6 +217,27 @@ class _Call:
     item: ReplayItem
     body: dict[str, Any]
     concurrency_level: int | None
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Phase:
+    """One measured round of one level (``level`` None for an open loop)."""
+
+    label: str
+    level: int | None
+    round: int
+
+
+def phase_label(base: str, round_: int, rounds: int) -> str:
+    """``c=16`` for a single round, ``c=16 r2/3`` for the second of three."""
+    return base if rounds == 1 else f"{base} r{round_}/{rounds}"
+
+
+def rotated(seq: Sequence[Arm], round_: int) -> list[Arm]:
+    """The arms in the order of round ``round_`` (1-based): round k starts with the k-th arm."""
+    k = (round_ - 1) % len(seq)
+    return [*seq[k:], *seq[:k]]
 
 
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.:-]+")
@@ -211,6 +245,7 @@ _SAFE_ID = re.compile(r"[^A-Za-z0-9_.:-]+")
 
 class ReplayRunner:
     client: UpstreamClient  # the calls (the proxy's own HTTP client: the same measurement as serve's)
+    session: aiohttp.ClientSession  # /v1/models, /metrics and /sim/stats
     scraper: MetricsScraper
 
     def __init__(
@@ -220,6 +255,8 @@ class ReplayRunner:
             raise ReplayError("no arms to replay against")
         if not items:
             raise ReplayError("no items to replay")
+        if settings.load.rounds < 1:
+            raise ReplayError(f"rounds must be ≥ 1, got {settings.load.rounds}")
         self.s = settings
         self.items = list(items)
         self.stop = stop or asyncio.Event()
@@ -237,6 +274,7 @@ class ReplayRunner:
         self._sink: SpanSink | None = None
         self._recording = True
         self._warmups = 0
+        self._queue_s: list[float] = []  # this phase's calls: handed over → upstream request sent
 
     # bodies and ids
 
@@ -255,17 +293,29 @@ class ReplayRunner:
         body["stream"] = True
         return body
 
-    def _calls(self, tag: str, items: Sequence[ReplayItem], level: int | None) -> list[_Call]:
+    def _calls(self, tag: str, items: Sequence[ReplayItem], phase: _Phase) -> list[_Call]:
         short = self.run_id.removeprefix("replay-")[:6]
+        if self.s.load.rounds > 1:
+            tag = f"{tag}r{phase.round}"
+        # Request ids are UUIDs, as some servers require: sent as they are, so a --target proxy stores
+        # the same request_id in its spans (the join between its spans and replay's).
         return [
             _Call(
-                f"{short}-{tag}-{i:05d}-{_SAFE_ID.sub('_', it.item_id)[:48]}",
+                upstream_request_id(f"{short}-{tag}-{i:05d}-{_SAFE_ID.sub('_', it.item_id)[:48]}"),
                 it,
                 self._body(it, warmup=False),
-                level,
+                phase.level,
+                phase.round,
             )
             for i, it in enumerate(items)
         ]
+
+    def _round_order(self, items: Sequence[ReplayItem], phase: _Phase) -> list[ReplayItem]:
+        """The items in the order of this round: as given in the first, shuffled with the seed after."""
+        ordered = list(items)
+        if phase.round > 1:
+            random.Random(f"{self.s.seed}:{phase.level}:{phase.round}").shuffle(ordered)
+        return ordered
 
     def _for_arm(self, arm: Arm, body: dict[str, Any]) -> dict[str, Any]:
         """The body as this arm gets it: with the model name it serves."""
@@ -274,7 +324,11 @@ class ReplayRunner:
 
     # one call
 
-    async def _send(self, arm: Arm, call: _Call, *, routed_as: RoutedAs, joiner: PairJoiner | None) -> None:
+    async def _send(
+        self, arm: Arm, call: _Call, *, routed_as: RoutedAs, joiner: PairJoiner | None
+    ) -> float | None:
+        """One call and its span; returns when its response ended (perf_counter), None if not sent."""
+        handed_over = time.perf_counter()
         body = self._for_arm(arm, call.body)
         record = new_record(
             self.run_id,
@@ -286,7 +340,9 @@ class ReplayRunner:
             source="replay",
             category=call.item.category,
             concurrency_level=call.concurrency_level,
+            engine_load=self.scraper.engine_load.get(arm.name),
         )
+        record.round = call.round
         try:
             result = await call_arm(
                 self.client,
@@ -304,8 +360,10 @@ class ReplayRunner:
             if self._recording:
                 self._emit(record)
             raise
+        ended = result.t_send + (record.e2e_s or 0.0)
         if not self._recording:
-            return
+            return ended
+        self._queue_s.append(result.t_send - handed_over)
         totals = self.result.per_arm[arm.name]
         if result.ok:
             totals.ok += 1
@@ -317,9 +375,10 @@ class ReplayRunner:
             joiner.add(result, is_comparable(body))
         else:
             self._emit(record)
+        return ended
 
-    async def _send_split(self, assigned: tuple[Arm, _Call]) -> None:
-        await self._send(assigned[0], assigned[1], routed_as="split", joiner=None)
+    async def _send_split(self, assigned: tuple[Arm, _Call]) -> float | None:
+        return await self._send(assigned[0], assigned[1], routed_as="split", joiner=None)
 
     async def _warm(self, arm: Arm, item: ReplayItem) -> None:
         body = self._for_arm(arm, self._body(item, warmup=True))
@@ -364,45 +423,70 @@ class ReplayRunner:
 
     async def _phase(
         self,
-        label: str,
+        phase: _Phase,
         calls: list[_Call],
-        drive: Callable[[Sequence[Any], Callable[[Any], Awaitable[None]]], Awaitable[LoadStats]],
+        drive: Callable[[Sequence[Any], Callable[[Any], Awaitable[float | None]]], Awaitable[LoadStats]],
     ) -> list[LoadStats]:
-        """Run one measured phase: scrape, send every call as ``drive`` schedules it, scrape again."""
-        await self._mark(f"{label}:before")
+        """Run one measured round: scrape and read the clocks, send every call as ``drive`` schedules
+        it (paired: to the arms in this round's order), scrape and read again, record the health."""
+        label = phase.label
+        await self.scraper.scrape_once(f"{label}:before")
+        self.scraper.engine_load.clear()
+        clocks_before = await read_sim_clocks(self.session, self.s.arms)
         self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
         self.result.phases.append(label)
+        self._queue_s = []
         stats: list[LoadStats] = []
+        loop_lag = LoopLagSampler()
+        scraping = asyncio.ensure_future(self._scrape_during())
         try:
-            if self.s.mode == "paired":
-                joiner = PairJoiner(len(self.s.arms), self._emit) if len(self.s.arms) > 1 else None
-                try:
-                    stats = list(
-                        await asyncio.gather(
-                            *(
-                                drive(
-                                    calls,
-                                    functools.partial(self._send, arm, routed_as="replay", joiner=joiner),
+            async with loop_lag:
+                if self.s.mode == "paired":
+                    joiner = PairJoiner(len(self.s.arms), self._emit) if len(self.s.arms) > 1 else None
+                    try:
+                        stats = list(
+                            await asyncio.gather(
+                                *(
+                                    drive(
+                                        calls,
+                                        functools.partial(self._send, arm, routed_as="replay", joiner=joiner),
+                                    )
+                                    for arm in rotated(self.s.arms, phase.round)
                                 )
-                                for arm in self.s.arms
                             )
                         )
-                    )
-                finally:
-                    if joiner is not None:
-                        joiner.flush()
-            else:
-                assigned = [(self._split_arm(), c) for c in calls]
-                stats = [await drive(assigned, self._send_split)]
+                    finally:
+                        if joiner is not None:
+                            joiner.flush()
+                else:
+                    assigned = [(self._split_arm(), c) for c in calls]
+                    stats = [await drive(assigned, self._send_split)]
         finally:
+            scraping.cancel()
+            await asyncio.gather(scraping, return_exceptions=True)
             self.progress.end_phase()
-            await self._mark(f"{label}:after")
+            await self.scraper.scrape_once(f"{label}:after")
+            clocks_after = await read_sim_clocks(self.session, self.s.arms)
+            await self._record_health(phase, clock_lag(clocks_before, clocks_after), stats, loop_lag.lags_s)
         return stats
 
-    async def _mark(self, phase: str) -> None:
-        await self.scraper.scrape_once(phase)
-        if self.s.on_phase is not None:
-            await self.s.on_phase(phase)
+    async def _scrape_during(self) -> None:
+        await asyncio.sleep(SCRAPE_DURING_PHASE_S / 2)
+        while True:
+            await self.scraper.scrape_engine_load()
+            await asyncio.sleep(SCRAPE_DURING_PHASE_S)
+
+    async def _record_health(
+        self, phase: _Phase, engine_lag: dict[str, float], stats: list[LoadStats], loop_lags: list[float]
+    ) -> None:
+        start_lags = [lag for st in stats for lag in st.lag_s]
+        rows = health_rows(
+            self.run_id, phase.level, phase.round, engine_lag, start_lags, loop_lags, self._queue_s
+        )
+        self.result.health.extend(rows)
+        assert self._sink is not None
+        # A handful of rows, written off the event loop between rounds.
+        await asyncio.to_thread(self._sink.write_health, rows)
 
     def _level_items(self, level: int) -> list[ReplayItem]:
         plan = self.s.load
@@ -424,16 +508,18 @@ class ReplayRunner:
                         for arm in self.s.arms
                     )
                 )
-            if self.stop.is_set():
-                break
-            calls = self._calls(f"c{level}", items, level)
 
             def drive(
-                seq: Sequence[Any], send: Callable[[Any], Awaitable[None]], level: int = level
+                seq: Sequence[Any], send: Callable[[Any], Awaitable[float | None]], level: int = level
             ) -> Awaitable[LoadStats]:
                 return closed_loop(seq, level, send, deadline_s=plan.duration_s, stop=self.stop)
 
-            await self._phase(f"c={level}", calls, drive)
+            for round_ in range(1, plan.rounds + 1):
+                if self.stop.is_set():
+                    return
+                phase = _Phase(phase_label(f"c={level}", round_, plan.rounds), level, round_)
+                calls = self._calls(f"c{level}", self._round_order(items, phase), phase)
+                await self._phase(phase, calls, drive)
 
     async def _open(self) -> None:
         plan = self.s.load
@@ -449,26 +535,35 @@ class ReplayRunner:
             items = sorted(self.items, key=lambda it: it.arrival_s or 0.0)
             offsets = timed_offsets([it.arrival_s or 0.0 for it in items], plan.speedup)
             label = f"timed x{plan.speedup:g}"
-        calls = self._calls(plan.kind, items, None)
-        schedule = dict(zip((c.request_id for c in calls), offsets, strict=True))
+        lags: list[float] = []
+        for round_ in range(1, plan.rounds + 1):
+            if self.stop.is_set():
+                break
+            phase = _Phase(phase_label(label, round_, plan.rounds), None, round_)
+            calls = self._calls(plan.kind, items, phase)
+            schedule = dict(zip((c.request_id for c in calls), offsets, strict=True))
 
-        def drive(seq: Sequence[Any], send: Callable[[Any], Awaitable[None]]) -> Awaitable[LoadStats]:
-            def rid(x: Any) -> str:
-                return str(x[1].request_id if isinstance(x, tuple) else x.request_id)
+            def drive(
+                seq: Sequence[Any],
+                send: Callable[[Any], Awaitable[float | None]],
+                schedule: dict[str, float] = schedule,
+            ) -> Awaitable[LoadStats]:
+                def rid(x: Any) -> str:
+                    return str(x[1].request_id if isinstance(x, tuple) else x.request_id)
 
-            return open_loop(
-                seq, [schedule[rid(x)] for x in seq], send, deadline_s=plan.duration_s, stop=self.stop
-            )
+                return open_loop(
+                    seq, [schedule[rid(x)] for x in seq], send, deadline_s=plan.duration_s, stop=self.stop
+                )
 
-        stats = await self._phase(label, calls, drive)
-        lags = sorted(lag for s in stats for lag in s.lag_s)
-        if lags:
-            self.result.lag_p99_s = lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+            stats = await self._phase(phase, calls, drive)
+            lags += [lag for st in stats for lag in st.lag_s]
+        self.result.lag_p99_s = p99(lags)
 
     async def run(self) -> ReplayResult:
         connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=False)
         async with aiohttp.ClientSession(connector=connector) as session, UpstreamClient() as client:
             self.client = client
+            self.session = session
             exp = self.s.experiment or Experiment(name=self.s.run_name, arms=self.s.arms)
             stacks, served = await probe_arms(session, exp)
             for arm in self.s.arms:

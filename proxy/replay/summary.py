@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from specproxy.proxy.replay.formats import ItemSet
+from specproxy.proxy.replay.health import over_threshold
 from specproxy.proxy.replay.runner import ReplayResult
 
 
@@ -20,6 +21,15 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
         console.print(f"skipped {items.skipped} bad record(s); first: {items.first_skip}", highlight=False)
     if result.lag_p99_s is not None:
         console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms", highlight=False)
+    for row in over_threshold(result.health):
+        level = f"c={row.concurrency_level}" if row.concurrency_level is not None else "the open loop"
+        who = f" ({row.arm})" if row.arm else ""
+        console.print(
+            f"[yellow]health: {level} round {row.round}: {row.check_name}{who} = {row.value:.3g}, over "
+            f"its limit of {row.threshold:g}: the machine did not keep up, this round's figures are "
+            "stretched[/yellow]",
+            highlight=False,
+        )
     dropped = (
         f" ({result.spans_dropped} dropped: the writer fell behind or failed, see the log)"
         if result.spans_dropped

@@ -31,27 +31,31 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.identity import is_comparable
 from specproxy.proxy.server.capture import CaptureWriter
-from specproxy.proxy.server.errors import Handler, error_body, openai_error, openai_errors
+from specproxy.proxy.server.errors import (
+    Handler,
+    error_body,
+    json_http_exceptions,
+    openai_error,
+    openai_errors,
+)
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
 from specproxy.proxy.server.routing import ArmRouter
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
+from specproxy.proxy.server.validate import Rejected, expect_handler, read_request
 from specproxy.proxy.spans.sink import DEFAULT_MEMORY_LIMIT, SpanSink
 from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, TraceParent, client_trace_context, new_trace_id
 from specproxy.proxy.upstream.calls import (
-    CATEGORY_HEADER,
-    CONCURRENCY_HEADER,
     REQUEST_ID_HEADER,
     CallResult,
     ClientGone,
@@ -60,7 +64,7 @@ from specproxy.proxy.upstream.calls import (
     call_arm,
     new_record,
 )
-from specproxy.proxy.upstream.scrape import MetricsScraper
+from specproxy.proxy.upstream.scrape import EngineLoad, MetricsScraper
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint
 from specproxy.proxy.upstream.stacks import arm_auth, arm_stacks
 from specproxy.proxy.upstream.wire import UpstreamClient
@@ -105,6 +109,8 @@ class ProxyState:
     dispatcher: ShadowDispatcher | None = None
     capture: CaptureWriter | None = None
     shutdown_started: float | None = None
+    # arm name → its running/waiting gauges at the latest /metrics scrape (kept by the scraper)
+    engine_load: dict[str, EngineLoad] = field(default_factory=dict)
 
     def finish(self, record: SpanRecord, parent: TraceParent | None = None) -> None:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
@@ -140,9 +146,9 @@ class ClientRelay:
 
     async def start(self, status: int, content_type: str) -> None:
         self.status, self.content_type = status, content_type
-        if content_type == "text/event-stream":
+        if content_type.split(";", 1)[0].strip().lower() == "text/event-stream":
             resp = web.StreamResponse(status=status, headers=self.headers)
-            resp.content_type = content_type
+            resp.headers["Content-Type"] = content_type  # as the backend sent it, parameters and all
             resp.headers["Cache-Control"] = "no-cache"
             if self.request.version >= aiohttp.HttpVersion11:
                 resp.enable_chunked_encoding()  # (an HTTP/1.0 client gets the body until close)
@@ -191,8 +197,7 @@ class ClientRelay:
             return web.Response(
                 status=self.status,
                 body=b"".join(self.parts),
-                headers=self.headers,
-                content_type=self.content_type,
+                headers={**self.headers, "Content-Type": self.content_type},
             )
         if rec is not None and rec.status == "timeout":
             return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.headers)
@@ -205,42 +210,18 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     arrival = time.time()
     st = request.app[STATE]
     exp = st.settings.experiment
-    length = request.content_length
-    if length is not None and length > exp.max_body_bytes:
-        st.metrics.client_error(413)
-        return openai_error(
-            413,
-            f"request body is {length} bytes; the limit is {exp.max_body_bytes} "
-            "(max_body_bytes in the experiment file)",
-        )
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        st.metrics.client_error(413)
-        return openai_error(
-            413,
-            f"request body is over the limit of {exp.max_body_bytes} bytes "
-            "(max_body_bytes in the experiment file)",
+        checked = await read_request(
+            request, max_body_bytes=exp.max_body_bytes, body_timeout_s=exp.client_body_timeout_s
         )
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        st.metrics.client_error(400)
-        return openai_error(400, f"request body is not valid JSON: {exc}")
-    if not isinstance(body, dict):
-        st.metrics.client_error(400)
-        return openai_error(400, "request body must be a JSON object")
-    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-    category = request.headers.get(CATEGORY_HEADER)
-    level: int | None = None
-    level_text = request.headers.get(CONCURRENCY_HEADER)
-    if level_text is not None:
-        level = _positive_int(level_text)
-        if level is None:
-            st.metrics.client_error(400)
-            return openai_error(
-                400, f"header {CONCURRENCY_HEADER} must be an integer ≥ 1, got {level_text!r}"
-            )
+    except Rejected as exc:
+        st.metrics.client_error(exc.status)
+        refusal = openai_error(exc.status, exc.message)
+        if exc.close:
+            refusal.force_close()
+        return refusal
+    body, request_id, category = checked.body, checked.request_id, checked.category
+    level = checked.concurrency_level
     # One trace per client request: the client's (W3C traceparent) when it sent one, else a new one.
     # Every call the request makes (primary, shadow, verify) is a span of it with its own span id.
     parent = client_trace_context(request.headers) if TRACEPARENT_HEADER in request.headers else None
@@ -264,6 +245,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
                 routed_as=copy.routed_as,
                 category=category,
                 concurrency_level=level,
+                engine_load=st.engine_load.get(copy.arm.name),
             )
             dispatcher.send(copy, body, rec, endpoint=endpoint, pair=pair, parent=parent)
     record = new_record(
@@ -276,6 +258,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         routed_as=plan.primary_routed_as,
         category=category,
         concurrency_level=level,
+        engine_load=st.engine_load.get(primary.name),
     )
     relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
     assert st.client is not None
@@ -294,6 +277,15 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             capture_output=st.capture is not None,
             tap=tap,
         )
+        return await relay.finish(result)
+    except Exception:
+        if relay.response is None:
+            raise  # nothing sent yet: the error middleware answers
+        # A bug once the stream is under way: another response cannot be sent inside this one, so
+        # end the stream the way an upstream failure mid-stream ends it.
+        log.exception("internal error while relaying request %s from %s", request_id, primary.name)
+        record.status, record.error = "upstream_error", "internal error in specproxy"
+        result = CallResult(record=record, tap=tap, relay_started=True)
         return await relay.finish(result)
     except asyncio.CancelledError:
         if result is None and tap.relayed_done is not None:
@@ -315,14 +307,6 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
                 status=record.status,
                 response_text=result.text if result is not None else None,
             )
-
-
-def _positive_int(text: str) -> int | None:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        return None
-    return value if value >= 1 else None
 
 
 def _after_primary(
@@ -373,7 +357,8 @@ async def models(request: web.Request) -> web.StreamResponse:
             f"{arm.url}/v1/models", headers=arm_auth(arm), timeout=st.primary_timeout.client_timeout()
         ) as resp:
             payload = await resp.read()
-            return web.Response(status=resp.status, body=payload, content_type=resp.content_type)
+            content_type = resp.headers.get("Content-Type", "application/json")
+            return web.Response(status=resp.status, body=payload, headers={"Content-Type": content_type})
     except TimeoutError:
         return openai_error(504, f"baseline {arm.name} did not answer GET /v1/models in time")
     except (aiohttp.ClientError, OSError) as exc:
@@ -396,7 +381,9 @@ def _auth_middleware(api_key: str) -> Any:
     @web.middleware
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
+            # The header's bytes as they came (aiohttp keeps undecodable ones as surrogates): a key
+            # that is not UTF-8 is a wrong key, not an error.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 request.app[STATE].metrics.client_error(401)
                 return openai_error(
@@ -436,8 +423,9 @@ def create_app(settings: ProxySettings) -> web.Application:
         middlewares.append(_auth_middleware(settings.api_key))
     app = web.Application(client_max_size=exp.max_body_bytes, middlewares=middlewares)
     app[STATE] = state
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    expect = expect_handler(exp.max_body_bytes)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -446,6 +434,7 @@ def create_app(settings: ProxySettings) -> web.Application:
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(_capture)
     app.on_shutdown.append(_mark_shutdown)
+    app.on_response_prepare.append(json_http_exceptions)
     return app
 
 
@@ -523,7 +512,12 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
     exp = st.settings.experiment
     async with aiohttp.ClientSession() as session:
         scraper = MetricsScraper(
-            exp.arms, st.sink, session, run_id=st.run_id, interval_s=exp.scrape_interval_s
+            exp.arms,
+            st.sink,
+            session,
+            run_id=st.run_id,
+            interval_s=exp.scrape_interval_s,
+            engine_load=st.engine_load,
         )
         task = asyncio.create_task(scraper.run())
         try:

@@ -8,6 +8,7 @@ next to the configured one (DuckDB allows one writer per file), all under one ru
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import os
@@ -86,6 +87,7 @@ def worker_path(path: str, index: int) -> str:
     help="Log verbosity (stderr).",
 )
 @click.option("--worker-index", default=None, type=int, hidden=True)
+@click.option("--parent-pid", default=None, type=int, hidden=True)
 def serve(
     config_path: str,
     host: str,
@@ -99,6 +101,7 @@ def serve(
     db_memory: str,
     log_level: str,
     worker_index: int | None,
+    parent_pid: int | None,
 ) -> None:
     """Run the proxy in front of the experiment's arms (shadow or split mode) and write a span per
     upstream call to the DuckDB span store.
@@ -140,7 +143,19 @@ def serve(
             db_memory,
         )
         return
-    _run_one(exp, host, port, db_path, capture, capture_responses, run_id, no_scrape, worker_index, db_memory)
+    _run_one(
+        exp,
+        host,
+        port,
+        db_path,
+        capture,
+        capture_responses,
+        run_id,
+        no_scrape,
+        worker_index,
+        db_memory,
+        parent_pid,
+    )
 
 
 class _EarlyStop:
@@ -165,9 +180,12 @@ def _run_one(
     no_scrape: bool,
     worker_index: int | None,
     db_memory: str,
+    parent_pid: int | None = None,
 ) -> None:
     signal.signal(signal.SIGTERM, _EarlyStop.note)
     signal.signal(signal.SIGINT, _EarlyStop.note)
+    if parent_pid is not None:
+        _stop_with_parent(parent_pid)
     from specproxy.proxy.server.app import ProxySettings
 
     settings = ProxySettings(
@@ -188,6 +206,7 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
     from aiohttp import web
 
     from specproxy.proxy.server.app import STATE, create_app
+    from specproxy.proxy.server.connections import ClientLimits, ProxyRunner, default_max_connections
     from specproxy.proxy.spans.sink import SpanSinkError
 
     exp = settings.experiment
@@ -200,9 +219,11 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
     app = create_app(settings)
     st = app[STATE]
     where = f" (worker {settings.worker_index})" if settings.worker_index is not None else ""
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=exp.shutdown_grace_s
+    limits = ClientLimits(
+        max_connections=exp.max_client_connections or default_max_connections(len(exp.arms)),
+        header_timeout_s=exp.client_header_timeout_s,
     )
+    runner = ProxyRunner(app, limits, shutdown_timeout=exp.shutdown_grace_s)
     try:
         await runner.setup()
     except SpanSinkError as exc:
@@ -223,13 +244,49 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
             f"spans -> {settings.db or exp.db}",
             err=True,
         )
+        parent_watch = asyncio.create_task(_ParentWatch.wait_for_parent_death(stop))
         await stop.wait()
+        parent_watch.cancel()
         click.echo(f"specproxy serve{where}: shutting down (grace {exp.shutdown_grace_s:.0f}s)", err=True)
     finally:
         await runner.cleanup()
     sink = st.sink
     if sink is not None:
         click.echo(f"specproxy serve{where}: {sink.written} spans written, {sink.dropped} dropped", err=True)
+
+
+def _stop_with_parent(parent_pid: int) -> None:
+    """A worker shuts down (SIGTERM: requests finish, spans are written) when the ``serve --workers``
+    process that started it dies, even by SIGKILL; otherwise it would keep the port and its span store.
+
+    Linux delivers the signal itself (PR_SET_PDEATHSIG); elsewhere :func:`_serve` polls the parent."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0:
+                _ParentWatch.kernel = True
+        except (OSError, AttributeError):
+            pass
+    _ParentWatch.pid = parent_pid
+    if os.getppid() != parent_pid:  # it died before the signal was set up
+        _EarlyStop.requested = True
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _ParentWatch:
+    pid: int | None = None
+    kernel = False  # the kernel signals the parent's death; no polling needed
+
+    @classmethod
+    async def wait_for_parent_death(cls, stop: asyncio.Event) -> None:
+        while cls.pid is not None and not cls.kernel:
+            if os.getppid() != cls.pid:
+                log.warning("the parent serve process %d is gone: shutting down", cls.pid)
+                stop.set()
+                return
+            await asyncio.sleep(1.0)
 
 
 def _run_workers(
@@ -272,6 +329,8 @@ def _run_workers(
             run_id,
             "--worker-index",
             str(i),
+            "--parent-pid",
+            str(os.getpid()),
             "--log-level",
             log_level,
             "--db-memory",

@@ -33,6 +33,10 @@ _TYPES = {
 
 
 def error_body(status: int, message: str, *, code: str | None = None) -> bytes:
+    # A message may quote what a client sent, undecodable bytes included (kept by aiohttp as lone
+    # surrogates, which JSON cannot hold): those are written as \udcXX escapes.
+    if not message.isascii():
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return orjson.dumps(
         {
             "error": {
@@ -58,6 +62,15 @@ def openai_error(
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def json_http_exceptions(request: web.Request, response: web.StreamResponse) -> None:
+    """An ``on_response_prepare`` signal: an error aiohttp itself raises outside the middleware (an
+    unsupported ``Expect`` on any path) gets OpenAI's shape instead of its plain text."""
+    if isinstance(response, web.HTTPException) and response.status >= 400:
+        text = (response.text or response.reason or "").strip()
+        response.body = error_body(response.status, text)
+        response.content_type = "application/json"
 
 
 @web.middleware

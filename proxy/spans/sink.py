@@ -9,6 +9,7 @@ One :class:`SpanSink` per process holds the span store (a DuckDB file has one wr
     sink.emit(record)                 # from any thread or the event loop; never blocks; False = dropped
     sink.emit(record, parent=tp)      # the same, as a child of the client's span (a TraceParent)
     sink.emit_backend_metrics(rows)   # rows of backend_metrics (the metrics scraper), same rules
+    sink.write_health(rows)           # rows of health (replay, between phases); written at once
     sink.end_run(run_id)
     sink.close()                      # writes every accepted span and row, then closes the file
 
@@ -104,6 +105,19 @@ class BackendMetricRow(NamedTuple):
     name: str  # e.g. vllm:spec_decode_num_drafts_total
     labels_json: str  # sorted JSON of the labels, `engine` included
     value: float
+
+
+class HealthRow(NamedTuple):
+    """One row of table ``health``: one check of the measurement itself at one level and round."""
+
+    run_id: str
+    arm: str | None  # None: a check of the client side (load generator, event loop, proxy)
+    concurrency_level: int | None
+    round: int | None
+    check_name: str  # engine_clock_lag | loadgen_start_lag_p99_s | event_loop_lag_p99_s | proxy_queue_p99_s
+    value: float | None
+    threshold: float | None  # the limit applied; above it the level is not trusted
+    measured_at: datetime  # tz-aware UTC
 
 
 def _epoch_us(t: datetime) -> int:
@@ -381,6 +395,22 @@ class SpanSink:
             finally:
                 cur.close()
 
+    def write_health(self, rows: Sequence[HealthRow]) -> None:
+        """Insert ``health`` rows now, on the caller's thread (a handful per level and round, written
+        between phases: call it off the event loop). A no-op without a span store."""
+        if self._conn is None or not rows:
+            return
+        with self._runs_lock:
+            cur = self._conn.cursor()
+            try:
+                cur.executemany(
+                    "INSERT INTO health (run_id, arm, concurrency_level, round, check_name, value, "
+                    "threshold, measured_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [list(r) for r in rows],
+                )
+            finally:
+                cur.close()
+
     def emit(self, record: SpanRecord, parent: TraceParent | None = None) -> bool:
         """Queue one span record; thread-safe and never blocking. False when it was dropped (counted).
 
@@ -646,6 +676,7 @@ def open_store(
 
 __all__ = [
     "BackendMetricRow",
+    "HealthRow",
     "SpanSink",
     "open_store",
     "SpanSinkError",

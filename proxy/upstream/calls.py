@@ -5,11 +5,15 @@ live one are measured the same way.
 
 What :func:`call_arm` does:
 
-- asks vLLM arms for what a span needs unless the arm has ``vllm_extensions = "off"``: on streams
-  ``stream_options.include_usage`` (the final count), plus ``continuous_usage_stats`` (tokens per
-  chunk) for arms with speculation, and ``return_token_ids`` when the arm sets it; a backend that
-  rejects them (400/422 naming them) is retried once without, and remembered per arm URL in
-  :class:`UpstreamState`;
+- asks every arm's streams for the standard ``stream_options.include_usage`` (the final count), and
+  vLLM arms, unless the arm has ``vllm_extensions = "off"``, for ``continuous_usage_stats`` (tokens
+  per chunk) where the arm speculates and ``return_token_ids`` when the arm sets it. A 400/422 that
+  names them, to a request the proxy added something to, is retried without (the extensions first,
+  then ``stream_options``); only when a retry succeeds does the arm's URL count as refusing what it
+  left out (:class:`UpstreamState`), and only for ``reprobe_after_s``: then it is tried again. A
+  client's own bad request (every retry fails too, or the proxy added nothing) changes nothing. A
+  llama.cpp arm is asked for nothing: it reports its counts in ``timings`` (chat) or ``usage``
+  (completions) on its own;
 - relays the response to an optional :class:`Relay` (the proxy's client writer) as it arrives, with
   everything the client did not ask for stripped again, so the client gets what the backend would have
   sent it; when nothing needs stripping the received bytes are forwarded untouched. A stream's bytes
@@ -38,7 +42,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -48,7 +54,11 @@ import orjson
 
 from specproxy.config import Arm
 from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, new_span_id, new_trace_id, traceparent
-from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, SSEParser
+from specproxy.proxy.upstream.acceptance import MergeCalibration, speculation_for
+from specproxy.proxy.upstream.engines import engine_report
+from specproxy.proxy.upstream.redact import redact_request_text
+from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, MalformedEvent, SSEEvent, SSEParser
+from specproxy.proxy.upstream.tokens import ChunkEvidence, count_completion_tokens, load_tokenizer
 from specproxy.proxy.upstream.wire import Exchange, UpstreamClient
 from specproxy.record import RoutedAs, Source, SpanRecord, decode_tok_s, fit_to_columns
 
@@ -58,6 +68,30 @@ CATEGORY_HEADER = "X-Specproxy-Category"
 # in between (`specproxy replay --target`) labels its spans with it. serve never forwards it.
 CONCURRENCY_HEADER = "X-Specproxy-Concurrency-Level"
 REQUEST_ID_HEADER = "X-Request-Id"
+# A UUID as text: 8-4-4-4-12 hex digits, or the same 32 without dashes.
+_UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}(-?)[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{12}")
+_REQUEST_ID_NAMESPACE = uuid.UUID("5f0c3d52-8a4e-4d6b-9a1f-7e2b6c9d0a14")
+
+
+def upstream_request_id(request_id: str) -> str:
+    """The X-Request-Id an arm gets for a span's ``request_id``: itself when it is a UUID, else a
+    UUID derived from it (uuid5), the same for every arm and every call.
+
+    Some servers (llama-cpp-python's) refuse any other X-Request-Id. An arm's own logs still join the
+    spans: ``upstream_request_id(span.request_id)`` is the id they show.
+
+    >>> upstream_request_id("3f2b9c1e-0d4a-4e8b-9c7d-1a2b3c4d5e6f")
+    '3f2b9c1e-0d4a-4e8b-9c7d-1a2b3c4d5e6f'
+    >>> upstream_request_id("a1b2c3-c4-00001-q7") == upstream_request_id("a1b2c3-c4-00001-q7")
+    True
+    """
+    if _UUID_TEXT.fullmatch(request_id):
+        return request_id
+    # uuid5's own recipe, on bytes: an id read from a header may hold undecodable bytes (surrogates).
+    name = request_id.encode("utf-8", "surrogateescape")
+    digest = hashlib.sha1(_REQUEST_ID_NAMESPACE.bytes + name, usedforsecurity=False).digest()
+    return str(uuid.UUID(bytes=digest[:16], version=5))
+
 
 # Words in a 400/422 body that mean "this backend does not know vLLM's extensions".
 _REJECTION_MARKERS = (
@@ -79,7 +113,8 @@ class Relay(Protocol):
     """Where a relayed response goes (the proxy's client response)."""
 
     async def start(self, status: int, content_type: str) -> None:
-        """Called once, before the first send, with the upstream status and content type."""
+        """Called once, before the first send, with the upstream status and its Content-Type header
+        (parameters included: ``application/json; charset=utf-8``)."""
 
     def send(self, data: bytes) -> bool:
         """Bytes for the client, in order, handed over at once (never blocks; raises
@@ -101,12 +136,40 @@ class UpstreamTimeout:
         return aiohttp.ClientTimeout(total=self.total, sock_connect=self.connect, sock_read=self.read)
 
 
+# How long an arm that refused vLLM's extensions (or stream_options) goes without them before they
+# are tried again (it may have been upgraded or replaced behind the same URL).
+REPROBE_EXTENSIONS_S = 600.0
+
+
 @dataclass(slots=True)
 class UpstreamState:
-    """Per-process memory about arms: which reject vLLM's extensions, and calls in flight per arm."""
+    """Per-process memory about arms: which refuse vLLM's extensions or ``stream_options`` (URL ->
+    since when, monotonic seconds), calls in flight, the engine each arm URL answered as, and what
+    their streams showed about chunking."""
 
-    rejects_extensions: set[str] = field(default_factory=set)
+    rejects_extensions: dict[str, float] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
+    rejects_stream_options: dict[str, float] = field(default_factory=dict)
+    engines: dict[str, str] = field(default_factory=dict)
+    chunk_evidence: ChunkEvidence = field(default_factory=ChunkEvidence)
+    merging: MergeCalibration = field(default_factory=MergeCalibration)
+    reprobe_after_s: float = REPROBE_EXTENSIONS_S
+
+    def refuses(self, refusals: dict[str, float], url: str) -> bool:
+        """Whether ``url`` is in ``refusals`` (one of the two above) and not yet due a new probe."""
+        since = refusals.get(url)
+        if since is None:
+            return False
+        if time.monotonic() - since >= self.reprobe_after_s:
+            del refusals[url]  # probe again
+            return False
+        return True
+
+    def engine_of(self, arm: Arm) -> str:
+        """The arm's engine: as configured, else as detected from its responses, else unknown."""
+        if arm.engine_kind != "auto":
+            return arm.engine_kind
+        return self.engines.get(arm.url, "unknown")
 
 
 DEFAULT_STATE = UpstreamState()
@@ -119,6 +182,10 @@ class _Strip:
     usage: bool = False  # client did not ask include_usage: drop usage and the usage-only chunk
     chunk_usage: bool = False  # client asked include_usage but not continuous stats
     token_ids: bool = False  # client did not ask return_token_ids
+    # vLLM sends `"token_ids": null` when not asked: the value goes back to null, the key stays.
+    # Another backend's unasked ids are removed with their key.
+    null_ids: bool = False
+    added: bool = False  # the body sent upstream holds something the client did not send
 
     @property
     def any(self) -> bool:
@@ -172,8 +239,11 @@ def new_record(
     category: str | None = None,
     trace_id: str | None = None,
     concurrency_level: int | None = None,
+    engine_load: tuple[float | None, float | None] | None = None,
 ) -> SpanRecord:
-    """A span record with identity and request fields filled from the arm and the client's body."""
+    """A span record with identity and request fields filled from the arm and the client's body.
+
+    ``engine_load``: the arm's (running, waiting) gauges from its latest /metrics scrape, if known."""
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     temperature = body.get("temperature")
     seed = body.get("seed")
@@ -198,14 +268,20 @@ def new_record(
         max_tokens=int(max_tokens) if isinstance(max_tokens, int) else None,
         seed=int(seed) if isinstance(seed, int) else None,
         prompt_sha256=prompt_sha256(body, endpoint),
+        engine_running=engine_load[0] if engine_load is not None else None,
+        engine_waiting=engine_load[1] if engine_load is not None else None,
     )
 
 
-def _upstream_body(arm: Arm, body: dict[str, Any], *, with_extensions: bool) -> tuple[bytes, _Strip]:
-    """The body sent upstream and what must be stripped from its response for the client."""
+def _upstream_body(
+    arm: Arm, body: dict[str, Any], *, with_extensions: bool, with_usage: bool = True
+) -> tuple[bytes, _Strip]:
+    """The body sent upstream and what must be stripped from its response for the client.
+
+    ``with_usage``: ask a stream for the standard final usage even without vLLM's extensions."""
     strip = _Strip()
     if not with_extensions:
-        return orjson.dumps(body), strip
+        return _with_standard_usage(body, strip) if with_usage else orjson.dumps(body), strip
     out = dict(body)
     if body.get("stream"):
         opts = body.get("stream_options")
@@ -220,7 +296,18 @@ def _upstream_body(arm: Arm, body: dict[str, Any], *, with_extensions: bool) -> 
     if arm.return_token_ids:
         strip.token_ids = not body.get("return_token_ids")
         out["return_token_ids"] = True
+    strip.added = out != body
     return orjson.dumps(out), strip
+
+
+def _with_standard_usage(body: dict[str, Any], strip: _Strip) -> bytes:
+    """A stream's body asking for ``stream_options.include_usage`` (OpenAI's own option)."""
+    opts = body.get("stream_options")
+    client_opts = opts if isinstance(opts, dict) else {}
+    if not body.get("stream") or client_opts.get("include_usage"):
+        return orjson.dumps(body)
+    strip.usage = strip.added = True
+    return orjson.dumps({**body, "stream_options": {**client_opts, "include_usage": True}})
 
 
 DROP, KEEP, CHANGED = 0, 1, 2
@@ -238,11 +325,24 @@ def _strip_chunk(obj: dict[str, Any], strip: _Strip) -> int:
     elif strip.chunk_usage and choices:
         changed = _pop(obj, "usage")
     if strip.token_ids:
-        changed = _pop(obj, "prompt_token_ids") or changed
+        unset = _null if strip.null_ids or _vllm_shaped(obj) else _pop
+        changed = unset(obj, "prompt_token_ids") or changed
         for c in choices or ():
-            changed = _pop(c, "token_ids") or changed
-            changed = _pop(c, "prompt_token_ids") or changed
+            changed = unset(c, "token_ids") or changed
+            changed = unset(c, "prompt_token_ids") or changed
     return CHANGED if changed else KEEP
+
+
+def _vllm_shaped(obj: dict[str, Any]) -> bool:
+    # Fields only vLLM's response models have (ChatCompletionStreamResponse, CompletionResponse).
+    return "kv_transfer_params" in obj or "prompt_text" in obj
+
+
+def _null(d: dict[str, Any], key: str) -> bool:
+    if d.get(key) is not None:
+        d[key] = None
+        return True
+    return False
 
 
 def _pop(d: dict[str, Any], key: str) -> bool:
@@ -262,7 +362,7 @@ def _strip_body(body: bytes, strip: _Strip) -> bytes:
         return body
     if not isinstance(obj, dict):
         return body
-    _strip_chunk(obj, _Strip(token_ids=True))
+    _strip_chunk(obj, _Strip(token_ids=True, null_ids=strip.null_ids))
     return orjson.dumps(obj)
 
 
@@ -288,7 +388,7 @@ def _headers(
     trace_id: str = "",
     span_id: str = "",
 ) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: upstream_request_id(request_id)}
     if trace_id and span_id:
         # The arm's own tracing (vLLM --otlp-traces-endpoint) then nests under this call's span.
         headers[TRACEPARENT_HEADER] = traceparent(trace_id, span_id)
@@ -330,16 +430,21 @@ async def call_arm(
     inflight = state.inflight.get(arm.url, 0)
     record.inflight_at_start = inflight
     state.inflight[arm.url] = inflight + 1
-    with_ext = arm.vllm_extensions == "on" or (
-        arm.vllm_extensions == "auto" and arm.url not in state.rejects_extensions
+    engine = state.engine_of(arm)
+    with_ext = engine != "llamacpp" and (
+        arm.vllm_extensions == "on"
+        or (arm.vllm_extensions == "auto" and not state.refuses(state.rejects_extensions, arm.url))
     )
+    with_usage = engine != "llamacpp" and not state.refuses(state.rejects_stream_options, arm.url)
+    left_out: list[dict[str, float]] = []  # refusals to remember if the attempt without them succeeds
     record.t_start_ns = time.time_ns()
     result.t_send = t_send = time.perf_counter()
     t_end: float | None = None
     try:
         async with asyncio.timeout(timeout.total):
             while True:
-                data, strip = _upstream_body(arm, body, with_extensions=with_ext)
+                data, strip = _upstream_body(arm, body, with_extensions=with_ext, with_usage=with_usage)
+                strip.null_ids = state.engine_of(arm) == "vllm"
                 ex = await client.post(
                     url, data, hdrs, connect_timeout=timeout.connect, read_timeout=timeout.read
                 )
@@ -347,22 +452,29 @@ async def call_arm(
                     result.http_status = record.http_status = ex.status
                     if ex.status >= 400:
                         err_body = await ex.read()
-                        if (
-                            with_ext
-                            and arm.vllm_extensions == "auto"
-                            and ex.status in (400, 422)
+                        rejected = (
+                            ex.status in (400, 422)
+                            and strip.added
                             and any(m in err_body for m in _REJECTION_MARKERS)
-                        ):
-                            state.rejects_extensions.add(arm.url)
+                        )
+                        if rejected and with_ext and arm.vllm_extensions == "auto":
                             with_ext = False
+                            left_out.append(state.rejects_extensions)
+                            continue
+                        if rejected and not with_ext and strip.usage:
+                            with_usage = False
+                            left_out.append(state.rejects_stream_options)
                             continue
                         t_end = time.perf_counter()
                         record.status = "http_error"
                         record.error = _error_message(err_body)
                         if relay is not None:
-                            await _relay_start(relay, result, ex.status, ex.content_type)
+                            await _relay_start(relay, result, ex.status, _content_type(ex))
                             await _relay_body(relay, err_body)
                         break
+                    for refusals in left_out:
+                        # Refused with what the proxy added, accepted without: the arm refuses it.
+                        refusals[arm.url] = time.monotonic()
                     if ex.content_type == "text/event-stream":
                         await _read_stream(ex, tap, relay, strip, result)
                         if not tap.done and tap.error is None:
@@ -372,10 +484,11 @@ async def call_arm(
                         payload = await ex.read()
                         now = time.perf_counter()
                         if tap.feed_body(payload, now) is None:
+                            # Not a completion: the relay is not started, so the client gets a 502.
                             record.status = "upstream_error"
-                            record.error = "response is not a JSON object"
-                        if relay is not None:
-                            await _relay_start(relay, result, ex.status, ex.content_type)
+                            record.error = tap.malformed or "response is not a JSON object"
+                        elif relay is not None:
+                            await _relay_start(relay, result, ex.status, _content_type(ex))
                             await _relay_body(relay, _strip_body(payload, strip))
                     if tap.error is not None:
                         record.status = "upstream_error"
@@ -414,12 +527,21 @@ async def call_arm(
                 else "upstream timed out"
             )
         )
+    except MalformedEvent as exc:
+        record.status = "upstream_error"
+        record.error = str(exc)
     except (OSError, ValueError) as exc:  # refused, reset, closed early (wire.UpstreamDisconnected), bad HTTP
         record.status = "upstream_error"
         record.error = f"{exc.__class__.__name__}: {exc}"[:500]
     finally:
         state.inflight[arm.url] -= 1
+        if record.error and not capture_output and (record.status == "http_error" or tap.error is not None):
+            record.error = redact_request_text(record.error, body)  # the arm's text may quote the prompt
         _finish_record(record, arm, tap, t_send, t_end, capture_output)
+        _record_engine_facts(record, arm, tap, state)
+        # Values from the client and the backend (a seed of 2**64 - 1, an undecodable request id) are
+        # made to fit the store's columns here, each change noted in the record, so no row is lost to them.
+        fit_to_columns(record)
     return result
 
 
@@ -429,6 +551,11 @@ def _complete(record: SpanRecord, tap: CompletionTap, t_done: float) -> float:
         record.status = "upstream_error"
         record.error = _error_message(orjson.dumps({"error": tap.error}))
     return t_done
+
+
+def _content_type(ex: Exchange) -> str:
+    """The response's Content-Type header as the backend sent it (``charset`` and all)."""
+    return ex.headers.get("content-type") or ex.content_type
 
 
 async def _relay_start(relay: Relay, result: CallResult, status: int, content_type: str) -> None:
@@ -464,7 +591,7 @@ async def _read_stream(
     """Relay and tap a streamed body. The work per read happens in :class:`_StreamConsumer`, called from
     the connection's read callback; this coroutine only waits for the end, or for a full client."""
     if relay is not None:
-        await _relay_start(relay, result, ex.status, ex.content_type)
+        await _relay_start(relay, result, ex.status, _content_type(ex))
     consumer = _StreamConsumer(tap, relay, strip)
     ex.consume(consumer)
     while not await ex.wait():
@@ -480,7 +607,7 @@ class _StreamConsumer:
     Runs inside the upstream connection's ``data_received``; returns True when the client's buffer is
     full (the connection then stops reading until the client has caught up)."""
 
-    __slots__ = ("parser", "tap", "relay", "strip", "rewrite", "usage_only")
+    __slots__ = ("parser", "tap", "relay", "strip", "rewrite", "usage_only", "rewriter")
 
     def __init__(self, tap: CompletionTap, relay: Relay | None, strip: _Strip) -> None:
         self.parser = SSEParser()
@@ -492,12 +619,18 @@ class _StreamConsumer:
         # read of whole events without one is forwarded as received (a JSON string holds `\"usage\"`,
         # never `"usage"`).
         self.usage_only = strip.usage and not strip.token_ids
+        self.rewriter = _EventRewriter(tap, strip)
 
     def __call__(self, raw: bytes) -> bool:
         now = time.perf_counter()
         parser, tap, relay = self.parser, self.tap, self.relay
         rewrite = self.rewrite and not (
-            self.usage_only and not parser.pending and raw.endswith(b"\n\n") and b'"usage"' not in raw
+            self.usage_only
+            and not parser.pending
+            and raw.endswith(b"\n\n")
+            and b'"usage"' not in raw
+            and not self.rewriter.held
+            and not self.rewriter.holds_finish(raw)
         )
         pause = False
         if relay is not None and not rewrite:
@@ -506,23 +639,16 @@ class _StreamConsumer:
         events = parser.feed(raw)
         was_done = tap.done
         if rewrite:
-            out: list[bytes] = []
-            for ev in events:
-                obj = tap.feed_data(ev.data, now) if ev.data is not None else None
-                if obj is None:
-                    out.append(ev.raw)
-                    continue
-                action = _strip_chunk(obj, self.strip)
-                if action == KEEP:
-                    out.append(ev.raw)
-                elif action == CHANGED:
-                    out.append(b"data: " + orjson.dumps(obj) + b"\n\n")
+            out = self.rewriter.events(events, now)
             if out and relay is not None:
-                pause = _relay_send(relay, b"".join(out))
+                pause = _relay_send(relay, out)
         else:
             for ev in events:
                 if ev.data is not None:
                     tap.feed_data(ev.data, now)
+        if tap.malformed is not None:
+            # Ends the exchange (the upstream connection closes) and the call: an upstream_error.
+            raise MalformedEvent(tap.malformed)
         if tap.done and not was_done:
             # The final event has reached the client (or there is no client): the call is complete.
             tap.relayed_done = now
@@ -537,9 +663,74 @@ class _StreamConsumer:
             if ev.data is not None:
                 tap.feed_data(ev.data, now)
             if self.rewrite and self.relay is not None:
-                _relay_send(self.relay, ev.raw)
+                _relay_send(self.relay, self.rewriter.release() + ev.raw)
             if tap.done and not was_done:
                 tap.relayed_done = now
+        held = self.rewriter.release()
+        if held and self.relay is not None:
+            _relay_send(self.relay, held)
+        if tap.malformed is not None:
+            raise MalformedEvent(tap.malformed)
+
+
+# Keys an engine moves from a stream's last chunk onto the usage-only chunk when include_usage is asked
+# for (llama-server's `timings`): given back to the finishing chunk when the proxy drops the usage.
+_MOVED_TO_USAGE_CHUNK = ("timings",)
+
+
+class _EventRewriter:
+    """The rewritten events of a stream whose extensions the client did not ask for.
+
+    llama-server puts ``timings`` on the last chunk of a chat stream, which is the usage-only chunk
+    when ``include_usage`` was asked for (tools/server/server-task.cpp,
+    ``to_json_oaicompat_chat_stream``). So when the proxy asked for the usage and drops that chunk, the
+    chunk that finished the choice is held until the next event and gets those keys back: the client
+    sees the chunk the engine would have sent it."""
+
+    __slots__ = ("tap", "strip", "hold", "held", "held_obj")
+
+    def __init__(self, tap: CompletionTap, strip: _Strip) -> None:
+        self.tap = tap
+        self.strip = strip
+        self.hold = strip.usage and tap.endpoint == "chat"
+        self.held = b""
+        self.held_obj: dict[str, Any] | None = None
+
+    def holds_finish(self, raw: bytes) -> bool:
+        """Does this read hold a finishing chat chunk that must wait for the next event?"""
+        return self.hold and (b'"finish_reason":"' in raw or b'"finish_reason": "' in raw)
+
+    def events(self, events: list[SSEEvent], now: float) -> bytes:
+        out: list[bytes] = []
+        for ev in events:
+            obj = self.tap.feed_data(ev.data, now) if ev.data is not None else None
+            if obj is None:
+                out.append(self.release() + ev.raw)
+                continue
+            action = _strip_chunk(obj, self.strip)
+            if action == DROP:
+                out.append(self._release_with(obj))
+                continue
+            data = ev.raw if action == KEEP else b"data: " + orjson.dumps(obj) + b"\n\n"
+            out.append(self.release())
+            if self.hold and any(c.get("finish_reason") for c in obj.get("choices") or ()):
+                self.held, self.held_obj = data, obj
+            else:
+                out.append(data)
+        return b"".join(out)
+
+    def release(self) -> bytes:
+        """The held chunk as it was (nothing to give back to it)."""
+        held, self.held, self.held_obj = self.held, b"", None
+        return held
+
+    def _release_with(self, dropped: dict[str, Any]) -> bytes:
+        extra = {k: dropped[k] for k in _MOVED_TO_USAGE_CHUNK if k in dropped}
+        if not extra or self.held_obj is None:
+            return self.release()
+        obj = {**self.held_obj, **extra}
+        self.held, self.held_obj = b"", None
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def _finish_record(
@@ -563,18 +754,33 @@ def _finish_record(
         record.output_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
     if capture:
         record.output_text = text
-    spec = tap.spec_from_metrics()
-    if spec is not None:
-        record.spec_source = "vllm_request_metrics"
-    elif arm.spec_method != "none":
-        spec = tap.spec_from_shape(arm.num_speculative_tokens)
-        if spec is not None:
-            record.spec_source = "stream_shape"
+
+
+def _record_engine_facts(record: SpanRecord, arm: Arm, tap: CompletionTap, state: UpstreamState) -> None:
+    """What the engine told about the call (its name, queueing, speculation) and the completion tokens
+    with their source: the parts of a span that depend on which engine answered."""
+    if tap.engine_hint is not None and arm.url not in state.engines:
+        state.engines[arm.url] = tap.engine_hint
+    engine = arm.engine_kind if arm.engine_kind != "auto" else tap.engine_hint or state.engine_of(arm)
+    record.engine = engine
+    report = engine_report(tap, engine)
+    if report is not None:
+        record.queue_s = report.queue_s
+    tokenizer = load_tokenizer(arm.tokenizer) if arm.tokenizer else None
+    count = count_completion_tokens(
+        tap,
+        arm,
+        state.chunk_evidence,
+        tokenizer=tokenizer,
+        reported=report.completion_tokens if report is not None else None,
+        complete=record.status == "ok",
+    )
+    record.completion_tokens, record.tokens_source = count.tokens, count.source
+    if record.stream:
+        record.decode_tok_s = decode_tok_s(record.completion_tokens, tap.t_first, tap.t_last)
+    spec, record.spec_source = speculation_for(tap, arm, report, state.merging)
     if spec is not None:
         record.num_drafts = spec.num_drafts
         record.draft_tokens = spec.draft_tokens
         record.accepted_tokens = spec.accepted_tokens
         record.acceptance_length = spec.acceptance_length
-    # Values from the client and the backend (a seed of 2**64 - 1, an undecodable request id) are made
-    # to fit the store's columns here, each change noted in the record, so that no row is lost to them.
-    fit_to_columns(record)

@@ -1,4 +1,4 @@
-"""Scraping each arm's vLLM ``/metrics`` into ``backend_metrics``, and the counter arithmetic on scrapes.
+"""Scraping each arm's engine ``/metrics`` into ``backend_metrics``, and the counter arithmetic on scrapes.
 
 ::
 
@@ -11,10 +11,14 @@
     # {'num_drafts': 812.0, 'draft_tokens': 2436.0, 'accepted_tokens': 1702.0, 'acceptance_rate': 0.698...,
     #  'mean_acceptance_length': 3.096..., 'per_position_rates': [0.87, 0.70, 0.52]}
 
-A scrape parses the Prometheus text with ``prometheus_client``'s parser and keeps vLLM's ``vllm:*``
-samples (``_created`` series are dropped: they are timestamps, not values). Each kept sample becomes one
-``backend_metrics`` row (arm, scraped_at, phase, name, labels as sorted JSON with ``engine`` kept, value)
-sent to the :class:`~specproxy.proxy.spans.sink.SpanSink`, which never blocks.
+A scrape parses the Prometheus text with ``prometheus_client``'s parser and keeps the samples of the
+engines it knows (``vllm:*``, ``llamacpp:*``, ``sglang:*``; ``_created`` series are dropped: they are
+timestamps, not values). Which engine an arm runs is read from the names it exports, and each engine's
+names for its load gauges and speculation counters come from
+:data:`~specproxy.proxy.upstream.engines.METRIC_NAMES` (:func:`engine_load`,
+:func:`spec_decode_summary`). Each kept sample becomes one ``backend_metrics`` row (arm, scraped_at,
+phase, name, labels as sorted JSON with ``engine`` kept, value) sent to the
+:class:`~specproxy.proxy.spans.sink.SpanSink`, which never blocks.
 
 Backends without ``/metrics`` (llama.cpp-style servers, vLLM with ``--disable-log-stats``), refused
 connections, timeouts and text that does not parse are tolerated: the arm's :class:`Snapshot` has
@@ -37,13 +41,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from specproxy.config import Arm
 from specproxy.proxy.spans.sink import BackendMetricRow, SpanSink
+from specproxy.proxy.upstream.engines import METRIC_NAMES, MetricNames, engine_of_metrics
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +60,22 @@ SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 ENGINE_LABEL = "engine"
+# Metric name prefixes kept from a scrape: the engines whose names METRIC_NAMES knows.
+KEPT_PREFIXES = ("vllm:", "llamacpp:", "sglang:")
+
+
+class EngineLoad(NamedTuple):
+    """An arm's running and waiting requests at its latest scrape (:func:`engine_load`; None where the
+    arm exports no such gauge)."""
+
+    running: float | None
+    waiting: float | None
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One scrape of one arm: every ``vllm:*`` sample, by name and then by labels (``engine`` included)."""
+    """One scrape of one arm: every sample of a known engine, by name and then by labels (``engine``
+    included)."""
 
     arm: str
     scraped_at: datetime
@@ -69,6 +85,11 @@ class Snapshot:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def engine(self) -> str | None:
+        """The engine whose names this scrape holds (vllm, llamacpp, sglang), None if none."""
+        return engine_of_metrics(frozenset(self.series))
 
     def value(self, name: str, **labels: str) -> float | None:
         """Sum of the series of ``name`` whose labels include ``labels`` (so over engines); None if absent."""
@@ -88,7 +109,7 @@ def _without_engine(labels: Labels) -> Labels:
 
 
 def parse_metrics(arm: str, text: str, scraped_at: datetime | None = None) -> Snapshot:
-    """Parse Prometheus exposition text into a :class:`Snapshot` of its ``vllm:*`` samples.
+    """Parse Prometheus exposition text into a :class:`Snapshot` of its known engines' samples.
 
     Raises ValueError for text that is not Prometheus exposition format.
     """
@@ -96,7 +117,7 @@ def parse_metrics(arm: str, text: str, scraped_at: datetime | None = None) -> Sn
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
-            if not name.startswith("vllm:") or name.endswith("_created"):
+            if not name.startswith(KEPT_PREFIXES) or name.endswith("_created"):
                 continue
             series.setdefault(name, {})[tuple(sorted(sample.labels.items()))] = float(sample.value)
     return Snapshot(
@@ -104,6 +125,39 @@ def parse_metrics(arm: str, text: str, scraped_at: datetime | None = None) -> Sn
         scraped_at=scraped_at or datetime.now(UTC),
         series=MappingProxyType({k: MappingProxyType(v) for k, v in series.items()}),
     )
+
+
+# Every engine's load gauge names, for the line scan of engine_load_from_text.
+_LOAD_GAUGES = frozenset(n for names in METRIC_NAMES.values() for n in (names.running, names.waiting) if n)
+
+
+def engine_load_from_text(text: str) -> EngineLoad:
+    """The running/waiting gauges (summed over engines) from exposition text by a scan of its lines,
+    under the names of whichever engine exported them (:data:`METRIC_NAMES`), as :func:`engine_load`
+    reads them from a parsed scrape.
+
+    >>> engine_load_from_text('vllm:num_requests_running{engine="0"} 3.0\\nvllm:num_requests_waiting 1\\n')
+    EngineLoad(running=3.0, waiting=1.0)
+    """
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        name_end = brace if 0 <= brace < space or space < 0 else space
+        name = line[:name_end]
+        if name not in _LOAD_GAUGES:
+            continue
+        rest = line[line.rfind("}") + 1 :] if name_end == brace else line[name_end:]
+        found[name] = found.get(name, 0.0) + float(rest.split()[0])
+    for names in METRIC_NAMES.values():
+        if (names.running and names.running in found) or (names.waiting and names.waiting in found):
+            return EngineLoad(
+                found.get(names.running) if names.running else None,
+                found.get(names.waiting) if names.waiting else None,
+            )
+    return EngineLoad(None, None)
 
 
 def counter_deltas(before: Snapshot, after: Snapshot, name: str) -> dict[Labels, float] | None:
@@ -137,17 +191,37 @@ def counter_delta(before: Snapshot, after: Snapshot, name: str, **labels: str) -
     return sum(v for lab, v in deltas.items() if _matches(lab, labels))
 
 
+def _names(snapshot: Snapshot) -> MetricNames:
+    return METRIC_NAMES.get(snapshot.engine or "vllm", METRIC_NAMES["vllm"])
+
+
+def _delta(before: Snapshot, after: Snapshot, name: str | None) -> float | None:
+    return counter_delta(before, after, name) if name else None
+
+
+def engine_load(snapshot: Snapshot) -> tuple[float | None, float | None]:
+    """The arm's running and waiting requests in this scrape, under its engine's gauge names."""
+    names = _names(snapshot)
+    running = snapshot.value(names.running) if names.running else None
+    waiting = snapshot.value(names.waiting) if names.waiting else None
+    return running, waiting
+
+
 def spec_decode_summary(before: Snapshot, after: Snapshot) -> dict[str, Any]:
-    """vLLM's speculative-decoding figures between two scrapes, as ``vllm bench serve`` computes them.
+    """The speculative-decoding figures between two scrapes, as ``vllm bench serve`` computes them,
+    under the names of the arm's engine (vLLM's, or llama.cpp's ``llamacpp:spec_decode_*``).
 
     ``acceptance_rate`` = Δaccepted / Δdraft_tokens; ``mean_acceptance_length`` = 1 + Δaccepted / Δdrafts;
     ``per_position_rates[i]`` = Δaccepted_per_pos{position=i} / Δdrafts. Counts are None when the arm
     exports no speculative counters (or a scrape failed); ratios are None when their denominator is 0.
     """
-    drafts = counter_delta(before, after, SPEC_DRAFTS)
-    draft_tokens = counter_delta(before, after, SPEC_DRAFT_TOKENS)
-    accepted = counter_delta(before, after, SPEC_ACCEPTED)
-    per_pos = counter_deltas(before, after, SPEC_ACCEPTED_PER_POS) or {}
+    names = _names(after)
+    drafts = _delta(before, after, names.drafts)
+    draft_tokens = _delta(before, after, names.draft_tokens)
+    accepted = _delta(before, after, names.accepted)
+    per_pos = (
+        counter_deltas(before, after, names.accepted_per_pos) if names.accepted_per_pos else None
+    ) or {}
     by_position: dict[int, float] = {}
     for labels, value in per_pos.items():
         position = dict(labels).get("position")
@@ -184,7 +258,12 @@ def snapshot_rows(snapshot: Snapshot, *, run_id: str | None, phase: str) -> list
 
 
 class MetricsScraper:
-    """Scrapes every arm's ``/metrics``, keeps the snapshots, and writes them as ``backend_metrics`` rows."""
+    """Scrapes every arm's ``/metrics``, keeps the snapshots, and writes them as ``backend_metrics`` rows.
+
+    ``engine_load`` (arm name → :class:`EngineLoad`) holds each arm's running/waiting gauges from its
+    latest good scrape, for callers to stamp on the span of a call as it starts (a dict lookup); pass
+    ``engine_load=`` to have a dict of the caller's own kept up to date.
+    """
 
     def __init__(
         self,
@@ -195,6 +274,7 @@ class MetricsScraper:
         run_id: str,
         interval_s: float = 5.0,
         timeout_s: float = 5.0,
+        engine_load: dict[str, EngineLoad] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
@@ -205,6 +285,7 @@ class MetricsScraper:
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, interval_s * 2))
         self.latest: dict[str, Snapshot] = {}
+        self.engine_load: dict[str, EngineLoad] = engine_load if engine_load is not None else {}
         self.scrapes = 0
         self._failing: set[str] = set()
 
@@ -216,6 +297,7 @@ class MetricsScraper:
         for snapshot in snapshots:
             if snapshot.ok:
                 self.latest[snapshot.arm] = snapshot
+                self.engine_load[snapshot.arm] = EngineLoad(*engine_load(snapshot))
                 rows.extend(snapshot_rows(snapshot, run_id=self.run_id, phase=phase))
         if rows and self.sink is not None and not self.sink.emit_backend_metrics(rows):
             log.warning("backend metrics of phase %s dropped: the span queue is full", phase)
@@ -230,21 +312,43 @@ class MetricsScraper:
             # A slow scrape shortens the wait instead of shifting every later scrape.
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
+    async def scrape_engine_load(self) -> None:
+        """Update :attr:`engine_load` only: each arm's two gauges read straight from its /metrics text
+        (a line scan, not a parse; nothing is written). Cheap enough to run every second during a
+        measurement, where a full parse of vLLM's histograms would hold the event loop for tens of ms."""
+
+        async def one(arm: Arm) -> None:
+            try:
+                async with self.session.get(
+                    arm.url.rstrip("/") + "/metrics", headers=self._headers(arm), timeout=self.timeout
+                ) as resp:
+                    if resp.status == 200:
+                        self.engine_load[arm.name] = engine_load_from_text(await resp.text(errors="replace"))
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass  # the full scrapes around it log what is wrong with an arm
+
+        await asyncio.gather(*(one(arm) for arm in self.arms))
+
+    def _headers(self, arm: Arm) -> dict[str, str]:
+        if arm.api_key_env and os.environ.get(arm.api_key_env):
+            return {"Authorization": f"Bearer {os.environ[arm.api_key_env]}"}
+        return {}
+
     async def _scrape_arm(self, arm: Arm) -> Snapshot:
         url = arm.url.rstrip("/") + "/metrics"
-        headers: dict[str, str] = {}
-        if arm.api_key_env and os.environ.get(arm.api_key_env):
-            headers["Authorization"] = f"Bearer {os.environ[arm.api_key_env]}"
         scraped_at = datetime.now(UTC)
         try:
-            async with self.session.get(url, headers=headers, timeout=self.timeout) as resp:
+            async with self.session.get(url, headers=self._headers(arm), timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return self._failed(arm, scraped_at, f"GET {url} answered HTTP {resp.status}")
                 text = await resp.text(errors="replace")
         except (aiohttp.ClientError, TimeoutError) as exc:
             return self._failed(arm, scraped_at, f"GET {url} failed: {exc.__class__.__name__} {exc}".strip())
         try:
-            snapshot = parse_metrics(arm.name, text, scraped_at)
+            # Off the event loop: parsing vLLM's text (histograms with many buckets) takes 15-60 ms, which
+            # would delay every stream the process relays; in a thread the loop still runs between
+            # the parser's GIL slices.
+            snapshot = await asyncio.to_thread(parse_metrics, arm.name, text, scraped_at)
         except Exception as exc:  # the parser raises ValueError on most garbage, but not only that
             return self._failed(arm, scraped_at, f"{url} is not Prometheus text: {exc!r}")
         if arm.name in self._failing:

@@ -11,9 +11,20 @@ Two small pieces, both fed bytes and free of I/O so that the proxy and replay sh
   completion tokens, finish reason, output text and token ids, vLLM's per-request speculation stats and
   the top-1/top-2 logprob margin of each generated token.
 
+The tap never raises on what an upstream sends: an event or body whose shape is not a completion
+(``{"choices": "abc"}``, ``[null]``, a count that is not an integer) sets :attr:`CompletionTap.malformed`
+to what was wrong, and the caller ends the call as an upstream error.
+
 Tokens per chunk come from the chunk's ``token_ids`` (vLLM ``return_token_ids``), else from the change
-in continuous ``usage.completion_tokens`` (vLLM ``stream_options.continuous_usage_stats``), else one
-per content chunk (a llama.cpp-style server). They are never derived from text.
+in continuous ``usage.completion_tokens`` (vLLM ``stream_options.continuous_usage_stats``: usage on every
+chunk from the first), else one per content chunk (a count whose truth is judged elsewhere, see
+:mod:`.tokens`). A ``usage`` that first appears on a late chunk next to ``choices`` is a final total
+(llama.cpp's ``llama-server`` puts it on the last chunk of a streamed ``/v1/completions``), never a
+per-chunk increment. The last usage seen is the response's count.
+
+What an engine reports beside the OpenAI fields (vLLM's ``metrics``, llama.cpp's ``timings``,
+SGLang's ``sglext``, TensorRT-LLM's per-choice ``speculative_decoding``) is kept raw in
+:attr:`CompletionTap.extras` for :mod:`.engines` to read, with the signals that name the engine.
 
 Example::
 
@@ -37,6 +48,14 @@ import orjson
 Endpoint = Literal["chat", "completions"]
 
 DONE = b"[DONE]"
+
+
+class MalformedEvent(ValueError):
+    """An upstream event or body that is not an OpenAI/vLLM completion (its message says why)."""
+
+
+# What a field of the wrong type raises while a chunk is read; the tap turns each into `malformed`.
+_SHAPE_ERRORS = (MalformedEvent, TypeError, ValueError, AttributeError, KeyError, OverflowError)
 
 
 @dataclass(slots=True)
@@ -159,6 +178,11 @@ class CompletionTap:
         "count_source",
         "prompt_tokens",
         "relayed_done",
+        "extras",
+        "engine_hint",
+        "content_chunks",
+        "prompt_token_ids",
+        "malformed",
     )
 
     def __init__(self, endpoint: Endpoint) -> None:
@@ -184,31 +208,49 @@ class CompletionTap:
         # How tokens were counted: token_ids | continuous_usage | chunks (one per content chunk)
         self.count_source = "chunks"
         self.prompt_tokens: int | None = None
+        # Engine-specific objects, raw (see .engines): metrics, timings, sglext, speculative_decoding
+        self.extras: dict[str, Any] = {}
+        self.engine_hint: str | None = None  # the engine the response's shape names, when it names one
+        self.content_chunks = 0  # chunks with content for the client (text, reasoning, tool calls)
+        self.prompt_token_ids: list[int] | None = None  # vLLM return_token_ids: the templated prompt
+        self.malformed: str | None = None  # the first thing an upstream sent that is not a completion
 
     def feed_data(self, data: bytes, now: float) -> dict[str, Any] | None:
-        """One event's data; returns the parsed chunk (None for ``[DONE]`` or unparsable data)."""
+        """One event's data; returns the parsed chunk (None for ``[DONE]`` or a malformed event)."""
         if data == DONE:
             self.done = True
             return None
+        if not data.strip():
+            return None  # an empty `data:` line (a keep-alive some servers send) says nothing
         try:
             obj = orjson.loads(data)
+            if not isinstance(obj, dict):
+                raise MalformedEvent(f"an event is {type(obj).__name__}, not a JSON object")
+            self.feed_chunk(obj, now)
         except orjson.JSONDecodeError:
+            self._malformed("an event's data is not JSON")
             return None
-        if not isinstance(obj, dict):
+        except _SHAPE_ERRORS as exc:
+            self._malformed(str(exc) or exc.__class__.__name__)
             return None
-        self.feed_chunk(obj, now)
         return obj
 
+    def _malformed(self, what: str) -> None:
+        if self.malformed is None:
+            self.malformed = f"malformed response from upstream: {what}"[:300]
+
     def feed_chunk(self, obj: dict[str, Any], now: float) -> None:
-        """One parsed streaming chunk."""
+        """One parsed streaming chunk; raises :class:`MalformedEvent` (or a TypeError and the like)
+        when its fields have the wrong types (:meth:`feed_data` turns that into ``malformed``)."""
         if "error" in obj and "choices" not in obj:
             self.error = obj["error"]
             return
-        usage = obj.get("usage")
+        usage = _dict_or_none(obj.get("usage"), "usage")
         metrics = obj.get("metrics")
         if metrics:
             self._take_metrics(metrics)
-        choices = obj.get("choices")
+        self._take_extras(obj)
+        choices = _list_or_none(obj.get("choices"), "choices")
         if not choices:
             # The usage-only chunk at the end (include_usage): final counts.
             if usage:
@@ -217,20 +259,22 @@ class CompletionTap:
         n_ids = 0
         has_content = False
         for choice in choices:
+            if not isinstance(choice, dict):
+                raise MalformedEvent("a choice is not an object")
             first = choice.get("index", 0) == 0
-            ids = choice.get("token_ids")
+            ids = _token_ids(choice.get("token_ids"))
             if ids:
                 n_ids += len(ids)
                 self._have_token_ids = True
                 if first:
                     self.token_ids.extend(ids)
             if self.endpoint == "chat":
-                delta = choice.get("delta") or {}
-                text = delta.get("content")
+                delta = _dict_or_none(choice.get("delta"), "delta") or {}
+                text = _str_or_none(delta.get("content"), "delta.content")
                 if text or any(delta.get(k) for k in _CHAT_CONTENT_KEYS):
                     has_content = True
             else:
-                text = choice.get("text")
+                text = _str_or_none(choice.get("text"), "text")
                 if text:
                     has_content = True
             if first:
@@ -239,22 +283,27 @@ class CompletionTap:
                 lp = choice.get("logprobs")
                 if lp:
                     self._take_logprobs(lp)
-            reason = choice.get("finish_reason")
+            reason = _str_or_none(choice.get("finish_reason"), "finish_reason")
             if reason:
                 self.finish_reason = reason
+                self._take_choice_extras(choice)
+        has_usage = isinstance(usage, dict) and usage.get("completion_tokens") is not None
+        if usage and has_usage:
+            # The last usage seen is the count: cumulative when continuous, the total when final.
+            self._take_final_usage(usage)
         if self._have_token_ids:
             n = n_ids
             self.count_source = "token_ids"
-        elif usage and usage.get("completion_tokens") is not None:
-            cum = int(usage["completion_tokens"])
+        elif usage and has_usage and (self._continuous or self.chunks == 0):
+            cum = _count(usage["completion_tokens"], "usage.completion_tokens")
             n = cum - self._usage_tokens
             self._usage_tokens = cum
             self._continuous = True
             self.count_source = "continuous_usage"
-            if self.prompt_tokens is None and usage.get("prompt_tokens") is not None:
-                self.prompt_tokens = int(usage["prompt_tokens"])
         else:
             n = 1 if has_content else 0
+        if has_content:
+            self.content_chunks += 1
         if n > 0 or has_content:
             if self.t_first is None:
                 self.t_first = now
@@ -264,48 +313,104 @@ class CompletionTap:
             self.tokens_per_chunk.append(n)
 
     def feed_body(self, body: bytes, now: float) -> dict[str, Any] | None:
-        """A whole non-streaming response body (arriving at ``now``); returns it parsed, or None."""
+        """A whole non-streaming response body (arriving at ``now``); returns it parsed, or None
+        (not JSON, or ``malformed``)."""
         try:
             obj = orjson.loads(body)
+            if not isinstance(obj, dict):
+                raise MalformedEvent(f"the body is {type(obj).__name__}, not a JSON object")
+            self._take_body(obj, now)
         except orjson.JSONDecodeError:
+            self._malformed("the body is not JSON")
             return None
-        if not isinstance(obj, dict):
+        except _SHAPE_ERRORS as exc:
+            self._malformed(str(exc) or exc.__class__.__name__)
             return None
+        return obj
+
+    def _take_body(self, obj: dict[str, Any], now: float) -> None:
         if obj.get("metrics"):
             self._take_metrics(obj["metrics"])
-        for choice in obj.get("choices") or ():
+        self._take_extras(obj)
+        for choice in _list_or_none(obj.get("choices"), "choices") or ():
+            if not isinstance(choice, dict):
+                raise MalformedEvent("a choice is not an object")
+            self._take_choice_extras(choice)
             if choice.get("index", 0) != 0:
                 continue
             if self.endpoint == "chat":
-                text = (choice.get("message") or {}).get("content")
+                message = _dict_or_none(choice.get("message"), "message") or {}
+                text = _str_or_none(message.get("content"), "message.content")
             else:
-                text = choice.get("text")
+                text = _str_or_none(choice.get("text"), "text")
             if text:
                 self._text.append(text)
-            ids = choice.get("token_ids")
+            ids = _token_ids(choice.get("token_ids"))
             if ids:
                 self.token_ids.extend(ids)
                 self._have_token_ids = True
             lp = choice.get("logprobs")
             if lp:
                 self._take_logprobs(lp)
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        if obj.get("usage"):
-            self._take_final_usage(obj["usage"])
+            self.finish_reason = (
+                _str_or_none(choice.get("finish_reason"), "finish_reason") or self.finish_reason
+            )
+        usage = _dict_or_none(obj.get("usage"), "usage")
+        if usage:
+            self._take_final_usage(usage)
         if self._text or self.token_ids or self.final_usage:
             self.t_first = self.t_last = now
-        return obj
 
     def _take_final_usage(self, usage: dict[str, Any]) -> None:
-        self.final_usage = usage
+        if usage.get("completion_tokens") is not None:
+            _count(usage["completion_tokens"], "usage.completion_tokens")
         if usage.get("prompt_tokens") is not None:
-            self.prompt_tokens = int(usage["prompt_tokens"])
+            self.prompt_tokens = _count(usage["prompt_tokens"], "usage.prompt_tokens")
+        self.final_usage = usage
 
     def _take_metrics(self, metrics: Any) -> None:
         if isinstance(metrics, dict):
+            self.extras["metrics"] = metrics
             sd = metrics.get("speculative_decoding")
             if isinstance(sd, dict):
+                for key in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens"):
+                    if sd.get(key) is not None:
+                        _count(sd[key], f"speculative_decoding.{key}")
+                mal = sd.get("mean_acceptance_length")
+                if mal is not None and (isinstance(mal, bool) or not isinstance(mal, int | float)):
+                    raise MalformedEvent("speculative_decoding.mean_acceptance_length is not a number")
                 self.spec_metrics = sd
+
+    def _take_extras(self, obj: dict[str, Any]) -> None:
+        """Engine-specific top-level objects, and the first signal of which engine answered."""
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            self.extras["timings"] = timings
+        sglext = obj.get("sglext")
+        if isinstance(sglext, dict):
+            self.extras["sglext"] = sglext
+        if self.engine_hint is None:
+            self.engine_hint = _engine_signal(obj)
+        if self.prompt_token_ids is None:
+            ids = obj.get("prompt_token_ids")  # chat: on the first chunk
+            choices = obj.get("choices")
+            if not ids and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                ids = choices[0].get("prompt_token_ids")  # completions: on the first choice
+            if isinstance(ids, list) and ids:
+                self.prompt_token_ids = ids
+
+    def _take_choice_extras(self, choice: dict[str, Any]) -> None:
+        """Per-choice engine objects, which ride the choice that carries ``finish_reason``."""
+        sd = choice.get("speculative_decoding")
+        if isinstance(sd, dict):
+            self.extras["choice_speculative_decoding"] = sd
+        sglext = choice.get("sglext")
+        if isinstance(sglext, dict):
+            self.extras["sglext"] = sglext
+        if "avg_decoded_tokens_per_iter" in choice:
+            self.engine_hint = "trtllm"
+        elif "matched_stop" in choice:
+            self.engine_hint = "sglang"
 
     def _take_logprobs(self, lp: Any) -> None:
         if not isinstance(lp, dict):
@@ -313,21 +418,33 @@ class CompletionTap:
         content = lp.get("content")
         if content is not None:  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
             for item in content:
-                self.token_texts.append(item.get("token") or "")
+                self.token_texts.append(_str_or_none(item.get("token"), "logprobs token") or "")
                 tops = item.get("top_logprobs") or ()
                 self.margins.append(_margin([t.get("logprob") for t in tops]))
             return
         tops_list = lp.get("top_logprobs")  # completions: top_logprobs: [{token: logprob}]
         tokens = lp.get("tokens") or ()
         for i, tops in enumerate(tops_list or ()):
-            self.token_texts.append(tokens[i] if i < len(tokens) else "")
+            token = tokens[i] if i < len(tokens) else ""
+            self.token_texts.append(_str_or_none(token, "logprobs token") or "")
             self.margins.append(_margin(tops.values() if isinstance(tops, dict) else ()))
 
     @property
-    def completion_tokens(self) -> int | None:
-        """Final usage when the backend sent it, else the counted tokens (None if nothing arrived)."""
+    def usage_tokens(self) -> int | None:
+        """``completion_tokens`` of the last usage the backend sent (None: it sent none)."""
         if self.final_usage and self.final_usage.get("completion_tokens") is not None:
             return int(self.final_usage["completion_tokens"])
+        return None
+
+    @property
+    def completion_tokens(self) -> int | None:
+        """Final usage when the backend sent it, else the counted tokens (None if nothing arrived).
+
+        The counted figure is exact only with token ids or continuous usage; :mod:`.tokens` decides
+        what a span records and says where it came from."""
+        used = self.usage_tokens
+        if used is not None:
+            return used
         counted = sum(self.tokens_per_chunk)
         if counted:
             return counted
@@ -387,8 +504,54 @@ class CompletionTap:
         )
 
 
+def _engine_signal(obj: dict[str, Any]) -> str | None:
+    """The engine a response object's own shape names: a key only that engine sends."""
+    if "timings" in obj:
+        return "llamacpp"  # llama-server: tools/server/server-task.cpp, result_timings::to_json
+    if "sglext" in obj or "meta_info" in obj:
+        return "sglang"
+    if "kv_transfer_params" in obj or "prompt_logprobs" in obj:
+        return "vllm"  # fields of vLLM's ChatCompletionResponse / CompletionStreamResponse models
+    model = obj.get("model")
+    if isinstance(model, str) and model.lower().endswith(".gguf"):
+        return "llamacpp"  # llama-cpp-python's server names the model by its GGUF path
+    return None
+
+
 def _int_or_none(v: Any) -> int | None:
     return int(v) if v is not None else None
+
+
+def _dict_or_none(v: Any, what: str) -> dict[str, Any] | None:
+    if v is None or isinstance(v, dict):
+        return v
+    raise MalformedEvent(f"{what} is not an object")
+
+
+def _list_or_none(v: Any, what: str) -> list[Any] | None:
+    if v is None or isinstance(v, list):
+        return v
+    raise MalformedEvent(f"{what} is not a list")
+
+
+def _str_or_none(v: Any, what: str) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    raise MalformedEvent(f"{what} is not a string")
+
+
+def _count(v: Any, what: str) -> int:
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return v
+    raise MalformedEvent(f"{what} is not a count")
+
+
+def _token_ids(v: Any) -> list[int] | None:
+    if v is None:
+        return None
+    if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return v
+    raise MalformedEvent("token_ids is not a list of integers")
 
 
 def _margin(logprobs: Iterable[Any]) -> float | None:

@@ -2,7 +2,7 @@
 
 A streamed completion arrives as one small HTTP chunk per token. A general-purpose client (aiohttp's)
 hands each one to the reading coroutine through a buffer and a future: one task wake-up, one timer
-re-arm and several Python frames per token, which on a shared 2-core box costs as much CPU as the
+re-arm and several Python frames per token, which on a machine with few cores costs as much CPU as the
 generation it relays. Here each call is an :class:`Exchange` on a pooled keep-alive connection
 (an ``asyncio.Protocol``): ``httptools`` (llhttp, the parser uvicorn uses) decodes the response, and
 every body piece goes straight from ``data_received`` to the caller's consumer callback, which can
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httptools
 
@@ -46,6 +46,21 @@ from specproxy import __version__
 Consumer = Callable[[bytes], bool]
 
 USER_AGENT = f"specproxy/{__version__}"
+
+
+def header_safe(value: str) -> str:
+    """``value`` as a header value any HTTP server accepts: printable ASCII as it is, anything else
+    percent-encoded from its UTF-8 bytes (undecodable bytes kept as surrogates count as themselves).
+
+    >>> header_safe("req-1"), header_safe("日本")
+    ('req-1', '%E6%97%A5%E6%9C%AC')
+    """
+    if value.isascii() and value.isprintable():
+        return value
+    return quote(value.encode("utf-8", "surrogateescape"), safe=_PRINTABLE_ASCII)
+
+
+_PRINTABLE_ASCII = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 
 class UpstreamReadTimeout(TimeoutError):
@@ -436,8 +451,10 @@ class UpstreamClient:
             f"User-Agent: {USER_AGENT}",
             "Accept-Encoding: identity",
         ]
-        lines += (f"{name}: {value}" for name, value in headers.items())
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        # Values the caller took from a client (request id, category) may hold anything: what is not
+        # printable ASCII is percent-encoded rather than sent as bytes a server may reject or mangle.
+        lines += (f"{name}: {header_safe(value)}" for name, value in headers.items())
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
 
     def _idle_connection(self, origin: Origin) -> _Connection | None:
         idle = self._idle.get(origin)

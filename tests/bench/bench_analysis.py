@@ -1,4 +1,4 @@
-"""Benchmark: `specproxy analyze` and `report` on millions of synthetic spans (issue 4's targets).
+"""Benchmark: `specproxy analyze` and `report` on millions of synthetic spans, against their targets.
 
     python tests/bench/bench_analysis.py [--rows 10000000] [--repeat 3] [--keep]
 

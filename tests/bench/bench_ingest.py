@@ -110,7 +110,7 @@ def bench_writer(tmp: Path, rows: list[Row], batch: int) -> tuple[float, float]:
     t, cpu = time.perf_counter(), time.process_time()
     for k in range(0, len(rows), batch):
         table.insert(rows[k : k + batch])
-    assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == len(rows)  # type: ignore[index]
+    assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == len(rows)
     conn.close()  # the final checkpoint is part of the cost
     dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     return len(rows) / dt, len(rows) / dcpu

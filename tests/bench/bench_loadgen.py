@@ -6,7 +6,7 @@ Backend: tests/backends.py in a subprocess (its own core), streaming 4 tokens wi
 backend, so what is measured is the load generator. Every call goes through `call_arm`, the function
 replay uses, so the figures include replay's real per-call work (SSE parsing, span fields).
 
-Targets (issue 5): open loop at 2,000 req/s with p99 start lag behind schedule ≤ 2 ms; closed loop holds
+Targets: open loop at 2,000 req/s with p99 start lag behind schedule ≤ 2 ms; closed loop holds
 the target concurrency exactly (the time-weighted in-flight distribution is printed: ≈ 100 % at c
 while the items last, then the tail as the last calls drain).
 """

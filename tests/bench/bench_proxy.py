@@ -9,13 +9,13 @@ per chunk). Three targets, each measured for ``--duration`` seconds per concurre
 - ``direct``: the load generator talks to the backend;
 - ``direct+m``: the same, and the load generator also sends each request to the second backend at the same
   moment (read to the end, discarded): the machine load of a shadow run without the proxy, the fair
-  reference for ``shadow`` on a shared box (``shadow`` rows also show ``% d+m``);
+  reference for ``shadow`` when both backends share the machine (``shadow`` rows also show ``% d+m``);
 - ``bare``: a bare aiohttp passthrough (forwards bytes, no parsing, no spans): the floor any Python
-  relay costs on this machine, for scale;
+  relay costs on the machine running the bench, for scale;
 - ``split``: through ``specproxy serve`` in split mode (two arms, both the same backend, weights 1:1);
 - ``shadow``: through ``specproxy serve`` in shadow mode, the baseline on that backend and one candidate
   on a second backend process (so the machine also serves the mirrored copy: the real cost of a shadow
-  on a shared box).
+  whose candidate shares the machine).
 
 ``--repeats N`` measures every target N times, round-robin within each level, and prints the median of
 each figure (p99: the largest).
@@ -30,10 +30,10 @@ from paying for cold caches that a c=1 client sending back to back would not see
  The load generator is closed-loop (``c`` requests always in flight,
 streaming chat completions) and counts tokens as content chunks. It prints per target and level: p50/p99
 TTFT, relayed tokens/s, the proxy-added p50 TTFT and throughput as % of direct, and the relay process's
-CPU time per relayed token (the figure the shared machine disturbs least; shadow's includes reading the
-mirrored copy); then the proxies' RSS before/after. Targets (issue 2): added p50 TTFT ≤ 1 ms at c=1 and
+CPU time per relayed token (the figure other load on the machine disturbs least; shadow's includes reading the
+mirrored copy); then the proxies' RSS before/after. Targets: added p50 TTFT ≤ 1 ms at c=1 and
 ≤ 5 ms at c=64; throughput ≥ 90 % of direct at c=64 and 256; memory flat. Load generator, backends and
-proxy share this machine's cores: numbers are noisy, compare rows of one run.
+proxy share the machine's cores: numbers are noisy, compare rows of one run.
 """
 
 from __future__ import annotations
@@ -376,11 +376,11 @@ def main() -> None:
         for c in levels:
             if c == 1:
                 paired = {n: targets[n] for n in ("direct", "bare", "split", "shadow")}
-                before = {n: cpu_s(pids[n]) for n in paired}
+                cpu_before = {n: cpu_s(pids[n]) for n in paired}
                 res = asyncio.run(paired_rounds(paired, args.c1_rounds, args.c1_block))
                 tokens = 64 * args.c1_rounds * (args.c1_block + 1)
                 print_paired(
-                    res, {n: 1e6 * (cpu_s(pids[n]) - before[n]) / tokens for n in paired}, args.c1_block
+                    res, {n: 1e6 * (cpu_s(pids[n]) - cpu_before[n]) / tokens for n in paired}, args.c1_block
                 )
                 continue
             samples: dict[str, list[tuple[CaseResult, float]]] = {name: [] for name in targets}

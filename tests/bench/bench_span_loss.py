@@ -121,7 +121,7 @@ async def one_round(tmp: Path, base: str, cand: str, kill: bool, seconds: float,
     url = f"http://127.0.0.1:{port}"
     proc = start_cli(["serve", "--config", str(config(tmp, base, cand, db)), "--port", str(port)])
     await asyncio.to_thread(wait_http, url + "/health", 60.0, proc)
-    stop, seen = asyncio.Event(), []
+    stop, seen = asyncio.Event(), list[dict[str, float]]()
     loader = asyncio.create_task(load(url, concurrency, stop))
     poller = asyncio.create_task(poll(url, stop, seen))
     await asyncio.sleep(seconds * (random.uniform(0.5, 1.0) if kill else 1.0))

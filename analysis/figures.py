@@ -1,0 +1,359 @@
+"""The span store's figures for one run, as frozen values: the SQL side of the analysis.
+
+Each function is one pass over the views of :mod:`specproxy.schema` (DuckDB does the heavy lifting)
+and returns plain frozen values; :mod:`.evaluation` turns them into intervals and verdicts. Samples for
+the bootstrap are uniform subsamples (hash of request_id, keep-probability from the level's call
+count) carried as float matrices with the unit's block (round, or time block) in the last column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specproxy.analysis.stats import FloatArray
+from specproxy.analysis.store import SpanStore
+
+
+def level_sort_key(level: str) -> tuple[int, int, str]:
+    return (0, int(level), "") if level.isdigit() else (1, 0, level)
+
+
+@dataclass(frozen=True)
+class LevelSummary:
+    """One arm at one level: the arm_summary view's figures and the level's /metrics acceptance."""
+
+    arm: str
+    role: str
+    spec_method: str
+    level: str
+    concurrency_level: int | None
+    calls: int
+    ok: int
+    completion_tokens: int
+    decode_calls: int
+    first_start_s: float | None
+    last_end_s: float | None
+    wall_s: float | None
+    agg_tok_s: float | None
+    p50_decode_tok_s: float | None
+    p50_ttft_s: float | None
+    p95_ttft_s: float | None
+    acceptance_rate: float | None
+    acceptance_length: float | None
+    req_acceptance_rate: float | None
+    req_acceptance_length: float | None
+
+
+def level_summaries(store: SpanStore, run_id: str) -> list[LevelSummary]:
+    """Every (arm, level) of the run, levels in order, the baseline first within a level."""
+    acceptance = {
+        (r["arm"], r["level"]): r for r in store.query("SELECT * FROM acceptance WHERE run_id = ?", [run_id])
+    }
+    out = []
+    for r in store.query("SELECT * FROM arm_summary WHERE run_id = ?", [run_id]):
+        acc = acceptance.get((r["arm"], r["level"]), {})
+        out.append(
+            LevelSummary(
+                arm=r["arm"],
+                role=r["arm_role"],
+                spec_method=r["spec_method"] or "none",
+                level=r["level"],
+                concurrency_level=r["concurrency_level"],
+                calls=r["calls"],
+                ok=r["ok"],
+                completion_tokens=int(r["completion_tokens"]),
+                decode_calls=int(r["decode_calls"]),
+                first_start_s=r["first_start_s"],
+                last_end_s=r["last_end_s"],
+                wall_s=r["wall_s"],
+                agg_tok_s=r["agg_tok_s"],
+                p50_decode_tok_s=r["p50_decode_tok_s"],
+                p50_ttft_s=r["p50_ttft_s"],
+                p95_ttft_s=r["p95_ttft_s"],
+                acceptance_rate=acc.get("acceptance_rate"),
+                acceptance_length=acc.get("acceptance_length"),
+                req_acceptance_rate=r["req_acceptance_rate"],
+                req_acceptance_length=r["req_acceptance_length"],
+            )
+        )
+    out.sort(key=lambda s: (level_sort_key(s.level), s.role != "baseline", s.arm))
+    return out
+
+
+@dataclass(frozen=True)
+class RoundFigures:
+    """One arm at one level, per replay round: ok calls, tokens and wall time (first start, last end)."""
+
+    rounds: tuple[int, ...]
+    ok: tuple[int, ...]
+    tokens: tuple[float, ...]
+    wall_s: tuple[float, ...]
+
+    def rate(self, r: int) -> float | None:
+        i = self.rounds.index(r)
+        return self.tokens[i] / self.wall_s[i] if self.wall_s[i] > 0 and self.tokens[i] > 0 else None
+
+
+def round_figures(store: SpanStore, run_id: str) -> dict[tuple[str, str], RoundFigures]:
+    rows = store.query(
+        """
+        WITH calls AS (
+            SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level, round, status,
+                   completion_tokens, e2e_s, coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
+            FROM requests WHERE run_id = ? AND round IS NOT NULL
+        )
+        SELECT arm, level, round, count(*) FILTER (WHERE status = 'ok') AS ok,
+               coalesce(sum(completion_tokens) FILTER (WHERE status = 'ok'), 0) AS tokens,
+               max(start_s + coalesce(e2e_s, 0)) FILTER (WHERE status <> 'dropped')
+                   - min(start_s) FILTER (WHERE status <> 'dropped') AS wall_s
+        FROM calls GROUP BY ALL ORDER BY arm, level, round
+        """,
+        [run_id],
+    )
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        grouped.setdefault((r["arm"], r["level"]), []).append(r)
+    return {
+        key: RoundFigures(
+            tuple(int(r["round"]) for r in rs),
+            tuple(int(r["ok"]) for r in rs),
+            tuple(float(r["tokens"]) for r in rs),
+            tuple(float(r["wall_s"] or 0.0) for r in rs),
+        )
+        for key, rs in grouped.items()
+    }
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    """How one arm's calls at one level are sampled and cut into blocks.
+
+    ``keep``: the share kept for the bootstrap; ``by_round``: blocks are replay rounds (else ``blocks``
+    time blocks of equal length from ``t0`` over ``span_s``, the level's span over every arm).
+    """
+
+    arm: str
+    level: str
+    keep: float
+    by_round: bool
+    t0: float
+    span_s: float
+
+
+def _load_keys(store: SpanStore, keys: Sequence[BlockKey]) -> None:
+    store.conn.execute(
+        "CREATE OR REPLACE TEMP TABLE block_keys (arm VARCHAR, level VARCHAR, p DOUBLE, by_round BOOLEAN, "
+        "t0 DOUBLE, span DOUBLE)"
+    )
+    store.conn.executemany(
+        "INSERT INTO block_keys VALUES (?, ?, ?, ?, ?, ?)",
+        [(k.arm, k.level, k.keep, k.by_round, k.t0, k.span_s) for k in keys],
+    )
+
+
+def _block_sql(alias: str, blocks: int) -> str:
+    return (
+        f"CASE WHEN k.by_round THEN coalesce({alias}.round, 0) WHEN k.span > 0 THEN "
+        f"least({blocks - 1}, greatest(0, floor({blocks} * ({alias}.start_s - k.t0) / k.span))) ELSE 0 END"
+    )
+
+
+def ordered(rows: list[list[float | None]] | None, width: int) -> FloatArray:
+    """A sample as a float matrix (NULL → NaN) in a canonical row order.
+
+    DuckDB's parallel ``list()`` aggregate returns rows in no fixed order; sorting them makes the
+    bootstrap (same seed) give the same intervals every time.
+    """
+    sample = np.array(rows or [], dtype=np.float64).reshape(-1, width)
+    return sample[np.lexsort(sample.T[::-1])] if len(sample) else sample
+
+
+@dataclass(frozen=True)
+class IdentityCounts:
+    compared: int = 0
+    identical: int = 0
+    near_tie: int = 0
+    gross: int = 0
+    margin_unknown: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class PairGroup:
+    """A candidate (or replica, or repeat) against the baseline at one level (one category when
+    ``category`` is set): identity counts, the paired figures, and the pair sample with columns
+    candidate decode, baseline decode, candidate tokens, baseline tokens, candidate e2e, baseline e2e,
+    block."""
+
+    arm: str
+    level: str
+    kind: str
+    category: str | None
+    identity: IdentityCounts
+    n_decode: int
+    c_med: float | None
+    b_med: float | None
+    n_thr: int
+    c_tokens: float | None
+    c_e2e: float | None
+    b_tokens: float | None
+    b_e2e: float | None
+    sample: FloatArray = field(repr=False)
+
+    @property
+    def per_call_ratio(self) -> float | None:
+        if self.c_e2e and self.b_e2e and self.c_tokens and self.b_tokens:
+            return (self.c_tokens / self.c_e2e) / (self.b_tokens / self.b_e2e)
+        return None
+
+
+def pair_groups(
+    store: SpanStore,
+    run_id: str,
+    baseline: str,
+    keys: Sequence[BlockKey],
+    *,
+    near_tie_margin: float,
+    seed: int,
+    blocks: int,
+) -> list[PairGroup]:
+    """Identity counts and paired figures per (arm, level) and per (arm, level, category), in one pass
+    over ``pairs`` (GROUPING SETS); the filters are evaluated once per pair, not per aggregate."""
+    _load_keys(store, keys)
+    both_ok = "q.status = 'ok' AND q.baseline_status = 'ok' AND q.kind <> 'repeat' AND q.baseline_arm = $base"
+    dec_ok = "q.decode_tok_s > 0 AND q.baseline_decode_tok_s > 0"
+    thr_ok = (
+        "q.completion_tokens IS NOT NULL AND q.baseline_completion_tokens IS NOT NULL"
+        " AND q.e2e_s > 0 AND q.baseline_e2e_s > 0"
+    )
+    groups = store.query(
+        f"""
+        WITH q AS (
+            SELECT q.arm, q.level, q.kind, coalesce(q.category, '(none)') AS cat, q.identical,
+                   q.divergence_margin, q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
+                   q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s,
+                   {_block_sql("q", blocks)} AS block,
+                   ({both_ok} AND {dec_ok}) AS dok,
+                   ({both_ok} AND {thr_ok}) AS tok,
+                   ({both_ok} AND (coalesce(k.p, 1) >= 1
+                                   OR hash(q.request_id, $seed) % 1000000007 < k.p * 1000000007)) AS sok
+            FROM pairs q LEFT JOIN block_keys k ON k.arm = q.arm AND k.level = q.level
+            WHERE q.run_id = $run
+        )
+        SELECT q.arm, q.level, q.kind, q.cat, grouping(q.cat) = 0 AS by_category,
+               count(q.identical) AS compared,
+               count(*) FILTER (WHERE q.identical) AS identical,
+               count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin <= $margin) AS near_tie,
+               count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin > $margin) AS gross,
+               count(*) FILTER (WHERE NOT q.identical AND q.divergence_margin IS NULL) AS margin_unknown,
+               count(*) FILTER (WHERE dok) AS n_decode,
+               quantile_cont(q.decode_tok_s, 0.5) FILTER (WHERE dok) AS c_med,
+               quantile_cont(q.baseline_decode_tok_s, 0.5) FILTER (WHERE dok) AS b_med,
+               count(*) FILTER (WHERE tok) AS n_thr,
+               sum(q.completion_tokens) FILTER (WHERE tok) AS c_tokens,
+               -- e2e totals summed as integer nanoseconds: the same total (to the bit) whatever order
+               -- the rows of several files arrive in, which a float sum does not promise
+               sum(CAST(round(q.e2e_s * 1e9) AS HUGEINT)) FILTER (WHERE tok) / 1e9 AS c_e2e,
+               sum(q.baseline_completion_tokens) FILTER (WHERE tok) AS b_tokens,
+               sum(CAST(round(q.baseline_e2e_s * 1e9) AS HUGEINT)) FILTER (WHERE tok) / 1e9 AS b_e2e,
+               list([q.decode_tok_s, q.baseline_decode_tok_s, q.completion_tokens,
+                     q.baseline_completion_tokens, q.e2e_s, q.baseline_e2e_s, q.block])
+                   FILTER (WHERE sok) AS sample
+        FROM q
+        GROUP BY GROUPING SETS ((q.arm, q.level, q.kind), (q.arm, q.level, q.kind, q.cat))
+        """,
+        {"margin": near_tie_margin, "seed": seed, "run": run_id, "base": baseline},
+    )
+    return [
+        PairGroup(
+            arm=g["arm"],
+            level=g["level"],
+            kind=g["kind"],
+            category=g["cat"] if g["by_category"] else None,
+            identity=IdentityCounts(
+                int(g["compared"]),
+                int(g["identical"]),
+                int(g["near_tie"]),
+                int(g["gross"]),
+                int(g["margin_unknown"]),
+            ),
+            n_decode=int(g["n_decode"]),
+            c_med=g["c_med"],
+            b_med=g["b_med"],
+            n_thr=int(g["n_thr"]),
+            c_tokens=g["c_tokens"],
+            c_e2e=g["c_e2e"],
+            b_tokens=g["b_tokens"],
+            b_e2e=g["b_e2e"],
+            sample=ordered(g["sample"], 7),
+        )
+        for g in groups
+    ]
+
+
+@dataclass(frozen=True, eq=False)
+class CallGroup:
+    """One arm's own calls at one level (one category when ``category`` is set), for unpaired
+    comparisons; sample columns: decode tok/s, tokens, e2e, block."""
+
+    arm: str
+    level: str
+    category: str | None
+    n_decode: int
+    p50_decode: float | None
+    n_thr: int
+    thr_tokens: float | None
+    thr_e2e: float | None
+    sample: FloatArray = field(repr=False)
+
+    @property
+    def per_call_rate(self) -> float | None:
+        return self.thr_tokens / self.thr_e2e if self.thr_tokens and self.thr_e2e else None
+
+
+def call_groups(
+    store: SpanStore, run_id: str, keys: Sequence[BlockKey], *, seed: int, blocks: int
+) -> dict[tuple[str, str, str | None], CallGroup]:
+    """Each keyed arm's calls per level and per level and category, in one scan (GROUPING SETS)."""
+    if not keys:
+        return {}
+    _load_keys(store, keys)
+    thr_ok = "r.completion_tokens IS NOT NULL AND r.e2e_s > 0"
+    rows = store.query(
+        f"""
+        SELECT r.arm, r.level, r.cat, grouping(r.cat) = 0 AS by_category,
+               count(*) FILTER (WHERE r.decode_tok_s > 0) AS n_decode,
+               quantile_cont(r.decode_tok_s, 0.5) FILTER (WHERE r.decode_tok_s > 0) AS p50_decode,
+               count(*) FILTER (WHERE {thr_ok}) AS n_thr,
+               sum(r.completion_tokens) FILTER (WHERE {thr_ok}) AS thr_tokens,
+               sum(CAST(round(r.e2e_s * 1e9) AS HUGEINT)) FILTER (WHERE {thr_ok}) / 1e9 AS thr_e2e,
+               list([r.decode_tok_s, r.completion_tokens, r.e2e_s, {_block_sql("r", blocks)}])
+                   FILTER (WHERE k.p >= 1 OR hash(r.request_id, r.span_id, $seed) % 1000000007
+                                              < k.p * 1000000007) AS sample
+        FROM (SELECT *, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
+                     coalesce(category, '(none)') AS cat,
+                     coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
+              FROM requests WHERE run_id = $run AND status = 'ok') r
+        JOIN block_keys k ON k.arm = r.arm AND k.level = r.level
+        GROUP BY GROUPING SETS ((r.arm, r.level), (r.arm, r.level, r.cat))
+        """,
+        {"seed": seed, "run": run_id},
+    )
+    out = {}
+    for g in rows:
+        cat = g["cat"] if g["by_category"] else None
+        out[(g["arm"], g["level"], cat)] = CallGroup(
+            arm=g["arm"],
+            level=g["level"],
+            category=cat,
+            n_decode=int(g["n_decode"]),
+            p50_decode=g["p50_decode"],
+            n_thr=int(g["n_thr"]),
+            thr_tokens=g["thr_tokens"],
+            thr_e2e=g["thr_e2e"],
+            sample=ordered(g["sample"], 4),
+        )
+    return out

@@ -1,0 +1,161 @@
+"""The verdict table's rows and the settings that shaped them: frozen values, built once with their
+verdicts by :mod:`.evaluation`, read by :mod:`.render` and :mod:`.report`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specproxy.analysis.matched import LoadFigures
+from specproxy.analysis.stats import Interval
+from specproxy.analysis.verdict import Crossover, DeployVerdict, Thresholds
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `analyze` can be told. ``confidence`` holds for all of an arm's levels at once.
+
+    ``at_concurrency`` / ``peak_concurrency``: where the user runs and their peak (else the run's
+    experiment file says, else the analysis assumes the lowest and highest reliable levels).
+    ``time_blocks``: the blocks a level of one round (or live traffic) is cut into to see drift.
+    """
+
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    near_tie_margin: float = 0.5
+    confidence: float = 0.95
+    bootstrap_iterations: int = 1000
+    bootstrap_seed: int = 0
+    bootstrap_max_sample: int = 2000
+    at_concurrency: int | None = None
+    peak_concurrency: int | None = None
+    time_blocks: int = 4
+
+
+@dataclass(frozen=True)
+class LevelRow:
+    """One row of the verdict table: an arm at a concurrency level.
+
+    ``rounds``: replay rounds measured (None: live traffic); ``blocks``: what the intervals' drift
+    term came from; ``confidence``: each interval's own level (simultaneous over the arm's levels);
+    ``reliable`` / ``health``: the level's health checks and what failed.
+    """
+
+    arm: str
+    role: str
+    spec_method: str
+    level: str
+    concurrency_level: int | None
+    calls: int
+    ok: int
+    completion_tokens: int
+    decode_calls: int
+    wall_s: float | None
+    agg_tok_s: float | None
+    p50_decode_tok_s: float | None
+    p50_ttft_s: float | None
+    p95_ttft_s: float | None
+    acceptance_rate: float | None
+    acceptance_length: float | None
+    req_acceptance_rate: float | None
+    req_acceptance_length: float | None
+    compared: int = 0
+    identical: int = 0
+    near_tie: int = 0
+    gross: int = 0
+    margin_unknown: int = 0
+    paired: bool | None = None
+    pairs: int = 0
+    decode_speedup: Interval | None = None
+    throughput_speedup: Interval | None = None
+    # "wall": agg tok/s ratio (closed-loop replay levels); "per call": Σ tokens / Σ e2e ratio (live
+    # traffic, split traffic), where wall-clock rates reflect arrivals and traffic shares, not speed
+    throughput_basis: str = "wall"
+    verdict: str | None = None
+    reason: str = ""
+    rounds: int | None = None
+    blocks: str = ""
+    drift_note: str = ""
+    confidence: float | None = None
+    decode_margin: float | None = None
+    throughput_margin: float | None = None
+    margin_source: str = ""
+    identity_mismatch: Interval | None = None
+    reliable: bool = True
+    health: str = ""
+    health_checks: int = 0
+    load: LoadFigures | None = None
+    unmatched_decode_speedup: Interval | None = None
+    unmatched_throughput_speedup: Interval | None = None
+
+    @property
+    def identical_rate(self) -> float | None:
+        return self.identical / self.compared if self.compared else None
+
+
+@dataclass(frozen=True)
+class CategoryRow:
+    """A candidate arm on one workload category at one level: the requests of that category only.
+
+    ``throughput_speedup`` is per call (Σ tokens / Σ e2e of the category's calls, candidate over
+    baseline): a category has no wall time of its own inside a mixed closed-loop level. The verdict
+    uses the category's decode speedup and identity with the LEVEL's aggregate throughput ratio.
+    Category intervals are not corrected for the number of categories: they are for exploring.
+    """
+
+    arm: str
+    category: str
+    level: str
+    concurrency_level: int | None
+    paired: bool
+    calls: int
+    baseline_calls: int
+    p50_decode_tok_s: float | None
+    baseline_p50_decode_tok_s: float | None
+    compared: int = 0
+    identical: int = 0
+    decode_speedup: Interval | None = None
+    throughput_speedup: Interval | None = None
+    throughput_basis: str = "per call"
+    verdict: str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ArmOutcome:
+    arm: str
+    role: str
+    spec_method: str
+    kind: str  # baseline | candidate | replica
+    crossover: Crossover | None
+    crossover_text: str
+    deploy: DeployVerdict | None
+    compared: int
+    mismatched: int
+    near_tie: int
+    gross: int
+
+
+@dataclass(frozen=True)
+class RunEvaluation:
+    run_id: str
+    name: str
+    mode: str | None
+    source: str | None
+    started_at: Any
+    baseline: str
+    peak_level: str
+    rows: list[LevelRow]
+    arms: list[ArmOutcome]
+    categories: list[CategoryRow]
+    noise_compared: int
+    noise_mismatched: int
+    stacks: dict[str, Any]
+    notes: list[str]
+    at_concurrency: int | None = None
+    peak_concurrency: int | None = None
+    operating_point: str = ""
+    unreliable_levels: list[str] = field(default_factory=list)
+
+    @property
+    def noise_floor(self) -> float | None:
+        return self.noise_mismatched / self.noise_compared if self.noise_compared else None

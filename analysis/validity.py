@@ -1,0 +1,101 @@
+"""Validity gates: a level measured on a machine that could not keep up gets no verdict.
+
+Replay and the lab write the measurement's own health into the span store's ``health`` table, per
+level, round and (for engine checks) arm. A level is UNRELIABLE when any check's value exceeds its
+threshold; a row without a threshold is held to the default below:
+
+==========================  =========  ==================================================================
+check                       default    what it measures
+==========================  =========  ==================================================================
+engine_clock_lag            0.02       share of the run a simulator fell behind its own clock (2 %)
+loadgen_start_lag_p99_s     0.05 s     P99 delay of the load generator's sends behind their schedule
+event_loop_lag_p99_s        0.05 s     P99 lag of the client's event loop
+proxy_queue_p99_s           0.05 s     P99 time a call waited in the proxy before its upstream send
+==========================  =========  ==================================================================
+
+A check of another name with no threshold is shown and never gates. Health rows without a
+concurrency level belong to live traffic (level ``live``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from specproxy.analysis.store import SpanStore
+
+DEFAULT_THRESHOLDS: dict[str, float] = {
+    "engine_clock_lag": 0.02,
+    "loadgen_start_lag_p99_s": 0.05,
+    "event_loop_lag_p99_s": 0.05,
+    "proxy_queue_p99_s": 0.05,
+}
+
+
+@dataclass(frozen=True)
+class HealthFailure:
+    check: str
+    arm: str | None
+    round: int | None
+    value: float
+    threshold: float
+
+    def describe(self) -> str:
+        where = " ".join(
+            bit for bit in (self.arm or "client", f"round {self.round}" if self.round else "") if bit
+        )
+        if self.check == "engine_clock_lag":
+            figures = f"{self.value:.1%} > {self.threshold:.1%}"
+        else:
+            figures = f"{self.value * 1000:.1f} ms > {self.threshold * 1000:.1f} ms"
+        return f"{self.check} {figures} ({where})"
+
+
+@dataclass(frozen=True)
+class LevelHealth:
+    """A level's health: the checks it was measured with and the ones it failed (worst first)."""
+
+    checks: int
+    failures: tuple[HealthFailure, ...]
+
+    @property
+    def reliable(self) -> bool:
+        return not self.failures
+
+    def describe(self, limit: int = 3) -> str:
+        shown = "; ".join(f.describe() for f in self.failures[:limit])
+        more = len(self.failures) - limit
+        return shown + (f"; and {more} more" if more > 0 else "")
+
+
+def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
+    """Per level ('1', '8', ..., 'live'): its checks and failures. Levels without rows are absent."""
+    rows = store.query(
+        """
+        SELECT coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level, arm, round, check_name,
+               value, threshold
+        FROM health WHERE run_id = ? AND value IS NOT NULL
+        """,
+        [run_id],
+    )
+    checks: dict[str, int] = defaultdict(int)
+    failures: dict[str, list[HealthFailure]] = defaultdict(list)
+    for r in rows:
+        checks[r["level"]] += 1
+        limit = r["threshold"] if r["threshold"] is not None else DEFAULT_THRESHOLDS.get(r["check_name"])
+        if limit is not None and r["value"] > limit:
+            failures[r["level"]].append(
+                HealthFailure(r["check_name"], r["arm"], r["round"], float(r["value"]), float(limit))
+            )
+    return {
+        level: LevelHealth(
+            n,
+            tuple(
+                sorted(
+                    failures[level],
+                    key=lambda f: (-f.value / f.threshold, f.check, f.arm or "", f.round or 0),
+                )
+            ),
+        )
+        for level, n in checks.items()
+    }

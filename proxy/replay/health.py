@@ -1,0 +1,163 @@
+"""The measurement's own health, per level and round: did this machine keep up while it measured?
+
+Four checks, each one row of table ``health`` per level and round (``arm`` set only for the first):
+
+    engine_clock_lag         share of a simulator's busy time that it ran behind its own clock over the
+                             level-round (``/sim/stats`` read before and after); arms that are not
+                             simulators have no clock to read and get no row
+    loadgen_start_lag_p99_s  how late calls started: behind their schedule (open loops), or after the
+                             slot they take was freed by the previous response's last byte (closed loop)
+    event_loop_lag_p99_s     how late the client's event loop woke a timer (a sampler sleeping
+                             ``LoopLagSampler.interval_s`` at a time)
+    proxy_queue_p99_s        from the load generator handing a call over to its upstream request being sent
+
+``threshold`` is the limit applied (:data:`THRESHOLDS`); above it the level's figures are stretched by the
+machine rather than by the arms, and the analysis does not trust them.
+
+Example::
+
+    before = await read_sim_clocks(session, arms)
+    async with LoopLagSampler() as loop_lag:
+        ...  # the level-round
+    after = await read_sim_clocks(session, arms)
+    rows = health_rows(run_id, 16, 1, clock_lag(before, after), start_lags, loop_lag.lags_s, queue_s)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import NamedTuple
+
+import aiohttp
+
+from specproxy.config import Arm
+from specproxy.proxy.spans.sink import HealthRow
+
+ENGINE_CLOCK_LAG = "engine_clock_lag"
+LOADGEN_START_LAG = "loadgen_start_lag_p99_s"
+EVENT_LOOP_LAG = "event_loop_lag_p99_s"
+PROXY_QUEUE = "proxy_queue_p99_s"
+
+# Engine clock lag is a fraction of busy time: 2 % stretches every time and rate by up to 2 %, the size of
+# the smallest effect worth reporting. The client-side limits are in seconds: 50 ms late is several
+# decode steps of a fast engine, enough to move a time to first token visibly.
+THRESHOLDS: Mapping[str, float] = {
+    ENGINE_CLOCK_LAG: 0.02,
+    LOADGEN_START_LAG: 0.05,
+    EVENT_LOOP_LAG: 0.05,
+    PROXY_QUEUE: 0.05,
+}
+
+
+class SimClock(NamedTuple):
+    """A simulator's cumulative clock figures (``/sim/stats``): seconds behind, seconds of ideal busy time."""
+
+    lag_s: float
+    ideal_busy_wall_s: float
+
+
+async def read_sim_clocks(
+    session: aiohttp.ClientSession, arms: Sequence[Arm], timeout_s: float = 5.0
+) -> dict[str, SimClock]:
+    """arm → its clock, for the arms that answer ``GET /sim/stats`` (simulators); others are left out."""
+
+    async def one(arm: Arm) -> tuple[str, SimClock | None]:
+        try:
+            async with session.get(
+                f"{arm.url}/sim/stats", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                if resp.status != 200:
+                    return arm.name, None
+                stats = await resp.json()
+            return arm.name, SimClock(float(stats["lag_s"]), float(stats["ideal_busy_wall_s"]))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            return arm.name, None
+
+    found = await asyncio.gather(*(one(arm) for arm in arms))
+    return {name: clock for name, clock in found if clock is not None}
+
+
+def clock_lag(before: Mapping[str, SimClock], after: Mapping[str, SimClock]) -> dict[str, float]:
+    """arm → share of its busy time between two readings that it ran behind its clock (0 when idle)."""
+    out: dict[str, float] = {}
+    for arm, end in after.items():
+        start = before.get(arm)
+        if start is None or end.ideal_busy_wall_s < start.ideal_busy_wall_s:
+            continue  # not read before, or the simulator restarted in between
+        busy = end.ideal_busy_wall_s - start.ideal_busy_wall_s
+        out[arm] = (end.lag_s - start.lag_s) / busy if busy > 0 else 0.0
+    return out
+
+
+def p99(values: Iterable[float]) -> float | None:
+    """The 99th percentile (nearest rank); None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+class LoopLagSampler:
+    """While open, a task sleeps ``interval_s`` again and again and keeps how late each wake-up was."""
+
+    interval_s = 0.01
+
+    def __init__(self) -> None:
+        self.lags_s: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoopLagSampler:
+        self._task = asyncio.create_task(self._sample(), name="specproxy-loop-lag")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _sample(self) -> None:
+        while True:
+            due = time.perf_counter() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            self.lags_s.append(max(0.0, time.perf_counter() - due))
+
+
+def health_rows(
+    run_id: str,
+    level: int | None,
+    round_: int | None,
+    engine_lag: Mapping[str, float],
+    start_lags_s: Sequence[float],
+    loop_lags_s: Sequence[float],
+    queue_s: Sequence[float],
+    measured_at: datetime | None = None,
+) -> list[HealthRow]:
+    """The ``health`` rows of one level-round: one per simulator, then the three client-side checks
+    (left out when nothing was measured, e.g. no call was sent)."""
+    at = measured_at or datetime.now(UTC)
+
+    def row(arm: str | None, check: str, value: float | None) -> HealthRow:
+        return HealthRow(run_id, arm, level, round_, check, value, THRESHOLDS[check], at)
+
+    rows = [row(arm, ENGINE_CLOCK_LAG, lag) for arm, lag in sorted(engine_lag.items())]
+    for check, values in (
+        (LOADGEN_START_LAG, start_lags_s),
+        (EVENT_LOOP_LAG, loop_lags_s),
+        (PROXY_QUEUE, queue_s),
+    ):
+        value = p99(values)
+        if value is not None:
+            rows.append(row(None, check, value))
+    return rows
+
+
+def over_threshold(rows: Iterable[HealthRow]) -> list[HealthRow]:
+    """The rows whose value is above their threshold."""
+    return [r for r in rows if r.value is not None and r.threshold is not None and r.value > r.threshold]

@@ -1,0 +1,462 @@
+"""Benchmark: can a verdict be trusted? A/A false alarms, power, interval coverage, stability and cost.
+
+    python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32] [--rounds 3] [--per-round 6]
+                                         [--stability-runs 3] [--time-scale 1] [--keep]
+    python tests/bench/bench_verdicts.py --from DIR    # the figures again from a --keep folder's stores
+
+Starts four simulators on 127.0.0.1 (``specproxy sim`` subprocesses, stopped at the end whatever
+happens): a plain baseline, a plain ``replica`` (role replica), a plain arm labelled EAGLE3 in the
+experiment file (``eagle3-null``: a null arm that looks like a candidate) and a real EAGLE3 simulator
+(``eagle3``). Then ``--runs`` times: a paired replay (replay's own runner, in this process) of a small
+mixed workload over the levels, ``--rounds`` rounds each of max(c, ``--per-round``) items, so every arm
+gets the same items, into a fresh span store, and ``specproxy analyze --format json`` on it (a
+subprocess). It prints:
+
+- A/A: the share of the null arms' deploy verdicts and per-level verdicts that are WIN or LOSS (target
+  ≤ 5 %); an UNRELIABLE level counts as neither;
+- power: the share of runs in which EAGLE3's true ≥ 1.5x decode effect at c=1 is a WIN (≥ 95 %);
+- coverage: per level, the share of runs whose decode and throughput intervals contain the true ratio
+  (≥ 90 %): 1 for the null arms (they are the baseline's configuration), and for EAGLE3 the ratio on the
+  simulator's lag-free timeline: the same items through the simulator's engine on a virtual clock
+  (:mod:`specproxy.engines.sim.virtual`'s way), at the same concurrency, with a warm prefix cache;
+- health: the share of level-rounds over a health limit (table ``health``), which the analysis may
+  hold back as UNRELIABLE;
+- stability: ``--stability-runs`` consecutive ``specproxy lab --quick`` runs, each arm's deploy verdict
+  per run (target: the same every run, or UNRELIABLE, never WIN in one and LOSS in another), and
+- cost: each ``lab --quick`` run's wall time (target ≤ 3 minutes).
+
+Say what the machine was doing (``uptime``) next to the figures: a busy machine makes simulators lag.
+``--keep`` keeps the span stores; ``--from`` analyses them again (with the same ``--levels`` and
+``--items``), e.g. after the verdict rule changed, without measuring anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import duckdb
+
+from specproxy.commandline import run_async
+from specproxy.config import load_experiment
+from specproxy.engines.profiles import load_profile
+from specproxy.engines.sim.api_request import parse_request
+from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
+from specproxy.engines.sim.engine import EngineCore, RequestSpec
+from specproxy.engines.sim.text import request_key
+from specproxy.proxy.replay.formats import ReplayItem
+from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.replay.workload import mixed_workload
+from tests.support import free_port
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+PROFILE = "h100-llama3.1-8b"
+EAGLE3 = {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 3}
+NULL_ARMS = ("replica", "eagle3-null")
+REAL_ARM = "eagle3"
+DECISIVE = ("WIN", "LOSS")
+
+
+# -- simulators ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Sim:
+    name: str
+    role: str
+    label: dict[str, Any] | None  # the arm's speculative config in the experiment file
+    runs: dict[str, Any] | None  # what the simulator really runs
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def bench_arms() -> list[Sim]:
+    return [
+        Sim("baseline", "baseline", None, None),
+        Sim("replica", "replica", None, None),
+        Sim("eagle3-null", "candidate", EAGLE3, None),
+        Sim(REAL_ARM, "candidate", EAGLE3, EAGLE3),
+    ]
+
+
+@contextlib.contextmanager
+def running_sims(sims: list[Sim], workdir: Path, time_scale: float) -> Iterator[list[Sim]]:
+    try:
+        for sim in sims:
+            sim.port = free_port()
+            argv = [sys.executable, "-m", "specproxy", "sim", "--port", str(sim.port), "--model", MODEL]
+            argv += ["--profile", PROFILE, "--time-scale", str(time_scale)]
+            if sim.runs:
+                argv += [
+                    "--speculative-config",
+                    json.dumps(sim.runs),
+                    "--per-request-spec-decode-metrics",
+                    "summary",
+                ]
+            log = (workdir / f"sim-{sim.name}.log").open("wb")
+            sim.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        for sim in sims:
+            wait_healthy(sim)
+        yield sims
+    finally:
+        for sim in sims:
+            if sim.proc is not None:
+                sim.proc.terminate()
+        for sim in sims:
+            if sim.proc is not None:
+                sim.proc.wait(15)
+
+
+def wait_healthy(sim: Sim, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(sim.url + "/health", timeout=2):
+                return
+        except OSError:
+            if sim.proc is not None and sim.proc.poll() is not None:
+                raise SystemExit(f"simulator {sim.name} exited ({sim.proc.returncode})") from None
+            time.sleep(0.1)
+    raise SystemExit(f"simulator {sim.name} did not answer /health within {timeout_s:.0f} s")
+
+
+def write_experiment(path: Path, sims: Sequence[Sim]) -> None:
+    lines = ['[experiment]\nname = "bench-verdicts"\n']
+    for sim in sims:
+        lines.append(f'[[arms]]\nname = "{sim.name}"\nrole = "{sim.role}"\nurl = "{sim.url}"\n')
+        if sim.label:
+            spec = ", ".join(f"{k} = {json.dumps(v)}" for k, v in sim.label.items())
+            lines.append(f"speculative = {{ {spec} }}\n")
+    path.write_text("\n".join(lines))
+
+
+def write_workload(path: Path, items: Sequence[ReplayItem]) -> None:
+    with path.open("w") as f:
+        for it in items:
+            body = {**it.body, "metadata": {"category": it.category}}
+            f.write(json.dumps({"custom_id": it.item_id, "body": body}) + "\n")
+
+
+# -- ground truth on the virtual clock -----------------------------------------------------------
+
+
+def virtual_figures(
+    items: Sequence[ReplayItem], level: int, spec: dict[str, Any] | None, rounds: int
+) -> tuple[float, float]:
+    """(median per-request decode tok/s, output tok/s) of ``items`` on the simulator's engine with a
+    virtual clock, what the arm does when nothing lags: as replay sends a level, one pass that warms the
+    prefix cache, then ``rounds`` closed loops at ``level`` over the items, each drained before the next;
+    throughput is each round's tokens over its own duration, summed over rounds."""
+    config = SimConfig(
+        model=MODEL, profile=PROFILE, speculative=SpeculativeConfig.from_dict(dict(spec)) if spec else None
+    )
+    core = EngineCore(config, load_profile(PROFILE))
+    clock = [0.0]
+    rates: list[float] = []
+    tokens, busy = 0, 0.0
+    for pass_ in range(rounds + 1):
+        started = clock[0]
+        done = closed_loop_virtual(core, config, items, level, clock, tag=f"p{pass_}")
+        if pass_ == 0:
+            continue
+        busy += clock[0] - started
+        for seq in done:
+            t = seq.truth
+            tokens += seq.n_out
+            if t.first_token is not None and t.finished is not None and seq.n_out > 1:
+                if t.finished > t.first_token:
+                    rates.append((seq.n_out - 1) / (t.finished - t.first_token))
+    return statistics.median(rates), tokens / busy
+
+
+def closed_loop_virtual(
+    core: EngineCore, config: SimConfig, items: Sequence[ReplayItem], level: int, clock: list[float], tag: str
+) -> list[Any]:
+    """Send ``items`` with ``level`` in flight until all finished; ``clock[0]`` is the virtual time."""
+    issued = 0
+    done: list[Any] = []
+
+    def issue() -> None:
+        nonlocal issued
+        body = {**items[issued].body, "temperature": 0, "stream": True}
+        req = parse_request(config, {}, body, True)
+        key = request_key(config.model, req.prompt.text, "")
+        rid = f"{tag}-{issued}"
+        spec = RequestSpec(rid, req.prompt, req.category, key, req.max_tokens, req.min_tokens, req.ignore_eos)
+        done.append(core.add(spec, clock[0]))
+        issued += 1
+
+    while issued < min(level, len(items)):
+        issue()
+    while core.has_work():
+        plan = core.plan_step(clock[0])
+        if plan is None:
+            break
+        clock[0] += plan.duration_s
+        for seq in core.finish_step(plan, clock[0]):
+            if seq.finished and issued < len(items):
+                issue()
+    return done
+
+
+def true_ratios(
+    items: Sequence[ReplayItem], levels: Sequence[int], minimum: int, rounds: int
+) -> dict[int, tuple[float, float]]:
+    """level → (decode, throughput) ratio of the real EAGLE3 arm over the baseline, lag-free, on the
+    items a round of that level sends."""
+    out = {}
+    for level in levels:
+        sent = level_items(items, level, minimum)
+        base = virtual_figures(sent, level, None, rounds)
+        cand = virtual_figures(sent, level, EAGLE3, rounds)
+        out[level] = (cand[0] / base[0], cand[1] / base[1])
+    return out
+
+
+# -- one replay and its verdicts -----------------------------------------------------------------
+
+
+@dataclass
+class RunVerdicts:
+    level: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (arm, level) → row
+    deploy: dict[str, str] = field(default_factory=dict)
+    health_over: int = 0
+    health_total: int = 0
+
+
+def specproxy(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(
+        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=timeout
+    )
+    if res.returncode != 0:
+        raise SystemExit(f"specproxy {' '.join(args)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
+    return res
+
+
+def verdicts_of(db: Path) -> RunVerdicts:
+    doc = json.loads(specproxy("analyze", str(db), "--format", "json", timeout=300).stdout)
+    run = doc["runs"][0] if "runs" in doc else doc
+    out = RunVerdicts()
+    for row in run["rows"]:
+        if row.get("concurrency_level") is not None:
+            out.level[(row["arm"], int(row["concurrency_level"]))] = row
+    for arm in run.get("arms", doc.get("arms", [])):
+        if arm.get("deploy"):
+            out.deploy[arm["arm"]] = arm["deploy"]["verdict"]
+    with duckdb.connect(str(db), read_only=True) as conn:
+        over, total = conn.execute(
+            "SELECT count(DISTINCT (concurrency_level, round)) FILTER (value > threshold), "
+            "count(DISTINCT (concurrency_level, round)) FROM health"
+        ).fetchone() or (0, 0)
+    out.health_over, out.health_total = int(over), int(total)
+    return out
+
+
+def per_round(minimum: int, level: int) -> int:
+    """Items each round of a level sends: at least one per slot."""
+    return max(level, minimum)
+
+
+def level_items(items: Sequence[ReplayItem], level: int, minimum: int) -> list[ReplayItem]:
+    """The items one round of ``level`` sends (replay cycles the list from its start)."""
+    return [items[i % len(items)] for i in range(per_round(minimum, level))]
+
+
+def replay_once(
+    i: int, work: Path, exp_path: Path, items: list[ReplayItem], opts: argparse.Namespace
+) -> RunVerdicts:
+    db = work / f"run-{i:02d}.duckdb"
+    exp = load_experiment(exp_path)
+    plan = LoadPlan(
+        kind="closed",
+        levels=tuple(int(x) for x in opts.levels.split(",")),
+        items_per_level=functools.partial(per_round, opts.per_round),
+        rounds=opts.rounds,
+    )
+    settings = ReplaySettings(
+        arms=exp.arms,
+        db_path=db,
+        run_name=f"bench-{i}",
+        load=plan,
+        seed=i,
+        experiment=exp,
+        show_progress=False,
+    )
+    run_async(run_replay(settings, items))
+    return verdicts_of(db)
+
+
+def contains(interval: dict[str, Any] | None, truth: float) -> bool | None:
+    if not interval or interval.get("low") is None or interval.get("high") is None:
+        return None
+    return bool(interval["low"] <= truth <= interval["high"])
+
+
+def share(hits: Sequence[bool]) -> str:
+    return f"{sum(hits)}/{len(hits)} ({100 * sum(hits) / len(hits):.0f} %)" if hits else "—"
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def report_replays(runs: list[RunVerdicts], levels: list[int], truth: dict[int, tuple[float, float]]) -> None:
+    null_deploy = [run.deploy.get(arm, "—") for run in runs for arm in NULL_ARMS]
+    null_level = [
+        run.level[(arm, c)]["verdict"]
+        for run in runs
+        for arm in NULL_ARMS
+        for c in levels
+        if (arm, c) in run.level
+    ]
+    print(f"A/A deploy verdicts WIN or LOSS: {share([v in DECISIVE for v in null_deploy])}   (target ≤ 5 %)")
+    print(f"    counts: {dict(sorted((v, null_deploy.count(v)) for v in set(null_deploy)))}")
+    print(
+        f"A/A per-level verdicts WIN or LOSS: {share([v in DECISIVE for v in null_level])}   (target ≤ 5 %)"
+    )
+    print(f"    counts: {dict(sorted((v, null_level.count(v)) for v in set(null_level)))}")
+    low = min(levels)
+    power = [run.level.get((REAL_ARM, low), {}).get("verdict") == "WIN" for run in runs]
+    judged = [run.level.get((REAL_ARM, low), {}).get("verdict") != "UNRELIABLE" for run in runs]
+    print(
+        f"power: eagle3 WIN at c={low} (true decode ratio {truth[low][0]:.2f}x): {share(power)}"
+        f"   (target ≥ 95 %); c={low} judged (not UNRELIABLE) in {share(judged)}"
+    )
+    print(
+        "coverage (interval contains the true ratio; target ≥ 90 % at every level; all runs | reliable ones):"
+    )
+    print(
+        f"    {'level':>6}  {'arm':<12} {'true decode':>11} {'decode':>24} {'true thr':>9} {'throughput':>24}"
+    )
+    for c in levels:
+        for arm in (*NULL_ARMS, REAL_ARM):
+            t_dec, t_thr = (1.0, 1.0) if arm in NULL_ARMS else truth[c]
+            rows = [run.level[(arm, c)] for run in runs if (arm, c) in run.level]
+            cells = []
+            for key, truth_ in (("decode_speedup", t_dec), ("throughput_speedup", t_thr)):
+                hits = [(contains(r.get(key), truth_), r["verdict"] != "UNRELIABLE") for r in rows]
+                every = [h for h, _ in hits if h is not None]
+                reliable = [h for h, ok in hits if h is not None and ok]
+                cells.append(f"{share(every)} | {share(reliable)}")
+            print(
+                f"    {'c=' + str(c):>6}  {arm:<12} {t_dec:>10.3f}x {cells[0]:>24} "
+                f"{t_thr:>8.3f}x {cells[1]:>24}"
+            )
+    over = sum(r.health_over for r in runs)
+    total = sum(r.health_total for r in runs)
+    print(f"health: level-rounds over a limit: {over}/{total}")
+
+
+def stability(n: int, work: Path, measure: bool) -> None:
+    """``n`` lab --quick runs into work/lab-i (or, without ``measure``, the ones already there)."""
+    per_arm: dict[str, list[str]] = {}
+    walls = []
+    outs = [work / f"lab-{i}" for i in range(n)] if measure else sorted(work.glob("lab-*"))
+    for i, out in enumerate(outs):
+        if measure:
+            t0 = time.monotonic()
+            specproxy("lab", "--quick", "--no-progress", "--out", str(out), timeout=1800)
+            walls.append(time.monotonic() - t0)
+            print(f"  lab --quick #{i + 1}: {walls[-1]:.0f} s", flush=True)
+        for arm, verdict in verdicts_of(out / "specproxy.duckdb").deploy.items():
+            per_arm.setdefault(arm, []).append(verdict)
+    for arm, seen in sorted(per_arm.items()):
+        flips = "WIN" in seen and "LOSS" in seen
+        same = len(set(seen)) == 1
+        print(
+            f"stability {arm:<12} {' / '.join(seen)}   {'same' if same else 'FLIPS' if flips else 'differs'}"
+        )
+    if walls:
+        print(f"cost: lab --quick wall time {', '.join(f'{w:.0f}' for w in walls)} s   (target ≤ 180 s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=20, help="repeated replays (A/A, power, coverage)")
+    parser.add_argument("--levels", default="1,8,32", help="concurrency levels of each replay")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per level")
+    parser.add_argument(
+        "--per-round", type=int, default=6, help="items per round at least (and one per slot)"
+    )
+    parser.add_argument("--items", type=int, default=0, help="workload items (default: the top level)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="simulators' time scale")
+    parser.add_argument(
+        "--stability-runs", type=int, default=3, help="consecutive lab --quick runs (0: none)"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (printed)")
+    parser.add_argument(
+        "--from", dest="from_dir", type=Path, help="analyse a kept folder again; measure nothing"
+    )
+    opts = parser.parse_args()
+    levels = [int(x) for x in opts.levels.split(",")]
+    # SIGTERM ends the run like Ctrl-C: the simulators are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if opts.from_dir is not None:
+        items = mixed_workload(opts.items or max(levels), seed=0, max_tokens_scale=0.5)
+        kept = [verdicts_of(db) for db in sorted(opts.from_dir.glob("run-*.duckdb"))]
+        report_replays(kept, levels, true_ratios(items, levels, opts.per_round, opts.rounds))
+        stability(0, opts.from_dir, measure=False)
+        return
+    work = Path(tempfile.mkdtemp(prefix="specproxy-bench-verdicts-"))
+    if opts.keep:
+        print(f"work folder (kept): {work}")
+    print(
+        "load average (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        f"on {os.cpu_count()} cores",
+    )
+    try:
+        items = mixed_workload(opts.items or max(levels), seed=0, max_tokens_scale=0.5)
+        workload, exp = work / "workload.jsonl", work / "exp.toml"
+        write_workload(workload, items)  # for specproxy replay by hand, and a record of what was sent
+        t0 = time.monotonic()
+        truth = true_ratios(items, levels, opts.per_round, opts.rounds)
+        print(
+            f"lag-free true eagle3/baseline ratios (decode, throughput), {time.monotonic() - t0:.0f} s: "
+            + ", ".join(f"c={c} {d:.3f}x {t:.3f}x" for c, (d, t) in truth.items())
+        )
+        runs: list[RunVerdicts] = []
+        with running_sims(bench_arms(), work, opts.time_scale) as sims:
+            write_experiment(exp, sims)
+            for i in range(opts.runs):
+                t0 = time.monotonic()
+                runs.append(replay_once(i, work, exp, items, opts))
+                r = runs[-1]
+                print(
+                    f"  replay #{i + 1}: {time.monotonic() - t0:.0f} s; deploy {r.deploy}; "
+                    f"health over limit {r.health_over}/{r.health_total}",
+                    flush=True,
+                )
+        if runs:
+            report_replays(runs, levels, truth)
+        stability(opts.stability_runs, work, measure=True)
+    finally:
+        if opts.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

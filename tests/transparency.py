@@ -1,0 +1,53 @@
+"""The transparency cases shared by tests/test_transparency.py and tests/bench/bench_tokens.py: each arm
+option, each client option, and the openai SDK's model_dump() of every response with ids and
+timestamps left out."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import openai
+import pytest
+
+SPEC = {"method": "eagle3", "model": "draft", "num_speculative_tokens": 3}
+PROMPT = "Summarise: the cache holds the batch; the server answers the request quickly."
+_VOLATILE = ("id", "created")
+
+
+def plain_dump(dump: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in dump.items() if k not in _VOLATILE}
+
+
+async def sdk_responses(client: openai.AsyncOpenAI, model: str) -> list[Any]:
+    """Every client option once, in a fixed order: the model_dump()s of each response or stream."""
+    out: list[Any] = []
+    for chat, stream, usage, ids in itertools.product(
+        (True, False), (True, False), (True, False), (True, False)
+    ):
+        if usage and not stream:
+            continue
+        kw: dict[str, Any] = {"model": model, "temperature": 0, "max_tokens": 12}
+        if stream:
+            kw["stream"] = True
+            if usage:
+                kw["stream_options"] = {"include_usage": True}
+        if ids:
+            kw["extra_body"] = {"return_token_ids": True}
+        if chat:
+            resp = await client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **kw)
+        else:
+            resp = await client.completions.create(prompt=PROMPT, **kw)
+        if stream:
+            out.append([plain_dump(c.model_dump()) async for c in resp])
+        else:
+            out.append(plain_dump(resp.model_dump()))
+    return out
+
+
+ARM_OPTIONS = [
+    pytest.param({"vllm_extensions": ext, "return_token_ids": rti, **spec}, id=f"{ext}-rti{rti}-{name}")
+    for ext, rti, (name, spec) in itertools.product(
+        ("auto", "off"), (True, False), (("plain", {}), ("eagle3", {"speculative": SPEC}))
+    )
+]
