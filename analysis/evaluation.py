@@ -34,6 +34,7 @@ from specproxy.analysis.figures import (
     pair_groups,
     round_figures,
 )
+from specproxy.analysis.provenance import estimate_note
 from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
 from specproxy.analysis.stats import Interval, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
@@ -474,7 +475,9 @@ def _level_row(
     if load is not None and load.decode is not None:
         decode, throughput, basis = load.decode, load.throughput, "per call"
     check = check_identity(counts.identical, counts.compared, confidence[s.arm], settings.thresholds)
-    verdict, reason = _row_verdict(run, s, comp, decode, throughput, check, margin, load)
+    base = run.summary(run.baseline, s.level) if s.arm != run.baseline else None
+    estimated = estimate_note(s.tokens, base.tokens if base is not None else None)
+    verdict, reason = _row_verdict(run, s, comp, decode, throughput, check, margin, load, estimated)
     rounds = _round_count(run, s.arm, s.level)
     return LevelRow(
         arm=s.arm,
@@ -521,6 +524,12 @@ def _level_row(
         load=load.figures if load is not None else None,
         unmatched_decode_speedup=comp.decode if comp and load is not None and load.decode else None,
         unmatched_throughput_speedup=(comp.throughput if comp and load is not None and load.decode else None),
+        tokens_source=s.tokens.describe(),
+        own_tokens_estimated=s.tokens.estimated > 0,
+        tokens_estimated=bool(estimated),
+        estimate_note=estimated,
+        req_acceptance_source=s.spec.source(),
+        req_acceptance_not_measured=s.spec.not_measured(),
     )
 
 
@@ -533,6 +542,7 @@ def _row_verdict(
     identity: IdentityCheck,
     margin: Margin,
     load: matched.MatchedLoad | None,
+    estimated: str,
 ) -> tuple[str | None, str]:
     if s.arm == run.baseline or s.role == "baseline" or comp is None:
         return None, ""
@@ -541,7 +551,7 @@ def _row_verdict(
         return UNRELIABLE, f"the measurement failed its health checks: {health.describe()}"
     if load is not None and load.decode is None and load.note:
         return NO_CLEAR_GAIN, load.note
-    verdict, reason = level_verdict(decode, throughput, identity, margin)
+    verdict, reason = level_verdict(decode, throughput, identity, margin, estimated)
     if load is not None and load.note:
         reason += f"; {load.note}"
     if _round_count(run, s.arm, s.level) == 1:
@@ -614,7 +624,9 @@ def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, threshold
         # Aggregate throughput is the level's, shared by every category in the batch: a category has
         # no wall-clock throughput of its own, and an arm that lowers the level's throughput costs
         # every category's users.
-        verdict, reason = level_verdict(fig.comparison.decode, row.throughput_speedup, check, margin)
+        verdict, reason = level_verdict(
+            fig.comparison.decode, row.throughput_speedup, check, margin, row.estimate_note
+        )
     return CategoryRow(
         arm=row.arm,
         category=fig.category,
@@ -631,6 +643,7 @@ def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, threshold
         throughput_speedup=fig.comparison.throughput,
         verdict=verdict,
         reason=reason,
+        tokens_estimated=row.tokens_estimated,
     )
 
 
@@ -686,6 +699,7 @@ def _arm_outcome(
                 r.verdict or NO_CLEAR_GAIN,
                 r.throughput_speedup,
                 r.throughput_margin or 0.0,
+                r.tokens_estimated,
             )
             for r in judged
             if r.concurrency_level is not None
@@ -726,6 +740,12 @@ def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
             notes.append(
                 f"{r.arm} {'c=' + r.level if r.level.isdigit() else r.level}: no by-category figures (its "
                 "calls ran at another load than the baseline's; the level is compared at matched load)"
+            )
+    for r in rows:
+        if r.own_tokens_estimated:
+            notes.append(
+                f"{r.arm} {'c=' + r.level if r.level.isdigit() else r.level}: token counts "
+                f"{r.tokens_source}: its tok/s and the speedups on them (marked ~) are estimates"
             )
     one_round = sorted({r.level for r in rows if r.drift_note and r.verdict is not None}, key=level_sort_key)
     if one_round:
