@@ -29,6 +29,7 @@ from specproxy.analysis.figures import (
     PairGroup,
     RoundFigures,
     call_groups,
+    failed_arms,
     level_sort_key,
     level_summaries,
     pair_groups,
@@ -40,6 +41,7 @@ from specproxy.analysis.stats import Interval, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.validity import LevelHealth, level_health
 from specproxy.analysis.verdict import (
+    FAILED,
     NO_CLEAR_GAIN,
     UNRELIABLE,
     Crossover,
@@ -181,7 +183,8 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
     ]
     categories = _category_rows(run, rows, margins, confidence, settings)
     point, point_text = _operating_point(settings, info)
-    arms = [_arm_outcome(run, arm, rows, point, confidence, settings) for arm in _arm_order(run)]
+    failed = {f.arm: f.describe() for f in failed_arms(store, run.run_id)}
+    arms = [_arm_outcome(run, arm, rows, point, confidence, settings, failed) for arm in _arm_order(run)]
     numeric = [r.concurrency_level for r in rows if r.concurrency_level is not None and r.reliable]
     return RunEvaluation(
         run_id=run.run_id,
@@ -204,6 +207,7 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
         peak_concurrency=point.peak,
         operating_point=point_text,
         unreliable_levels=sorted((lv for lv, h in run.health.items() if not h.reliable), key=level_sort_key),
+        failed_arms=list(failed.values()),
     )
 
 
@@ -544,7 +548,11 @@ def _row_verdict(
     load: matched.MatchedLoad | None,
     estimated: str,
 ) -> tuple[str | None, str]:
-    if s.arm == run.baseline or s.role == "baseline" or comp is None:
+    if s.arm == run.baseline or s.role == "baseline":
+        return None, ""
+    if s.calls and not s.ok:
+        return FAILED, f"every call failed ({s.calls} of {s.calls}); the run's notes give the first error"
+    if comp is None:
         return None, ""
     health = run.health.get(s.level)
     if health is not None and not health.reliable:
@@ -681,6 +689,7 @@ def _arm_outcome(
     point: OperatingPoint,
     confidence: dict[str, float],
     settings: Settings,
+    failed: dict[str, str],
 ) -> ArmOutcome:
     arm_rows = [r for r in rows if r.arm == arm]
     first = arm_rows[0]
@@ -691,8 +700,11 @@ def _arm_outcome(
     cross: Crossover | None = None
     deploy: DeployVerdict | None = None
     text = "—" if kind == "baseline" else "n/a"
-    judged = [r for r in arm_rows if r.verdict is not None]
-    if kind != "baseline" and judged:
+    judged = [r for r in arm_rows if r.verdict not in (None, FAILED)]
+    if arm in failed:
+        text = "n/a (every call failed)"
+        deploy = DeployVerdict(FAILED, failed[arm]) if kind != "baseline" else None
+    elif kind != "baseline" and judged:
         levels = [
             LevelJudgement(
                 r.concurrency_level,

@@ -133,6 +133,51 @@ def _sources(
 
 
 @dataclass(frozen=True)
+class FailedArm:
+    """An arm none of whose calls in the run succeeded, and its first failure (by start time)."""
+
+    arm: str
+    calls: int
+    status: str
+    http_status: int | None
+    error: str | None
+
+    def describe(self) -> str:
+        what = self.status + (f" HTTP {self.http_status}" if self.http_status is not None else "")
+        text = (self.error or "").strip()
+        detail = text.splitlines()[0][:300] if text else "no error text (empty body)"
+        return (
+            f"arm {self.arm!r} failed: every call failed ({self.calls} of {self.calls}); "
+            f"first error: {what}: {detail}"
+        )
+
+
+def failed_arms(store: SpanStore, run_id: str) -> list[FailedArm]:
+    """The run's arms without a single ok call, with their first failure."""
+    rows = store.query(
+        """
+        SELECT arm, count(*) AS calls,
+               arg_min([status, CAST(http_status AS VARCHAR), error], coalesce(t_start_ns, epoch_ns(t_start)))
+                   AS first
+        FROM requests WHERE run_id = ?
+        GROUP BY arm HAVING count(*) FILTER (WHERE status = 'ok') = 0
+        ORDER BY arm
+        """,
+        [run_id],
+    )
+    return [
+        FailedArm(
+            r["arm"],
+            int(r["calls"]),
+            r["first"][0],
+            int(r["first"][1]) if r["first"][1] is not None else None,
+            r["first"][2],
+        )
+        for r in rows
+    ]
+
+
+@dataclass(frozen=True)
 class RoundFigures:
     """One arm at one level, per replay round: ok calls, tokens and wall time (first start, last end)."""
 

@@ -111,7 +111,7 @@ class SpecCounts:
     def not_measured(self) -> str:
         """The calls whose figure is not a measurement, and why ("" when none)."""
         parts = [
-            f"{n} calls {NOT_MEASURED_REASON[s]}"
+            f"{n} calls: {NOT_MEASURED_REASON[s]}"
             for s, n in sorted(self.by_source.items())
             if s in NOT_MEASURED_REASON and n
         ]

@@ -118,6 +118,8 @@ def per_call_suffix(row: LevelRow) -> str:
 
 
 def decode_suffix(row: LevelRow) -> str:
+    if row.decode_speedup is None:
+        return ""
     if row.unmatched_decode_speedup is not None:
         return " (matched load)"
     return " (unpaired)" if row.paired is False else ""
@@ -179,7 +181,13 @@ def run_title(ev: RunEvaluation) -> str:
     return " · ".join(bits)
 
 
-VERDICT_SHORT = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG", "UNRELIABLE": "UNREL"}
+VERDICT_SHORT = {
+    "WIN": "WIN",
+    "LOSS": "LOSS",
+    "NO CLEAR GAIN": "NCG",
+    "UNRELIABLE": "UNREL",
+    "FAILED": "FAILED",
+}
 
 
 def category_levels(ev: RunEvaluation) -> list[str]:
@@ -217,7 +225,7 @@ def deploy_lines(ev: RunEvaluation) -> list[str]:
 def run_notes(ev: RunEvaluation, settings: Settings, all_reasons: bool = True) -> list[str]:
     """Crossover, identity triage and verdict reasons, one line each (``all_reasons=False``: the
     reasons of WIN rows, which only restate the rule, are left out)."""
-    lines: list[str] = []
+    lines: list[str] = list(ev.failed_arms)
     floor = ev.noise_floor
     floor_text = (
         f"noise floor (baseline vs baseline): {ev.noise_mismatched}/{ev.noise_compared} mismatched "
@@ -276,10 +284,15 @@ def _source_notes(ev: RunEvaluation) -> list[str]:
             "usage and tokenizer counts are exact; chunk counts are used only for arms whose chunks "
             "were seen to hold one token"
         )
+    if any(r.acceptance_length is not None or r.req_acceptance_source for r in ev.rows):
+        lines.append(
+            "accept rate, accept len: the engines' own /metrics counters; req accept len: the per-request "
+            "figures the engine reported, 'est' where estimated from the stream shape"
+        )
     for r in ev.rows:
         where = f"{r.arm} {fmt_level(r.level)}"
         if r.req_acceptance_source and "estimated" in r.req_acceptance_source:
-            lines.append(f"req accept len {where}: {r.req_acceptance_source} (est = estimated, not reported)")
+            lines.append(f"req accept len {where}: {r.req_acceptance_source}, not reported by the engine")
         if r.req_acceptance_not_measured:
             lines.append(f"req accept len {where}: not measured for {r.req_acceptance_not_measured}")
     return lines

@@ -31,7 +31,7 @@ from specproxy.analysis.store import SpanStore
 from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
 
 MAX_MISMATCH_ROWS = 100
-VERDICT_CSS = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG", "UNRELIABLE": "UNREL"}
+VERDICT_CSS = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG", "UNRELIABLE": "UNREL", "FAILED": "LOSS"}
 MAX_CDF_LEVELS = 6
 SNIPPET = 40
 

@@ -166,6 +166,8 @@ class RunEvaluation:
     peak_concurrency: int | None = None
     operating_point: str = ""
     unreliable_levels: list[str] = field(default_factory=list)
+    # arms without a single ok call, one sentence each with the first error (`analyze` exits non-zero)
+    failed_arms: list[str] = field(default_factory=list)
 
     @property
     def noise_floor(self) -> float | None:

@@ -7,7 +7,9 @@ Per arm and concurrency level, each level judged on its own figures, against a m
 - LOSS: a bound beyond the margin on the losing side: the decode speedup's or the throughput ratio's
   upper bound below 1 − margin, or identity fails;
 - NO CLEAR GAIN otherwise (including when an interval cannot be estimated);
-- UNRELIABLE: the level failed a health check of the measurement (:mod:`.validity`): no verdict.
+- UNRELIABLE: the level failed a health check of the measurement (:mod:`.validity`): no verdict;
+- FAILED: every call of the arm at the level failed: nothing to judge (an arm that failed at every
+  level has the deploy verdict FAILED, with its first error).
 
 The margin is per level and per figure: the larger of ``min_margin`` (3 %) and the noise floor
 measured there by the replica arms (a plain copy of the baseline): the farthest of a replica's interval
@@ -43,6 +45,7 @@ WIN = "WIN"
 LOSS = "LOSS"
 NO_CLEAR_GAIN = "NO CLEAR GAIN"
 UNRELIABLE = "UNRELIABLE"
+FAILED = "FAILED"  # every call of the arm (at a level, or in the run) failed: nothing to judge
 _RANK = {LOSS: 0, NO_CLEAR_GAIN: 1, WIN: 2}
 
 
