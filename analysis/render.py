@@ -402,6 +402,7 @@ CSV_FIELDS = (
     "unmatched_decode_speedup",
     "unmatched_throughput_ratio",
     "tokens_source",
+    "own_tokens_estimated",
     "tokens_estimated",
     "estimate_note",
     "req_acceptance_source",
