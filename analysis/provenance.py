@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR as TEXT_ESTIMATE_ERROR
 from specproxy.record import REPORTED_SPEC_SOURCES
+from specproxy.record import TEXT_ESTIMATE_ERROR as TEXT_ESTIMATE_ERROR
 
 ESTIMATED_TOKENS = "text_estimate"
 NOT_RECORDED = "not recorded"
