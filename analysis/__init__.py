@@ -3,6 +3,7 @@
 Public API (used by `specproxy lab` and the click commands):
 
 - :func:`analyze_text` — the verdict table of one or several span store files, as text;
+- :func:`analyze` — the same, with the arms whose every call failed;
 - :func:`write_report` — the self-contained HTML report;
 - :func:`~specproxy.analysis.store.open_store` — a read-only DuckDB connection over several files,
   with the views ``arm_summary``, ``pairs``, ``identity``, ``acceptance``;
@@ -14,16 +15,19 @@ Errors are :class:`~specproxy.analysis.store.StoreError` (a sentence saying what
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from specproxy.analysis.evaluation import RunEvaluation, Settings, evaluate
 from specproxy.analysis.store import SpanStore, StoreError, open_store, query_errors
 
 __all__ = [
+    "Analysis",
     "RunEvaluation",
     "Settings",
     "SpanStore",
     "StoreError",
+    "analyze",
     "analyze_text",
     "evaluate",
     "open_store",
@@ -44,12 +48,32 @@ def analyze_text(
 
     >>> print(analyze_text(["specproxy.duckdb"], fmt="markdown"))  # doctest: +SKIP
     """
+    return analyze(db_paths, run, fmt, settings).text
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """The verdict table as text, and the arms whose every call failed (one sentence each)."""
+
+    text: str
+    failed_arms: list[str]
+
+
+def analyze(
+    db_paths: Sequence[str | Path],
+    run: str | None = None,
+    fmt: str = "table",
+    settings: Settings | None = None,
+) -> Analysis:
+    """:func:`analyze_text`, with the failed arms beside it (`analyze` exits non-zero on them)."""
     from specproxy.analysis.render import render
 
     settings = settings or Settings()
     skipped: list[str] = []
     with open_store(db_paths) as store, query_errors(store.paths):
-        return render(evaluate(store, run, settings, skipped), settings, fmt, skipped)
+        evals = evaluate(store, run, settings, skipped)
+        text = render(evals, settings, fmt, skipped)
+    return Analysis(text, [f"run {ev.name}: {f}" for ev in evals for f in ev.failed_arms])
 
 
 def write_report(

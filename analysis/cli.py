@@ -129,16 +129,21 @@ def _settings(kw: dict[str, Any]) -> Settings:
 def analyze(dbs: tuple[str, ...], fmt: str, **kw: Any) -> None:
     """The verdict table: per run, arm and concurrency level; then by workload category, and each
     arm's deploy verdict at your operating point (aggregate throughput at your peak not lower).
+    Exits 1 when an arm's every call failed (its first error is printed).
 
     DB files default to specproxy.duckdb; each file's worker siblings (specproxy.w0.duckdb, ...) are
     read too, and several files (machines) are analysed as one store. Files are opened read-only.
     """
-    from specproxy.analysis import analyze_text
+    from specproxy.analysis import analyze as analyze_stores
 
     try:
-        click.echo(analyze_text(_dbs(dbs), kw["run"], fmt, _settings(kw)), nl=False)
+        result = analyze_stores(_dbs(dbs), kw["run"], fmt, _settings(kw))
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
+    click.echo(result.text, nl=False)
+    if result.failed_arms:
+        # the table is printed for what it holds; a failed arm is an error of the run, said last
+        raise click.ClickException("; ".join(result.failed_arms))
 
 
 @click.command()

@@ -29,16 +29,19 @@ from specproxy.analysis.figures import (
     PairGroup,
     RoundFigures,
     call_groups,
+    failed_arms,
     level_sort_key,
     level_summaries,
     pair_groups,
     round_figures,
 )
+from specproxy.analysis.provenance import estimate_note
 from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
 from specproxy.analysis.stats import Interval, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.validity import LevelHealth, level_health
 from specproxy.analysis.verdict import (
+    FAILED,
     NO_CLEAR_GAIN,
     UNRELIABLE,
     Crossover,
@@ -180,7 +183,8 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
     ]
     categories = _category_rows(run, rows, margins, confidence, settings)
     point, point_text = _operating_point(settings, info)
-    arms = [_arm_outcome(run, arm, rows, point, confidence, settings) for arm in _arm_order(run)]
+    failed = {f.arm: f.describe() for f in failed_arms(store, run.run_id)}
+    arms = [_arm_outcome(run, arm, rows, point, confidence, settings, failed) for arm in _arm_order(run)]
     numeric = [r.concurrency_level for r in rows if r.concurrency_level is not None and r.reliable]
     return RunEvaluation(
         run_id=run.run_id,
@@ -203,6 +207,7 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
         peak_concurrency=point.peak,
         operating_point=point_text,
         unreliable_levels=sorted((lv for lv, h in run.health.items() if not h.reliable), key=level_sort_key),
+        failed_arms=list(failed.values()),
     )
 
 
@@ -474,7 +479,9 @@ def _level_row(
     if load is not None and load.decode is not None:
         decode, throughput, basis = load.decode, load.throughput, "per call"
     check = check_identity(counts.identical, counts.compared, confidence[s.arm], settings.thresholds)
-    verdict, reason = _row_verdict(run, s, comp, decode, throughput, check, margin, load)
+    base = run.summary(run.baseline, s.level) if s.arm != run.baseline else None
+    estimated = estimate_note(s.tokens, base.tokens if base is not None else None)
+    verdict, reason = _row_verdict(run, s, comp, decode, throughput, check, margin, load, estimated)
     rounds = _round_count(run, s.arm, s.level)
     return LevelRow(
         arm=s.arm,
@@ -521,6 +528,12 @@ def _level_row(
         load=load.figures if load is not None else None,
         unmatched_decode_speedup=comp.decode if comp and load is not None and load.decode else None,
         unmatched_throughput_speedup=(comp.throughput if comp and load is not None and load.decode else None),
+        tokens_source=s.tokens.describe(),
+        own_tokens_estimated=s.tokens.estimated > 0,
+        tokens_estimated=bool(estimated),
+        estimate_note=estimated,
+        req_acceptance_source=s.spec.source(),
+        req_acceptance_not_measured=s.spec.not_measured(),
     )
 
 
@@ -533,15 +546,20 @@ def _row_verdict(
     identity: IdentityCheck,
     margin: Margin,
     load: matched.MatchedLoad | None,
+    estimated: str,
 ) -> tuple[str | None, str]:
-    if s.arm == run.baseline or s.role == "baseline" or comp is None:
+    if s.arm == run.baseline or s.role == "baseline":
+        return None, ""
+    if s.calls and not s.ok:
+        return FAILED, f"every call failed ({s.calls} of {s.calls}); the run's notes give the first error"
+    if comp is None:
         return None, ""
     health = run.health.get(s.level)
     if health is not None and not health.reliable:
         return UNRELIABLE, f"the measurement failed its health checks: {health.describe()}"
     if load is not None and load.decode is None and load.note:
         return NO_CLEAR_GAIN, load.note
-    verdict, reason = level_verdict(decode, throughput, identity, margin)
+    verdict, reason = level_verdict(decode, throughput, identity, margin, estimated)
     if load is not None and load.note:
         reason += f"; {load.note}"
     if _round_count(run, s.arm, s.level) == 1:
@@ -614,7 +632,9 @@ def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, threshold
         # Aggregate throughput is the level's, shared by every category in the batch: a category has
         # no wall-clock throughput of its own, and an arm that lowers the level's throughput costs
         # every category's users.
-        verdict, reason = level_verdict(fig.comparison.decode, row.throughput_speedup, check, margin)
+        verdict, reason = level_verdict(
+            fig.comparison.decode, row.throughput_speedup, check, margin, row.estimate_note
+        )
     return CategoryRow(
         arm=row.arm,
         category=fig.category,
@@ -631,6 +651,7 @@ def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, threshold
         throughput_speedup=fig.comparison.throughput,
         verdict=verdict,
         reason=reason,
+        tokens_estimated=row.tokens_estimated,
     )
 
 
@@ -668,6 +689,7 @@ def _arm_outcome(
     point: OperatingPoint,
     confidence: dict[str, float],
     settings: Settings,
+    failed: dict[str, str],
 ) -> ArmOutcome:
     arm_rows = [r for r in rows if r.arm == arm]
     first = arm_rows[0]
@@ -678,14 +700,18 @@ def _arm_outcome(
     cross: Crossover | None = None
     deploy: DeployVerdict | None = None
     text = "—" if kind == "baseline" else "n/a"
-    judged = [r for r in arm_rows if r.verdict is not None]
-    if kind != "baseline" and judged:
+    judged = [r for r in arm_rows if r.verdict not in (None, FAILED)]
+    if arm in failed:
+        text = "n/a (every call failed)"
+        deploy = DeployVerdict(FAILED, failed[arm]) if kind != "baseline" else None
+    elif kind != "baseline" and judged:
         levels = [
             LevelJudgement(
                 r.concurrency_level,
                 r.verdict or NO_CLEAR_GAIN,
                 r.throughput_speedup,
                 r.throughput_margin or 0.0,
+                r.tokens_estimated,
             )
             for r in judged
             if r.concurrency_level is not None
@@ -726,6 +752,12 @@ def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
             notes.append(
                 f"{r.arm} {'c=' + r.level if r.level.isdigit() else r.level}: no by-category figures (its "
                 "calls ran at another load than the baseline's; the level is compared at matched load)"
+            )
+    for r in rows:
+        if r.own_tokens_estimated:
+            notes.append(
+                f"{r.arm} {'c=' + r.level if r.level.isdigit() else r.level}: token counts "
+                f"{r.tokens_source}: its tok/s and the speedups on them (marked ~) are estimates"
             )
     one_round = sorted({r.level for r in rows if r.drift_note and r.verdict is not None}, key=level_sort_key)
     if one_round:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES, NOT_RECORDED, SpecCounts, TokenCounts
 from specproxy.analysis.stats import FloatArray
 from specproxy.analysis.store import SpanStore
 
@@ -24,7 +25,8 @@ def level_sort_key(level: str) -> tuple[int, int, str]:
 
 @dataclass(frozen=True)
 class LevelSummary:
-    """One arm at one level: the arm_summary view's figures and the level's /metrics acceptance."""
+    """One arm at one level: the arm_summary view's figures, the level's /metrics acceptance, and where
+    its token counts and per-request acceptance came from (``req_acceptance_*``: measured calls only)."""
 
     arm: str
     role: str
@@ -46,6 +48,8 @@ class LevelSummary:
     acceptance_length: float | None
     req_acceptance_rate: float | None
     req_acceptance_length: float | None
+    tokens: TokenCounts = TokenCounts({})
+    spec: SpecCounts = SpecCounts({}, None, None, None, None)
 
 
 def level_summaries(store: SpanStore, run_id: str) -> list[LevelSummary]:
@@ -53,9 +57,12 @@ def level_summaries(store: SpanStore, run_id: str) -> list[LevelSummary]:
     acceptance = {
         (r["arm"], r["level"]): r for r in store.query("SELECT * FROM acceptance WHERE run_id = ?", [run_id])
     }
+    tokens, spec = _sources(store, run_id)
     out = []
     for r in store.query("SELECT * FROM arm_summary WHERE run_id = ?", [run_id]):
         acc = acceptance.get((r["arm"], r["level"]), {})
+        key = (r["arm"], r["level"])
+        measured = spec.get(key, SpecCounts({}, None, None, None, None))
         out.append(
             LevelSummary(
                 arm=r["arm"],
@@ -76,12 +83,98 @@ def level_summaries(store: SpanStore, run_id: str) -> list[LevelSummary]:
                 p95_ttft_s=r["p95_ttft_s"],
                 acceptance_rate=acc.get("acceptance_rate"),
                 acceptance_length=acc.get("acceptance_length"),
-                req_acceptance_rate=r["req_acceptance_rate"],
-                req_acceptance_length=r["req_acceptance_length"],
+                req_acceptance_rate=measured.acceptance_rate,
+                req_acceptance_length=measured.acceptance_length,
+                tokens=tokens.get(key, TokenCounts({})),
+                spec=measured,
             )
         )
     out.sort(key=lambda s: (level_sort_key(s.level), s.role != "baseline", s.arm))
     return out
+
+
+def _sources(
+    store: SpanStore, run_id: str
+) -> tuple[dict[tuple[str, str], TokenCounts], dict[tuple[str, str], SpecCounts]]:
+    """Per arm and level, the ok calls per token source and per speculation source, and the request
+    acceptance sums of the calls whose speculation figures are measured."""
+    rows = store.query(
+        """
+        SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
+               CASE WHEN completion_tokens IS NULL THEN NULL ELSE coalesce(tokens_source, $nr) END AS ts,
+               coalesce(spec_source, 'none') AS ss, count(*) AS n,
+               sum(accepted_tokens) AS accepted, sum(draft_tokens) AS drafted, sum(num_drafts) AS drafts,
+               sum(acceptance_length) AS len_sum, count(acceptance_length) AS len_n
+        FROM requests WHERE run_id = $run AND status = 'ok'
+        GROUP BY ALL
+        """,
+        {"run": run_id, "nr": NOT_RECORDED},
+    )
+    tokens: dict[tuple[str, str], dict[str, int]] = {}
+    spec: dict[tuple[str, str], dict[str, int]] = {}
+    sums: dict[tuple[str, str], list[float | None]] = {}
+    for r in rows:
+        key = (r["arm"], r["level"])
+        if r["ts"] is not None:
+            tokens.setdefault(key, {}).setdefault(r["ts"], 0)
+            tokens[key][r["ts"]] += int(r["n"])
+        spec.setdefault(key, {}).setdefault(r["ss"], 0)
+        spec[key][r["ss"]] += int(r["n"])
+        if r["ss"] in MEASURED_SPEC_SOURCES:
+            acc = sums.setdefault(key, [None, None, None, 0.0, 0.0])
+            for i, name in enumerate(("accepted", "drafted", "drafts", "len_sum", "len_n")):
+                if r[name] is not None:
+                    acc[i] = (acc[i] or 0.0) + float(r[name])
+    out_spec = {}
+    for key, by_source in spec.items():
+        a, d, n, len_sum, len_n = sums.get(key, [None, None, None, 0.0, 0.0])
+        out_spec[key] = SpecCounts(by_source, a, d, n, (len_sum or 0.0) / len_n if len_n else None)
+    return {k: TokenCounts(v) for k, v in tokens.items()}, out_spec
+
+
+@dataclass(frozen=True)
+class FailedArm:
+    """An arm none of whose calls in the run succeeded, and its first failure (by start time)."""
+
+    arm: str
+    calls: int
+    status: str
+    http_status: int | None
+    error: str | None
+
+    def describe(self) -> str:
+        what = self.status + (f" HTTP {self.http_status}" if self.http_status is not None else "")
+        text = (self.error or "").strip()
+        detail = text.splitlines()[0][:300] if text else "no error text (empty body)"
+        return (
+            f"arm {self.arm!r} failed: every call failed ({self.calls} of {self.calls}); "
+            f"first error: {what}: {detail}"
+        )
+
+
+def failed_arms(store: SpanStore, run_id: str) -> list[FailedArm]:
+    """The run's arms without a single ok call, with their first failure."""
+    rows = store.query(
+        """
+        SELECT arm, count(*) AS calls,
+               arg_min([status, CAST(http_status AS VARCHAR), error], coalesce(t_start_ns, epoch_ns(t_start)))
+                   AS first
+        FROM requests WHERE run_id = ?
+        GROUP BY arm HAVING count(*) FILTER (WHERE status = 'ok') = 0
+        ORDER BY arm
+        """,
+        [run_id],
+    )
+    return [
+        FailedArm(
+            r["arm"],
+            int(r["calls"]),
+            r["first"][0],
+            int(r["first"][1]) if r["first"][1] is not None else None,
+            r["first"][2],
+        )
+        for r in rows
+    ]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from specproxy.analysis.evaluation import CategoryRow, LevelRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.provenance import TEXT_ESTIMATE_ERROR
 from specproxy.analysis.stats import Interval
 
 FORMATS = ("table", "markdown", "json", "csv")
@@ -83,7 +84,42 @@ def fmt_load(row: LevelRow) -> str:
     return f"{load.p50:.1f}/{load.baseline_p50:.1f}" + (" unequal" if load.unequal else "")
 
 
+ESTIMATED = "~"  # before a figure built on token counts estimated from the text
+
+
+def fmt_speed(value: float | None, row: LevelRow) -> str:
+    """The arm's own tok/s, marked when its token counts are estimated."""
+    text = fmt_num(value, 1)
+    return ESTIMATED + text if row.own_tokens_estimated and text != DASH else text
+
+
+def fmt_speedup(iv: Interval | None, row: LevelRow) -> str:
+    text = fmt_interval(iv)
+    return ESTIMATED + text if row.tokens_estimated and text != DASH else text
+
+
+def fmt_req_acceptance(row: LevelRow) -> str:
+    """The per-request acceptance length, "est" when estimated from the stream shape, "not measured"
+    when the arm's calls carried no measured figure."""
+    if row.req_acceptance_length is None:
+        return f"{DASH} not measured" if row.req_acceptance_not_measured else DASH
+    text = f"{row.req_acceptance_length:.2f}"
+    return text + " est" if "estimated" in row.req_acceptance_source else text
+
+
+def fmt_verdict(row: LevelRow) -> str:
+    if row.verdict is None:
+        return "baseline" if row.role == "baseline" else DASH
+    return row.verdict + (" (estimated tokens)" if row.tokens_estimated else "")
+
+
+def per_call_suffix(row: LevelRow) -> str:
+    return " (per call)" if row.throughput_basis == "per call" else ""
+
+
 def decode_suffix(row: LevelRow) -> str:
+    if row.decode_speedup is None:
+        return ""
     if row.unmatched_decode_speedup is not None:
         return " (matched load)"
     return " (unpaired)" if row.paired is False else ""
@@ -94,20 +130,20 @@ def row_cells(row: LevelRow) -> list[str]:
         fmt_level(row.level),
         row.arm,
         f"{row.ok}/{row.calls}",
-        fmt_num(row.agg_tok_s, 1),
-        fmt_num(row.p50_decode_tok_s, 1),
+        fmt_speed(row.agg_tok_s, row),
+        fmt_speed(row.p50_decode_tok_s, row),
         fmt_num(row.p50_ttft_s, 1, 1000.0),
         fmt_num(row.p95_ttft_s, 1, 1000.0),
         fmt_num(row.acceptance_rate, 1, 100.0, "%"),
         fmt_num(row.acceptance_length, 2),
-        fmt_num(row.req_acceptance_length, 2),
+        fmt_req_acceptance(row),
         f"{row.identical}/{row.compared}" if row.compared else DASH,
-        fmt_interval(row.decode_speedup) + decode_suffix(row),
-        fmt_interval(row.throughput_speedup) + (" (per call)" if row.throughput_basis == "per call" else ""),
+        fmt_speedup(row.decode_speedup, row) + decode_suffix(row),
+        fmt_speedup(row.throughput_speedup, row) + per_call_suffix(row),
         fmt_rounds(row),
         fmt_margin(row),
         fmt_load(row),
-        row.verdict or ("baseline" if row.role == "baseline" else DASH),
+        fmt_verdict(row),
     ]
 
 
@@ -145,7 +181,13 @@ def run_title(ev: RunEvaluation) -> str:
     return " · ".join(bits)
 
 
-VERDICT_SHORT = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG", "UNRELIABLE": "UNREL"}
+VERDICT_SHORT = {
+    "WIN": "WIN",
+    "LOSS": "LOSS",
+    "NO CLEAR GAIN": "NCG",
+    "UNRELIABLE": "UNREL",
+    "FAILED": "FAILED",
+}
 
 
 def category_levels(ev: RunEvaluation) -> list[str]:
@@ -183,7 +225,7 @@ def deploy_lines(ev: RunEvaluation) -> list[str]:
 def run_notes(ev: RunEvaluation, settings: Settings, all_reasons: bool = True) -> list[str]:
     """Crossover, identity triage and verdict reasons, one line each (``all_reasons=False``: the
     reasons of WIN rows, which only restate the rule, are left out)."""
-    lines: list[str] = []
+    lines: list[str] = list(ev.failed_arms)
     floor = ev.noise_floor
     floor_text = (
         f"noise floor (baseline vs baseline): {ev.noise_mismatched}/{ev.noise_compared} mismatched "
@@ -229,6 +271,30 @@ def _interval_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
         lines.append(f"margin {fmt_level(level)}: {source}")
     if any(r.drift_note for r in ev.rows):
         lines.append("rounds: * = 1 round: cannot see between-run drift")
+    return lines + _source_notes(ev)
+
+
+def _source_notes(ev: RunEvaluation) -> list[str]:
+    """Where the token counts and acceptance figures came from, where that is not plain measurement."""
+    lines = []
+    if any(r.tokens_estimated for r in ev.rows):
+        lines.append(
+            f"{ESTIMATED} = built on token counts estimated from the text (text_estimate, stated error "
+            f"±{TEXT_ESTIMATE_ERROR:.0%}, which nine outputs in ten stay within): no WIN or LOSS on them. "
+            "usage and tokenizer counts are exact; chunk counts are used only for arms whose chunks "
+            "were seen to hold one token"
+        )
+    if any(r.acceptance_length is not None or r.req_acceptance_source for r in ev.rows):
+        lines.append(
+            "accept rate, accept len: the engines' own /metrics counters; req accept len: the per-request "
+            "figures the engine reported, 'est' where estimated from the stream shape"
+        )
+    for r in ev.rows:
+        where = f"{r.arm} {fmt_level(r.level)}"
+        if r.req_acceptance_source and "estimated" in r.req_acceptance_source:
+            lines.append(f"req accept len {where}: {r.req_acceptance_source}, not reported by the engine")
+        if r.req_acceptance_not_measured:
+            lines.append(f"req accept len {where}: not measured for {r.req_acceptance_not_measured}")
     return lines
 
 
@@ -335,6 +401,12 @@ CSV_FIELDS = (
     "matched_load_share",
     "unmatched_decode_speedup",
     "unmatched_throughput_ratio",
+    "tokens_source",
+    "own_tokens_estimated",
+    "tokens_estimated",
+    "estimate_note",
+    "req_acceptance_source",
+    "req_acceptance_not_measured",
 )
 
 

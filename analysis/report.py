@@ -14,6 +14,7 @@ from typing import Any
 
 from specproxy import __version__
 from specproxy.analysis.evaluation import CategoryRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES
 from specproxy.analysis.render import (
     CATEGORY_TITLE,
     HEADERS,
@@ -30,7 +31,7 @@ from specproxy.analysis.store import SpanStore
 from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
 
 MAX_MISMATCH_ROWS = 100
-VERDICT_CSS = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG", "UNRELIABLE": "UNREL"}
+VERDICT_CSS = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG", "UNRELIABLE": "UNREL", "FAILED": "LOSS"}
 MAX_CDF_LEVELS = 6
 SNIPPET = 40
 
@@ -205,16 +206,18 @@ def _ttft_charts(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) ->
 
 
 def _acceptance_by_category(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) -> str:
+    # only measured figures: the engine's report, or a stream-shape estimate whose conditions held
     rows = store.query(
         """
         SELECT arm, coalesce(category, '(none)') AS category,
                coalesce(1 + sum(accepted_tokens) / nullif(sum(num_drafts), 0), avg(acceptance_length)) AS len,
-               count(*) AS n
+               count(*) AS n, count(*) FILTER (WHERE spec_source = 'stream_shape') AS estimated
         FROM requests
-        WHERE run_id = ? AND status = 'ok' AND (accepted_tokens IS NOT NULL OR acceptance_length IS NOT NULL)
+        WHERE run_id = $run AND status = 'ok' AND list_contains($measured, spec_source)
+          AND (accepted_tokens IS NOT NULL OR acceptance_length IS NOT NULL)
         GROUP BY ALL
     """,
-        [ev.run_id],
+        {"run": ev.run_id, "measured": list(MEASURED_SPEC_SOURCES)},
     )
     rows = [r for r in rows if r["len"] is not None]
     if not rows:
@@ -234,7 +237,10 @@ def _acceptance_by_category(store: SpanStore, ev: RunEvaluation, colors: dict[st
         for arm in arms
     ]
     # arm × category matrix: "3.11 (144)" = mean acceptance length over 144 calls
-    cells = {(r["arm"], r["category"]): f"{r['len']:.2f} ({r['n']})" for r in rows}
+    cells = {
+        (r["arm"], r["category"]): f"{r['len']:.2f} ({r['n']}{', est' if r['estimated'] else ''})"
+        for r in rows
+    }
     table = _table(
         ["arm", *groups],
         [[arm, *(cells.get((arm, g), "—") for g in groups)] for arm in arms],
@@ -243,7 +249,11 @@ def _acceptance_by_category(store: SpanStore, ev: RunEvaluation, colors: dict[st
     chart = bar_chart(
         groups, series, title="Mean acceptance length by category", y_label="tokens per step", reference_y=1.0
     )
-    note = '<p class="muted">Cells: mean acceptance length (calls), from the per-request figures.</p>'
+    note = (
+        '<p class="muted">Cells: mean acceptance length (calls), from the per-request figures the engines '
+        'reported; "est": some were estimated from the stream shape. Calls whose stream-shape estimate '
+        "was unreliable, or whose acceptance is unknown, are left out: not measured.</p>"
+    )
     return f'<div class="charts">{chart}<div>{table}{note}</div></div>'
 
 
@@ -541,7 +551,10 @@ def build_report(
         f"ratio's upper bound is below 1 − margin, or the mismatch rate is surely above "
         f"{1 - t.identity_min:.0%} (Wilson interval); NO CLEAR GAIN otherwise; UNRELIABLE when the "
         f"level failed the measurement's health checks (no verdict, left out of crossovers and deploy "
-        f"verdicts). The margin is {t.min_margin:.0%}, or a replica arm's measured noise floor at that "
+        f"verdicts). A level whose token counts (the arm's or the baseline's) were estimated from the "
+        f"text gets no WIN or LOSS on its speeds (marked ~); FAILED when every call of the arm failed "
+        f"(its first error is listed). The margin is "
+        f"{t.min_margin:.0%}, or a replica arm's measured noise floor at that "
         f"level when larger. The deploy verdict answers at the operating point, with aggregate "
         f"throughput at the peak not lower beyond the margin. Intervals: {settings.confidence:.0%} "
         f"jointly over each arm's levels (Bonferroni), bootstrap ({settings.bootstrap_iterations} "

@@ -38,6 +38,10 @@ class LevelRow:
     ``rounds``: replay rounds measured (None: live traffic); ``blocks``: what the intervals' drift
     term came from; ``confidence``: each interval's own level (simultaneous over the arm's levels);
     ``reliable`` / ``health``: the level's health checks and what failed.
+    ``tokens_source``: where this arm's token counts came from (:mod:`.provenance`);
+    ``tokens_estimated``: this row's speeds (the arm's own, or the baseline's it is compared with) rest
+    on estimated counts, said in ``estimate_note``; ``req_acceptance_source`` says where the per-request
+    acceptance figures came from, ``req_acceptance_not_measured`` which calls had none, and why.
     """
 
     arm: str
@@ -86,6 +90,12 @@ class LevelRow:
     load: LoadFigures | None = None
     unmatched_decode_speedup: Interval | None = None
     unmatched_throughput_speedup: Interval | None = None
+    tokens_source: str = ""
+    own_tokens_estimated: bool = False
+    tokens_estimated: bool = False
+    estimate_note: str = ""
+    req_acceptance_source: str = ""
+    req_acceptance_not_measured: str = ""
 
     @property
     def identical_rate(self) -> float | None:
@@ -118,6 +128,7 @@ class CategoryRow:
     throughput_basis: str = "per call"
     verdict: str | None = None
     reason: str = ""
+    tokens_estimated: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +166,8 @@ class RunEvaluation:
     peak_concurrency: int | None = None
     operating_point: str = ""
     unreliable_levels: list[str] = field(default_factory=list)
+    # arms without a single ok call, one sentence each with the first error (`analyze` exits non-zero)
+    failed_arms: list[str] = field(default_factory=list)
 
     @property
     def noise_floor(self) -> float | None:

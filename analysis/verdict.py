@@ -7,7 +7,9 @@ Per arm and concurrency level, each level judged on its own figures, against a m
 - LOSS: a bound beyond the margin on the losing side: the decode speedup's or the throughput ratio's
   upper bound below 1 − margin, or identity fails;
 - NO CLEAR GAIN otherwise (including when an interval cannot be estimated);
-- UNRELIABLE: the level failed a health check of the measurement (:mod:`.validity`): no verdict.
+- UNRELIABLE: the level failed a health check of the measurement (:mod:`.validity`): no verdict;
+- FAILED: every call of the arm at the level failed: nothing to judge (an arm that failed at every
+  level has the deploy verdict FAILED, with its first error).
 
 The margin is per level and per figure: the larger of ``min_margin`` (3 %) and the noise floor
 measured there by the replica arms (a plain copy of the baseline): the farthest of a replica's interval
@@ -15,6 +17,10 @@ bounds from 1. The rule is symmetric, so an arm identical to the baseline comes 
 unless its intervals leave the margin, which the intervals' confidence makes rare; the intervals are
 simultaneous over an arm's levels (Bonferroni, in :mod:`.evaluation`), so more levels do not mean more
 false WINs or LOSSes.
+
+Token counts estimated from the text (``estimated``: the arm's or the baseline's, :mod:`.provenance`)
+carry an error the intervals do not see: such a level gets no WIN or LOSS from its speeds, only NO
+CLEAR GAIN with the reason; an identity failure is still a LOSS (it does not depend on counts).
 
 Identity fails when Wilson's interval on the mismatch rate lies wholly above ``1 − identity_min``: 2
 mismatches in 149 is no evidence of a rate above 1 %, 9 in 149 is.
@@ -24,7 +30,8 @@ when the arm wins at the operating point, its throughput at the peak is not lowe
 it loses at no level between the two and identity holds; LOSS when it loses at the operating point,
 peak throughput is lower beyond the margin, or identity fails; NO CLEAR GAIN otherwise. A point between
 tested levels is judged at the two levels around it (the less favourable verdict); outside the tested
-range, at the nearest tested level; unreliable levels are never used.
+range, at the nearest tested level; unreliable levels are never used. A level whose token counts are
+estimated gives no WIN there and no LOSS on its throughput.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ WIN = "WIN"
 LOSS = "LOSS"
 NO_CLEAR_GAIN = "NO CLEAR GAIN"
 UNRELIABLE = "UNRELIABLE"
+FAILED = "FAILED"  # every call of the arm (at a level, or in the run) failed: nothing to judge
 _RANK = {LOSS: 0, NO_CLEAR_GAIN: 1, WIN: 2}
 
 
@@ -95,8 +103,14 @@ def level_verdict(
     throughput: Interval | None,
     identity: IdentityCheck,
     margin: Margin,
+    estimated: str = "",
 ) -> tuple[str, str]:
-    """(verdict, reason) for one arm at one level (or one category at one level)."""
+    """(verdict, reason) for one arm at one level (or one category at one level); ``estimated``: why the
+    speeds rest on estimated token counts ("" when they do not)."""
+    if estimated:
+        if identity.fails:
+            return LOSS, identity.text
+        return NO_CLEAR_GAIN, f"{estimated}: no WIN or LOSS on estimated token counts"
     floor_d, floor_t = 1.0 - margin.decode, 1.0 - margin.throughput
     losses: list[str] = []
     if decode is not None and decode.high is not None and decode.high < floor_d:
@@ -197,6 +211,7 @@ class LevelJudgement:
     verdict: str
     throughput: Interval | None
     throughput_margin: float
+    estimated: bool = False
 
 
 @dataclass(frozen=True)
@@ -257,6 +272,8 @@ def deploy_verdict(
     peak_j = _worst_throughput(peak_levels)
     thr = peak_j.throughput
     thr_text = "not estimable" if thr is None or thr.high is None else fmt_ratio(thr)
+    if peak_j.estimated and thr is not None:
+        thr_text += " (estimated token counts)"
     head = (
         f"{per_level}; at the operating point ({at_text}) {at_verdict}; at peak ({peak_text}) throughput "
         f"{thr_text}{assumption}"
@@ -267,6 +284,8 @@ def deploy_verdict(
 
     if identity.fails:
         return verdict(LOSS, f"{identity.text}: do not enable")
+    if peak_j.estimated:
+        thr = None  # an interval on estimated token counts is not evidence either way
     if thr is not None and thr.high is not None and thr.high < 1.0 - peak_j.throughput_margin:
         return verdict(LOSS, "do not enable for peak load (throughput lower beyond the margin)")
     lo, hi = min(at, peak), max(at, peak)
@@ -278,4 +297,8 @@ def deploy_verdict(
         return verdict(NO_CLEAR_GAIN, f"it wins at the operating point but loses at {where}, up to the peak")
     if at_verdict == WIN and thr is not None and thr.high is not None:
         return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")
+    if any(j.estimated for j in at_levels):
+        return verdict(NO_CLEAR_GAIN, "token counts at the operating point are estimated: no WIN or LOSS")
+    if at_verdict == WIN and peak_j.estimated:
+        return verdict(NO_CLEAR_GAIN, "it wins at the operating point; peak throughput is estimated")
     return verdict(NO_CLEAR_GAIN, "no clear gain at the operating point")

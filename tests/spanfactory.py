@@ -30,7 +30,7 @@ from typing import Any
 import duckdb
 
 from specproxy import schema
-from specproxy.record import SpanRecord, Status
+from specproxy.record import SpanRecord, SpecSource, Status, TokensSource
 
 BASE_DECODE_MEDIAN = 80.0
 DECODE_SIGMA = 0.35
@@ -57,6 +57,11 @@ class ArmSpec:
     # acceptance per drafted token and tokens drafted per step, for the /metrics counters
     acceptance_rate: float = 0.6
     k: int = 3
+    # where completion_tokens and the speculation figures came from (None: reported, or "none")
+    tokens_source: TokensSource | None = "usage"
+    spec_source: SpecSource | None = None
+    # every call fails with this HTTP status (an upstream that rejects everything), else 1 % time out
+    http_error: int | None = None
 
     def true_speedup(self, level: int | None) -> float:
         if level is not None and level in self.speedup_by_level:
@@ -155,6 +160,8 @@ def make_run(
                 ttft = _lognormal(rng, 0.05 * (1 + (level or 0) / 8), 0.5)
                 e2e = ttft + (tokens - 1) / decode
                 status: Status = "ok" if rng.random() > 0.01 else "timeout"
+                if arm.http_error is not None:
+                    status = "http_error"
                 same = rng.random() < arm.identical_p
                 comparable = arm is not baseline and paired and status == "ok"
                 drafts = (
@@ -206,7 +213,10 @@ def make_run(
                         draft_tokens=drafts * arm.k if arm.spec_method != "none" else None,
                         accepted_tokens=accepted if arm.spec_method != "none" else None,
                         acceptance_length=(1 + accepted / drafts) if drafts else None,
-                        spec_source="vllm_request_metrics" if arm.spec_method != "none" else "none",
+                        spec_source=arm.spec_source
+                        or ("vllm_request_metrics" if arm.spec_method != "none" else "none"),
+                        tokens_source=arm.tokens_source if status == "ok" else None,
+                        http_status=arm.http_error,
                         identical=(same if comparable else None),
                         first_divergence=None if (same or not comparable) else rng.randint(0, tokens - 1),
                         divergence_margin=(

@@ -190,6 +190,17 @@ def test_verdict_rules(
     assert level_verdict(decode, throughput, _id(identical, compared), margin)[0] == verdict
 
 
+def test_estimated_token_counts_give_no_win_or_loss_but_identity_still_fails() -> None:
+    note = "token counts estimated from the text"
+    win, loss, flat = Interval(2.0, 1.8, 2.2), Interval(0.5, 0.4, 0.6), Interval(1.0, 0.95, 1.05)
+    cases = ((win, flat), (loss, flat), (win, loss))
+    assert [level_verdict(d, t, _id(100, 100), M3)[0] for d, t in cases] == [WIN, LOSS, LOSS]
+    for decode, thr in cases:
+        verdict, reason = level_verdict(decode, thr, _id(100, 100), M3, note)
+        assert verdict == NO_CLEAR_GAIN and reason.startswith(note) and "no WIN or LOSS" in reason
+    assert level_verdict(win, flat, _id(90, 100), M3, note)[0] == LOSS
+
+
 def test_configurable_thresholds() -> None:
     decode, thr = Interval(1.2, 1.1, 1.3), Interval(1.0, 0.95, 1.05)
     assert (
@@ -305,6 +316,28 @@ LOWER = Interval(0.86, 0.8, 0.92)
             100,
             WIN,
             "above the highest tested",
+        ),
+        # estimated token counts: the operating point's level gives no WIN, the peak's throughput no LOSS
+        (
+            [LevelJudgement(1, NO_CLEAR_GAIN, FLAT, 0.03, estimated=True), *_levels((64, WIN, FLAT))],
+            OperatingPoint(1, 64),
+            100,
+            NO_CLEAR_GAIN,
+            "token counts at the operating point are estimated",
+        ),
+        (
+            [*_levels((1, WIN, FLAT)), LevelJudgement(64, NO_CLEAR_GAIN, LOWER, 0.03, estimated=True)],
+            OperatingPoint(1, 64),
+            100,
+            NO_CLEAR_GAIN,
+            "0.86x [0.80, 0.92] (estimated token counts)",
+        ),
+        (
+            [*_levels((1, WIN, FLAT)), LevelJudgement(64, NO_CLEAR_GAIN, LOWER, 0.03, estimated=True)],
+            OperatingPoint(1, 64),
+            90,
+            LOSS,
+            "do not enable",
         ),
     ],
 )

@@ -30,6 +30,7 @@ from typing import Literal, Protocol
 
 from specproxy.config import Arm
 from specproxy.proxy.upstream.sse import CompletionTap
+from specproxy.record import TEXT_ESTIMATE_ERROR as TEXT_ESTIMATE_ERROR
 
 TokensSource = Literal["usage", "tokenizer", "chunks", "text_estimate"]
 
@@ -40,12 +41,6 @@ _PIECES = re.compile(r"'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|\s+
 # fitted on Markdown and Python against SmolLM2's byte-level BPE (49k vocabulary), a typical size.
 _WORD_CHARS_PER_TOKEN = 5
 _PUNCT_CHARS_PER_TOKEN = 3
-
-# The stated error of estimate_tokens: on windows of 150 words of Markdown and Python, measured against
-# SmolLM2's tokenizer by tests/bench/bench_tokens.py, the mean absolute error is 6-9 % and nine windows
-# in ten are within this bound. Other languages, other vocabularies and very short outputs can be off
-# by more: a figure built on an estimated count is not a measurement.
-TEXT_ESTIMATE_ERROR = 0.25
 
 
 class TokenEncoder(Protocol):
