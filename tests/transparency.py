@@ -19,6 +19,36 @@ def plain_dump(dump: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in dump.items() if k not in _VOLATILE}
 
 
+def _join(a: Any, b: Any) -> Any:
+    """Two chunks' fields as one chunk would carry them: text and id lists run on, the rest is b's."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _join(a.get(k), b.get(k)) for k in a.keys() | b.keys()}
+    if isinstance(a, str) and isinstance(b, str):
+        return a + b
+    if isinstance(a, list) and isinstance(b, list):
+        return a + b
+    return a if b is None else b
+
+
+def joined_chunks(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stream with runs of one-choice chunks joined into one chunk.
+
+    Where a stream is cut into chunks depends on when the server's writer woke: it sends what the
+    engine produced meanwhile as one chunk (vLLM does; so does the simulator), and that differs between
+    two calls on a busy machine. Joining every run makes two streams of the same tokens compare equal
+    however they were cut; a usage-only chunk (no choices) stays apart, so where usage appears and
+    what it says is still compared.
+    """
+    out: list[dict[str, Any]] = []
+    for chunk in chunks:
+        prev = out[-1] if out else None
+        if prev is not None and len(prev.get("choices") or ()) == 1 and len(chunk.get("choices") or ()) == 1:
+            out[-1] = _join(prev, chunk)
+        else:
+            out.append(chunk)
+    return out
+
+
 async def sdk_responses(client: openai.AsyncOpenAI, model: str) -> list[Any]:
     """Every client option once, in a fixed order: the model_dump()s of each response or stream."""
     out: list[Any] = []
@@ -39,7 +69,7 @@ async def sdk_responses(client: openai.AsyncOpenAI, model: str) -> list[Any]:
         else:
             resp = await client.completions.create(prompt=PROMPT, **kw)
         if stream:
-            out.append([plain_dump(c.model_dump()) async for c in resp])
+            out.append(joined_chunks([plain_dump(c.model_dump()) async for c in resp]))
         else:
             out.append(plain_dump(resp.model_dump()))
     return out
