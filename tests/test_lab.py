@@ -221,7 +221,7 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
         ).fetchone()  # type: ignore[misc]
     assert compared > 0 and same == compared  # outputs identical
     assert sorted(levels) == [
-        (arm, [1, 4, 16, 64, 256]) for arm in ("baseline", "draft_model", "eagle3", "ngram")
+        (arm, [1, 4, 16, 64, 256]) for arm in ("baseline", "draft_model", "eagle3", "ngram", "replica")
     ]
     lag_line = next(line for line in res.stderr.splitlines() if "clock lag" in line)
     # The n-gram simulator's own search costs it about 10 % at c=256; far beyond that, the machine was

