@@ -236,8 +236,23 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
         assert rows[(level, "eagle3")]["verdict"] == "WIN"
     # n-gram wins on summarization at low concurrency ...
     assert by_category[("ngram", 1, "summarization")]["verdict"] == "WIN"
-    # ... and loses at high concurrency: lower aggregate throughput than the baseline at the peak level
-    assert by_category[("ngram", 256, "summarization")]["verdict"] == "LOSS"
-    assert rows[(256, "ngram")]["throughput_speedup"]["high"] < 1.0
+    # ... and loses at high concurrency: lower aggregate throughput than the baseline. On a 2-core
+    # machine the five simulators can fall behind their clocks at c=256 even at the probed time scale;
+    # that level is then UNRELIABLE (no verdict), and never a WIN.
+    assert by_category[("ngram", 256, "summarization")]["verdict"] in ("LOSS", "UNRELIABLE")
+    if rows[(256, "ngram")]["verdict"] != "UNRELIABLE":
+        assert rows[(256, "ngram")]["throughput_speedup"]["high"] < 1.0
     deploy = {a["arm"]: a["deploy"] for a in doc["arms"] if a["deploy"]}
-    assert deploy["ngram"]["verdict"] == "LOSS" and "do not enable for peak load" in deploy["ngram"]["text"]
+    if rows[(256, "ngram")]["verdict"] != "UNRELIABLE":
+        assert deploy["ngram"]["verdict"] == "LOSS"
+        assert "do not enable for peak load" in deploy["ngram"]["text"]
+    else:
+        # Not measured soundly at c=256: the deploy verdict is judged at the highest reliable level, and
+        # says that it assumed so (n-gram's crossover on this profile lies above c=64, so it may win there).
+        assert deploy["ngram"]["peak_concurrency"] < 256
+        assert "peak = highest reliable level" in deploy["ngram"]["assumed"]
+    # The replica is the baseline again (an A/A arm): it must never be judged different from it.
+    assert deploy["replica"]["verdict"] in ("NO CLEAR GAIN", "UNRELIABLE")
+    assert all(
+        r["verdict"] in ("NO CLEAR GAIN", "UNRELIABLE") for (_, arm), r in rows.items() if arm == "replica"
+    )
