@@ -19,13 +19,19 @@ def plain_dump(dump: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in dump.items() if k not in _VOLATILE}
 
 
-def _join(a: Any, b: Any) -> Any:
-    """Two chunks' fields as one chunk would carry them: text and id lists run on, the rest is b's."""
+# The fields that carry a stream's output piece by piece: joined chunks carry them run together.
+_RUNNING_FIELDS = frozenset({"content", "text", "reasoning_content", "token_ids"})
+
+
+def _join(a: Any, b: Any, key: str = "") -> Any:
+    """Two chunks' fields as one chunk would carry them: output text and ids run on, the rest is b's."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return {k: _join(a.get(k), b.get(k)) for k in a.keys() | b.keys()}
-    if isinstance(a, str) and isinstance(b, str):
+        return {k: _join(a.get(k), b.get(k), k) for k in a.keys() | b.keys()}
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 1 and isinstance(a[0], dict):
+        return [_join(a[0], b[0])]  # the one choice of each chunk
+    if key in _RUNNING_FIELDS and isinstance(a, str) and isinstance(b, str):
         return a + b
-    if isinstance(a, list) and isinstance(b, list):
+    if key in _RUNNING_FIELDS and isinstance(a, list) and isinstance(b, list):
         return a + b
     return a if b is None else b
 
