@@ -115,6 +115,15 @@ class SpanRecord:
     engine_running: float | None = None  # the arm's running-requests gauge at call start (last scrape)
     engine_waiting: float | None = None  # the arm's waiting-requests gauge at call start (last scrape)
     notes: str | None = None  # what had to change to store the record (a value out of range, bad UTF-8)
+    # added in schema 9: the latency a user feels, per call (streamed calls; None where not measured)
+    tpot_s: float | None = None  # vLLM's TPOT: (e2e - ttft) / (completion_tokens - 1)
+    itl_p50_s: float | None = None  # inter-token latency: gaps between content chunks' arrivals
+    itl_p95_s: float | None = None
+    itl_p99_s: float | None = None
+    itl_max_s: float | None = None  # the longest stall after the first token
+    chunk_gaps_us: str | None = None  # each gap between content chunks, in microseconds, comma-separated
+    chunk_tokens: str | None = None  # tokens in each content chunk, comma-separated, where known
+    offered_rate: float | None = None  # an open-loop level's offered load (requests/s); None otherwise
 
     def as_row(self) -> tuple[Any, ...]:
         """Values in :data:`COLUMNS` order, for DuckDB inserts."""

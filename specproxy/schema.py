@@ -411,6 +411,17 @@ MIGRATIONS: list[list[str]] = [
     # 8: pairs matches calls within a replay round, shows round and start_s; role 'replica' is a replica;
     # acceptance sums a level's rounds (each round its own before/after window, 'c=16 r2/3')
     VIEWS_DDL,
+    # 9: per-call TPOT and inter-token latency, chunk gaps and sizes; an open-loop level's offered rate
+    [
+        "ALTER TABLE requests ADD COLUMN tpot_s DOUBLE",
+        "ALTER TABLE requests ADD COLUMN itl_p50_s DOUBLE",
+        "ALTER TABLE requests ADD COLUMN itl_p95_s DOUBLE",
+        "ALTER TABLE requests ADD COLUMN itl_p99_s DOUBLE",
+        "ALTER TABLE requests ADD COLUMN itl_max_s DOUBLE",
+        "ALTER TABLE requests ADD COLUMN chunk_gaps_us VARCHAR",
+        "ALTER TABLE requests ADD COLUMN chunk_tokens VARCHAR",
+        "ALTER TABLE requests ADD COLUMN offered_rate DOUBLE",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
