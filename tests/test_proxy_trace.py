@@ -14,7 +14,7 @@ from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.upstream.calls import upstream_request_id
 from tests.backends import BackendConfig, running_backend
-from tests.proxies import running_proxy, spans
+from tests.proxies import running_proxy, spans, two_arm_proxy
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
@@ -24,12 +24,7 @@ BODY: Any = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tem
 async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_traceparent(tmp_path: Path) -> None:
     cfg = BackendConfig(tokens=4)
     async with (
-        running_backend(cfg) as base,
-        running_backend(cfg) as cand,
-        running_proxy(
-            tmp_path,
-            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
-        ) as p,
+        two_arm_proxy(tmp_path, cfg) as (p, base, cand),
     ):
         assert p.state.sink is not None
         seen = InMemorySpanExporter()
@@ -83,12 +78,7 @@ async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_tracepar
 async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_path: Path) -> None:
     cfg = BackendConfig(tokens=3)
     async with (
-        running_backend(cfg) as base,
-        running_backend(cfg) as cand,
-        running_proxy(
-            tmp_path,
-            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
-        ) as p,
+        two_arm_proxy(tmp_path, cfg) as (p, base, cand),
         aiohttp.ClientSession() as s,
     ):
         hdr = "X-Specproxy-Concurrency-Level"
