@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from specproxy.cli import main
-from tests.support import free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
+from tests.support import backend_process, free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,31 +33,8 @@ def run_in_process(*args: str) -> Result:
 @pytest.fixture
 def backend_url() -> Iterator[str]:
     """A vLLM-shaped test backend in its own process (8 tokens, 5 ms apart)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.backends",
-            "--port",
-            str(port),
-            "--ttft-ms",
-            "2",
-            "--itl-ms",
-            "5",
-            "--tokens",
-            "8",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=None)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with backend_process("--ttft-ms", "2", "--itl-ms", "5", "--tokens", "8") as url:
+        yield url
 
 
 def write_custom(path: Path, n: int, bad_line: int | None = None) -> Path:
