@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from specproxy.analysis.levels import LEVEL_SQL
 from specproxy.analysis.store import SpanStore
 
 DEFAULT_THRESHOLDS: dict[str, float] = {
@@ -71,8 +72,8 @@ class LevelHealth:
 def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
     """Per level ('1', '8', ..., 'live'): its checks and failures. Levels without rows are absent."""
     rows = store.query(
-        """
-        SELECT coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level, arm, round, check_name,
+        f"""
+        SELECT {LEVEL_SQL} AS level, arm, round, check_name,
                value, threshold
         FROM health WHERE run_id = ? AND value IS NOT NULL
         """,

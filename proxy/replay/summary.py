@@ -7,6 +7,7 @@ from rich.console import Console
 from specproxy.proxy.replay.formats import ItemSet
 from specproxy.proxy.replay.health import over_threshold
 from specproxy.proxy.replay.runner import ReplayResult
+from specproxy.schema import rate_label
 
 
 def print_summary(result: ReplayResult, items: ItemSet | None, console: Console) -> None:
@@ -22,7 +23,10 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
     if result.lag_p99_s is not None:
         console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms", highlight=False)
     for row in over_threshold(result.health):
-        level = f"c={row.concurrency_level}" if row.concurrency_level is not None else "the open loop"
+        if row.concurrency_level is not None:
+            level = f"c={row.concurrency_level}"
+        else:
+            level = rate_label(row.offered_rate) if row.offered_rate is not None else "the open loop"
         who = f" ({row.arm})" if row.arm else ""
         console.print(
             f"[yellow]health: {level} round {row.round}: {row.check_name}{who} = {row.value:.3g}, over "
