@@ -78,15 +78,23 @@ def parse_rates(text: str) -> tuple[float, ...]:
 
 
 class RequestRates(click.ParamType):  # type: ignore[type-arg]
-    """``1,2,4.5`` on the command line → ``(1.0, 2.0, 4.5)`` requests/s."""
+    """``1,2,4.5`` on the command line → ``(1.0, 2.0, 4.5)`` requests/s; with ``auto=True`` also the
+    word ``auto`` → ``()`` (the command picks the rates)."""
 
     name = "LIST"
+
+    def __init__(self, *, auto: bool = False) -> None:
+        self.auto = auto
+        if auto:
+            self.name = "LIST|auto"
 
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
     ) -> tuple[float, ...]:
         if isinstance(value, tuple):
             return value
+        if self.auto and str(value).strip().lower() == "auto":
+            return ()
         try:
             return parse_rates(str(value))
         except ValueError as exc:

@@ -98,6 +98,8 @@ class LoadPlan:
     warmup: int | None = None
     # Closed loop: how many items each round of a level sends (cycling the list); None = every item once.
     items_per_level: Callable[[int], int] | None = None
+    # Rates: how many arrivals each round of a rate level sends (cycling the list), instead of a duration.
+    items_per_rate: Callable[[float], int] | None = None
     # Each level (or the open loop) is measured this many times, the arms' order rotated each round.
     rounds: int = 1
 
@@ -547,9 +549,12 @@ class ReplayRunner:
                 await self._phase(phase, calls, drive)
 
     def _rate_schedule(self, rate: float) -> tuple[list[ReplayItem], list[float]]:
-        """A rate level's items and Poisson offsets: arrivals for the plan's duration (cycling the
-        items), else one per item. The same seed at every rate: the levels' gaps are one pattern scaled."""
+        """A rate level's items and Poisson offsets: ``items_per_rate`` arrivals, else arrivals for the
+        plan's duration (both cycling the items), else one per item. The same seed at every rate: the levels' gaps are one pattern scaled."""
         plan = self.s.load
+        if plan.items_per_rate is not None:
+            n = plan.items_per_rate(rate)
+            return [self.items[i % len(self.items)] for i in range(n)], poisson_offsets(n, rate, self.s.seed)
         if plan.duration_s is None:
             return self.items, poisson_offsets(len(self.items), rate, self.s.seed)
         # Enough arrivals to pass the duration with near certainty (mean + 6 standard deviations).
