@@ -368,7 +368,7 @@ class ReplayRunner:
                 timeout=self.s.timeout,
                 capture_output=self.s.capture_output,
                 state=self.state,
-                headers=level_header(call.concurrency_level),
+                headers=level_header(call.concurrency_level, call.offered_rate),
             )
         except asyncio.CancelledError:
             # Stopped by the user mid-call: keep the span (status client_cancelled), never the output.
@@ -550,7 +550,8 @@ class ReplayRunner:
 
     def _rate_schedule(self, rate: float) -> tuple[list[ReplayItem], list[float]]:
         """A rate level's items and Poisson offsets: ``items_per_rate`` arrivals, else arrivals for the
-        plan's duration (both cycling the items), else one per item. The same seed at every rate: the levels' gaps are one pattern scaled."""
+        plan's duration (both cycling the items), else one per item. The same seed at every rate: the
+        levels' gaps are one pattern scaled."""
         plan = self.s.load
         if plan.items_per_rate is not None:
             n = plan.items_per_rate(rate)
