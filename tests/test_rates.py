@@ -93,6 +93,7 @@ def test_rate_sweep_in_rounds_then_analysed_at_a_rate(tmp_path: Path, sim_arms: 
     )
     assert res.returncode == 0, res.stderr
     assert "open-loop start lag p99" in res.stderr
+    assert re.search(r"^  r=10 +achieved [0-9.]+ req/s at the slowest round", res.stderr, re.M), res.stderr
     # every item once per rate level and round to each arm; an open-loop level has no concurrency
     spans = rows(
         db,
