@@ -686,6 +686,15 @@ def _operating_point(settings: Settings, info: dict[str, Any], unit: str) -> tup
         f"operating point {load_name(at, unit)} ({at_from})" if at else "operating point: not given",
         f"peak {load_name(peak, unit)} ({peak_from})" if peak else "peak: not given",
     ]
+    other = (
+        (settings.at_concurrency, settings.peak_concurrency)
+        if unit == "r"
+        else (settings.at_rate, settings.peak_rate)
+    )
+    if any(v is not None for v in other):
+        given = "--at-concurrency/--peak-concurrency" if unit == "r" else "--at-rate/--peak-rate"
+        swept = "request rates" if unit == "r" else "concurrency levels"
+        parts.append(f"{given} ignored: this run's levels are {swept}")
     return OperatingPoint(at, peak, unit), "; ".join(parts)
 
 

@@ -465,6 +465,7 @@ def _sweep_sentence(plan: LabPlan, rates: tuple[float, ...] | None) -> str:
 @click.option(
     "--rates",
     type=RequestRates(auto=True),
+    metavar="LIST|auto",
     help="Open loop instead: a sweep of Poisson request rates (req/s), e.g. 1,2,4,8; auto: shares of "
     "the baseline's capacity estimated from the simulators' speed.",
 )
@@ -559,7 +560,7 @@ def lab(
     no_progress: bool,
 ) -> None:
     """The whole evaluation in one command: four speculative configs and a replica of the baseline, a
-    concurrency sweep in rounds, a verdict.
+    concurrency (or request-rate) sweep in rounds, a verdict.
 
     \b
     Examples:

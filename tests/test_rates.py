@@ -171,6 +171,12 @@ def test_analysis_names_rate_levels_and_gates_them(tmp_path: Path) -> None:
     eagle3 = next(a for a in doc["arms"] if a["arm"] == "eagle3")
     assert eagle3["crossover_text"] == "WIN at every tested level (up to r=2)"
     assert eagle3["deploy"]["verdict"] == "WIN" and eagle3["deploy"]["peak_rate"] == 2.0
+    # a concurrency operating point does not apply to a sweep of rates, and the run says so
+    other = json.loads(analyze_text([db], fmt="json", settings=Settings(at_concurrency=4)))["runs"][0]
+    assert other["operating_point"].endswith(
+        "--at-concurrency/--peak-concurrency ignored: this run's levels are request rates"
+    )
+    assert other["at_concurrency"] is None and other["at_rate"] is None
     # the table and the acceptance view name the level the same way
     table = analyze_text([db], fmt="table")
     assert re.search(r"^r=0\.5\s+eagle3\s", table, re.M) and "peak: not given" in table
