@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import duckdb
 import pytest
 from click.testing import CliRunner
@@ -18,9 +19,14 @@ from click.testing import CliRunner
 from specproxy.analysis import analyze_text
 from specproxy.analysis.rows import Settings
 from specproxy.cli import main
+from specproxy.config import Arm
 from specproxy.lab import QUICK, default_rates, estimated_capacity
+from specproxy.proxy.replay.formats import ReplayItem
+from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.replay.workload import mixed_workload
 from specproxy.schema import level_sql, rate_label
+from tests.backends import BackendConfig, running_backend
+from tests.proxies import running_proxy, spans
 from tests.spanfactory import ArmSpec, health_row, make_run, write_db
 from tests.support import free_port, wait_http
 
@@ -278,3 +284,31 @@ def test_small_lab_sweeps_rates(tmp_path: Path) -> None:
     config = json.loads(rows(db, "SELECT config_json FROM runs")[0][0])
     assert config["at_rate"] == 2.0 and config["at_concurrency"] is None
     assert (out / "report.html").read_text(encoding="utf-8").count("offered rate (req/s)") >= 2
+
+
+async def test_a_rate_sweep_through_the_proxy_labels_its_spans_with_each_rate(tmp_path: Path) -> None:
+    async with (
+        running_backend(BackendConfig(tokens=3)) as base,
+        running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": base.url}]) as p,
+        aiohttp.ClientSession() as session,
+    ):
+        items = [
+            ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"q {i}"}]})
+            for i in range(4)
+        ]
+        settings = ReplaySettings(
+            arms=(Arm(name="target", url=p.url, role="baseline"),),
+            db_path=tmp_path / "replay.duckdb",
+            show_progress=False,
+            load=LoadPlan(kind="rate", rates=(100.0, 50.0), warmup=0),
+        )
+        result = await run_replay(settings, items)
+        assert result.per_arm["target"].ok == 8
+        header = "X-Specproxy-Offered-Rate"
+        for bad in ("fast", "0", "-2", "nan", "inf"):
+            body = {"messages": [{"role": "user", "content": "x"}]}
+            async with session.post(p.url + "/v1/chat/completions", json=body, headers={header: bad}) as r:
+                assert r.status == 400 and header in (await r.json())["error"]["message"], bad
+        assert all(header not in h for h in base.stats.headers)  # the proxy's own, never passed on
+    labelled = sorted((r["offered_rate"], r["concurrency_level"]) for r in spans(p.db))
+    assert labelled == [(50.0, None)] * 4 + [(100.0, None)] * 4
