@@ -648,6 +648,13 @@ def lab(
             f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
             highlight=False,
         )
+        if rates is not None:
+            # An open loop's load is relative to the engine's speed: a slower clock serves fewer req/s.
+            console.print(
+                f"note: a rate level r=R loaded the simulators as R / {plan.time_scale:g} req/s would on "
+                f"the {profile} clock",
+                highlight=False,
+            )
     print_clock_lag(clock_lag_by_level(result.health), console)
     report = analysis_outputs(db_path, out, result.run_id, console)
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)

@@ -274,6 +274,10 @@ def test_small_lab_sweeps_rates(tmp_path: Path) -> None:
     ]
     assert re.search(r"simulator clock lag by level .*: r=2 [0-9.]+% \(\w+\), r=4 [0-9.]+%", res.stderr)
     assert "operating point r=2 (experiment file)" in res.stdout
+    assert (
+        "a rate level r=R loaded the simulators as R / 2 req/s would on the h100-llama3.1-8b clock"
+        in res.stderr
+    )
     db = out / "specproxy.duckdb"
     # 4 s of arrivals a round (quick): 8 at r=2, 16 at r=4; never fewer than 2 (4 items over 2 rounds)
     counts = rows(
