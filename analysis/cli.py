@@ -54,6 +54,20 @@ def settings_options(func: F) -> F:
             "file's peak_concurrency, else the highest reliable level, said so).",
         ),
         click.option(
+            "--at-rate",
+            type=FiniteFloat(min=0, min_open=True),
+            metavar="R",
+            help="For a sweep of request rates (replay --rates): the rate you run at, in requests/s "
+            "(default: the experiment file's at_rate, else the lowest reliable rate, said so).",
+        ),
+        click.option(
+            "--peak-rate",
+            type=FiniteFloat(min=0, min_open=True),
+            metavar="R",
+            help="For a sweep of request rates: your peak, in requests/s (default: the experiment "
+            "file's peak_rate, else the highest reliable rate, said so).",
+        ),
+        click.option(
             "--margin",
             type=FiniteFloat(0, 100),
             default=3.0,
@@ -112,6 +126,8 @@ def _settings(kw: dict[str, Any]) -> Settings:
         bootstrap_seed=kw["bootstrap_seed"],
         at_concurrency=kw["at_concurrency"],
         peak_concurrency=kw["peak_concurrency"],
+        at_rate=kw["at_rate"],
+        peak_rate=kw["peak_rate"],
     )
 
 
@@ -127,8 +143,9 @@ def _settings(kw: dict[str, Any]) -> Settings:
 )
 @settings_options
 def analyze(dbs: tuple[str, ...], fmt: str, **kw: Any) -> None:
-    """The verdict table: per run, arm and concurrency level; then by workload category, and each
-    arm's deploy verdict at your operating point (aggregate throughput at your peak not lower).
+    """The verdict table: per run, arm and level (a concurrency, or a request rate); then by workload
+    category, and each arm's deploy verdict at your operating point (aggregate throughput at your peak
+    not lower).
     Exits 1 when an arm's every call failed (its first error is printed).
 
     DB files default to specproxy.duckdb; each file's worker siblings (specproxy.w0.duckdb, ...) are

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from specproxy.analysis.evaluation import CategoryRow, LevelRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.levels import level_name
 from specproxy.analysis.provenance import TEXT_ESTIMATE_ERROR
 from specproxy.analysis.stats import Interval
 
@@ -59,7 +60,7 @@ def fmt_interval(iv: Interval | None) -> str:
 
 
 def fmt_level(level: str) -> str:
-    return f"c={level}" if level.isdigit() else level
+    return level_name(level)
 
 
 def fmt_margin(row: LevelRow) -> str:
@@ -353,6 +354,7 @@ CSV_FIELDS = (
     "run_name",
     "level",
     "concurrency_level",
+    "offered_rate",
     "arm",
     "category",
     "role",

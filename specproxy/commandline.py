@@ -59,6 +59,48 @@ class ConcurrencyLevels(click.ParamType):  # type: ignore[type-arg]
             self.fail(str(exc), param, ctx)
 
 
+def parse_rates(text: str) -> tuple[float, ...]:
+    """``"1,2,4,8"`` → (1.0, 2.0, 4.0, 8.0) requests/s; ValueError with a sentence otherwise."""
+    parts = [x for x in text.replace(" ", "").split(",") if x]
+    try:
+        rates = tuple(float(x) for x in parts)
+    except ValueError:
+        raise ValueError(
+            f"rates must be a comma-separated list of numbers (requests/s), got {text!r}"
+        ) from None
+    if not rates or any(not math.isfinite(r) or r <= 0 for r in rates):
+        raise ValueError(f"rates must be finite numbers > 0 (requests/s), got {text!r}")
+    if len(set(rates)) < len(rates):
+        raise ValueError(
+            f"each rate once: a level is measured in --rounds, not by repeating it; got {text!r}"
+        )
+    return rates
+
+
+class RequestRates(click.ParamType):  # type: ignore[type-arg]
+    """``1,2,4.5`` on the command line → ``(1.0, 2.0, 4.5)`` requests/s; with ``auto=True`` also the
+    word ``auto`` → ``()`` (the command picks the rates)."""
+
+    name = "LIST"
+
+    def __init__(self, *, auto: bool = False) -> None:
+        self.auto = auto
+        if auto:
+            self.name = "LIST|auto"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[float, ...]:
+        if isinstance(value, tuple):
+            return value
+        if self.auto and str(value).strip().lower() == "auto":
+            return ()
+        try:
+            return parse_rates(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 class FiniteFloat(click.FloatRange):
     """A float option in an optional range that must also be a finite number.
 

@@ -1,7 +1,7 @@
 """The experiment file: TOML in, typed frozen config out.
 
     [experiment]            name, mode (shadow | split), db, model, the operating point
-                            (at_concurrency, peak_concurrency) and proxy settings
+                            (at_concurrency, peak_concurrency, at_rate, peak_rate) and proxy settings
     [[arms]]                one per backend, each with a role:
                               "baseline"   exactly one: the configuration candidates are measured against
                               "candidate"  (the default) a configuration under test
@@ -146,6 +146,9 @@ class Experiment:
     # answered at these levels; None: the analysis says what it assumed.
     at_concurrency: int | None = None
     peak_concurrency: int | None = None
+    # The same for a sweep of request rates (replay --rates), in requests/s.
+    at_rate: float | None = None
+    peak_rate: float | None = None
 
     @property
     def baseline(self) -> Arm:
@@ -425,6 +428,11 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
             "must be ≥ at_concurrency (the peak is the busiest you run): "
             f"{peak_concurrency} < {at_concurrency}",
         )
+    at_rate, peak_rate = positive("at_rate", None), positive("peak_rate", None)
+    if at_rate is not None and peak_rate is not None and peak_rate < at_rate:
+        raise r.fail(
+            "peak_rate", f"must be ≥ at_rate (the peak is the busiest you run): {peak_rate} < {at_rate}"
+        )
 
     exp = Experiment(
         name=name,
@@ -450,6 +458,8 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
         tokenizer=tokenizer,
         at_concurrency=at_concurrency,
         peak_concurrency=peak_concurrency,
+        at_rate=float(at_rate) if at_rate is not None else None,
+        peak_rate=float(peak_rate) if peak_rate is not None else None,
     )
     r.check_unknown(r.used)
     return exp

@@ -11,6 +11,14 @@ Four checks, each one row of table ``health`` per level and round (``arm`` set o
                              ``LoopLagSampler.interval_s`` at a time)
     proxy_queue_p99_s        from the load generator handing a call over to its upstream request being sent
 
+An open-loop (rate) level adds two rows, ``offered_rate`` set on every row of the level:
+
+    open_loop_achieved_rate   the calls per second that actually left (over all arms' schedules, the
+                              slowest); shown, never gates: Poisson arrivals over a few calls differ
+                              from the nominal rate by chance
+    open_loop_rate_shortfall  1 − achieved / scheduled rate over the same calls: how far the sends fell
+                              behind the schedule as a whole (a generator that keeps up has ~0)
+
 ``threshold`` is the limit applied (:data:`THRESHOLDS`); above it the level's figures are stretched by the
 machine rather than by the arms, and the analysis does not trust them.
 
@@ -41,6 +49,8 @@ ENGINE_CLOCK_LAG = "engine_clock_lag"
 LOADGEN_START_LAG = "loadgen_start_lag_p99_s"
 EVENT_LOOP_LAG = "event_loop_lag_p99_s"
 PROXY_QUEUE = "proxy_queue_p99_s"
+ACHIEVED_RATE = "open_loop_achieved_rate"
+RATE_SHORTFALL = "open_loop_rate_shortfall"
 
 # Engine clock lag is a fraction of busy time: 2 % stretches every time and rate by up to 2 %, the size of
 # the smallest effect worth reporting. The client-side limits are in seconds: 50 ms late is several
@@ -50,6 +60,8 @@ THRESHOLDS: Mapping[str, float] = {
     LOADGEN_START_LAG: 0.05,
     EVENT_LOOP_LAG: 0.05,
     PROXY_QUEUE: 0.05,
+    # An open loop that sent 5 % slower than its schedule measured a lower load than it reports.
+    RATE_SHORTFALL: 0.05,
 }
 
 
@@ -138,13 +150,17 @@ def health_rows(
     loop_lags_s: Sequence[float],
     queue_s: Sequence[float],
     measured_at: datetime | None = None,
+    *,
+    offered_rate: float | None = None,
+    rates: Sequence[tuple[float | None, float | None]] = (),
 ) -> list[HealthRow]:
     """The ``health`` rows of one level-round: one per simulator, then the three client-side checks
-    (left out when nothing was measured, e.g. no call was sent)."""
+    (left out when nothing was measured, e.g. no call was sent). An open-loop level (``offered_rate``)
+    adds its achieved rate and shortfall from ``rates``: (achieved, scheduled) per schedule driven."""
     at = measured_at or datetime.now(UTC)
 
     def row(arm: str | None, check: str, value: float | None) -> HealthRow:
-        return HealthRow(run_id, arm, level, round_, check, value, THRESHOLDS[check], at)
+        return HealthRow(run_id, arm, level, round_, check, value, THRESHOLDS.get(check), at, offered_rate)
 
     rows = [row(arm, ENGINE_CLOCK_LAG, lag) for arm, lag in sorted(engine_lag.items())]
     for check, values in (
@@ -155,6 +171,11 @@ def health_rows(
         value = p99(values)
         if value is not None:
             rows.append(row(None, check, value))
+    measured = [(a, s) for a, s in rates if a is not None and s is not None]
+    if offered_rate is not None and measured:
+        achieved, scheduled = min(measured, key=lambda m: m[0] / m[1])
+        rows.append(row(None, ACHIEVED_RATE, achieved))
+        rows.append(row(None, RATE_SHORTFALL, max(0.0, 1.0 - achieved / scheduled)))
     return rows
 
 

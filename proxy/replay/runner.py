@@ -2,20 +2,23 @@
 
 Replay calls every arm through :func:`~specproxy.proxy.upstream.calls.call_arm`, the function the proxy
 uses, so a replayed call's span is measured exactly like a live one; it then adds what only replay
-knows (``source = replay``, ``routed_as``, ``concurrency_level``, ``category``) and, in paired mode,
-greedy identity against the baseline's output of the same ``request_id``.
+knows (``source = replay``, ``routed_as``, ``concurrency_level`` or ``offered_rate``, ``category``)
+and, in paired mode, greedy identity against the baseline's output of the same ``request_id``.
 
     paired   every item goes to every arm at the same time, each arm with its own concurrency
              slots; spans share request_id across arms (routed_as = "replay")
     split    each item goes to one arm, chosen by weight with a seeded draw (routed_as = "split")
 
-Load (:class:`LoadPlan`): a closed-loop sweep over concurrency levels, an open-loop Poisson rate, or
-the recorded timestamps with a speed-up. Each level (or the open loop) is measured in ``rounds``
-rounds, each a labelled phase (``c=16 r2/3``): a /metrics scrape and a reading of the simulators'
-clocks, the measured calls, the same again. A closed-loop level starts with a short unrecorded
-warm-up. Every call's span carries its round; from one round to the next the arms' order is rotated
-(in paired mode, the order in which each item's copies go out) and the items are shuffled with the
-seed, so that a slow moment of the machine does not always fall on the same arm or the same items.
+Load (:class:`LoadPlan`): a closed-loop sweep over concurrency levels, an open-loop sweep over
+Poisson rates, or the recorded timestamps with a speed-up. Each level (or the timed loop) is measured
+in ``rounds`` rounds, each a labelled phase (``c=16 r2/3``, ``r=4 r2/3``): a /metrics scrape and a
+reading of the simulators' clocks, the measured calls, the same again. A level starts with a short
+unrecorded warm-up. A rate level's calls carry ``offered_rate`` (requests/s) and no
+``concurrency_level``; with a duration it sends Poisson arrivals for that long (cycling the items),
+else each item once, on the same arrival schedule in every round. Every call's span carries its
+round; from one round to the next the arms' order is rotated (in paired mode, the order in which each
+item's copies go out) and the items are shuffled with the seed, so that a slow moment of the machine
+does not always fall on the same arm or the same items.
 Each round also records the measurement's health (:mod:`.health`) in table ``health``. Before
 anything runs, every arm's ``/v1/models`` is asked for its served model (an unreachable arm fails
 the run, naming its URL) and ``/version`` with it; both land in the run's ``stacks_json``.
@@ -63,6 +66,7 @@ from specproxy.proxy.upstream.scrape import MetricsScraper
 from specproxy.proxy.upstream.stacks import arm_stacks
 from specproxy.proxy.upstream.wire import UpstreamClient
 from specproxy.record import RoutedAs, SpanRecord
+from specproxy.schema import rate_label
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
@@ -79,18 +83,23 @@ class ReplayError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
-    """How items are sent. ``kind``: closed (a sweep over ``levels``), rate (Poisson) or timed."""
+    """How items are sent. ``kind``: closed (a sweep over ``levels``), rate (a sweep over Poisson
+    ``rates``, requests/s) or timed."""
 
     kind: Literal["closed", "rate", "timed"] = "closed"
     levels: tuple[int, ...] = (1, 4, 16, 64)
-    rate_per_s: float | None = None
+    rates: tuple[float, ...] = ()
     speedup: float = 1.0
-    # Closed loop: per level; rate/timed: the whole run. None: until the items run out.
+    # Closed loop and rates: per level (a rate level sends arrivals for that long, cycling the items);
+    # timed: the whole run. None: until the items run out.
     duration_s: float | None = None
-    # Closed loop: calls per arm before each level that are not recorded; None = one per slot.
+    # Calls per arm before each level that are not recorded; None = one per slot (closed loop), one
+    # (rates).
     warmup: int | None = None
     # Closed loop: how many items each round of a level sends (cycling the list); None = every item once.
     items_per_level: Callable[[int], int] | None = None
+    # Rates: how many arrivals each round of a rate level sends (cycling the list), instead of a duration.
+    items_per_rate: Callable[[float], int] | None = None
     # Each level (or the open loop) is measured this many times, the arms' order rotated each round.
     rounds: int = 1
 
@@ -218,15 +227,18 @@ class _Call:
     body: dict[str, Any]
     concurrency_level: int | None
     round: int
+    offered_rate: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Phase:
-    """One measured round of one level (``level`` None for an open loop)."""
+    """One measured round of one level (``level`` None for an open loop, ``offered_rate`` set for a
+    rate level)."""
 
     label: str
     level: int | None
     round: int
+    offered_rate: float | None = None
 
 
 def phase_label(base: str, round_: int, rounds: int) -> str:
@@ -306,6 +318,7 @@ class ReplayRunner:
                 self._body(it, warmup=False),
                 phase.level,
                 phase.round,
+                phase.offered_rate,
             )
             for i, it in enumerate(items)
         ]
@@ -314,7 +327,8 @@ class ReplayRunner:
         """The items in the order of this round: as given in the first, shuffled with the seed after."""
         ordered = list(items)
         if phase.round > 1:
-            random.Random(f"{self.s.seed}:{phase.level}:{phase.round}").shuffle(ordered)
+            level = phase.level if phase.offered_rate is None else rate_label(phase.offered_rate)
+            random.Random(f"{self.s.seed}:{level}:{phase.round}").shuffle(ordered)
         return ordered
 
     def _for_arm(self, arm: Arm, body: dict[str, Any]) -> dict[str, Any]:
@@ -343,6 +357,7 @@ class ReplayRunner:
             engine_load=self.scraper.engine_load.get(arm.name),
         )
         record.round = call.round
+        record.offered_rate = call.offered_rate
         try:
             result = await call_arm(
                 self.client,
@@ -353,7 +368,7 @@ class ReplayRunner:
                 timeout=self.s.timeout,
                 capture_output=self.s.capture_output,
                 state=self.state,
-                headers=level_header(call.concurrency_level),
+                headers=level_header(call.concurrency_level, call.offered_rate),
             )
         except asyncio.CancelledError:
             # Stopped by the user mid-call: keep the span (status client_cancelled), never the output.
@@ -481,7 +496,15 @@ class ReplayRunner:
     ) -> None:
         start_lags = [lag for st in stats for lag in st.lag_s]
         rows = health_rows(
-            self.run_id, phase.level, phase.round, engine_lag, start_lags, loop_lags, self._queue_s
+            self.run_id,
+            phase.level,
+            phase.round,
+            engine_lag,
+            start_lags,
+            loop_lags,
+            self._queue_s,
+            offered_rate=phase.offered_rate,
+            rates=[(st.achieved_rate(), st.scheduled_rate()) for st in stats],
         )
         self.result.health.extend(rows)
         assert self._sink is not None
@@ -493,21 +516,25 @@ class ReplayRunner:
         n = plan.items_per_level(level) if plan.items_per_level is not None else len(self.items)
         return [self.items[i % len(self.items)] for i in range(n)]
 
+    async def _warm_level(self, items: Sequence[ReplayItem], n_warm: int, slots: int) -> None:
+        """``n_warm`` unrecorded calls per arm, ``slots`` at a time, before a level is measured."""
+        if n_warm <= 0:
+            return
+        warm_items = [items[i % len(items)] for i in range(n_warm)]
+        await asyncio.gather(
+            *(
+                closed_loop(warm_items, slots, functools.partial(self._warm, arm), stop=self.stop)
+                for arm in self.s.arms
+            )
+        )
+
     async def _closed_sweep(self) -> None:
         plan = self.s.load
         for level in plan.levels:
             if self.stop.is_set():
                 break
             items = self._level_items(level)
-            n_warm = level if plan.warmup is None else plan.warmup
-            if n_warm > 0:
-                warm_items = [items[i % len(items)] for i in range(n_warm)]
-                await asyncio.gather(
-                    *(
-                        closed_loop(warm_items, level, functools.partial(self._warm, arm), stop=self.stop)
-                        for arm in self.s.arms
-                    )
-                )
+            await self._warm_level(items, level if plan.warmup is None else plan.warmup, level)
 
             def drive(
                 seq: Sequence[Any], send: Callable[[Any], Awaitable[float | None]], level: int = level
@@ -521,43 +548,71 @@ class ReplayRunner:
                 calls = self._calls(f"c{level}", self._round_order(items, phase), phase)
                 await self._phase(phase, calls, drive)
 
-    async def _open(self) -> None:
+    def _rate_schedule(self, rate: float) -> tuple[list[ReplayItem], list[float]]:
+        """A rate level's items and Poisson offsets: ``items_per_rate`` arrivals, else arrivals for the
+        plan's duration (both cycling the items), else one per item. The same seed at every rate: the
+        levels' gaps are one pattern scaled."""
         plan = self.s.load
-        if plan.kind == "rate":
-            assert plan.rate_per_s is not None
-            items = self.items
-            offsets = poisson_offsets(len(items), plan.rate_per_s, self.s.seed)
-            label = f"rate={plan.rate_per_s:g}"
-        else:
-            missing = next((it for it in self.items if it.arrival_s is None), None)
-            if missing is not None:
-                raise ReplayError(f"{missing.where}: --timed needs arrival times, and this record has none")
-            items = sorted(self.items, key=lambda it: it.arrival_s or 0.0)
-            offsets = timed_offsets([it.arrival_s or 0.0 for it in items], plan.speedup)
-            label = f"timed x{plan.speedup:g}"
+        if plan.items_per_rate is not None:
+            n = plan.items_per_rate(rate)
+            return [self.items[i % len(self.items)] for i in range(n)], poisson_offsets(n, rate, self.s.seed)
+        if plan.duration_s is None:
+            return self.items, poisson_offsets(len(self.items), rate, self.s.seed)
+        # Enough arrivals to pass the duration with near certainty (mean + 6 standard deviations).
+        expected = rate * plan.duration_s
+        n = int(expected + 6 * expected**0.5) + 2
+        offsets = [t for t in poisson_offsets(n, rate, self.s.seed) if t < plan.duration_s]
+        return [self.items[i % len(self.items)] for i in range(len(offsets))], offsets
+
+    async def _rate_sweep(self) -> None:
+        plan = self.s.load
+        lags: list[float] = []
+        for rate in plan.rates:
+            if self.stop.is_set():
+                break
+            items, offsets = self._rate_schedule(rate)
+            await self._warm_level(items, 1 if plan.warmup is None else plan.warmup, 1)
+            label = rate_label(rate)
+            for round_ in range(1, plan.rounds + 1):
+                if self.stop.is_set():
+                    break
+                phase = _Phase(phase_label(label, round_, plan.rounds), None, round_, rate)
+                ordered = self._round_order(items, phase)
+                calls = self._calls(label.replace("=", ""), ordered, phase)
+                lags += await self._open_phase(phase, calls, offsets)
+        self.result.lag_p99_s = p99(lags)
+
+    async def _timed(self) -> None:
+        plan = self.s.load
+        missing = next((it for it in self.items if it.arrival_s is None), None)
+        if missing is not None:
+            raise ReplayError(f"{missing.where}: --timed needs arrival times, and this record has none")
+        items = sorted(self.items, key=lambda it: it.arrival_s or 0.0)
+        offsets = timed_offsets([it.arrival_s or 0.0 for it in items], plan.speedup)
+        label = f"timed x{plan.speedup:g}"
         lags: list[float] = []
         for round_ in range(1, plan.rounds + 1):
             if self.stop.is_set():
                 break
             phase = _Phase(phase_label(label, round_, plan.rounds), None, round_)
-            calls = self._calls(plan.kind, items, phase)
-            schedule = dict(zip((c.request_id for c in calls), offsets, strict=True))
-
-            def drive(
-                seq: Sequence[Any],
-                send: Callable[[Any], Awaitable[float | None]],
-                schedule: dict[str, float] = schedule,
-            ) -> Awaitable[LoadStats]:
-                def rid(x: Any) -> str:
-                    return str(x[1].request_id if isinstance(x, tuple) else x.request_id)
-
-                return open_loop(
-                    seq, [schedule[rid(x)] for x in seq], send, deadline_s=plan.duration_s, stop=self.stop
-                )
-
-            stats = await self._phase(phase, calls, drive)
-            lags += [lag for st in stats for lag in st.lag_s]
+            lags += await self._open_phase(phase, self._calls(plan.kind, items, phase), offsets)
         self.result.lag_p99_s = p99(lags)
+
+    async def _open_phase(self, phase: _Phase, calls: list[_Call], offsets: Sequence[float]) -> list[float]:
+        """One round of an open loop: call i leaves at offsets[i]; returns the calls' start lags."""
+        plan = self.s.load
+        # A timed run's duration is the whole run's; a rate level's schedule already ends there.
+        deadline = plan.duration_s if phase.offered_rate is None else None
+        schedule = dict(zip((c.request_id for c in calls), offsets, strict=True))
+
+        def drive(seq: Sequence[Any], send: Callable[[Any], Awaitable[float | None]]) -> Awaitable[LoadStats]:
+            def rid(x: Any) -> str:
+                return str(x[1].request_id if isinstance(x, tuple) else x.request_id)
+
+            return open_loop(seq, [schedule[rid(x)] for x in seq], send, deadline_s=deadline, stop=self.stop)
+
+        stats = await self._phase(phase, calls, drive)
+        return [lag for st in stats for lag in st.lag_s]
 
     async def run(self) -> ReplayResult:
         connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=False)
@@ -595,7 +650,9 @@ class ReplayRunner:
     async def _run_until_stopped(self) -> None:
         """The load, until it is done or ``stop`` is set; then the calls in flight are cancelled (their
         spans say client_cancelled) and each phase still scrapes its "after" metrics."""
-        work = asyncio.ensure_future(self._closed_sweep() if self.s.load.kind == "closed" else self._open())
+        kind = self.s.load.kind
+        sweep = {"closed": self._closed_sweep, "rate": self._rate_sweep, "timed": self._timed}[kind]
+        work = asyncio.ensure_future(sweep())
         stopper = asyncio.ensure_future(self.stop.wait())
         try:
             await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)

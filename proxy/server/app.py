@@ -221,7 +221,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             refusal.force_close()
         return refusal
     body, request_id, category = checked.body, checked.request_id, checked.category
-    level = checked.concurrency_level
+    level, offered_rate = checked.concurrency_level, checked.offered_rate
     # One trace per client request: the client's (W3C traceparent) when it sent one, else a new one.
     # Every call the request makes (primary, shadow, verify) is a span of it with its own span id.
     parent = client_trace_context(request.headers) if TRACEPARENT_HEADER in request.headers else None
@@ -246,6 +246,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
                 category=category,
                 concurrency_level=level,
                 engine_load=st.engine_load.get(copy.arm.name),
+                offered_rate=offered_rate,
             )
             dispatcher.send(copy, body, rec, endpoint=endpoint, pair=pair, parent=parent)
     record = new_record(
@@ -259,6 +260,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         category=category,
         concurrency_level=level,
         engine_load=st.engine_load.get(primary.name),
+        offered_rate=offered_rate,
     )
     relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
     assert st.client is not None
