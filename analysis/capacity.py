@@ -158,7 +158,9 @@ def capacity_ratio(
         "≥" if c.state == EVERY and b.state != EVERY else "≤" if b.state == EVERY and c.state != EVERY else ""
     )
     if c.state == EVERY and b.state == EVERY:
-        return CapacityRatio(c.load / b.load, None, None, "", "both hold the SLO at every tested load")
+        return CapacityRatio(
+            None, None, None, "", "both hold the SLO at every tested load (test higher loads)"
+        )
     if cand_reps is None or base_reps is None:
         return CapacityRatio(c.load / b.load, None, None, bound)
     valid = base_reps > 0

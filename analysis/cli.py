@@ -23,7 +23,7 @@ from specproxy.analysis.evaluation import Settings
 from specproxy.analysis.render import FORMATS
 from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
 from specproxy.analysis.verdict import Thresholds
-from specproxy.commandline import FiniteFloat
+from specproxy.commandline import SLO_HELP, FiniteFloat, SloParam
 
 DEFAULT_DB = "specproxy.duckdb"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -50,8 +50,24 @@ def settings_options(func: F) -> F:
             "--peak-concurrency",
             type=click.IntRange(1),
             metavar="N",
-            help="Your peak concurrency: throughput there must not be lower (default: the experiment "
-            "file's peak_concurrency, else the highest reliable level, said so).",
+            help="Your peak concurrency: throughput there must not be lower, and the fleet at the SLO "
+            "is sized for it (default: the experiment file's peak_concurrency, else the highest "
+            "reliable level, said so).",
+        ),
+        click.option("--slo", type=SloParam(), default=None, help=SLO_HELP),
+        click.option(
+            "--peak-rate",
+            type=FiniteFloat(0, min_open=True),
+            metavar="R",
+            help="Your peak in requests/s, for the fleet at the SLO of a rate sweep (default: the "
+            "experiment file's peak_rate).",
+        ),
+        click.option(
+            "--gpu-hour-usd",
+            type=FiniteFloat(0, min_open=True),
+            metavar="X",
+            help="Price of one GPU-hour: the fleet's cost per hour and per million output tokens "
+            "(default: the experiment file's gpu_hour_usd).",
         ),
         click.option(
             "--margin",
@@ -112,6 +128,9 @@ def _settings(kw: dict[str, Any]) -> Settings:
         bootstrap_seed=kw["bootstrap_seed"],
         at_concurrency=kw["at_concurrency"],
         peak_concurrency=kw["peak_concurrency"],
+        slo=kw["slo"],
+        peak_rate=kw["peak_rate"],
+        gpu_hour_usd=kw["gpu_hour_usd"],
     )
 
 

@@ -172,9 +172,9 @@ def describe_capacity(c: cap.Capacity, axis: str) -> str:
     hi = "" if c.high is None else (f"≥{c.high:.3g}" if c.high_open else f"{c.high:.3g}")
     band = f" [{lo}, {hi}]" if hi else ""
     if x.state == cap.EVERY:
-        return f"≥ {describe_load(x.load, axis)} (held at every tested level){band}"
+        return f"≥ {describe_load(x.load, axis)}{band} (held at every tested level)"
     if x.state == cap.NONE or x.load is None:
-        return f"< {describe_load(min(c.loads), axis)} (not held at the lowest tested level){band}"
+        return f"< {describe_load(min(c.loads), axis)}{band} (not held at the lowest tested level)"
     where = f"holds at {describe_load(x.holds_at, axis)}, not at {describe_load(x.fails_at, axis)}"
     return f"{fmt_approx(x.load, axis)}{band} ({where})"
 
@@ -226,8 +226,8 @@ def _capacity_replicates(points: _ArmPoints, thresholds: Sequence[float]) -> Flo
 
 
 def _ratio_text(ratio: cap.CapacityRatio, unit: str, baseline: str) -> str:
-    if ratio.point is None:
-        return f"no ratio to {baseline}: {ratio.note}"
+    """ "serves 1.30x [1.20, 1.40] more concurrent users than baseline"."""
+    assert ratio.point is not None
     band = f" [{ratio.low:.2f}, {ratio.high:.2f}]" if ratio.low is not None and ratio.high is not None else ""
     figure = f"{ratio.bound}{ratio.point:.2f}x{band}"
     more = f"more {unit} than {baseline}" if ratio.point >= 1 else f"the {unit} of {baseline} (fewer)"
@@ -238,14 +238,16 @@ def _ratio_text(ratio: cap.CapacityRatio, unit: str, baseline: str) -> str:
 def _headline(
     arm: str, kind: str, c: cap.Capacity | None, ratio: cap.CapacityRatio | None, ctx: tuple[str, str, str]
 ) -> str:
+    """The arm's answer at the SLO in one sentence, the SLO stated."""
     slo_text, axis, baseline = ctx
     unit = "concurrent users" if axis == "concurrency" else "requests/s"
     if c is None:
         return f"{arm}: no capacity at your SLO ({slo_text}): no reliable level with every target checked"
-    own = describe_capacity(c, axis)
-    if kind == "baseline" or ratio is None:
-        return f"{arm}: capacity at your SLO ({slo_text}) {own}"
-    return f"{arm} {_ratio_text(ratio, unit, baseline)} at your SLO ({slo_text}); capacity {own}"
+    own = f"capacity {describe_capacity(c, axis)}"
+    if ratio is not None and ratio.point is not None:
+        return f"{arm} {_ratio_text(ratio, unit, baseline)} at your SLO ({slo_text}): {own}"
+    why = f"; no ratio to {baseline}: {ratio.note}" if ratio is not None else ""
+    return f"{arm} at your SLO ({slo_text}): {own}{why}"
 
 
 def _axis(figs: Sequence[SloLevelFigures]) -> str:

@@ -2,6 +2,9 @@
 
     [experiment]            name, mode (shadow | split), db, model, the operating point
                             (at_concurrency, peak_concurrency) and proxy settings
+    [slo]                   optional latency targets (ttft_p95 = "500ms", itl_p99 = "80ms", ...):
+                            goodput, capacity at the SLO and the fleet at the peak (peak_rate,
+                            gpu_hour_usd in [experiment]); see specproxy/slo.py
     [[arms]]                one per backend, each with a role:
                               "baseline"   exactly one: the configuration candidates are measured against
                               "candidate"  (the default) a configuration under test
@@ -28,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
+
+from specproxy.slo import Slo, SloError, slo_from_table
 
 Mode = Literal["shadow", "split"]
 Role = Literal["baseline", "candidate", "replica"]
@@ -146,6 +151,11 @@ class Experiment:
     # answered at these levels; None: the analysis says what it assumed.
     at_concurrency: int | None = None
     peak_concurrency: int | None = None
+    # The latency SLO ([slo]), the peak in requests/s and the price of a GPU-hour: the analysis sizes
+    # each arm's fleet at the peak from its capacity at the SLO.
+    slo: Slo | None = None
+    peak_rate: float | None = None
+    gpu_hour_usd: float | None = None
 
     @property
     def baseline(self) -> Arm:
@@ -373,7 +383,8 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
     top = _Reader(where, data, "")
     exp_table = top.get("experiment", dict, {})
     arms_list = top.get("arms", list, required=True)
-    top.check_unknown({"experiment", "arms"})
+    slo = _load_slo(where, top.get("slo", dict, None))
+    top.check_unknown({"experiment", "arms", "slo"})
     r = _Reader(where, exp_table, "experiment")
     name = r.get("name", str, "experiment")
     mode = r.get("mode", str, "shadow")
@@ -450,9 +461,25 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
         tokenizer=tokenizer,
         at_concurrency=at_concurrency,
         peak_concurrency=peak_concurrency,
+        slo=slo,
+        peak_rate=_optional_float(positive("peak_rate", None)),
+        gpu_hour_usd=_optional_float(positive("gpu_hour_usd", None)),
     )
     r.check_unknown(r.used)
     return exp
+
+
+def _load_slo(where: str, table: Mapping[str, Any] | None) -> Slo | None:
+    if table is None:
+        return None
+    try:
+        return slo_from_table(table)
+    except SloError as exc:
+        raise ConfigError(f"{where}: slo: {exc}") from None
+
+
+def _optional_float(value: float | None) -> float | None:
+    return float(value) if value is not None else None
 
 
 def _optional_int(value: float | None) -> int | None:

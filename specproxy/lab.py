@@ -46,7 +46,14 @@ from typing import Any
 import click
 from rich.console import Console
 
-from specproxy.commandline import ConcurrencyLevels, experiment_or_none, run_async
+from specproxy.commandline import (
+    SLO_HELP,
+    ConcurrencyLevels,
+    FiniteFloat,
+    SloParam,
+    experiment_or_none,
+    run_async,
+)
 from specproxy.config import Arm, EngineSettings, Experiment, Role
 from specproxy.engine_state import EngineError
 from specproxy.engines.launch.plan import SimOptions, plan_arm
@@ -63,6 +70,7 @@ from specproxy.proxy.replay.runner import (
 from specproxy.proxy.replay.summary import print_summary
 from specproxy.proxy.replay.workload import mixed_workload
 from specproxy.proxy.spans.sink import HealthRow, SpanSinkError
+from specproxy.slo import Slo
 
 LAB_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_PROFILE = "h100-llama3.1-8b"
@@ -331,6 +339,19 @@ def _with_operating_point(exp: Experiment, at: int | None, peak: int | None, not
     )
 
 
+def _with_slo(
+    exp: Experiment, slo: Slo | None, peak_rate: float | None, gpu_hour_usd: float | None
+) -> Experiment:
+    """The experiment as the run records it: the SLO, peak rate and GPU price given on the command line
+    win (the analysis reads them back from the run)."""
+    return dataclasses.replace(
+        exp,
+        slo=slo or exp.slo,
+        peak_rate=peak_rate if peak_rate is not None else exp.peak_rate,
+        gpu_hour_usd=gpu_hour_usd if gpu_hour_usd is not None else exp.gpu_hour_usd,
+    )
+
+
 @click.command("lab")
 @click.option(
     "--config",
@@ -369,6 +390,21 @@ def _with_operating_point(exp: Experiment, at: int | None, peak: int | None, not
     default=None,
     metavar="N",
     help="Your peak concurrency: throughput must not drop there (default: the experiment's).",
+)
+@click.option("--slo", type=SloParam(), default=None, help=SLO_HELP)
+@click.option(
+    "--peak-rate",
+    type=FiniteFloat(0, min_open=True),
+    default=None,
+    metavar="R",
+    help="Your peak in requests/s, for the fleet at the SLO of a rate sweep (default: the experiment's).",
+)
+@click.option(
+    "--gpu-hour-usd",
+    type=FiniteFloat(0, min_open=True),
+    default=None,
+    metavar="X",
+    help="Price of one GPU-hour: the fleet's cost at the peak (default: the experiment's).",
 )
 @click.option(
     "--out",
@@ -414,6 +450,9 @@ def lab(
     rounds: int | None,
     at_concurrency: int | None,
     peak_concurrency: int | None,
+    slo: Slo | None,
+    peak_rate: float | None,
+    gpu_hour_usd: float | None,
     out: Path,
     quick: bool,
     profile: str,
@@ -430,6 +469,7 @@ def lab(
     \b
     Examples:
       specproxy lab --quick                      # simulated arms
+      specproxy lab --quick --slo ttft_p95=500ms,itl_p99=80ms --peak-concurrency 200 --gpu-hour-usd 2.5
       specproxy lab --profile h200-llama3.1-8b   # the full sweep on another cost profile
       specproxy lab --config exp.toml --workload capture.jsonl --concurrency 1,8,32
     """
@@ -468,6 +508,7 @@ def lab(
         experiment = _with_operating_point(
             experiment, at_concurrency, peak_concurrency, f"lab: {scale_note}" if scale_note else ""
         )
+        experiment = _with_slo(experiment, slo, peak_rate, gpu_hour_usd)
         settings = ReplaySettings(
             arms=experiment.arms,
             db_path=db_path,

@@ -127,13 +127,13 @@ def parse_slo(text: str) -> Slo:
 
 
 def slo_from_table(table: Mapping[str, Any]) -> Slo:
-    """The experiment file's ``[slo]`` table (``ttft_p95 = "500ms"``); values may also be numbers of
-    milliseconds."""
+    """The experiment file's ``[slo]`` table (``ttft_p95 = "500ms"``): a bare number is refused, since
+    its unit would be a guess."""
     pairs = []
     for name, value in table.items():
-        if isinstance(value, bool) or not isinstance(value, str | int | float):
-            raise SloError(f'{name}: must be a duration such as "500ms", got {value!r}')
-        pairs.append((name, value if isinstance(value, str) else f"{value}ms"))
+        if not isinstance(value, str):
+            raise SloError(f'{name}: must be a duration with a unit, such as "500ms" or "20s", got {value!r}')
+        pairs.append((name, value))
     return _targets(pairs)
 
 
