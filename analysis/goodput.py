@@ -74,21 +74,16 @@ class SloLevelFigures:
 
 def _call_columns(slo: Slo) -> str:
     values = ", ".join(
-        f"CASE WHEN status = 'ok' THEN {t.column} ELSE {t.threshold_s * FAILED_FACTOR!r} END AS v{i}"
+        f"CASE WHEN ok THEN {t.column} ELSE {t.threshold_s * FAILED_FACTOR!r} END AS v{i}"
         for i, t in enumerate(slo.targets)
     )
     met = " AND ".join(f"v{i} <= {t.threshold_s!r}" for i, t in enumerate(slo.targets))
     return f"""
         WITH raw AS (
-            SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
-                   CAST(coalesce(offered_rate, concurrency_level) AS DOUBLE) AS load,
-                   CASE WHEN offered_rate IS NOT NULL THEN 'rate'
-                        WHEN concurrency_level IS NOT NULL THEN 'concurrency' ELSE '' END AS axis,
-                   coalesce(round, 0) AS block, status = 'ok' AS ok,
-                   coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s, e2e_s,
-                   coalesce(completion_tokens, 0) AS tokens, hash(request_id, span_id, $seed) AS h,
+            SELECT arm, level, load, load_axis AS axis, coalesce(round, 0) AS block, ok, start_s, e2e_s,
+                   completion_tokens AS tokens, hash(request_id, span_id, $seed) AS h,
                    {values}
-            FROM requests WHERE run_id = $run AND status <> 'dropped'
+            FROM slo_calls WHERE run_id = $run
         ), c AS (SELECT *, coalesce(ok AND {met}, false) AS met FROM raw)
     """
 
