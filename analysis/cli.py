@@ -242,8 +242,8 @@ def format_result(names: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str)
 def sql(args: tuple[str, ...], fmt: str) -> None:
     """Run QUERY (the last argument) on the span store(s), read-only.
 
-    Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance
-    are available; several DB files are queried as their union. Example:
+    Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance,
+    slo_calls are available; several DB files are queried as their union. Example:
 
         specproxy sql specproxy.duckdb "SELECT arm, level, agg_tok_s FROM arm_summary"
 

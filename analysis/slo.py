@@ -96,6 +96,9 @@ class ArmCapacity:
 
 @dataclass(frozen=True)
 class SloEvaluation:
+    """Everything at the SLO for one run: where the SLO came from, the load axis of the sweep, the level
+    rows, each arm's capacity, and the fleet at the peak (empty without one; ``notes`` say why)."""
+
     slo: Slo
     source: str
     axis: str
@@ -105,10 +108,6 @@ class SloEvaluation:
     fleet: list[ArmFleet]
     gpu_hour_usd: float | None
     notes: list[str]
-
-    @property
-    def describe(self) -> str:
-        return self.slo.describe()
 
 
 def level_row(
