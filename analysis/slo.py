@@ -110,27 +110,38 @@ class SloEvaluation:
     notes: list[str]
 
 
+def _target_figures(
+    fig: SloLevelFigures, reps: LevelReplicates | None, slo: Slo, confidence: float
+) -> tuple[TargetFigure, ...]:
+    out = []
+    for i, t in enumerate(slo.targets):
+        point, logs = fig.percentiles[i], reps.log_percentiles[i] if reps is not None else None
+        value = None if point is None else interval(point, None if logs is None else np.exp(logs), confidence)
+        holds = None if point is None else point <= t.threshold_s
+        out.append(TargetFigure(t.name, t.threshold_s, value, holds, fig.missing[i]))
+    return tuple(out)
+
+
+def _per_second(count: float, wall: float, reps: FloatArray | None, confidence: float) -> Interval | None:
+    return interval(count / wall, reps, confidence) if wall > 0 else None
+
+
 def level_row(
     fig: SloLevelFigures, reps: LevelReplicates | None, slo: Slo, reliable: bool, confidence: float
 ) -> SloLevelRow:
     """The frozen row of one arm at one level."""
-    targets = []
-    for i, t in enumerate(slo.targets):
-        point = fig.percentiles[i]
-        value = None
-        if point is not None:
-            logs = reps.log_percentiles[i] if reps is not None else None
-            value = interval(point, np.exp(logs) if logs is not None else None, confidence)
-        holds = None if point is None else point <= t.threshold_s
-        targets.append(TargetFigure(t.name, t.threshold_s, value, holds, fig.missing[i]))
+    targets = _target_figures(fig, reps, slo, confidence)
     known = [tf.holds for tf in targets]
-    holds = None if None in known else all(known)
-    wall = fig.wall_s
     missing = [
         f"{tf.name.split('_')[0]} not recorded for {tf.missing} of {fig.ok} ok calls"
         for tf in targets
         if tf.missing
     ]
+    share = (
+        interval(fig.met / fig.calls, reps.share if reps else None, confidence, 0.0, 1.0)
+        if fig.calls
+        else None
+    )
     return SloLevelRow(
         arm=fig.arm,
         level=fig.level,
@@ -138,17 +149,11 @@ def level_row(
         calls=fig.calls,
         ok=fig.ok,
         met=fig.met,
-        share=interval(fig.met / fig.calls, reps.share if reps else None, confidence, 0.0, 1.0)
-        if fig.calls
-        else None,
-        requests_per_s=interval(fig.met / wall, reps.requests_per_s if reps else None, confidence)
-        if wall > 0
-        else None,
-        tokens_per_s=interval(fig.met_tokens / wall, reps.tokens_per_s if reps else None, confidence)
-        if wall > 0
-        else None,
-        targets=tuple(targets),
-        holds=holds,
+        share=share,
+        requests_per_s=_per_second(fig.met, fig.wall_s, reps.requests_per_s if reps else None, confidence),
+        tokens_per_s=_per_second(fig.met_tokens, fig.wall_s, reps.tokens_per_s if reps else None, confidence),
+        targets=targets,
+        holds=None if None in known else all(known),
         reliable=reliable,
         note="; ".join(missing) + ("; could not be checked, not counted as met" if missing else ""),
     )

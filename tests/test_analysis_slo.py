@@ -316,3 +316,11 @@ def test_bad_slo_in_the_experiment_file_names_the_table() -> None:
         parse_experiment({"slo": {"e2e_p95": 20}, "arms": arms}, "exp.toml")
     with pytest.raises(ConfigError, match=r"exp.toml: slo: 'ttft_p1': percentile p1 is outside"):
         parse_experiment({"slo": {"ttft_p1": "1s"}, "arms": arms}, "exp.toml")
+
+
+def test_a_peak_rate_on_a_concurrency_sweep_is_said_not_used(tmp_path: Path) -> None:
+    doc = _analyze(_store(tmp_path), "--slo", "ttft_p95=500ms", "--peak-rate", "5")
+    assert doc["peak"] is None and doc["fleet"] == []
+    assert doc["notes"] == [
+        "fleet: the levels are on the concurrency axis; a peak given as --peak-rate cannot be placed on it"
+    ]
