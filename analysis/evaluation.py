@@ -231,7 +231,10 @@ def _at_slo(
         source="command line" if settings.slo else "experiment file",
         peak_concurrency=point.peak,
         peak_rate=settings.peak_rate or recorded["peak_rate"],
-        peak_source="command line" if settings.peak_rate or settings.peak_concurrency else "experiment file",
+        peak_sources=(
+            "command line" if settings.peak_concurrency else "experiment file",
+            "command line" if settings.peak_rate else "experiment file",
+        ),
         gpu_hour_usd=settings.gpu_hour_usd or recorded["gpu_hour_usd"],
         gpus=recorded["gpus"],
         confidence=settings.confidence,

@@ -224,7 +224,8 @@ def level_replicates(
         if point is None or point <= 0:
             logs.append(None)
             continue
-        reps = np.log(np.quantile(s[idx, 2 + i], target.percentile / 100, axis=1))
+        # a latency of exactly zero (a clock's resolution) must not become log(0)
+        reps = np.log(np.maximum(np.quantile(s[idx, 2 + i], target.percentile / 100, axis=1), 1e-9))
         block_values = [b.percentiles[i] for b in fig.blocks]
         block_logs = [math.log(v) for v in block_values if v is not None and v > 0]
         logs.append(replicate(math.log(point), reps, block_logs))

@@ -40,7 +40,7 @@ class SloInputs:
     source: str
     peak_concurrency: int | None = None
     peak_rate: float | None = None
-    peak_source: str = ""
+    peak_sources: tuple[str, str] = ("", "")  # where the peak concurrency and the peak rate came from
     gpu_hour_usd: float | None = None
     gpus: Mapping[str, tuple[int, str]] = field(default_factory=dict)
     confidence: float = 0.95
@@ -329,9 +329,9 @@ def _arm_capacity(
 
 def _peak(inputs: SloInputs, axis: str) -> tuple[Peak | None, str]:
     if axis == "concurrency" and inputs.peak_concurrency is not None:
-        return Peak(float(inputs.peak_concurrency), axis, inputs.peak_source), ""
+        return Peak(float(inputs.peak_concurrency), axis, inputs.peak_sources[0]), ""
     if axis == "rate" and inputs.peak_rate is not None:
-        return Peak(inputs.peak_rate, axis, inputs.peak_source), ""
+        return Peak(inputs.peak_rate, axis, inputs.peak_sources[1]), ""
     given = inputs.peak_rate is not None or inputs.peak_concurrency is not None
     if given and axis:
         other = "--peak-rate" if axis == "concurrency" else "--peak-concurrency"
