@@ -198,7 +198,7 @@ def _arm_points(
 ) -> _ArmPoints:
     used = [r for r in rows if r.reliable and r.load is not None and r.holds is not None]
     left = [
-        f"{describe_load(r.load, axis)}: {'UNRELIABLE' if not r.reliable else 'not every target checked'}"
+        f"{describe_load(r.load, axis)}: {_left_out_why(r)}"
         for r in rows
         if r.load is not None and r not in used
     ]
@@ -213,6 +213,13 @@ def _arm_points(
             break
         replicates.append([x for x in per_level if x is not None])
     return _ArmPoints([r.load or 0.0 for r in used], values, replicates if used else None, tuple(left))
+
+
+def _left_out_why(row: SloLevelRow) -> str:
+    if not row.reliable:
+        return "UNRELIABLE"
+    unchecked = [t.name for t in row.targets if t.holds is None]
+    return f"{', '.join(unchecked)} not recorded, so not checked"
 
 
 def _point(value: Interval | None) -> float:
