@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from datetime import timedelta
@@ -15,12 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from specproxy.analysis import evaluate, open_store
 from specproxy.analysis.capacity import BETWEEN, EVERY, NONE, crossing, slo_crossing
+from specproxy.analysis.evaluation import Settings
 from specproxy.analysis.fleet import Peak, arm_fleet, gpu_saving, interpolate, replicas_needed
 from specproxy.config import ConfigError, experiment_json, parse_experiment
 from specproxy.record import SpanRecord
 from specproxy.slo import SloError, parse_slo
-from tests.spanfactory import EPOCH, T0, SyntheticRun, health_row, write_db
+from tests.spanfactory import EPOCH, T0, ArmSpec, SyntheticRun, health_row, make_run, write_db
 
 LEVELS = (1, 2, 4, 8)
 CALLS = 40
@@ -324,3 +327,28 @@ def test_a_peak_rate_on_a_concurrency_sweep_is_said_not_used(tmp_path: Path) -> 
     assert doc["notes"] == [
         "fleet: the levels are on the concurrency axis; a peak given as --peak-rate cannot be placed on it"
     ]
+
+
+def test_the_capacity_interval_covers_the_true_crossing(tmp_path: Path) -> None:
+    """Twelve synthetic runs (three rounds, 60 calls a level and round, lognormal TTFT, 1 % timeouts):
+    the capacity interval contains the crossing of the population's P95 (timeouts count as
+    violations) for nearly every arm and run."""
+    levels, threshold = (1, 8, 32, 64), 0.4
+    z = statistics.NormalDist().inv_cdf(0.95 / 0.99)  # 1 % of calls time out: slower than any SLO
+    p95 = {lv: 0.05 * (1 + lv / 8) * math.exp(0.5 * z) for lv in levels}
+    truth = 8 + (threshold - p95[8]) / (p95[32] - p95[8]) * 24
+    arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("replica", "replica", "none")]
+    covered = []
+    for seed in range(12):
+        run = make_run(arms, levels=levels, n_per_level=60, rounds=3, seed=seed, run_id=f"cov{seed}")
+        path = write_db(tmp_path / f"cov{seed}.duckdb", [run])
+        with open_store([path]) as store:
+            settings = Settings(slo=parse_slo("ttft_p95=400ms"), bootstrap_iterations=400)
+            (ev,) = evaluate(store, settings=settings)
+        assert ev.slo is not None
+        for arm in ev.slo.arms:
+            assert arm.capacity is not None
+            low, high = arm.capacity.low or 0.0, arm.capacity.high or math.inf
+            covered.append(low <= truth <= high)
+    print(f"capacity intervals containing the true crossing c≈{truth:.1f}: {sum(covered)}/{len(covered)}")
+    assert sum(covered) >= 0.85 * len(covered)
