@@ -469,7 +469,7 @@ def lab(
     \b
     Examples:
       specproxy lab --quick                      # simulated arms
-      specproxy lab --quick --slo ttft_p95=500ms,itl_p99=80ms --peak-concurrency 200 --gpu-hour-usd 2.5
+      specproxy lab --quick --slo ttft_p95=500ms,e2e_p95=20s   # capacity at your SLO
       specproxy lab --profile h200-llama3.1-8b   # the full sweep on another cost profile
       specproxy lab --config exp.toml --workload capture.jsonl --concurrency 1,8,32
     """
