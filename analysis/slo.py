@@ -174,7 +174,7 @@ def describe_capacity(c: cap.Capacity, axis: str) -> str:
     x = c.crossing
     lo = "<" + describe_load(min(c.loads), axis) if c.low is None else f"{c.low:.3g}"
     hi = "" if c.high is None else (f"≥{c.high:.3g}" if c.high_open else f"{c.high:.3g}")
-    band = f" [{lo}, {hi}]" if hi else ""
+    band = f" [{lo}, {hi}]" if hi and hi.lstrip("≥") != lo else ""
     if x.state == cap.EVERY:
         return f"≥ {describe_load(x.load, axis)}{band} (held at every tested level)"
     if x.state == cap.NONE or x.load is None:
