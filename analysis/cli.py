@@ -23,7 +23,7 @@ from specproxy.analysis.evaluation import Settings
 from specproxy.analysis.render import FORMATS
 from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
 from specproxy.analysis.verdict import Thresholds
-from specproxy.commandline import FiniteFloat
+from specproxy.commandline import SLO_HELP, FiniteFloat, SloParam
 
 DEFAULT_DB = "specproxy.duckdb"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -50,8 +50,9 @@ def settings_options(func: F) -> F:
             "--peak-concurrency",
             type=click.IntRange(1),
             metavar="N",
-            help="Your peak concurrency: throughput there must not be lower (default: the experiment "
-            "file's peak_concurrency, else the highest reliable level, said so).",
+            help="Your peak concurrency: throughput there must not be lower, and the fleet at the SLO "
+            "is sized for it (default: the experiment file's peak_concurrency, else the highest "
+            "reliable level, said so).",
         ),
         click.option(
             "--at-rate",
@@ -64,8 +65,16 @@ def settings_options(func: F) -> F:
             "--peak-rate",
             type=FiniteFloat(min=0, min_open=True),
             metavar="R",
-            help="For a sweep of request rates: your peak, in requests/s (default: the experiment "
-            "file's peak_rate, else the highest reliable rate, said so).",
+            help="For a sweep of request rates: your peak, in requests/s; the fleet at the SLO is sized "
+            "for it (default: the experiment file's peak_rate, else the highest reliable rate, said so).",
+        ),
+        click.option("--slo", type=SloParam(), default=None, help=SLO_HELP),
+        click.option(
+            "--gpu-hour-usd",
+            type=FiniteFloat(0, min_open=True),
+            metavar="X",
+            help="Price of one GPU-hour: the fleet's cost per hour and per million output tokens "
+            "(default: the experiment file's gpu_hour_usd).",
         ),
         click.option(
             "--margin",
@@ -128,6 +137,8 @@ def _settings(kw: dict[str, Any]) -> Settings:
         peak_concurrency=kw["peak_concurrency"],
         at_rate=kw["at_rate"],
         peak_rate=kw["peak_rate"],
+        slo=kw["slo"],
+        gpu_hour_usd=kw["gpu_hour_usd"],
     )
 
 
@@ -240,8 +251,8 @@ def format_result(names: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str)
 def sql(args: tuple[str, ...], fmt: str) -> None:
     """Run QUERY (the last argument) on the span store(s), read-only.
 
-    Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance
-    are available; several DB files are queried as their union. Example:
+    Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance,
+    slo_calls are available; several DB files are queried as their union. Example:
 
         specproxy sql specproxy.duckdb "SELECT arm, level, agg_tok_s FROM arm_summary"
 

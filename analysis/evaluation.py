@@ -37,6 +37,7 @@ from specproxy.analysis.figures import (
 from specproxy.analysis.levels import level_name, level_sort_key, level_unit, load_name, run_unit
 from specproxy.analysis.provenance import estimate_note
 from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
+from specproxy.analysis.slo import SloEvaluation, SloInputs, evaluate_slo, parse_config, slo_inputs_from_run
 from specproxy.analysis.stats import Interval, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.validity import LevelHealth, level_health
@@ -210,7 +211,42 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
         operating_point=point_text,
         unreliable_levels=sorted((lv for lv, h in run.health.items() if not h.reliable), key=level_sort_key),
         failed_arms=list(failed.values()),
+        slo=_at_slo(store, run, info, settings, arms, point),
     )
+
+
+def _at_slo(
+    store: SpanStore,
+    run: RunFigures,
+    info: dict[str, Any],
+    settings: Settings,
+    arms: Sequence[ArmOutcome],
+    point: OperatingPoint,
+) -> SloEvaluation | None:
+    """Goodput, capacity and fleet at the SLO of the command line, else of the run's experiment file."""
+    recorded = slo_inputs_from_run(parse_config(info.get("config_json")))
+    slo = settings.slo or recorded["slo"]
+    if slo is None:
+        return None
+    inputs = SloInputs(
+        slo=slo,
+        source="command line" if settings.slo else "experiment file",
+        peak_concurrency=int(point.peak) if point.peak is not None and point.unit == "c" else None,
+        peak_rate=settings.peak_rate or recorded["peak_rate"],
+        peak_sources=(
+            "command line" if settings.peak_concurrency else "experiment file",
+            "command line" if settings.peak_rate else "experiment file",
+        ),
+        gpu_hour_usd=settings.gpu_hour_usd or recorded["gpu_hour_usd"],
+        gpus=recorded["gpus"],
+        confidence=settings.confidence,
+        iterations=settings.bootstrap_iterations,
+        seed=settings.bootstrap_seed,
+        max_sample=settings.bootstrap_max_sample,
+    )
+    kinds = {a.arm: a.kind for a in arms}
+    unreliable = {lv for lv, h in run.health.items() if not h.reliable}
+    return evaluate_slo(store, run.run_id, inputs, run.baseline, kinds, unreliable)
 
 
 def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, notes: list[str]) -> RunFigures:

@@ -28,6 +28,8 @@ from specproxy.analysis.render import (
     run_notes,
     run_title,
 )
+from specproxy.analysis.render_slo import headline
+from specproxy.analysis.report_slo import slo_section
 from specproxy.analysis.store import SpanStore
 from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
 from specproxy.schema import level_sql
@@ -266,7 +268,7 @@ def _deploy(ev: RunEvaluation) -> str:
         items.append(
             f'<tr><td class="l"><b>{escape(a.arm)}</b></td>'
             f'<td class="l {cls}">{escape(a.deploy.verdict)}</td>'
-            f'<td class="l wrap">{escape(a.deploy.text)}</td></tr>'
+            f'<td class="l wrap">{escape(_deploy_text(ev, a.arm, a.deploy.text))}</td></tr>'
         )
     if not items:
         return ""
@@ -276,6 +278,16 @@ def _deploy(ev: RunEvaluation) -> str:
         + "".join(items)
         + "</tbody></table>"
     )
+
+
+def _deploy_text(ev: RunEvaluation, arm: str, text: str) -> str:
+    """The deploy verdict's sentence, led by the arm's capacity at the SLO when one was given."""
+    capacity = headline(ev, arm)
+    return f"{capacity}. {text}" if capacity else text
+
+
+def _deploy_heading(ev: RunEvaluation) -> str:
+    return f"Deploy verdict at your SLO: {ev.slo.slo.describe()}" if ev.slo is not None else "Deploy verdict"
 
 
 def _category_title(c: CategoryRow) -> str:
@@ -528,8 +540,9 @@ def build_report(
 <h2>{escape(run_title(ev))}</h2>
 <p class="muted">run_id <span class="mono">{escape(ev.run_id)}</span> · source {escape(str(ev.source))}
  · started {escape(started)}</p>
-<h3>Deploy verdict</h3>
+<h3>{escape(_deploy_heading(ev))}</h3>
 {_deploy(ev)}
+{slo_section(ev.slo)}
 <h3>Verdicts per level</h3>
 {_verdict_table(ev)}
 <ul class="notes">{notes}</ul>

@@ -8,8 +8,10 @@ from typing import Any
 
 from specproxy.analysis.levels import level_load
 from specproxy.analysis.matched import LoadFigures
+from specproxy.analysis.slo import SloEvaluation
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdict import Crossover, DeployVerdict, Thresholds
+from specproxy.slo import Slo
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,9 @@ class Settings:
     experiment file says, else the analysis assumes the lowest and highest reliable levels);
     ``at_rate`` / ``peak_rate`` the same in requests/s, for a run of open-loop rate levels.
     ``time_blocks``: the blocks a level of one round (or live traffic) is cut into to see drift.
+    ``slo``: the latency targets of goodput and capacity (else the experiment file's, else none);
+    ``peak_rate`` / ``gpu_hour_usd``: the peak in requests/s and the price of a GPU-hour, for the fleet
+    at the peak (else the experiment file's).
     """
 
     thresholds: Thresholds = field(default_factory=Thresholds)
@@ -33,6 +38,8 @@ class Settings:
     at_rate: float | None = None
     peak_rate: float | None = None
     time_blocks: int = 4
+    slo: Slo | None = None
+    gpu_hour_usd: float | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,8 @@ class RunEvaluation:
     unreliable_levels: list[str] = field(default_factory=list)
     # arms without a single ok call, one sentence each with the first error (`analyze` exits non-zero)
     failed_arms: list[str] = field(default_factory=list)
+    # goodput, capacity and fleet at the SLO, when one was given
+    slo: SloEvaluation | None = None
 
     @property
     def noise_floor(self) -> float | None:

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import click
 
 from specproxy.config import ConfigError, Experiment, load_experiment
+from specproxy.slo import Slo, SloError, parse_slo
 
 T = TypeVar("T")
 
@@ -99,6 +100,27 @@ class RequestRates(click.ParamType):  # type: ignore[type-arg]
             return parse_rates(str(value))
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+
+
+class SloParam(click.ParamType):  # type: ignore[type-arg]
+    """``ttft_p95=500ms,itl_p99=80ms`` on the command line → :class:`~specproxy.slo.Slo`."""
+
+    name = "TARGETS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Slo:
+        if isinstance(value, Slo):
+            return value
+        try:
+            return parse_slo(str(value))
+        except SloError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SLO_HELP = (
+    "Latency SLO, e.g. ttft_p95=500ms,itl_p99=80ms,e2e_p95=20s (metrics ttft, tpot, itl, e2e; "
+    "percentiles p50..p99.9; ms or s): goodput per level, capacity at the SLO and the fleet at the peak "
+    "(default: the experiment file's [slo])."
+)
 
 
 class FiniteFloat(click.FloatRange):

@@ -56,7 +56,15 @@ from typing import Any
 import click
 from rich.console import Console
 
-from specproxy.commandline import ConcurrencyLevels, FiniteFloat, RequestRates, experiment_or_none, run_async
+from specproxy.commandline import (
+    SLO_HELP,
+    ConcurrencyLevels,
+    FiniteFloat,
+    RequestRates,
+    SloParam,
+    experiment_or_none,
+    run_async,
+)
 from specproxy.config import Arm, EngineSettings, Experiment, Role
 from specproxy.engine_state import EngineError
 from specproxy.engines.launch.plan import SimOptions, plan_arm
@@ -75,6 +83,7 @@ from specproxy.proxy.replay.summary import print_summary
 from specproxy.proxy.replay.workload import mixed_workload
 from specproxy.proxy.spans.sink import HealthRow, SpanSinkError
 from specproxy.schema import rate_label
+from specproxy.slo import Slo
 
 LAB_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_PROFILE = "h100-llama3.1-8b"
@@ -444,6 +453,16 @@ def _sweep_sentence(plan: LabPlan, rates: tuple[float, ...] | None) -> str:
     return f"sweep {levels} in paired mode, {plan.rounds} rounds per level, {n_calls} requests per arm"
 
 
+def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> Experiment:
+    """The experiment as the run records it: the SLO and GPU price given on the command line win (the
+    analysis reads them back from the run)."""
+    return dataclasses.replace(
+        exp,
+        slo=slo or exp.slo,
+        gpu_hour_usd=gpu_hour_usd if gpu_hour_usd is not None else exp.gpu_hour_usd,
+    )
+
+
 @click.command("lab")
 @click.option(
     "--config",
@@ -500,7 +519,16 @@ def _sweep_sentence(plan: LabPlan, rates: tuple[float, ...] | None) -> str:
     "--peak-rate",
     type=FiniteFloat(min=0, min_open=True),
     metavar="R",
-    help="With --rates: your peak request rate (req/s); throughput must not drop there.",
+    help="With --rates: your peak request rate (req/s); throughput must not drop there, and the fleet "
+    "at the SLO is sized for it.",
+)
+@click.option("--slo", type=SloParam(), default=None, help=SLO_HELP)
+@click.option(
+    "--gpu-hour-usd",
+    type=FiniteFloat(0, min_open=True),
+    default=None,
+    metavar="X",
+    help="Price of one GPU-hour: the fleet's cost at the peak (default: the experiment's).",
 )
 @click.option(
     "--out",
@@ -549,6 +577,8 @@ def lab(
     peak_concurrency: int | None,
     at_rate: float | None,
     peak_rate: float | None,
+    slo: Slo | None,
+    gpu_hour_usd: float | None,
     out: Path,
     quick: bool,
     profile: str,
@@ -565,6 +595,7 @@ def lab(
     \b
     Examples:
       specproxy lab --quick                      # simulated arms
+      specproxy lab --quick --slo ttft_p95=500ms,e2e_p95=20s   # capacity at your SLO
       specproxy lab --profile h200-llama3.1-8b   # the full sweep on another cost profile
       specproxy lab --config exp.toml --workload capture.jsonl --concurrency 1,8,32
       specproxy lab --quick --rates auto         # open-loop request rates instead
@@ -618,6 +649,7 @@ def lab(
             at_rate=at_rate,
             peak_rate=peak_rate,
         )
+        experiment = _with_slo(experiment, slo, gpu_hour_usd)
         settings = ReplaySettings(
             arms=experiment.arms,
             db_path=db_path,

@@ -435,6 +435,23 @@ VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_
 VIEWS_DDL_V2: list[str] = [_ARM_SUMMARY_VIEW_V2, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW_V2]
 VIEWS_DDL_V8: list[str] = [_ARM_SUMMARY_VIEW_V2, _PAIRS_VIEW_V8, IDENTITY_VIEW, ACCEPTANCE_VIEW]
 
+# Every call (shadow copies never sent left out) with its load and the per-call latencies an SLO is
+# checked on: goodput at any SLO is a filter and a count over it (analysis/README.md shows how).
+SLO_CALLS_VIEW = f"""
+CREATE OR REPLACE VIEW slo_calls AS
+SELECT run_id, arm, arm_role, request_id, span_id, round, category,
+       {level_sql()} AS level,
+       CAST(coalesce(offered_rate, concurrency_level) AS DOUBLE) AS load,
+       CASE WHEN offered_rate IS NOT NULL THEN 'rate'
+            WHEN concurrency_level IS NOT NULL THEN 'concurrency' ELSE '' END AS load_axis,
+       status, status = 'ok' AS ok,
+       coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s,
+       coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) + coalesce(e2e_s, 0) AS end_s,
+       ttft_s, tpot_s, itl_p50_s, itl_p95_s, itl_p99_s, itl_max_s, e2e_s,
+       coalesce(completion_tokens, 0) AS completion_tokens
+FROM requests WHERE status <> 'dropped'
+"""
+
 # One list of statements per version; index 0 brings an empty file to version 1.
 MIGRATIONS: list[list[str]] = [
     [REQUESTS_DDL, RUNS_DDL, BACKEND_METRICS_DDL],
@@ -475,6 +492,8 @@ MIGRATIONS: list[list[str]] = [
     ],
     # 10: open-loop levels: the health of a rate level; views label a level by its rate ('r=2')
     ["ALTER TABLE health ADD COLUMN offered_rate DOUBLE", *VIEWS_DDL],
+    # 11: slo_calls: each call's load and the per-call latencies an SLO is checked on
+    [SLO_CALLS_VIEW],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -54,6 +54,10 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
         "1",
         "--peak-concurrency",
         "4",
+        "--slo",
+        "e2e_p95=120s",
+        "--gpu-hour-usd",
+        "2.5",
         "--out",
         str(out),
         timeout=LAB_DEADLINE_S,
@@ -73,6 +77,17 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     assert "by category: P50 decode speedup" in res.stdout and "deploy verdict" in res.stdout
     assert re.search(r"simulator clock lag by level .*: c=1 [0-9.]+% \(\w+\), c=4 [0-9.]+%", res.stderr)
     assert (out / "report.html").stat().st_size > 1000
+    # the SLO reaches the analysis through the run's experiment: every arm holds it at every level
+    assert "deploy verdict at your SLO: e2e_p95 ≤ 120 s" in res.stdout
+    # (a busy machine may leave no level reliable: then the arm has no capacity, and says why)
+    reliable = {lv for (lv, arm), v in table.items() if arm == "eagle3" and v != "UNRELIABLE"}
+    if reliable:
+        top = max(reliable, key=lambda lv: int(lv[2:]))
+        assert f"eagle3 at your SLO (e2e_p95 ≤ 120 s): capacity ≥ {top}" in res.stdout
+    else:
+        assert "eagle3: no capacity at your SLO (e2e_p95 ≤ 120 s): no reliable level" in res.stdout
+    assert "fleet at peak c=4 (experiment file), $2.50 per GPU-hour:" in res.stdout
+    assert 'aria-label="eagle3: capacity at the SLO"' in (out / "report.html").read_text()
     db = out / "specproxy.duckdb"
     with duckdb.connect(str(db), read_only=True) as conn:
         rows = conn.execute(
@@ -97,6 +112,8 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     experiment = json.loads(config)
     assert "time scale" in experiment["description"]
     assert (experiment["at_concurrency"], experiment["peak_concurrency"]) == (1, 4)
+    assert experiment["slo"] == {"targets": [{"metric": "e2e", "percentile": 95.0, "threshold_s": 120.0}]}
+    assert experiment["gpu_hour_usd"] == 2.5
     assert [(a["name"], a["role"]) for a in experiment["arms"]][:2] == [
         ("baseline", "baseline"),
         ("replica", "replica"),
