@@ -114,7 +114,7 @@ class HealthRow(NamedTuple):
     arm: str | None  # None: a check of the client side (load generator, event loop, proxy)
     concurrency_level: int | None
     round: int | None
-    check_name: str  # engine_clock_lag | loadgen_start_lag_p99_s | event_loop_lag_p99_s | proxy_queue_p99_s
+    check_name: str  # engine_clock_lag | loadgen_start_lag_p99_s | event_loop_lag_share | ... (replay.health)
     value: float | None
     threshold: float | None  # the limit applied; above it the level is not trusted
     measured_at: datetime  # tz-aware UTC

@@ -67,6 +67,8 @@ CATEGORY_HEADER = "X-Specproxy-Category"
 # Sent by `specproxy replay` with each call: the concurrency level of its load phase, so that a proxy
 # in between (`specproxy replay --target`) labels its spans with it. serve never forwards it.
 CONCURRENCY_HEADER = "X-Specproxy-Concurrency-Level"
+# With it, the round of the level (1, 2, ...): a --target proxy's spans carry it too.
+ROUND_HEADER = "X-Specproxy-Round"
 REQUEST_ID_HEADER = "X-Request-Id"
 # A UUID as text: 8-4-4-4-12 hex digits, or the same 32 without dashes.
 _UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}(-?)[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{12}")
@@ -219,6 +221,15 @@ class CallResult:
 def level_header(level: int | None) -> dict[str, str] | None:
     """The request header that tells a proxy the concurrency level of this call (None: no level)."""
     return {CONCURRENCY_HEADER: str(level)} if level is not None else None
+
+
+def phase_headers(level: int | None, round_: int | None) -> dict[str, str] | None:
+    """The request headers that tell a proxy the load phase of this call: its concurrency level and
+    round (None: neither)."""
+    headers = level_header(level) or {}
+    if round_ is not None:
+        headers[ROUND_HEADER] = str(round_)
+    return headers or None
 
 
 def prompt_sha256(body: dict[str, Any], endpoint: str) -> str:
