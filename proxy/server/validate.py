@@ -29,7 +29,12 @@ import orjson
 from aiohttp import HttpVersion11, web
 
 from specproxy.proxy.server.errors import error_body
-from specproxy.proxy.upstream.calls import CATEGORY_HEADER, CONCURRENCY_HEADER, REQUEST_ID_HEADER
+from specproxy.proxy.upstream.calls import (
+    CATEGORY_HEADER,
+    CONCURRENCY_HEADER,
+    REQUEST_ID_HEADER,
+    ROUND_HEADER,
+)
 from specproxy.proxy.upstream.wire import header_safe
 
 # Deeper JSON is refused. orjson cannot serialise past 254 levels (the body is serialised again for
@@ -55,6 +60,7 @@ class ClientRequest:
     request_id: str  # the client's X-Request-Id as a valid header value, else a new one
     category: str | None  # X-Specproxy-Category as text (bytes that are not UTF-8 replaced)
     concurrency_level: int | None  # X-Specproxy-Concurrency-Level
+    round: int | None = None  # X-Specproxy-Round
 
 
 async def read_request(
@@ -84,16 +90,23 @@ async def read_request(
     category = headers.get(CATEGORY_HEADER)
     if category is not None:
         category = category.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    return ClientRequest(body, request_id, category or None, _concurrency_level(headers))
+    return ClientRequest(
+        body,
+        request_id,
+        category or None,
+        _counter_header(headers, CONCURRENCY_HEADER),
+        _counter_header(headers, ROUND_HEADER),
+    )
 
 
-def _concurrency_level(headers: Mapping[str, str]) -> int | None:
-    text = headers.get(CONCURRENCY_HEADER)
+def _counter_header(headers: Mapping[str, str], name: str) -> int | None:
+    """A header holding a count from 1 (replay's concurrency level, its round); None when absent."""
+    text = headers.get(name)
     if text is None:
         return None
     # ASCII digits only: int() would also take "1_000", "+5" and digits of other scripts.
     if not (text.isascii() and text.isdigit() and len(text) <= 7 and int(text) >= 1):
-        raise Rejected(400, f"header {CONCURRENCY_HEADER} must be an integer from 1 to 9999999, got {text!r}")
+        raise Rejected(400, f"header {name} must be an integer from 1 to 9999999, got {text!r}")
     return int(text)
 
 
