@@ -5,7 +5,9 @@ full-length calls at that level and reads how the machine kept up: each simulato
 client loop's lag as a share of the wave's median decode time. While either is over half its health
 limit, the simulators are slowed to half their speed (``POST /sim/time_scale``: same processes, same
 ports) and the wave is sent again, down to ``slowest``. A level is then measured at the scale its last
-wave ran at; the next level starts from there, since load only grows along the sweep.
+wave ran at; the next level starts from there, since load only grows along the sweep, and from half
+of it when a measured round of the level still failed a health check (a wave is one sample of a
+machine whose load can change from one minute to the next).
 
 Half the limit, because a wave predicts a round only roughly: the rounds that follow vary, and a level
 measured at the edge of its limit comes out UNRELIABLE as often as not. Each level's scale is recorded
@@ -26,8 +28,9 @@ import aiohttp
 from rich.console import Console
 
 from specproxy.config import Arm
-from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, EVENT_LOOP_LAG_SHARE, THRESHOLDS
+from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, EVENT_LOOP_LAG_SHARE, THRESHOLDS, over_threshold
 from specproxy.proxy.replay.runner import LevelTrial, ReplayError
+from specproxy.proxy.spans.sink import HealthRow
 
 TIME_SCALE_CHECK = "sim_time_scale"
 TRIAL_MARGIN = 0.5
@@ -104,6 +107,16 @@ class SimPacer:
         self.scale = scale
         self.paces.append(LevelPace(level, scale, tuple(trials)))
         return {TIME_SCALE_CHECK: scale}
+
+    def measured(self, level: int, health: Sequence[HealthRow]) -> None:
+        failed = sorted({r.check_name for r in over_threshold(health)})
+        if failed and self.scale / 2 >= self.slowest:
+            self.scale /= 2
+            self.console.print(
+                f"c={level} failed {', '.join(failed)} in a measured round: the next level starts at time "
+                f"scale {self.scale:g}",
+                highlight=False,
+            )
 
     def scales(self) -> dict[int, float]:
         return {p.level: p.time_scale for p in self.paces}

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +22,7 @@ from specproxy.engines.sim.server import running_sim
 from specproxy.pacing import TIME_SCALE_CHECK, SimPacer, kept_up
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.spans.sink import HealthRow
 from tests.support import free_port, start_cli, stop, wait_http
 
 # Far faster than a simulator's steps can be computed: its clock falls behind whatever the machine.
@@ -119,3 +121,21 @@ async def test_the_pacer_slows_the_simulators_until_a_wave_at_the_level_keeps_up
         ).fetchall()
     assert recorded == [(1, pace.time_scale, None), (2, pace.time_scale, None)]
     assert result.per_arm["base"].ok == result.per_arm["twin"].ok == 16  # the waves are not recorded
+
+
+def test_a_level_whose_rounds_failed_a_check_slows_the_next_level() -> None:
+    said = io.StringIO()
+    pacer = SimPacer((), 1.0, 0.25, Console(file=said, width=200))
+    now = datetime.now(UTC)
+    passed = HealthRow("r", "ngram", 16, 1, "engine_clock_lag", 0.01, 0.02, now)
+    failed = HealthRow("r", "ngram", 64, 2, "engine_clock_lag", 0.05, 0.02, now)
+    pacer.measured(16, [passed])
+    assert pacer.scale == 1.0
+    pacer.measured(64, [passed._replace(concurrency_level=64), failed])
+    assert pacer.scale == 0.5
+    assert "c=64 failed engine_clock_lag in a measured round: the next level starts at time scale 0.5" in (
+        said.getvalue()
+    )
+    for _ in range(3):  # never below the slowest scale
+        pacer.measured(256, [failed])
+    assert pacer.scale == 0.25

@@ -124,6 +124,10 @@ class LevelPacer(Protocol):
         record with each of the level's rounds (health rows that never gate)."""
         ...
 
+    def measured(self, level: int, health: Sequence[HealthRow]) -> None:
+        """Called after ``level``'s rounds with their health rows (to pace the next level by them)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ReplaySettings:
@@ -449,13 +453,21 @@ class ReplayRunner:
         decode_s: list[float] = []
         wave = [items[i % len(items)] for i in range(level)]
         stop = self.stop
-        async with LoopLagSampler() as loop_lag:
-            await asyncio.gather(
-                *(
-                    closed_loop(wave, level, functools.partial(self._warm, arm, decode_s=decode_s), stop=stop)
-                    for arm in self.s.arms
+        # The engines are scraped as during a measured round: that is part of the load the wave predicts.
+        scraping = asyncio.ensure_future(self._scrape_during())
+        try:
+            async with LoopLagSampler() as loop_lag:
+                await asyncio.gather(
+                    *(
+                        closed_loop(
+                            wave, level, functools.partial(self._warm, arm, decode_s=decode_s), stop=stop
+                        )
+                        for arm in self.s.arms
+                    )
                 )
-            )
+        finally:
+            scraping.cancel()
+            await asyncio.gather(scraping, return_exceptions=True)
         after = await read_sim_clocks(self.session, self.s.arms)
         return LevelTrial(clock_lag(before, after), loop_lag_share(loop_lag.lags_s, decode_s))
 
@@ -588,6 +600,8 @@ class ReplayRunner:
                 phase = _Phase(phase_label(f"c={level}", round_, plan.rounds), level, round_)
                 calls = self._calls(f"c{level}", self._round_order(items, phase), phase)
                 await self._phase(phase, calls, drive)
+            if self.s.pacer is not None:
+                self.s.pacer.measured(level, [r for r in self.result.health if r.concurrency_level == level])
 
     async def _open(self) -> None:
         plan = self.s.load
