@@ -33,10 +33,11 @@ Time. ``--time-scale X`` runs every simulator X times faster than the profile's 
 scaled alike, so ratios between arms (what the verdicts use) are kept as long as the machine keeps up,
 while absolute tok/s are multiplied by X and times divided by it (the lab says so under its tables).
 A simulator that cannot keep its clock (too many streams for the cores it gets) stretches every time
-it reports, and the level's health says so. Without ``--time-scale`` the lab first probes: one short
-wave at the top level at time scale 1; while a simulator falls more than the health limit behind its
-clock, the simulators are restarted at half the speed and probed again (down to 1/4). It prints what it
-chose and why, and the run's experiment description records it.
+it reports, and the level's health says so. Without ``--time-scale`` the lab paces each level
+(:mod:`specproxy.pacing`): one unrecorded wave at the level first, and while the machine does not keep
+up with it the simulators are slowed to half speed (down to 1/4) and the wave is sent again. It prints
+what each level ran at and why, records the scale with each level's health, and the run's experiment
+description says how the scale was chosen.
 """
 
 from __future__ import annotations
@@ -70,15 +71,10 @@ from specproxy.engine_state import EngineError
 from specproxy.engines.launch.plan import SimOptions, plan_arm
 from specproxy.engines.launch.supervisor import start_arms, stop_experiment
 from specproxy.engines.profiles import ProfileError, load_profile
+from specproxy.pacing import CLOCK_LIMIT, LOOP_LIMIT, SimPacer
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
 from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, THRESHOLDS
-from specproxy.proxy.replay.runner import (
-    LoadPlan,
-    ReplayError,
-    ReplaySettings,
-    replay_until_stopped,
-    run_replay,
-)
+from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
 from specproxy.proxy.replay.summary import print_summary
 from specproxy.proxy.replay.workload import mixed_workload
 from specproxy.proxy.spans.sink import HealthRow, SpanSinkError
@@ -88,10 +84,9 @@ from specproxy.slo import Slo
 LAB_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_PROFILE = "h100-llama3.1-8b"
 # Above this share of busy time behind its clock, a simulator's figures are stretched by the machine.
-MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG]
-# The time-scale probe: one wave of this many tokens per call at the top level; never slower than this.
-PROBE_MAX_TOKENS = 64
-SLOWEST_PROBED_SCALE = 1 / 4
+MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02
+# Pacing never slows the simulators below this share of their starting speed (the lab's time budget).
+SLOWEST_PACED_SCALE = 1 / 4
 REPLICA = "replica"
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
@@ -223,76 +218,31 @@ def simulated_arms(
         stop_experiment(exp, grace_s=10.0)
 
 
-def probe_clock_lag(exp: Experiment, items: Sequence[ReplayItem], level: int, out: Path, seed: int) -> float:
-    """The worst simulator clock lag over one short wave at ``level`` (its spans go to probe.duckdb)."""
-    settings = ReplaySettings(
-        arms=exp.arms,
-        db_path=out / "probe.duckdb",
-        run_name="lab-probe",
-        load=LoadPlan(kind="closed", levels=(level,), warmup=0, items_per_level=lambda c: c),
-        max_tokens=PROBE_MAX_TOKENS,
-        seed=seed,
-        experiment=exp,
-        show_progress=False,
+def pace_note(pacer: SimPacer | None, time_scale: float, *, given: bool = True) -> str:
+    """How the simulators' time scale was chosen, for the run's experiment description."""
+    if pacer is None:
+        if given:
+            return f"time scale {time_scale:g} (given)"
+        return f"time scale {time_scale:g} (a sweep of rates is not paced: a rate's load is relative to it)"
+    return (
+        f"time scale paced per level from {time_scale:g} down to {time_scale * SLOWEST_PACED_SCALE:g}: "
+        f"halved while a wave at the level saw a simulator over {CLOCK_LIMIT:.0%} behind its clock or "
+        f"the client's loop lag over {LOOP_LIMIT:.1%} of decode (health check sim_time_scale)"
     )
-    result = run_async(run_replay(settings, items))
-    lags = [r.value for r in result.health if r.check_name == ENGINE_CLOCK_LAG and r.value is not None]
-    return max(lags, default=0.0)
 
 
-@dataclass(frozen=True, slots=True)
-class ScaleChoice:
-    time_scale: float
-    probed: tuple[tuple[float, float], ...]  # (time scale, worst clock lag) in the order tried
-
-    def sentence(self, level: int) -> str:
-        if not self.probed:
-            return f"time scale {self.time_scale:g} (given)"
-        tried = ", ".join(f"{lag:.1%} at {scale:g}" for scale, lag in self.probed)
-        kept_up = self.probed[-1][1] <= MAX_CLOCK_LAG
-        why = "the fastest that kept up" if kept_up else f"the slowest probed, still over {MAX_CLOCK_LAG:.0%}"
-        return (
-            f"time scale {self.time_scale:g}, {why}: a probe at c={level} saw a worst simulator clock lag of "
-            f"{tried}"
+def print_pace(pacer: SimPacer, profile: str, console: Console) -> None:
+    """What each level ran at and why, and how to read its absolute figures."""
+    for sentence in pacer.sentences():
+        console.print(f"pace: {sentence}", highlight=False)
+    slowed = {level: scale for level, scale in pacer.scales().items() if scale != 1}
+    if slowed:
+        cells = ", ".join(f"c={level} {scale:g}x" for level, scale in slowed.items())
+        console.print(
+            f"note: some levels ran slower than the {profile} clock ({cells}): divide their tok/s by that "
+            "factor and multiply their times by it; ratios are unaffected",
+            highlight=False,
         )
-
-
-def start_simulated_arms(
-    stack: contextlib.ExitStack[Any],
-    out: Path,
-    profile: str,
-    plan: LabPlan,
-    seed: int,
-    *,
-    replica: bool,
-    probe_items: Sequence[ReplayItem] | None,
-    console: Console,
-) -> tuple[Experiment, ScaleChoice]:
-    """Start the simulated arms, at ``plan.time_scale`` or, with ``probe_items``, at the fastest time
-    scale (halving from it) at which a probe at the top level keeps every simulator on its clock."""
-    top = max(plan.levels)
-    scale = plan.time_scale
-    probed: list[tuple[float, float]] = []
-    while True:
-        n = len(LAB_ARMS) - (0 if replica else 1)
-        console.print(f"starting {n} simulated arms ({profile}, time scale {scale:g}) ...", highlight=False)
-        arms = contextlib.ExitStack()
-        exp = arms.enter_context(simulated_arms(out, profile, scale, seed, replica=replica))
-        if probe_items is None:
-            break
-        try:
-            lag = probe_clock_lag(exp, probe_items, top, out, seed)
-        except BaseException:
-            arms.close()
-            raise
-        probed.append((scale, lag))
-        console.print(f"probe at c={top}, time scale {scale:g}: worst clock lag {lag:.1%}", highlight=False)
-        if lag <= MAX_CLOCK_LAG or scale / 2 < plan.time_scale * SLOWEST_PROBED_SCALE:
-            break
-        arms.close()
-        scale /= 2
-    stack.enter_context(arms)
-    return exp, ScaleChoice(scale, tuple(probed))
 
 
 def clock_lag_by_level(health: Sequence[HealthRow]) -> dict[str, tuple[float, str]]:
@@ -548,9 +498,9 @@ def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> E
     "--time-scale",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="Simulated arms run this many times faster than the profile's clock (default: the fastest, "
-    "from 1 down, at which a probe at the top level keeps up); ratios between arms are kept, absolute "
-    "tok/s are multiplied by it.",
+    help="Simulated arms run this many times faster than the profile's clock (default: paced per level, "
+    "from 1 down to 1/4, halved while a wave at the level shows the machine not keeping up); ratios "
+    "between arms are kept, absolute tok/s are multiplied by it.",
 )
 @click.option("--no-replica", is_flag=True, help="Do not start the baseline's replica (the noise floor).")
 @click.option(
@@ -622,16 +572,21 @@ def lab(
     lab_items = _lab_items(workload, plan, seed)
     t0 = time.monotonic()
     scale_note = ""
+    pacer: SimPacer | None = None
     with contextlib.ExitStack() as stack:
         simulated = experiment is None
         if experiment is None:
-            top = max(plan.levels)
-            probe = [lab_items[i % len(lab_items)] for i in range(top)] if time_scale is None else None
-            experiment, choice = start_simulated_arms(
-                stack, out, profile, plan, seed, replica=not no_replica, probe_items=probe, console=console
+            n = len(LAB_ARMS) - (1 if no_replica else 0)
+            starting = f"starting {n} simulated arms ({profile}, time scale {plan.time_scale:g}) ..."
+            console.print(starting, highlight=False)
+            experiment = stack.enter_context(
+                simulated_arms(out, profile, plan.time_scale, seed, replica=not no_replica)
             )
-            plan = dataclasses.replace(plan, time_scale=choice.time_scale)
-            scale_note = choice.sentence(top)
+            # A rate level's load is relative to the engines' speed, so a rate sweep keeps one time scale.
+            if time_scale is None and rates is None:
+                slowest = plan.time_scale * SLOWEST_PACED_SCALE
+                pacer = SimPacer(experiment.arms, plan.time_scale, slowest, console)
+            scale_note = pace_note(pacer, plan.time_scale, given=time_scale is not None)
             click.echo(f"lab: {scale_note}")
         if rates == ():
             top = max(plan.levels)
@@ -661,6 +616,7 @@ def lab(
             seed=seed,
             experiment=experiment,
             show_progress=not no_progress,
+            pacer=pacer,
         )
         console.print(_sweep_sentence(plan, rates), highlight=False)
         try:
@@ -674,7 +630,9 @@ def lab(
     console.print(f"measured in {time.monotonic() - t0:.0f} s", highlight=False)
     if result.interrupted:
         console.print("interrupted: what was measured so far is analysed below", highlight=False)
-    if simulated and plan.time_scale != 1:
+    if pacer is not None:
+        print_pace(pacer, profile, console)
+    elif simulated and plan.time_scale != 1:
         console.print(
             f"note: the simulated arms ran {plan.time_scale:g}x as fast as the {profile} clock: "
             f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",

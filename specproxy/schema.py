@@ -87,8 +87,9 @@ CREATE TABLE IF NOT EXISTS backend_metrics (
 
 # The measurement's own health, per level and round: did the machine keep up? One row per check,
 # e.g. check_name = 'engine_clock_lag' (a simulator's lag behind its clock, as a fraction),
-# 'loadgen_start_lag_p99_s', 'event_loop_lag_p99_s', 'proxy_queue_p99_s'. arm is NULL for checks
-# of the client side; threshold is the limit above which the level is not trusted.
+# 'loadgen_start_lag_p99_s', 'event_loop_lag_share', 'proxy_queue_p99_s'. arm is NULL for checks
+# of the client side; threshold is the limit above which the level is not trusted (NULL: shown only,
+# e.g. 'event_loop_lag_p99_s', 'sim_time_scale'). Live traffic's rows have no level or round.
 HEALTH_DDL = """
 CREATE TABLE IF NOT EXISTS health (
     run_id VARCHAR,

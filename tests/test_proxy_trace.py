@@ -88,9 +88,15 @@ async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_pa
         for bad in ("sixteen", "0", "-3"):
             async with s.post(p.url + "/v1/chat/completions", json=BODY, headers={hdr: bad}) as r:
                 assert r.status == 400 and hdr in (await r.json())["error"]["message"]
+        async with s.post(
+            p.url + "/v1/chat/completions", json=BODY, headers={"X-Specproxy-Round": "2nd"}
+        ) as r:
+            assert r.status == 400 and "X-Specproxy-Round" in (await r.json())["error"]["message"]
         async with s.post(p.url + "/v1/chat/completions", json=BODY) as r:
             await r.read()
-        assert all(hdr not in h for h in base.stats.headers + cand.stats.headers)
+        assert all(
+            hdr not in h and "X-Specproxy-Round" not in h for h in base.stats.headers + cand.stats.headers
+        )
     assert sorted((r["routed_as"], r["concurrency_level"] or 0) for r in spans(p.db)) == [
         ("primary", 0),
         ("primary", 16),
@@ -99,7 +105,7 @@ async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_pa
     ]
 
 
-async def test_replay_through_the_proxy_labels_its_spans_with_each_level(tmp_path: Path) -> None:
+async def test_replay_through_the_proxy_labels_its_spans_with_each_level_and_round(tmp_path: Path) -> None:
     async with (
         running_backend(BackendConfig(tokens=3)) as base,
         running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": base.url}]) as p,
@@ -112,12 +118,12 @@ async def test_replay_through_the_proxy_labels_its_spans_with_each_level(tmp_pat
             arms=(Arm(name="target", url=p.url, role="baseline"),),
             db_path=tmp_path / "replay.duckdb",
             show_progress=False,
-            load=LoadPlan(levels=(1, 3), warmup=0),
+            load=LoadPlan(levels=(1, 3), warmup=0, rounds=2),
         )
         result = await run_replay(settings, items)
-        assert result.per_arm["target"].ok == 12
-    levels = sorted(r["concurrency_level"] for r in spans(p.db))
-    assert levels == [1] * 6 + [3] * 6
+        assert result.per_arm["target"].ok == 24
+    phases = sorted((r["concurrency_level"], r["round"]) for r in spans(p.db))
+    assert phases == [(c, k) for c in (1, 3) for k in (1, 2) for _ in range(6)]
 
 
 def test_rows_are_the_same_with_otel_spans_built_or_not(tmp_path: Path) -> None:

@@ -38,18 +38,25 @@ import re
 import secrets
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import aiohttp
 
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.identity import NOT_COMPARABLE, compare, is_comparable
 from specproxy.proxy.replay.formats import ItemSet, ReplayItem
-from specproxy.proxy.replay.health import LoopLagSampler, clock_lag, health_rows, p99, read_sim_clocks
+from specproxy.proxy.replay.health import (
+    LoopLagSampler,
+    clock_lag,
+    health_rows,
+    loop_lag_share,
+    p99,
+    read_sim_clocks,
+)
 from specproxy.proxy.replay.loadgen import LoadStats, closed_loop, open_loop, poisson_offsets, timed_offsets
 from specproxy.proxy.replay.progress import ReplayProgress
 from specproxy.proxy.spans.sink import HealthRow, SpanSink
@@ -58,8 +65,8 @@ from specproxy.proxy.upstream.calls import (
     UpstreamState,
     UpstreamTimeout,
     call_arm,
-    level_header,
     new_record,
+    phase_headers,
     upstream_request_id,
 )
 from specproxy.proxy.upstream.scrape import MetricsScraper
@@ -105,6 +112,33 @@ class LoadPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class LevelTrial:
+    """One unrecorded wave at a level: each simulator's clock lag over it and the client loop's lag as a
+    share of the wave's median decode time (None when nothing decoded)."""
+
+    engine_lag: Mapping[str, float]
+    loop_lag_share: float | None
+
+    @property
+    def worst_engine_lag(self) -> float:
+        return max(self.engine_lag.values(), default=0.0)
+
+
+class LevelPacer(Protocol):
+    """Sets the pace of a closed-loop level before it is measured (the lab slows its simulators down)."""
+
+    async def settle(self, level: int, trial: Callable[[], Awaitable[LevelTrial]]) -> Mapping[str, float]:
+        """Called before ``level``'s rounds instead of its warm-up; ``trial()`` sends one unrecorded wave
+        of full-length calls (``level`` per arm) and says how the machine kept up. Returns figures to
+        record with each of the level's rounds (health rows that never gate)."""
+        ...
+
+    def measured(self, level: int, health: Sequence[HealthRow]) -> None:
+        """Called after ``level``'s rounds with their health rows (to pace the next level by them)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
 class ReplaySettings:
     arms: tuple[Arm, ...]
     db_path: Path
@@ -120,6 +154,7 @@ class ReplaySettings:
     timeout: UpstreamTimeout = UpstreamTimeout()
     capture_output: bool = False
     show_progress: bool = True
+    pacer: LevelPacer | None = None
 
 
 @dataclass(slots=True)
@@ -287,6 +322,8 @@ class ReplayRunner:
         self._recording = True
         self._warmups = 0
         self._queue_s: list[float] = []  # this phase's calls: handed over → upstream request sent
+        self._decode_s: list[float] = []  # this phase's calls: first → last token
+        self._level_notes: Mapping[str, float] = {}
 
     # bodies and ids
 
@@ -368,7 +405,7 @@ class ReplayRunner:
                 timeout=self.s.timeout,
                 capture_output=self.s.capture_output,
                 state=self.state,
-                headers=level_header(call.concurrency_level, call.offered_rate),
+                headers=phase_headers(call.concurrency_level, call.round, call.offered_rate),
             )
         except asyncio.CancelledError:
             # Stopped by the user mid-call: keep the span (status client_cancelled), never the output.
@@ -379,6 +416,8 @@ class ReplayRunner:
         if not self._recording:
             return ended
         self._queue_s.append(result.t_send - handed_over)
+        if result.ok and record.ttft_s is not None and record.e2e_s is not None:
+            self._decode_s.append(record.e2e_s - record.ttft_s)
         totals = self.result.per_arm[arm.name]
         if result.ok:
             totals.ok += 1
@@ -395,8 +434,10 @@ class ReplayRunner:
     async def _send_split(self, assigned: tuple[Arm, _Call]) -> float | None:
         return await self._send(assigned[0], assigned[1], routed_as="split", joiner=None)
 
-    async def _warm(self, arm: Arm, item: ReplayItem) -> None:
-        body = self._for_arm(arm, self._body(item, warmup=True))
+    async def _warm(self, arm: Arm, item: ReplayItem, decode_s: list[float] | None = None) -> None:
+        """An unrecorded call: short (a warm-up), or at full length when ``decode_s`` collects its
+        decode time (a pacer's trial)."""
+        body = self._for_arm(arm, self._body(item, warmup=decode_s is None))
         self._warmups += 1
         rid = f"{self.run_id.removeprefix('replay-')[:6]}-warmup-{self._warmups:05d}"
         record = new_record(
@@ -409,7 +450,7 @@ class ReplayRunner:
             source="replay",
             category=item.category,
         )
-        await call_arm(
+        result = await call_arm(
             self.client,
             arm,
             body,
@@ -418,6 +459,32 @@ class ReplayRunner:
             timeout=self.s.timeout,
             state=self.state,
         )
+        if decode_s is not None and result.ok and record.ttft_s is not None and record.e2e_s is not None:
+            decode_s.append(record.e2e_s - record.ttft_s)
+
+    async def _trial(self, level: int, items: Sequence[ReplayItem]) -> LevelTrial:
+        """One unrecorded wave of full-length calls at ``level`` on every arm, and how the machine kept up."""
+        before = await read_sim_clocks(self.session, self.s.arms)
+        decode_s: list[float] = []
+        wave = [items[i % len(items)] for i in range(level)]
+        stop = self.stop
+        # The engines are scraped as during a measured round: that is part of the load the wave predicts.
+        scraping = asyncio.ensure_future(self._scrape_during())
+        try:
+            async with LoopLagSampler() as loop_lag:
+                await asyncio.gather(
+                    *(
+                        closed_loop(
+                            wave, level, functools.partial(self._warm, arm, decode_s=decode_s), stop=stop
+                        )
+                        for arm in self.s.arms
+                    )
+                )
+        finally:
+            scraping.cancel()
+            await asyncio.gather(scraping, return_exceptions=True)
+        after = await read_sim_clocks(self.session, self.s.arms)
+        return LevelTrial(clock_lag(before, after), loop_lag_share(loop_lag.lags_s, decode_s))
 
     def _emit(self, record: SpanRecord) -> None:
         assert self._sink is not None
@@ -451,6 +518,7 @@ class ReplayRunner:
         self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
         self.result.phases.append(label)
         self._queue_s = []
+        self._decode_s = []
         stats: list[LoadStats] = []
         loop_lag = LoopLagSampler()
         scraping = asyncio.ensure_future(self._scrape_during())
@@ -503,6 +571,8 @@ class ReplayRunner:
             start_lags,
             loop_lags,
             self._queue_s,
+            self._decode_s,
+            notes=self._level_notes,
             offered_rate=phase.offered_rate,
             rates=[(st.achieved_rate(), st.scheduled_rate()) for st in stats],
         )
@@ -534,7 +604,13 @@ class ReplayRunner:
             if self.stop.is_set():
                 break
             items = self._level_items(level)
-            await self._warm_level(items, level if plan.warmup is None else plan.warmup, level)
+            n_warm = level if plan.warmup is None else plan.warmup
+            if self.s.pacer is not None:
+                self._level_notes = await self.s.pacer.settle(
+                    level, functools.partial(self._trial, level, items)
+                )
+            else:
+                await self._warm_level(items, n_warm, level)
 
             def drive(
                 seq: Sequence[Any], send: Callable[[Any], Awaitable[float | None]], level: int = level
@@ -547,6 +623,8 @@ class ReplayRunner:
                 phase = _Phase(phase_label(f"c={level}", round_, plan.rounds), level, round_)
                 calls = self._calls(f"c{level}", self._round_order(items, phase), phase)
                 await self._phase(phase, calls, drive)
+            if self.s.pacer is not None:
+                self.s.pacer.measured(level, [r for r in self.result.health if r.concurrency_level == level])
 
     def _rate_schedule(self, rate: float) -> tuple[list[ReplayItem], list[float]]:
         """A rate level's items and Poisson offsets: ``items_per_rate`` arrivals, else arrivals for the

@@ -35,6 +35,7 @@ from specproxy.proxy.upstream.calls import (
     CONCURRENCY_HEADER,
     OFFERED_RATE_HEADER,
     REQUEST_ID_HEADER,
+    ROUND_HEADER,
 )
 from specproxy.proxy.upstream.wire import header_safe
 
@@ -62,6 +63,7 @@ class ClientRequest:
     category: str | None  # X-Specproxy-Category as text (bytes that are not UTF-8 replaced)
     concurrency_level: int | None  # X-Specproxy-Concurrency-Level
     offered_rate: float | None = None  # X-Specproxy-Offered-Rate (requests/s)
+    round: int | None = None  # X-Specproxy-Round
 
 
 async def read_request(
@@ -92,17 +94,23 @@ async def read_request(
     if category is not None:
         category = category.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     return ClientRequest(
-        body, request_id, category or None, _concurrency_level(headers), _offered_rate(headers)
+        body,
+        request_id,
+        category or None,
+        _counter_header(headers, CONCURRENCY_HEADER),
+        _offered_rate(headers),
+        _counter_header(headers, ROUND_HEADER),
     )
 
 
-def _concurrency_level(headers: Mapping[str, str]) -> int | None:
-    text = headers.get(CONCURRENCY_HEADER)
+def _counter_header(headers: Mapping[str, str], name: str) -> int | None:
+    """A header holding a count from 1 (replay's concurrency level, its round); None when absent."""
+    text = headers.get(name)
     if text is None:
         return None
     # ASCII digits only: int() would also take "1_000", "+5" and digits of other scripts.
     if not (text.isascii() and text.isdigit() and len(text) <= 7 and int(text) >= 1):
-        raise Rejected(400, f"header {CONCURRENCY_HEADER} must be an integer from 1 to 9999999, got {text!r}")
+        raise Rejected(400, f"header {name} must be an integer from 1 to 9999999, got {text!r}")
     return int(text)
 
 

@@ -69,6 +69,8 @@ CATEGORY_HEADER = "X-Specproxy-Category"
 CONCURRENCY_HEADER = "X-Specproxy-Concurrency-Level"
 # The same for an open-loop level: its offered rate in requests/s (`replay --rates`).
 OFFERED_RATE_HEADER = "X-Specproxy-Offered-Rate"
+# With it, the round of the level (1, 2, ...): a --target proxy's spans carry it too.
+ROUND_HEADER = "X-Specproxy-Round"
 REQUEST_ID_HEADER = "X-Request-Id"
 # A UUID as text: 8-4-4-4-12 hex digits, or the same 32 without dashes.
 _UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}(-?)[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{12}")
@@ -224,6 +226,17 @@ def level_header(level: int | None, offered_rate: float | None = None) -> dict[s
     if level is not None:
         return {CONCURRENCY_HEADER: str(level)}
     return {OFFERED_RATE_HEADER: repr(float(offered_rate))} if offered_rate is not None else None
+
+
+def phase_headers(
+    level: int | None, round_: int | None, offered_rate: float | None = None
+) -> dict[str, str] | None:
+    """The request headers that tell a proxy the load phase of this call: its level (a concurrency or
+    an open loop's offered rate) and round (None: neither)."""
+    headers = level_header(level, offered_rate) or {}
+    if round_ is not None:
+        headers[ROUND_HEADER] = str(round_)
+    return headers or None
 
 
 def prompt_sha256(body: dict[str, Any], endpoint: str) -> str:
