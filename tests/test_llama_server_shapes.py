@@ -20,6 +20,12 @@ import orjson
 import pytest
 from aiohttp import web
 
+from specproxy.config import Arm
+from specproxy.proxy.upstream.acceptance import MergeCalibration, speculation_for
+from specproxy.proxy.upstream.engines import engine_report
+from specproxy.proxy.upstream.scrape import engine_load, parse_metrics, spec_decode_summary
+from specproxy.proxy.upstream.sse import CompletionTap, SSEParser
+from specproxy.proxy.upstream.tokens import ChunkEvidence, count_completion_tokens
 from tests.proxies import running_proxy, spans, wait_for_calls
 from tests.support import free_port
 
@@ -159,3 +165,89 @@ async def test_the_client_gets_llama_servers_bytes_through_the_proxy(
     rows = spans(p.db)
     assert [(r["status"], r["engine"]) for r in rows] == [("ok", "llamacpp")] * 2
     assert [(r["completion_tokens"], r["tokens_source"]) for r in rows] == [(TOKENS, "usage")] * 2
+
+
+def _tapped(server: str, endpoint: str, stream: bool, include_usage: bool = False) -> CompletionTap:
+    tap = CompletionTap("chat" if endpoint == "chat" else "completions")
+    raw = recording(server, endpoint, stream, include_usage).read_bytes()
+    if not stream:
+        tap.feed_body(raw, 0.0)
+        return tap
+    parser = SSEParser()
+    for i, event in enumerate(parser.feed(raw)):
+        assert event.data is not None
+        tap.feed_data(event.data, float(i))
+    assert tap.done and tap.malformed is None
+    return tap
+
+
+ARMS = {
+    "plain": Arm(name="plain", url="http://plain", role="baseline"),
+    "draft": Arm(name="draft", url="http://draft", speculative=DRAFT),
+}
+
+
+@pytest.mark.parametrize("server", ["plain", "draft"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize(("stream", "include_usage"), [(False, False), (True, False), (True, True)])
+def test_tokens_are_the_servers_count_never_doubled(
+    server: str, endpoint: str, stream: bool, include_usage: bool
+) -> None:
+    """The count is the server's: its usage (a completions stream's final chunk holds it beside
+    choices: a total, not an increment), or a chat stream's timings.predicted_n."""
+    tap = _tapped(server, endpoint, stream, include_usage)
+    report = engine_report(tap, tap.engine_hint or "unknown")
+    assert tap.engine_hint == "llamacpp" and report is not None
+    count = count_completion_tokens(tap, ARMS[server], ChunkEvidence(), reported=report.completion_tokens)
+    assert (count.tokens, count.source) == (TOKENS, "usage")
+    chat_stream_without_usage = endpoint == "chat" and stream and not include_usage
+    assert tap.usage_tokens == (None if chat_stream_without_usage else TOKENS)
+    assert report.completion_tokens == TOKENS == timings(server, endpoint)["predicted_n"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize(("stream", "include_usage"), [(False, False), (True, False), (True, True)])
+def test_acceptance_is_what_the_draft_server_reported(
+    endpoint: str, stream: bool, include_usage: bool
+) -> None:
+    tap = _tapped("draft", endpoint, stream, include_usage)
+    spec, source = speculation_for(tap, ARMS["draft"], engine_report(tap, "llamacpp"), MergeCalibration())
+    assert source == "llamacpp_timings" and spec is not None
+    timed = tap.extras["timings"]
+    assert (
+        (spec.draft_tokens, spec.accepted_tokens) == (timed["draft_n"], timed["draft_n_accepted"]) == (4, 4)
+    )
+    # 6 tokens: the first from prefill, then one step that accepted 4 drafts (the server counted 1).
+    assert spec.num_drafts is None and spec.acceptance_length == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_plain_server_reports_no_drafts(endpoint: str) -> None:
+    tap = _tapped("plain", endpoint, stream=True)
+    report = engine_report(tap, "llamacpp")
+    assert report is not None and (report.draft_tokens, report.accepted_tokens) == (0, 0)
+    assert speculation_for(tap, ARMS["plain"], report, MergeCalibration()) == (None, "none")
+    # The same answer from an arm configured to speculate: the server drafted nothing, and says so.
+    spec, source = speculation_for(tap, ARMS["draft"], report, MergeCalibration())
+    assert source == "llamacpp_timings" and spec is not None
+    assert (spec.draft_tokens, spec.accepted_tokens, spec.acceptance_length) == (0, 0, None)
+
+
+def test_metrics_pages_read_under_llama_servers_names() -> None:
+    before = parse_metrics("draft", (FIXTURES / "draft-metrics-before.txt").read_text())
+    after = parse_metrics("draft", (FIXTURES / "draft-metrics-after.txt").read_text())
+    plain = parse_metrics("plain", (FIXTURES / "plain-metrics.txt").read_text())
+    assert before.engine == after.engine == plain.engine == "llamacpp"
+    assert engine_load(after) == engine_load(plain) == (0.0, 0.0)
+    # Names as the server exports them (the parser would call this counter n_tokens_max_total).
+    assert "llamacpp:n_tokens_max" in after.series and "llamacpp:n_tokens_max_total" not in after.series
+    summary = spec_decode_summary(before, after)
+    # Between the two pages the server answered draft-chat.json alone: the deltas are its timings.
+    timed = timings("draft", "chat")
+    assert (summary["draft_tokens"], summary["accepted_tokens"]) == (
+        timed["draft_n"],
+        timed["draft_n_accepted"],
+    )
+    assert summary["num_drafts"] == 1 and summary["mean_acceptance_length"] == pytest.approx(5.0)
+    assert summary["per_position_rates"] == [1.0, 1.0, 1.0, 1.0]
+    assert spec_decode_summary(plain, plain)["num_drafts"] == 0
