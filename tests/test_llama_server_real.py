@@ -112,7 +112,8 @@ class Answer:
 
 def _answer(raw: bytes, endpoint: str, stream: bool) -> Answer:
     payloads = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n")[:-1]] if stream else [raw]
-    text, timings = "", {}
+    text = ""
+    timings: dict[str, Any] = {}
     for payload in payloads:
         if payload == b"[DONE]":
             continue
