@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import duckdb
 import orjson
 import pytest
 from aiohttp import web
@@ -23,9 +25,10 @@ from aiohttp import web
 from specproxy.config import Arm
 from specproxy.proxy.upstream.acceptance import MergeCalibration, speculation_for
 from specproxy.proxy.upstream.engines import engine_report
-from specproxy.proxy.upstream.scrape import engine_load, parse_metrics, spec_decode_summary
+from specproxy.proxy.upstream.scrape import engine_load, parse_metrics, snapshot_rows, spec_decode_summary
 from specproxy.proxy.upstream.sse import CompletionTap, SSEParser
 from specproxy.proxy.upstream.tokens import ChunkEvidence, count_completion_tokens
+from specproxy.schema import migrate
 from tests.proxies import running_proxy, spans, wait_for_calls
 from tests.support import free_port
 
@@ -251,3 +254,25 @@ def test_metrics_pages_read_under_llama_servers_names() -> None:
     assert summary["num_drafts"] == 1 and summary["mean_acceptance_length"] == pytest.approx(5.0)
     assert summary["per_position_rates"] == [1.0, 1.0, 1.0, 1.0]
     assert spec_decode_summary(plain, plain)["num_drafts"] == 0
+
+
+def test_the_acceptance_view_reads_llama_servers_counters(tmp_path: Path) -> None:
+    """A replay level's window of llama-server scrapes: analyze's acceptance is the counters' change."""
+    pages = {"c=1:before": "draft-metrics-before.txt", "c=1:after": "draft-metrics-after.txt"}
+    rows = []
+    for i, (phase, name) in enumerate(pages.items()):
+        scraped_at = datetime(2026, 12, 2, 0, 0, i, tzinfo=UTC)
+        snapshot = parse_metrics("draft", (FIXTURES / name).read_text(), scraped_at)
+        rows += snapshot_rows(snapshot, run_id="r", phase=phase)
+    with duckdb.connect(str(tmp_path / "spans.duckdb")) as con:
+        migrate(con)
+        con.executemany(
+            "INSERT INTO backend_metrics (run_id, arm, scraped_at, phase, name, labels_json, value) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [list(row) for row in rows],
+        )
+        got = con.execute(
+            "SELECT level, drafts, draft_tokens, accepted_tokens, acceptance_rate, acceptance_length, "
+            "acceptance_per_position FROM acceptance WHERE arm = 'draft'"
+        ).fetchall()
+    assert got == [("1", 1.0, 4.0, 4.0, 1.0, 5.0, [1.0, 1.0, 1.0, 1.0])]
