@@ -22,6 +22,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from specproxy.analysis.store import open_store
 from specproxy.config import Arm
 from specproxy.proxy.upstream.acceptance import MergeCalibration, speculation_for
 from specproxy.proxy.upstream.engines import engine_report
@@ -271,8 +272,15 @@ def test_the_acceptance_view_reads_llama_servers_counters(tmp_path: Path) -> Non
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
             [list(row) for row in rows],
         )
-        got = con.execute(
-            "SELECT level, drafts, draft_tokens, accepted_tokens, acceptance_rate, acceptance_length, "
-            "acceptance_per_position FROM acceptance WHERE arm = 'draft'"
-        ).fetchall()
+        got = con.execute(f"SELECT {ACCEPTANCE_COLUMNS} FROM acceptance WHERE arm = 'draft'").fetchall()
     assert got == [("1", 1.0, 4.0, 4.0, 1.0, 5.0, [1.0, 1.0, 1.0, 1.0])]
+    # The analysis reads the store through its own views: the same figures.
+    with open_store([tmp_path / "spans.duckdb"]) as store:
+        analysed = store.query(f"SELECT {ACCEPTANCE_COLUMNS} FROM acceptance WHERE arm = 'draft'")
+    assert [tuple(row.values()) for row in analysed] == got
+
+
+ACCEPTANCE_COLUMNS = (
+    "level, drafts, draft_tokens, accepted_tokens, acceptance_rate, acceptance_length, "
+    "acceptance_per_position"
+)
