@@ -80,6 +80,17 @@ class SeqTruth:
     scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    # The step timeline: when each step that gave this request tokens landed (the engine's clock,
+    # seconds), and how many tokens it gave; what a client's chunks would show with no network at all.
+    emit_times: list[float] = field(default_factory=list)
+    emit_tokens: list[int] = field(default_factory=list)
+
+    def timeline(self) -> dict[str, Any]:
+        """The step timeline, times as seconds since arrival (``/sim/requests?timeline=1``)."""
+        return {
+            "emit_s": [t - self.arrival for t in self.emit_times],
+            "emit_tokens": list(self.emit_tokens),
+        }
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -432,6 +443,9 @@ class EngineCore:
             self._emit(seq, emitted, now)
             new = seq.n_out - before
             m.generation_tokens += new
+            if new:
+                truth.emit_times.append(now)
+                truth.emit_tokens.append(new)
             if before == 0:
                 truth.first_token = now
                 m.ttft.observe(now - truth.arrival)
