@@ -17,6 +17,13 @@ from datetime import datetime
 from typing import Any
 
 from specproxy.analysis.evaluation import CategoryRow, LevelRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.latency_table import (
+    LATENCY_CSV_FIELDS,
+    LATENCY_HEADERS,
+    LATENCY_TITLE,
+    latency_cells,
+    latency_csv,
+)
 from specproxy.analysis.provenance import TEXT_ESTIMATE_ERROR
 from specproxy.analysis.stats import Interval
 
@@ -312,6 +319,9 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
             if deploy:
                 block += "\n\ndeploy verdict (at the operating point, peak throughput included):\n\n"
                 block += "\n".join(f"- {d}" for d in deploy)
+            if settings.latency_table:
+                lat_rows = [latency_cells(r) for r in ev.rows]
+                block += f"\n\n{LATENCY_TITLE}:\n\n{_markdown(LATENCY_HEADERS, lat_rows)}"
         else:
             notes = "\n".join(f"  {n}" for n in run_notes(ev, settings, all_reasons=False))
             block = f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}"
@@ -320,6 +330,9 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
             if deploy:
                 block += "\n\ndeploy verdict (at the operating point, peak throughput included)\n"
                 block += "\n".join(f"  {d}" for d in deploy)
+            if settings.latency_table:
+                lat_rows = [latency_cells(r) for r in ev.rows]
+                block += f"\n\n{LATENCY_TITLE}\n{_aligned(LATENCY_HEADERS, lat_rows, left={0, 1})}"
         blocks.append(block)
     return "\n\n".join(blocks) + "\n"
 
@@ -407,6 +420,7 @@ CSV_FIELDS = (
     "estimate_note",
     "req_acceptance_source",
     "req_acceptance_not_measured",
+    *LATENCY_CSV_FIELDS,
 )
 
 
@@ -418,6 +432,7 @@ def render_csv(evals: Sequence[RunEvaluation]) -> str:
         for r in ev.rows:
             d = asdict(r)
             d.update(run_id=ev.run_id, run_name=ev.name)
+            d.update(latency_csv(r))
             load = r.load
             d.update(
                 load_basis=load.basis if load else None,

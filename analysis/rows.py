@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specproxy.analysis.figures import LatencyFigures
 from specproxy.analysis.matched import LoadFigures
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdict import Crossover, DeployVerdict, Thresholds
@@ -18,6 +19,8 @@ class Settings:
     ``at_concurrency`` / ``peak_concurrency``: where the user runs and their peak (else the run's
     experiment file says, else the analysis assumes the lowest and highest reliable levels).
     ``time_blocks``: the blocks a level of one round (or live traffic) is cut into to see drift.
+    ``latency_table``: the text and Markdown outputs add the latency table (JSON and CSV always
+    carry its figures).
     """
 
     thresholds: Thresholds = field(default_factory=Thresholds)
@@ -29,6 +32,7 @@ class Settings:
     at_concurrency: int | None = None
     peak_concurrency: int | None = None
     time_blocks: int = 4
+    latency_table: bool = False  # print the latency table after the verdict table (text, Markdown)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ class LevelRow:
     estimate_note: str = ""
     req_acceptance_source: str = ""
     req_acceptance_not_measured: str = ""
+    # TPOT, inter-token latency, E2E, queueing and tokens per chunk (None: the arm had no ok call here)
+    latency: LatencyFigures | None = None
 
     @property
     def identical_rate(self) -> float | None:
