@@ -120,6 +120,8 @@ async def test_simulated_vllm_through_the_proxy_fills_latency_columns(tmp_path: 
         truth = truths[row["request_id"]]
         assert len(sizes) == row["chunks"] and sum(sizes) == row["completion_tokens"]
         assert sum(truth["emit_tokens"]) == truth["completion_tokens"] == row["completion_tokens"]
+        assert truth["emit_s"][0] == 0 and truth["emit_s"] == sorted(truth["emit_s"])
+        assert len(truth["emit_s"]) == len(truth["emit_tokens"])
         assert row["chunks"] <= len(truth["emit_tokens"])
         assert max(sizes) > 1  # speculation gives bursts
     for row in (r for r in streamed if r["arm"] == "base"):

@@ -9,7 +9,8 @@
 Beyond vLLM's routes the simulator adds ground truth: `GET /sim/requests/{request_id}` (true steps,
 drafts, draft tokens, accepted tokens of one request), `GET /sim/requests`, and `GET /sim/stats`
 (engine clock and lag). ``?timeline=1`` on either request route adds each request's step timeline:
-``emit_s`` (when each step that gave it tokens landed, seconds since its arrival) and ``emit_tokens``.
+``emit_s`` (when each step that gave it tokens landed, seconds since the first token's step) and
+``emit_tokens``.
 """
 
 from __future__ import annotations
