@@ -5,9 +5,10 @@ JSON and CSV outputs always carry the figures): the verdict table is already as 
 
 Printed precision: TPOT, ITL, stalls and queueing in milliseconds with one decimal, E2E in seconds with
 two, tokens per chunk with two (percentiles of whole-token counts with one). A figure that rests on a
-part of the calls says so: ITL on the calls with at least two content chunks, queueing on the calls
-whose engine reported it, tokens per chunk on the chunks whose counts the engine gave (else ``~``, the
-mean of completion_tokens / chunks per call).
+part of the calls says so: ITL on the calls with at least two content chunks (``(12% sample)``: a
+level with more gaps than the analysis parses, pooled over a uniform sample of its calls), queueing
+on the calls whose engine reported it, tokens per chunk on the chunks whose counts the engine gave
+(else ``~``, the mean of completion_tokens / chunks per call).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ LATENCY_CSV_FIELDS = (
     "mean_tpot_s",
     "p50_tpot_s",
     "p99_tpot_s",
+    "gap_calls",
     "itl_calls",
+    "sample_share",
     "itl_gaps",
     "p50_itl_s",
     "p95_itl_s",
@@ -95,7 +98,8 @@ def latency_cells(row: LevelRow) -> list[str]:
         *head,
         str(lat.calls),
         _triple((lat.mean_tpot_s, lat.p50_tpot_s, lat.p99_tpot_s), 1, 1000.0),
-        _triple((lat.p50_itl_s, lat.p95_itl_s, lat.p99_itl_s), 1, 1000.0),
+        _triple((lat.p50_itl_s, lat.p95_itl_s, lat.p99_itl_s), 1, 1000.0)
+        + (f" ({lat.sample_share:.0%} sample)" if lat.sample_share < 1 else ""),
         _num(lat.max_stall_s, 1, 1000.0),
         _triple((lat.p50_e2e_s, lat.p95_e2e_s, lat.p99_e2e_s), 2, 1.0),
         queue,

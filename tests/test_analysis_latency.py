@@ -16,6 +16,7 @@ import duckdb
 import numpy as np
 import pytest
 
+from specproxy import schema
 from specproxy.record import SpanRecord
 from tests.spanfactory import ArmSpec, SyntheticRun, add_latency, make_run, write_db
 
@@ -177,3 +178,31 @@ def test_the_report_shows_an_itl_cdf_per_arm_at_the_operating_point(
     assert _cli("report", str(path), "-o", str(assumed)).returncode == 0
     text = assumed.read_text(encoding="utf-8")
     assert "Inter-token latency CDF at c=1" in text and "no operating point given" in text
+
+
+def test_a_level_with_more_gaps_than_parsed_pools_a_stated_sample_of_its_calls(tmp_path: Path) -> None:
+    run = make_run([ArmSpec("baseline", "baseline", "none")], levels=(8,), n_per_level=2000, seed=4)
+    path = write_db(tmp_path / "big.duckdb", [run])
+    with duckdb.connect(str(path)) as con:
+        # 300 gaps of 10.000-29.999 ms per call: ~3.6 MB of lists, over the level's parsing budget
+        con.execute(
+            "UPDATE requests SET chunk_gaps_us = array_to_string(list_transform(range(300), "
+            "lambda i: CAST(10000 + hash(request_id, i) % 20000 AS VARCHAR)), ','), "
+            "itl_max_s = 0.03 WHERE status = 'ok'"
+        )
+        rel = con.execute("SELECT * FROM latency")
+        names = [d[0] for d in rel.description]
+        (row,) = [dict(zip(names, r, strict=True)) for r in rel.fetchall()]
+        total_bytes = con.execute(
+            "SELECT sum(length(chunk_gaps_us)) FROM requests WHERE status = 'ok'"
+        ).fetchone()
+    assert total_bytes is not None
+    share = schema.LATENCY_SAMPLE_BYTES / total_bytes[0]
+    assert 0.2 < share < 0.8 and row["sample_share"] == pytest.approx(share)
+    kept = row["itl_calls"] / row["gap_calls"]
+    assert abs(kept - share) < 4 * (share * (1 - share) / row["gap_calls"]) ** 0.5  # a uniform sample
+    assert row["itl_gaps"] == 300 * row["itl_calls"]
+    # the gaps are uniform on [10, 30) ms: the sample's percentiles are where the population's are
+    assert row["p50_itl_s"] == pytest.approx(0.020, abs=0.0003)
+    assert row["p99_itl_s"] == pytest.approx(0.0298, abs=0.0003)
+    assert row["max_stall_s"] == pytest.approx(0.03)  # from every call, not the sample
