@@ -793,7 +793,9 @@ def _record_latency(record: SpanRecord, tap: CompletionTap) -> None:
     :func:`_record_engine_facts`, which settles ``completion_tokens``."""
     if not record.stream:
         return
-    record.tpot_s = tpot_s(record.e2e_s, record.ttft_s, record.completion_tokens)
+    if len(tap.chunk_times) >= 2:
+        # One chunk (or a whole JSON body to a stream request) shows no time between tokens.
+        record.tpot_s = tpot_s(record.e2e_s, record.ttft_s, record.completion_tokens)
     lat = chunk_latency(
         tap.chunk_times, tap.tokens_per_chunk, tokens_exact=tap.count_source in _EXACT_CHUNK_COUNTS
     )

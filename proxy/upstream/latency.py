@@ -14,8 +14,9 @@ here runs once, when the call's span is finished, so the relay's per-chunk work 
   sorted as g[0] ≤ … ≤ g[n−1], the q-quantile is g[i] + (g[i+1] − g[i]) · f with i + f = q · (n − 1).
   ``itl_max_s`` is the largest gap: the longest stall after the first token.
 - **TPOT** is vLLM's: (e2e − ttft) / (completion_tokens − 1), with the span's completion tokens
-  whatever their source. None for fewer than two tokens and for a call without a TTFT (non-streamed
-  calls: the whole answer arrives at once, so the time between its tokens is not seen).
+  whatever their source. None for fewer than two tokens, and where the time between tokens was not
+  seen: a non-streamed call, or a stream whose whole answer came in one content chunk (vLLM's
+  benchmark would report a TPOT near 0 there).
 - ``chunk_gaps_us`` keeps each gap, in whole microseconds, comma-separated (``"8123,10044,0,9987"``),
   so any distribution can be recomputed in SQL; ``chunk_tokens`` keeps the tokens of each content
   chunk where they are known exactly (the chunk's ``token_ids``, or vLLM's continuous usage), else None.
