@@ -7,6 +7,7 @@ ClickException: one sentence and exit status 1.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -152,8 +153,14 @@ def _settings(kw: dict[str, Any]) -> Settings:
     show_default=True,
     help="Output format (csv and json carry full precision).",
 )
+@click.option(
+    "--latency",
+    is_flag=True,
+    help="Also print the latency table: TPOT, inter-token latency and the largest stall, E2E, queueing "
+    "and tokens per chunk, per arm and level (json and csv always carry these figures).",
+)
 @settings_options
-def analyze(dbs: tuple[str, ...], fmt: str, **kw: Any) -> None:
+def analyze(dbs: tuple[str, ...], fmt: str, latency: bool, **kw: Any) -> None:
     """The verdict table: per run, arm and level (a concurrency, or a request rate); then by workload
     category, and each arm's deploy verdict at your operating point (aggregate throughput at your peak
     not lower).
@@ -165,7 +172,8 @@ def analyze(dbs: tuple[str, ...], fmt: str, **kw: Any) -> None:
     from specproxy.analysis import analyze as analyze_stores
 
     try:
-        result = analyze_stores(_dbs(dbs), kw["run"], fmt, _settings(kw))
+        settings = dataclasses.replace(_settings(kw), latency_table=latency)
+        result = analyze_stores(_dbs(dbs), kw["run"], fmt, settings)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(result.text, nl=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specproxy.analysis import comparison, matched
@@ -25,11 +25,13 @@ from specproxy.analysis.figures import (
     BlockKey,
     CallGroup,
     IdentityCounts,
+    LatencyFigures,
     LevelSummary,
     PairGroup,
     RoundFigures,
     call_groups,
     failed_arms,
+    latency_figures,
     level_summaries,
     pair_groups,
     round_figures,
@@ -152,6 +154,7 @@ class RunFigures:
     pairs: list[PairGroup]
     calls: dict[tuple[str, str, str | None], CallGroup]
     loads: dict[tuple[str, str], matched.LoadBands]
+    latency: dict[tuple[str, str], LatencyFigures] = field(default_factory=dict)
 
     def summary(self, arm: str, level: str) -> LevelSummary | None:
         return next((s for s in self.summaries if s.arm == arm and s.level == level), None)
@@ -297,7 +300,17 @@ def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, not
         max_sample=settings.bootstrap_max_sample,
         seed=settings.bootstrap_seed,
     )
-    return RunFigures(run_id, baseline, summaries, rounds, level_health(store, run_id), pairs, calls, loads)
+    return RunFigures(
+        run_id,
+        baseline,
+        summaries,
+        rounds,
+        level_health(store, run_id),
+        pairs,
+        calls,
+        loads,
+        latency=latency_figures(store, run_id),
+    )
 
 
 def _block_keys(
@@ -571,6 +584,7 @@ def _level_row(
         estimate_note=estimated,
         req_acceptance_source=s.spec.source(),
         req_acceptance_not_measured=s.spec.not_measured(),
+        latency=run.latency.get((s.arm, s.level)),
     )
 
 

@@ -18,6 +18,7 @@ from specproxy.analysis.levels import LEVEL_SQL, level_load, level_sort_key
 from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES, NOT_RECORDED, SpecCounts, TokenCounts
 from specproxy.analysis.stats import FloatArray
 from specproxy.analysis.store import SpanStore
+from specproxy.schema import LATENCY_SAMPLE_BYTES
 
 
 @dataclass(frozen=True)
@@ -454,3 +455,87 @@ def call_groups(
             sample=ordered(g["sample"], 4),
         )
     return out
+
+
+@dataclass(frozen=True)
+class LatencyFigures:
+    """One arm at one level: the latency a streaming user feels, from the ``latency`` view (ok calls).
+
+    TPOT is vLLM's, per call (mean and percentiles over calls); ITL percentiles are pooled over every
+    gap between content chunks of the level's calls (``itl_gaps`` of them, from ``itl_calls`` of the
+    ``gap_calls`` calls with gaps: all of them unless the level's gap lists were large enough to be
+    sampled, ``sample_share`` < 1) and ``max_stall_s`` is the longest gap of any call; queueing only
+    where the engine reported it (``queue_calls``). Tokens per chunk: ``tokens_per_chunk_basis`` is
+    ``chunks`` when the engine gave each chunk's count (``sized_chunks`` chunks; mean and percentiles
+    over them), ``per-call mean`` when only completion_tokens / chunks per call is known (the mean of
+    that, no percentiles), None when neither is.
+    """
+
+    calls: int
+    tpot_calls: int
+    mean_tpot_s: float | None
+    p50_tpot_s: float | None
+    p99_tpot_s: float | None
+    gap_calls: int
+    itl_calls: int
+    sample_share: float
+    itl_gaps: int
+    p50_itl_s: float | None
+    p95_itl_s: float | None
+    p99_itl_s: float | None
+    max_stall_s: float | None
+    p50_e2e_s: float | None
+    p95_e2e_s: float | None
+    p99_e2e_s: float | None
+    queue_calls: int
+    p50_queue_s: float | None
+    p95_queue_s: float | None
+    p99_queue_s: float | None
+    tokens_per_chunk_basis: str | None
+    sized_chunks: int
+    mean_tokens_per_chunk: float | None
+    p50_tokens_per_chunk: float | None
+    p99_tokens_per_chunk: float | None
+
+
+_LATENCY_FIELDS = tuple(LatencyFigures.__dataclass_fields__)
+
+
+def latency_figures(store: SpanStore, run_id: str) -> dict[tuple[str, str], LatencyFigures]:
+    """Per (arm, level) of the run, its latency figures (one pass over the ``latency`` view)."""
+    columns = ", ".join(_LATENCY_FIELDS)
+    rows = store.query(f"SELECT arm, level, {columns} FROM latency WHERE run_id = ?", [run_id])
+    return {(r["arm"], r["level"]): LatencyFigures(**{k: r[k] for k in _LATENCY_FIELDS}) for r in rows}
+
+
+# The CDF's points: every percentile from 0 to 99, then 99.5 and 99.9 (a tail of stalls past them
+# would flatten the rest of the curve; the largest stall is reported beside it).
+CDF_QUANTILES = tuple(i / 100 for i in range(100)) + (0.995, 0.999)
+
+
+def itl_cdf(store: SpanStore, run_id: str, level: str) -> dict[str, tuple[float, ...]]:
+    """Per arm, the pooled inter-token latency's quantiles (seconds) at :data:`CDF_QUANTILES`, at one
+    level (ok calls with at least two content chunks; the ``latency`` view's sample of them when their
+    gap lists are large)."""
+    rows = store.query(
+        f"""
+        WITH calls AS (
+            SELECT arm, request_id, span_id, round, chunk_gaps_us, chunk_tokens FROM requests
+            WHERE run_id = $run AND status = 'ok'
+              AND {LEVEL_SQL} = $level
+        ), budget AS (
+            -- the latency view's share, so that the curve is drawn from the calls its figures use
+            SELECT arm, least(1.0, $bytes / (coalesce(sum(length(chunk_gaps_us)), 0)
+                                             + coalesce(sum(length(chunk_tokens)), 0))) AS share
+            FROM calls GROUP BY arm
+        )
+        SELECT arm, quantile_cont(g, $qs) AS q
+        FROM (SELECT c.arm, TRY_CAST(unnest(string_split(c.chunk_gaps_us, ',')) AS BIGINT) / 1e6 AS g
+              FROM calls c JOIN budget b USING (arm)
+              WHERE c.chunk_gaps_us IS NOT NULL AND coalesce(b.share, 1.0) >= 1
+                 OR hash(c.request_id, c.span_id, c.round) % 1000000007 < b.share * 1000000007)
+        GROUP BY arm
+        """,
+        {"qs": list(CDF_QUANTILES), "run": run_id, "level": level, "bytes": LATENCY_SAMPLE_BYTES},
+    )
+    return {r["arm"]: tuple(float(v) for v in r["q"]) for r in rows if r["q"] is not None}

@@ -18,6 +18,13 @@ from typing import Any
 
 from specproxy.analysis import render_slo
 from specproxy.analysis.evaluation import CategoryRow, LevelRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.latency_table import (
+    LATENCY_CSV_FIELDS,
+    LATENCY_HEADERS,
+    LATENCY_TITLE,
+    latency_cells,
+    latency_csv,
+)
 from specproxy.analysis.levels import level_name
 from specproxy.analysis.provenance import TEXT_ESTIMATE_ERROR
 from specproxy.analysis.stats import Interval
@@ -349,6 +356,9 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
             if deploy:
                 block += f"\n\n{deploy_title(ev)}:\n\n"
                 block += "\n".join(f"- {d}" for d in deploy)
+            if settings.latency_table:
+                lat_rows = [latency_cells(r) for r in ev.rows]
+                block += f"\n\n{LATENCY_TITLE}:\n\n{_markdown(LATENCY_HEADERS, lat_rows)}"
         else:
             notes = "\n".join(f"  {n}" for n in run_notes(ev, settings, all_reasons=False))
             block = f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}"
@@ -358,6 +368,9 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
             if deploy:
                 block += f"\n\n{deploy_title(ev)}\n"
                 block += "\n".join(f"  {d}" for d in deploy)
+            if settings.latency_table:
+                lat_rows = [latency_cells(r) for r in ev.rows]
+                block += f"\n\n{LATENCY_TITLE}\n{_aligned(LATENCY_HEADERS, lat_rows, left={0, 1})}"
         blocks.append(block)
     return "\n\n".join(blocks) + "\n"
 
@@ -447,6 +460,7 @@ CSV_FIELDS = (
     "req_acceptance_source",
     "req_acceptance_not_measured",
     *render_slo.CSV_FIELDS,
+    *LATENCY_CSV_FIELDS,
 )
 
 
@@ -459,6 +473,7 @@ def render_csv(evals: Sequence[RunEvaluation]) -> str:
             d = asdict(r)
             d.update(run_id=ev.run_id, run_name=ev.name)
             d.update(render_slo.csv_cells(ev, r))
+            d.update(latency_csv(r))
             load = r.load
             d.update(
                 load_basis=load.basis if load else None,

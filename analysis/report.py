@@ -14,6 +14,8 @@ from typing import Any
 
 from specproxy import __version__
 from specproxy.analysis.evaluation import CategoryRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.figures import CDF_QUANTILES, itl_cdf
+from specproxy.analysis.latency_table import LATENCY_HEADERS, LATENCY_TITLE, latency_cells
 from specproxy.analysis.levels import AXIS_LABEL, LEVEL_SQL, level_unit, run_unit
 from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES
 from specproxy.analysis.render import (
@@ -205,6 +207,66 @@ def _ttft_charts(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) ->
         else f'<p class="muted">{len(shown)} of {len(levels)} levels shown.</p>'
     )
     return note + '<div class="charts">' + "".join(charts) + "</div>"
+
+
+def operating_level(ev: RunEvaluation) -> tuple[str, str] | None:
+    """The level the report's operating-point charts show, and why: the tested level nearest the
+    operating point, else the lowest reliable level (what the deploy verdict assumes), else live."""
+    numeric = sorted({r.concurrency_level for r in ev.rows if r.concurrency_level is not None})
+    if ev.at_concurrency is not None and numeric:
+        at = ev.at_concurrency
+        nearest = min(numeric, key=lambda c: (abs(c - at), c))
+        if nearest == at:
+            return str(at), f"c={at}, the operating point"
+        return str(nearest), f"c={nearest}, the tested level nearest the operating point c={at}"
+    reliable = sorted({c for c in numeric if all(r.reliable for r in ev.rows if r.concurrency_level == c)})
+    if reliable:
+        return str(reliable[0]), f"c={reliable[0]}: no operating point given, the lowest reliable level"
+    if any(r.level == "live" for r in ev.rows):
+        return "live", "live traffic"
+    return None
+
+
+def _latency(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) -> str:
+    """The latency table, and the inter-token latency CDF per arm at the operating point."""
+    table = f'<p class="muted">{escape(LATENCY_TITLE)}</p>' + _table(
+        LATENCY_HEADERS, [latency_cells(r) for r in ev.rows], {0, 1}
+    )
+    point = operating_level(ev)
+    cdfs = itl_cdf(store, ev.run_id, point[0]) if point is not None else {}
+    if point is None or not cdfs:
+        return table + '<p class="muted">No inter-token latency measured (no stream of two chunks).</p>'
+    level, why = point
+    order = _arm_order(colors)
+    arms = sorted(cdfs, key=lambda a: (order.get(a, len(order)), a))
+    series = [
+        Series(
+            arm,
+            [(q * 1000.0, f) for q, f in zip(cdfs[arm], CDF_QUANTILES, strict=True)],
+            color=colors.get(arm, "#000"),
+        )
+        for arm in arms
+    ]
+    stalls = {
+        r.arm: f", largest stall {r.latency.max_stall_s * 1000:.1f} ms"
+        for r in ev.rows
+        if r.level == level and r.latency is not None and r.latency.max_stall_s is not None
+    }
+    caption = "; ".join(
+        f"{arm}: P50 {cdfs[arm][50] * 1000:.1f} ms, P99 {cdfs[arm][99] * 1000:.1f} ms{stalls.get(arm, '')}"
+        for arm in arms
+    )
+    chart = cdf_chart(
+        series,
+        title=f"Inter-token latency CDF at {fmt_level(level)}",
+        x_label="gap between content chunks (ms)",
+        y_label="fraction of gaps",
+    )
+    return (
+        table
+        + f'<p class="muted">At {escape(why)}: every gap between content chunks of the level\'s ok calls, '
+        f"up to the 99.9th percentile ({escape(caption)}).</p>" + f'<div class="charts">{chart}</div>'
+    )
 
 
 def _acceptance_by_category(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) -> str:
@@ -552,6 +614,8 @@ def build_report(
 {_level_charts(ev, colors)}
 <h3>Time to first token</h3>
 {_ttft_charts(store, ev, colors)}
+<h3>Latency: TPOT, inter-token latency, E2E, tokens per chunk</h3>
+{_latency(store, ev, colors)}
 <h3>Acceptance length by category</h3>
 {_acceptance_by_category(store, ev, colors)}
 <h3>Mismatches (first divergence)</h3>

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specproxy.analysis.figures import LatencyFigures
 from specproxy.analysis.levels import level_load
 from specproxy.analysis.matched import LoadFigures
 from specproxy.analysis.slo import SloEvaluation
@@ -25,6 +26,8 @@ class Settings:
     ``slo``: the latency targets of goodput and capacity (else the experiment file's, else none);
     ``peak_rate`` / ``gpu_hour_usd``: the peak in requests/s and the price of a GPU-hour, for the fleet
     at the peak (else the experiment file's).
+    ``latency_table``: the text and Markdown outputs add the latency table (JSON and CSV always
+    carry its figures).
     """
 
     thresholds: Thresholds = field(default_factory=Thresholds)
@@ -40,6 +43,7 @@ class Settings:
     time_blocks: int = 4
     slo: Slo | None = None
     gpu_hour_usd: float | None = None
+    latency_table: bool = False  # print the latency table after the verdict table (text, Markdown)
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,8 @@ class LevelRow:
     estimate_note: str = ""
     req_acceptance_source: str = ""
     req_acceptance_not_measured: str = ""
+    # TPOT, inter-token latency, E2E, queueing and tokens per chunk (None: the arm had no ok call here)
+    latency: LatencyFigures | None = None
 
     @property
     def identical_rate(self) -> float | None:

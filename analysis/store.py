@@ -249,7 +249,7 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
             except duckdb.Error as exc:
                 raise _attach_error(path, exc) from exc
         _create_union_views(conn, attached)
-        for stmt in schema.VIEWS_DDL:
+        for stmt in schema.ANALYSIS_VIEWS:
             conn.execute(stmt)
         conn.execute(schema.SLO_CALLS_VIEW)
     except BaseException:

@@ -208,13 +208,15 @@ def _vertical_markers(frame: _Frame, markers: Sequence[tuple[float, str]]) -> li
     return out
 
 
-def cdf_chart(series: Sequence[Series], *, title: str, x_label: str) -> str:
+def cdf_chart(
+    series: Sequence[Series], *, title: str, x_label: str, y_label: str = "fraction of calls"
+) -> str:
     """Empirical CDFs: each series' points are (value, cumulative fraction)."""
     xs = [x for s in series for x, _ in s.points]
     frame = _Frame(xs or [0.0, 1.0], [0.0, 1.0], log_x=False, y_from_zero=True)
     frame.y_ticks = [0.0, 0.25, 0.5, 0.75, 1.0]
     frame.y0, frame.y1 = 0.0, 1.0
-    body = _axes(frame, title, x_label, "fraction of calls")
+    body = _axes(frame, title, x_label, y_label)
     for s in series:
         path = " ".join(f"{frame.px(x):.1f},{frame.py(y):.1f}" for x, y in s.points)
         body.append(f'<polyline points="{path}" fill="none" stroke="{s.color}" stroke-width="2"/>')

@@ -515,6 +515,83 @@ SELECT run_id, arm, arm_role, request_id, span_id, round, category,
 FROM requests WHERE status <> 'dropped'
 """
 
+# Per arm and level, the latency a streaming user feels (ok calls): TPOT (vLLM's, per call: mean and
+# percentiles over calls), inter-token latency pooled over the gaps between content chunks of the
+# level's calls (from chunk_gaps_us: a long call weighs as many gaps as it has, as vLLM's benchmark
+# pools them) and the largest stall (of every call), E2E, engine-reported queueing, and tokens per
+# content chunk: over the chunks whose counts the engine gave (chunk_tokens) where any call has them,
+# else completion_tokens / chunks per call, a per-call mean (tokens_per_chunk_basis says which).
+# Percentiles interpolate linearly. Parsing every gap of a large store would dominate `analyze`, so a
+# level whose gap and token lists hold more than LATENCY_SAMPLE_BYTES of text pools a uniform sample
+# of its calls (by a hash of request_id, span_id and round: the same every time; sample_share the kept
+# share, itl_calls of the gap_calls that have gaps). The largest stall, TPOT, E2E and queueing use
+# every call.
+LATENCY_SAMPLE_BYTES = 1_500_000
+LATENCY_VIEW = f"""
+CREATE OR REPLACE VIEW latency AS
+WITH calls AS (
+    SELECT run_id, arm, arm_role, spec_method, concurrency_level, offered_rate, request_id, span_id, round,
+           {level_sql()} AS level,
+           e2e_s, ttft_s, tpot_s, queue_s, itl_max_s, chunk_gaps_us, chunk_tokens, chunks, completion_tokens
+    FROM requests WHERE status = 'ok'
+), per_call AS (
+    SELECT run_id, arm, level,
+           any_value(arm_role) AS arm_role, any_value(spec_method) AS spec_method,
+           any_value(concurrency_level) AS concurrency_level, any_value(offered_rate) AS offered_rate,
+           count(*) AS calls,
+           count(tpot_s) AS tpot_calls, avg(tpot_s) AS mean_tpot_s,
+           quantile_cont(tpot_s, [0.5, 0.99]) AS tpot_q,
+           quantile_cont(e2e_s, [0.5, 0.95, 0.99]) AS e2e_q,
+           count(queue_s) AS queue_calls, quantile_cont(queue_s, [0.5, 0.95, 0.99]) AS queue_q,
+           count(chunk_gaps_us) AS gap_calls, max(itl_max_s) AS max_stall_s,
+           coalesce(sum(length(chunk_gaps_us)), 0) + coalesce(sum(length(chunk_tokens)), 0)
+               AS list_bytes,
+           count(chunk_tokens) AS chunk_tokens_calls,
+           avg(completion_tokens / chunks) FILTER (WHERE chunks > 0) AS per_call_tokens_per_chunk
+    FROM calls GROUP BY run_id, arm, level
+), sampled AS (
+    SELECT c.run_id, c.arm, c.level, c.chunk_gaps_us, c.chunk_tokens,
+           least(1.0, {LATENCY_SAMPLE_BYTES} / p.list_bytes) AS share
+    FROM calls c JOIN per_call p USING (run_id, arm, level)
+    WHERE (c.chunk_gaps_us IS NOT NULL OR c.chunk_tokens IS NOT NULL)
+      AND (p.list_bytes <= {LATENCY_SAMPLE_BYTES}
+           OR hash(c.request_id, c.span_id, c.round) % 1000000007
+              < {LATENCY_SAMPLE_BYTES} / p.list_bytes * 1000000007)
+), sample_calls AS (
+    SELECT run_id, arm, level, count(chunk_gaps_us) AS itl_calls, any_value(share) AS share
+    FROM sampled GROUP BY run_id, arm, level
+), gaps AS (
+    SELECT run_id, arm, level, count(g) AS gaps, quantile_cont(g, [0.5, 0.95, 0.99]) AS itl_q
+    FROM (SELECT run_id, arm, level, TRY_CAST(unnest(string_split(chunk_gaps_us, ',')) AS BIGINT) / 1e6 AS g
+          FROM sampled WHERE chunk_gaps_us IS NOT NULL)
+    GROUP BY run_id, arm, level
+), sizes AS (
+    SELECT run_id, arm, level, count(n) AS sized_chunks, avg(n) AS mean_n,
+           quantile_cont(n, [0.5, 0.99]) AS n_q
+    FROM (SELECT run_id, arm, level, TRY_CAST(unnest(string_split(chunk_tokens, ',')) AS BIGINT) AS n
+          FROM sampled WHERE chunk_tokens IS NOT NULL)
+    GROUP BY run_id, arm, level
+)
+SELECT p.run_id, p.arm, p.arm_role, p.spec_method, p.level, p.concurrency_level, p.offered_rate, p.calls,
+       p.tpot_calls, p.mean_tpot_s, p.tpot_q[1] AS p50_tpot_s, p.tpot_q[2] AS p99_tpot_s,
+       p.gap_calls, coalesce(sc.itl_calls, 0) AS itl_calls, coalesce(sc.share, 1.0) AS sample_share,
+       coalesce(g.gaps, 0) AS itl_gaps,
+       g.itl_q[1] AS p50_itl_s, g.itl_q[2] AS p95_itl_s, g.itl_q[3] AS p99_itl_s, p.max_stall_s,
+       p.e2e_q[1] AS p50_e2e_s, p.e2e_q[2] AS p95_e2e_s, p.e2e_q[3] AS p99_e2e_s,
+       p.queue_calls, p.queue_q[1] AS p50_queue_s, p.queue_q[2] AS p95_queue_s, p.queue_q[3] AS p99_queue_s,
+       CASE WHEN s.sized_chunks > 0 THEN 'chunks' WHEN p.per_call_tokens_per_chunk IS NOT NULL
+            THEN 'per-call mean' END AS tokens_per_chunk_basis,
+       p.chunk_tokens_calls, coalesce(s.sized_chunks, 0) AS sized_chunks,
+       coalesce(s.mean_n, p.per_call_tokens_per_chunk) AS mean_tokens_per_chunk,
+       s.n_q[1] AS p50_tokens_per_chunk, s.n_q[2] AS p99_tokens_per_chunk
+FROM per_call p
+LEFT JOIN sample_calls sc USING (run_id, arm, level)
+LEFT JOIN gaps g USING (run_id, arm, level)
+LEFT JOIN sizes s USING (run_id, arm, level)
+"""
+# The views the analysis creates on top of a span store.
+ANALYSIS_VIEWS: list[str] = [*VIEWS_DDL, LATENCY_VIEW]
+
 # One list of statements per version; index 0 brings an empty file to version 1.
 MIGRATIONS: list[list[str]] = [
     [REQUESTS_DDL, RUNS_DDL, BACKEND_METRICS_DDL],
@@ -559,6 +636,8 @@ MIGRATIONS: list[list[str]] = [
     [SLO_CALLS_VIEW],
     # 12: the acceptance view reads llama.cpp's llamacpp:spec_decode_* counters as well as vLLM's
     [ACCEPTANCE_VIEW_ENGINES],
+    # 13: the latency view (TPOT, pooled inter-token latency, E2E, queueing, tokens per chunk)
+    [LATENCY_VIEW],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -339,6 +339,42 @@ def make_live_load_run(
     return SyntheticRun(run_id, "live load", spans, [], run_row)
 
 
+def add_latency(run: SyntheticRun, *, seed: int = 3, queue_arms: Sequence[str] = ()) -> SyntheticRun:
+    """Fill each ok streamed span's latency columns as the proxy would, from its own figures.
+
+    A speculative arm's chunks hold 1 token (the first) then 1 to k + 1 tokens each, counts known
+    (``chunk_tokens``); a plain arm's chunks one token each, counts not reported. The decode time
+    (e2e - ttft) is shared among the gaps in proportion to each chunk's tokens, with lognormal jitter,
+    and one call in 50 has a stall of 0.5 s in the middle. ``queue_arms`` report ``queue_s``.
+    """
+    from specproxy.proxy.upstream.latency import chunk_latency, tpot_s
+
+    rng = random.Random(seed)
+    for s in run.spans:
+        if s.status != "ok" or s.completion_tokens is None or s.ttft_s is None or s.e2e_s is None:
+            continue
+        k = s.num_speculative_tokens or 0
+        sizes = [1]
+        while sum(sizes) < s.completion_tokens:
+            sizes.append(min(rng.randint(1, k + 1), s.completion_tokens - sum(sizes)))
+        decode = s.e2e_s - s.ttft_s
+        weights = [n * math.exp(rng.gauss(0.0, 0.3)) for n in sizes[1:]]
+        gaps = [decode * w / sum(weights) for w in weights]
+        if gaps and rng.random() < 0.02:
+            gaps[len(gaps) // 2] += 0.5
+        times = [0.0]
+        for g in gaps:
+            times.append(times[-1] + g)
+        lat = chunk_latency(times, sizes, tokens_exact=k > 0)
+        s.chunks = len(sizes)
+        s.chunk_gaps_us, s.chunk_tokens = lat.gaps_us, lat.tokens
+        s.itl_p50_s, s.itl_p95_s, s.itl_p99_s, s.itl_max_s = lat.p50_s, lat.p95_s, lat.p99_s, lat.max_s
+        s.tpot_s = tpot_s(s.e2e_s, s.ttft_s, s.completion_tokens)
+        if s.arm in queue_arms:
+            s.queue_s = round(rng.uniform(0.0, 0.02), 6)
+    return run
+
+
 def write_db(path: str | Path, runs: Iterable[SyntheticRun]) -> Path:
     """Write synthetic runs into a (new or existing) span store file."""
     path = Path(path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,6 +81,17 @@ class SeqTruth:
     scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    # The step timeline: when each step that gave this request tokens landed (a fine clock: the
+    # server's monotonic clock, or the virtual one), and how many tokens it gave; what a client's
+    # chunks would show with no network at all.
+    emit_times: list[float] = field(default_factory=list)
+    emit_tokens: list[int] = field(default_factory=list)
+
+    def timeline(self) -> dict[str, Any]:
+        """The step timeline (``/sim/requests?timeline=1``): ``emit_s``, each step's landing in seconds
+        since the first token's, and ``emit_tokens``, the tokens it gave."""
+        first = self.emit_times[0] if self.emit_times else 0.0
+        return {"emit_s": [t - first for t in self.emit_times], "emit_tokens": list(self.emit_tokens)}
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -373,8 +385,11 @@ class EngineCore:
             self.waiting.appendleft(victim)
         return used
 
-    def finish_step(self, plan: StepPlan, now: float) -> list[Sequence]:
-        """Apply a step's outcome at time `now`; returns the sequences that got new output or finished."""
+    def finish_step(self, plan: StepPlan, now: float, stamp: float | None = None) -> list[Sequence]:
+        """Apply a step's outcome at time `now`; returns the sequences that got new output or finished.
+
+        ``stamp``: when the step landed on a fine clock, for the step timeline (the event loop's clock
+        can be as coarse as a millisecond); `now` when not given."""
         self.steps += 1
         self.busy_time_s += plan.duration_s
         m = self.metrics
@@ -432,6 +447,9 @@ class EngineCore:
             self._emit(seq, emitted, now)
             new = seq.n_out - before
             m.generation_tokens += new
+            if new:
+                truth.emit_times.append(now if stamp is None else stamp)
+                truth.emit_tokens.append(new)
             if before == 0:
                 truth.first_token = now
                 m.ttft.observe(now - truth.arrival)
@@ -601,7 +619,7 @@ class SimEngine:
                 await asyncio.sleep(delay)
             end = loop.time()
             self.max_lag_s = max(self.max_lag_s, end - ideal)
-            touched = core.finish_step(plan, end)
+            touched = core.finish_step(plan, end, time.monotonic())
             for seq in touched:
                 if seq.listener is not None:
                     seq.listener()

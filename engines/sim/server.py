@@ -8,7 +8,9 @@
 
 Beyond vLLM's routes the simulator adds ground truth: `GET /sim/requests/{request_id}` (true steps,
 drafts, draft tokens, accepted tokens of one request), `GET /sim/requests`, `GET /sim/stats` (engine
-clock and lag), and `POST /sim/time_scale` (the clock's speed from the next step on).
+clock and lag), and `POST /sim/time_scale` (the clock's speed from the next step on). ``?timeline=1``
+on either request route adds each request's step timeline: ``emit_s`` (when each step that gave it
+tokens landed, seconds since the first token's step) and ``emit_tokens``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from specproxy.engines.profiles import CostProfile, load_profile
 from specproxy.engines.sim.api_request import BadRequest, ParsedRequest, message_text, parse_request
 from specproxy.engines.sim.api_response import ResponseShaper
 from specproxy.engines.sim.config import SimConfig, SimConfigError
-from specproxy.engines.sim.engine import RequestSpec, Sequence, SimEngine
+from specproxy.engines.sim.engine import RequestSpec, SeqTruth, Sequence, SimEngine
 from specproxy.engines.sim.text import chat_prompt, completion_prompt, request_key
 
 log = logging.getLogger(__name__)
@@ -304,7 +306,7 @@ async def sim_request(request: web.Request) -> web.Response:
     for candidate in (rid, rid.removeprefix("chatcmpl-"), rid.removeprefix("cmpl-")):
         truth = truths.get(candidate)
         if truth is not None:
-            return web.json_response(truth.as_dict(), dumps=_dumps)
+            return web.json_response(_truth_json(truth, request), dumps=_dumps)
     return error_response(f"no request '{rid}' in the simulator's history", 404, "NotFoundError")
 
 
@@ -312,7 +314,15 @@ async def sim_requests(request: web.Request) -> web.Response:
     truths = request.app[STATE].engine.core.truths
     limit = int(request.query.get("limit", "1000"))
     items = list(truths.values())[-limit:]
-    return web.json_response({"requests": [t.as_dict() for t in items]}, dumps=_dumps)
+    return web.json_response({"requests": [_truth_json(t, request) for t in items]}, dumps=_dumps)
+
+
+def _truth_json(truth: SeqTruth, request: web.Request) -> dict[str, Any]:
+    """A request's truth; with ``?timeline=1`` also its step timeline (when each step gave it tokens)."""
+    out = truth.as_dict()
+    if request.query.get("timeline") in ("1", "true"):
+        out.update(truth.timeline())
+    return out
 
 
 async def sim_stats(request: web.Request) -> web.Response:

@@ -56,6 +56,7 @@ from specproxy.config import Arm
 from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, new_span_id, new_trace_id, traceparent
 from specproxy.proxy.upstream.acceptance import MergeCalibration, speculation_for
 from specproxy.proxy.upstream.engines import engine_report
+from specproxy.proxy.upstream.latency import chunk_latency, tpot_s
 from specproxy.proxy.upstream.redact import redact_request_text
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, MalformedEvent, SSEEvent, SSEParser
 from specproxy.proxy.upstream.tokens import ChunkEvidence, count_completion_tokens, load_tokenizer
@@ -562,6 +563,7 @@ async def call_arm(
             record.error = redact_request_text(record.error, body)  # the arm's text may quote the prompt
         _finish_record(record, arm, tap, t_send, t_end, capture_output)
         _record_engine_facts(record, arm, tap, state)
+        _record_latency(record, tap)
         # Values from the client and the backend (a seed of 2**64 - 1, an undecodable request id) are
         # made to fit the store's columns here, each change noted in the record, so no row is lost to them.
         fit_to_columns(record)
@@ -807,3 +809,27 @@ def _record_engine_facts(record: SpanRecord, arm: Arm, tap: CompletionTap, state
         record.draft_tokens = spec.draft_tokens
         record.accepted_tokens = spec.accepted_tokens
         record.acceptance_length = spec.acceptance_length
+
+
+def _record_latency(record: SpanRecord, tap: CompletionTap) -> None:
+    """TPOT, inter-token latency and the chunk gaps and sizes of a streamed call (see .latency); after
+    :func:`_record_engine_facts`, which settles ``completion_tokens``."""
+    if not record.stream:
+        return
+    if len(tap.chunk_times) >= 2:
+        # One chunk (or a whole JSON body to a stream request) shows no time between tokens.
+        record.tpot_s = tpot_s(record.e2e_s, record.ttft_s, record.completion_tokens)
+    lat = chunk_latency(
+        tap.chunk_times, tap.tokens_per_chunk, tokens_exact=tap.count_source in _EXACT_CHUNK_COUNTS
+    )
+    record.chunk_gaps_us, record.chunk_tokens = lat.gaps_us, lat.tokens
+    record.itl_p50_s, record.itl_p95_s, record.itl_p99_s, record.itl_max_s = (
+        lat.p50_s,
+        lat.p95_s,
+        lat.p99_s,
+        lat.max_s,
+    )
+
+
+# How the tap counted tokens per chunk when each chunk's count is the engine's own (exact).
+_EXACT_CHUNK_COUNTS = ("token_ids", "continuous_usage")

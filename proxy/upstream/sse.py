@@ -7,9 +7,9 @@ Two small pieces, both fed bytes and free of I/O so that the proxy and replay sh
   multi-byte UTF-8 sequence, so a code point split across two network reads stays whole (decoding is
   left to the JSON parser, which reads UTF-8 bytes directly). ``:`` comment lines are skipped.
 - :class:`CompletionTap` turns OpenAI/vLLM chat or completions chunks (or one non-streaming response
-  body) into what a span needs: first content chunk time, last token time, chunks, tokens per chunk,
-  completion tokens, finish reason, output text and token ids, vLLM's per-request speculation stats and
-  the top-1/top-2 logprob margin of each generated token.
+  body) into what a span needs: first content chunk time, last token time, chunks, each chunk's
+  arrival time and tokens, completion tokens, finish reason, output text and token ids, vLLM's
+  per-request speculation stats and the top-1/top-2 logprob margin of each generated token.
 
 The tap never raises on what an upstream sends: an event or body whose shape is not a completion
 (``{"choices": "abc"}``, ``[null]``, a count that is not an integer) sets :attr:`CompletionTap.malformed`
@@ -184,6 +184,7 @@ class CompletionTap:
         "prompt_token_ids",
         "malformed",
         "usage_from_first_chunk",
+        "chunk_times",
     )
 
     def __init__(self, endpoint: Endpoint) -> None:
@@ -218,6 +219,9 @@ class CompletionTap:
         # Whether the first chunk with choices carried a usage: per-chunk (continuous) usage, not only
         # a final one (None: no chunk with choices yet).
         self.usage_from_first_chunk: bool | None = None
+        # Arrival time of each chunk counted in `chunks` (next to `tokens_per_chunk`): the gaps are the
+        # inter-token latency, computed once at the end (.latency), never per chunk.
+        self.chunk_times: list[float] = []
 
     def feed_data(self, data: bytes, now: float) -> dict[str, Any] | None:
         """One event's data; returns the parsed chunk (None for ``[DONE]`` or a malformed event)."""
@@ -317,6 +321,7 @@ class CompletionTap:
                 self.t_last = now
             self.chunks += 1
             self.tokens_per_chunk.append(n)
+            self.chunk_times.append(now)
 
     def feed_body(self, body: bytes, now: float) -> dict[str, Any] | None:
         """A whole non-streaming response body (arriving at ``now``); returns it parsed, or None

@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/bench/bench_proxy.py [--duration 20] [--levels 1,64,256]
     .venv/bin/python tests/bench/bench_proxy.py --memory-soak 300     # memory over a 5-minute run
+    .venv/bin/python tests/bench/bench_proxy.py --before /tmp/old     # a change's cost, side by side
 
 Backend: tests/backends.py in its own process (TTFT 20 ms, 10 ms between tokens, 64 tokens, one token
 per chunk). Three targets, each measured for ``--duration`` seconds per concurrency level, in turn:
@@ -16,6 +17,13 @@ per chunk). Three targets, each measured for ``--duration`` seconds per concurre
 - ``shadow``: through ``specproxy serve`` in shadow mode, the baseline on that backend and one candidate
   on a second backend process (so the machine also serves the mirrored copy: the real cost of a shadow
   whose candidate shares the machine).
+
+``--before DIR`` adds ``split-b``: the split proxy of another source tree (an earlier commit, unpacked
+with ``git archive COMMIT | tar -x -C DIR``), measured in the same rounds, and prints the difference
+in relay CPU per relayed chunk (the backend sends one token per chunk). Before the load runs it also
+times, in a subprocess per tree, alternating, the proxy's own per-chunk code without sockets (the
+read callback's parse and tap for 64 one-token chunks, then the span's finish): a CPU figure per
+chunk that other load on the machine barely moves (``--tap-only``: just that).
 
 ``--repeats N`` measures every target N times, round-robin within each level, and prints the median of
 each figure (p99: the largest).
@@ -211,13 +219,14 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def start(argv: list[str]) -> subprocess.Popen[bytes]:
+def start(argv: list[str], tree: Path = ROOT) -> subprocess.Popen[bytes]:
+    """A process running the specproxy source in ``tree`` (this checkout unless told otherwise)."""
     return subprocess.Popen(
         argv,
-        cwd=ROOT,
+        cwd=tree,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(tree)},
     )
 
 
@@ -268,12 +277,87 @@ web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 """
 
 
+# The per-chunk work of one relayed stream in the proxy's process, without sockets: the read callback
+# (parse, tap) for each of 64 one-token chunk reads, then the span's finish. Prints CPU ns per chunk.
+TAP_COST = """
+import sys, time
+import orjson
+from specproxy.config import Arm
+from specproxy.proxy.upstream import calls
+tokens, streams = 64, int(sys.argv[1])
+head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+def event(delta, finish=None):
+    obj = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    return b"data: " + orjson.dumps(obj) + b"\\n\\n"
+reads = [event({"role": "assistant", "content": ""})]
+reads += [event({"content": f" w{i}"}, "length" if i == tokens - 1 else None) for i in range(tokens)]
+usage = {"prompt_tokens": 9, "completion_tokens": tokens, "total_tokens": 9 + tokens}
+tail = b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\\n\\n"
+reads += [tail, b"data: [DONE]\\n\\n"]
+arm = Arm(name="base", role="baseline", url="http://127.0.0.1:1")
+body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+state = calls.UpstreamState()
+def one():
+    rec = calls.new_record("r", "q", arm, body, endpoint="chat", routed_as="split")
+    tap = calls.CompletionTap("chat")
+    consumer = calls._StreamConsumer(tap, None, calls._Strip())
+    t0 = time.perf_counter()
+    for raw in reads:
+        consumer(raw)
+    consumer.flush()
+    calls._finish_record(rec, arm, tap, t0, time.perf_counter(), False)
+    calls._record_engine_facts(rec, arm, tap, state)
+    finish = getattr(calls, "_record_latency", None)
+    if finish is not None:
+        finish(rec, tap)
+for _ in range(200):
+    one()
+best = []
+for _ in range(5):
+    c0 = time.process_time()
+    for _ in range(streams):
+        one()
+    best.append((time.process_time() - c0) / (streams * tokens) * 1e9)
+print(min(best))
+"""
+
+
+def tap_cost(tree: Path, streams: int) -> float:
+    """CPU ns per relayed chunk of the read callback and the span's finish, in ``tree``'s code."""
+    out = subprocess.run(
+        [sys.executable, "-c", TAP_COST, str(streams)],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(out.stdout.strip())
+
+
+def print_tap_costs(before: Path, rounds: int = 5, streams: int = 2000) -> None:
+    """This tree's and ``before``'s per-chunk CPU cost, alternating, ``rounds`` times each."""
+    mine: list[float] = []
+    theirs: list[float] = []
+    for _ in range(rounds):
+        mine.append(tap_cost(ROOT, streams))
+        theirs.append(tap_cost(before.resolve(), streams))
+    med = statistics.median
+    diffs = [a - b for a, b in zip(mine, theirs, strict=True)]
+    print(
+        f"read callback + span finish, CPU per relayed chunk (64-chunk streams, best of 5 x {streams} "
+        f"streams, {rounds} alternating rounds, medians): this tree {med(mine):.0f} ns, before "
+        f"{med(theirs):.0f} ns, difference {med(diffs):+.0f} ns (rounds: "
+        f"{', '.join(f'{d:+.0f}' for d in diffs)}); load average {os.getloadavg()[0]:.2f}\n"
+    )
+
+
 def bare(upstream: str, port: int) -> subprocess.Popen[bytes]:
     """A bare aiohttp passthrough (no parsing, no spans): the floor a Python relay costs here."""
     return start([sys.executable, "-c", BARE_PASSTHROUGH, upstream, str(port)])
 
 
-def proxy(config: Path, port: int, db: Path) -> subprocess.Popen[bytes]:
+def proxy(config: Path, port: int, db: Path, tree: Path = ROOT) -> subprocess.Popen[bytes]:
     return start(
         [
             sys.executable,
@@ -289,7 +373,8 @@ def proxy(config: Path, port: int, db: Path) -> subprocess.Popen[bytes]:
             "--log-level",
             "warning",
             "--no-scrape",
-        ]
+        ],
+        tree,
     )
 
 
@@ -321,8 +406,23 @@ def main() -> None:
         default=0.0,
         help="instead: run the shadow proxy at c=64 this many seconds, printing its RSS",
     )
+    ap.add_argument(
+        "--before",
+        type=Path,
+        help="another specproxy source tree (e.g. `git archive COMMIT | tar -x -C DIR`): its split proxy "
+        "is measured beside this one's as `split-b`, to give a change's cost side by side in one run",
+    )
+    ap.add_argument(
+        "--tap-only",
+        action="store_true",
+        help="with --before: only the per-chunk CPU cost of the read callback and span finish, no sockets",
+    )
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    if args.before is not None:
+        print_tap_costs(args.before)
+        if args.tap_only:
+            return
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     b1, b2, p_split, p_shadow, p_bare = (free_port() for _ in range(5))
@@ -337,7 +437,7 @@ def main() -> None:
         shadow_proc = proxy(shadow_cfg, p_shadow, tmp / "shadow.duckdb")
         bare_proc = bare(base, p_bare)
         procs += [split_proc, shadow_proc, bare_proc]
-        pids = {
+        pids: dict[str, int | None] = {
             "direct": None,
             "direct+m": None,
             "bare": bare_proc.pid,
@@ -351,9 +451,17 @@ def main() -> None:
             "split": f"http://127.0.0.1:{p_split}",
             "shadow": f"http://127.0.0.1:{p_shadow}",
         }
+        if args.before is not None:
+            p_before = free_port()
+            before_proc = proxy(split_cfg, p_before, tmp / "split-b.duckdb", args.before.resolve())
+            procs.append(before_proc)
+            pids["split-b"] = before_proc.pid
+            targets["split-b"] = f"http://127.0.0.1:{p_before}"
         for url in targets.values():
             wait_http(url + "/health", 30)
-        asyncio.run(run_load(targets["split"], 4, 1.0))  # warm up connections and code paths
+        for name in ("split", "split-b"):
+            if name in targets:
+                asyncio.run(run_load(targets[name], 4, 1.0))  # warm up connections and code paths
         asyncio.run(run_load(targets["shadow"], 4, 1.0))
 
         if args.memory_soak:
@@ -375,7 +483,8 @@ def main() -> None:
         runs = [(name, url, base if name == "direct+m" else None) for name, url in targets.items()]
         for c in levels:
             if c == 1:
-                paired = {n: targets[n] for n in ("direct", "bare", "split", "shadow")}
+                names = ("direct", "bare", "split", "split-b", "shadow")
+                paired = {n: targets[n] for n in names if n in targets}
                 cpu_before = {n: cpu_s(pids[n]) for n in paired}
                 res = asyncio.run(paired_rounds(paired, args.c1_rounds, args.c1_block))
                 tokens = 64 * args.c1_rounds * (args.c1_block + 1)
@@ -405,6 +514,9 @@ def main() -> None:
                 f"     (shadow vs direct+m: added p50 TTFT {vs_m:.2f} ms; "
                 f"load average {os.getloadavg()[0]:.2f})"
             )
+            if "split-b" in fig:
+                diff = fig["split"]["cpu_us_tok"] - fig["split-b"]["cpu_us_tok"]
+                print(f"     (split minus split-b: {diff:+.2f} us of relay CPU per relayed chunk)")
         rss1 = {"split": rss_mb(split_proc.pid), "shadow": rss_mb(shadow_proc.pid)}
         print()
         for name in rss0:
