@@ -354,7 +354,7 @@ FROM totals t
 LEFT JOIN positions p USING (run_id, arm, phase)
 """
 
-# The acceptance view from migration 10: llama.cpp's llama-server counters too. It exports vLLM's
+# The acceptance view from migration 12: llama.cpp's llama-server counters too. It exports vLLM's
 # spec_decode_* names under its own prefix (llamacpp:), with the same meaning (drafting steps, draft
 # tokens, accepted tokens, accepted per draft position); the prefix is dropped and the rest is as above.
 ACCEPTANCE_VIEW_ENGINES = """
