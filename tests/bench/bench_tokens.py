@@ -130,7 +130,10 @@ def token_table(rows: dict[str, list[dict[str, Any]]], tokenizer_path: Path) -> 
                 f"{max(errors):>7.1%}"
             )
         used = {r["record"].tokens_source for r in items}
-        print(f"  {'':<12} (spans recorded tokens_source = {', '.join(sorted(str(u) for u in used))})")
+        stopped = sum(r["record"].finish_reason == "stop" for r in items)
+        recorded = ", ".join(sorted(str(u) for u in used))
+        print(f"  {'':<12} (spans recorded tokens_source = {recorded}; {stopped} of {len(items)} ended on")
+        print(f"  {'':<12}  the end token, finish_reason stop, which the tokenizer path counts as +1)")
     print(f"  stated error of the text estimate: {TEXT_ESTIMATE_ERROR:.0%}")
 
 
