@@ -7,7 +7,10 @@ SmolLM2-135M-Instruct). Without either the test is skipped and says which is mis
 
 What it checks, against the same calls made directly to the two servers:
 - the client receives through the proxy what the baseline server sends directly (openai SDK);
-- each candidate span's ``identical`` is what the direct outputs of the two servers show;
+- the proxy tells the engine from the servers' /v1/models (no ``engine`` setting on the arms);
+- each candidate span's ``identical`` is what the direct outputs of the two servers show, and a
+  mismatch carries the baseline's logprob margin at its first divergence (the calls ask for top-2
+  logprobs), which tells a near-tie from a real bug;
 - completion tokens: the server's own usage where it sends one (non-streamed), else a text
   estimate marked ``text_estimate`` and within its stated error of the server's count;
 - acceptance: llama-cpp-python reports none, so the speculating arm says ``unknown``, never a figure.
@@ -96,11 +99,17 @@ async def _call(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> tuple[
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
     if not stream:
         resp = await client.chat.completions.create(
-            model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS
+            model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2
         )
         return _plain(resp.model_dump()), resp.choices[0].message.content or ""
     chunk_stream = await client.chat.completions.create(
-        model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True
+        model="m",
+        messages=messages,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
     )
     chunks = [c async for c in chunk_stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -129,10 +138,10 @@ async def test_proxy_in_front_of_real_llama_cpp_servers(tmp_path: Path, servers:
         await client.close()
 
     # llama-cpp-python's server echoes the requested model name and adds nothing of its own to a
-    # response, so the proxy cannot tell it from its answers: the arms say which engine they are.
+    # response; the proxy knows it by its /v1/models listing.
     arms: list[dict[str, Any]] = [
-        {"name": "plain", "role": "baseline", "url": servers["plain"], "engine": "llamacpp"},
-        {"name": "lookup", "url": servers["lookup"], "speculative": LOOKUP, "engine": "llamacpp"},
+        {"name": "plain", "role": "baseline", "url": servers["plain"]},
+        {"name": "lookup", "url": servers["lookup"], "speculative": LOOKUP},
     ]
     async with running_proxy(tmp_path, arms, capture=str(tmp_path / "capture.jsonl")) as p:
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
@@ -164,4 +173,6 @@ async def test_proxy_in_front_of_real_llama_cpp_servers(tmp_path: Path, servers:
         else:
             same = direct[("plain", prompt, r["stream"])][1] == direct[("lookup", prompt, r["stream"])][1]
             assert r["identical"] is same
+            if not same:
+                assert r["first_divergence"] is not None and r["divergence_margin"] is not None
             assert r["spec_source"] == "unknown" and r["acceptance_length"] is None
