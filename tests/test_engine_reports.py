@@ -101,6 +101,10 @@ def test_a_tokenizer_counts_when_there_is_no_usage_and_is_named_in_the_experimen
     assert (
         count_completion_tokens(cut, PLAIN, ChunkEvidence(), tokenizer=load_tokenizer(str(path))).tokens == 5
     )
+    # llama.cpp does not count the end token (llama-cpp-python: a stopped answer's usage = its text tokens).
+    tokenizer = load_tokenizer(str(path))
+    llama = count_completion_tokens(tap, PLAIN, ChunkEvidence(), tokenizer=tokenizer, engine="llamacpp")
+    assert (llama.tokens, llama.source) == (5, "tokenizer")
     exp_file = tmp_path / "exp.toml"
     exp_file.write_text("")
     data = {

@@ -124,11 +124,13 @@ class ChunkEvidence:
         return tap.content_chunks + offset if offset is not None else None
 
 
-def end_tokens(finish_reason: str | None) -> int:
-    """1 when the engine stopped on an end token: vLLM counts the EOS (or stop_token_ids) token that
-    ended generation in ``completion_tokens`` though it adds no text, so the text's re-encoding is one
-    short. Approximate when the request used stop strings (those tokens are counted, their text cut)."""
-    return 1 if finish_reason == "stop" else 0
+def end_tokens(finish_reason: str | None, engine: str = "unknown") -> int:
+    """1 when the engine stopped on an end token it counts: vLLM counts the EOS (or stop_token_ids)
+    token that ended generation in ``completion_tokens`` though it adds no text, so the text's
+    re-encoding is one short. llama.cpp servers do not count it (llama-cpp-python's usage of a stopped
+    answer equals its logprob entries, one per text token). Approximate when the request used stop
+    strings (those tokens are counted, their text cut)."""
+    return 1 if finish_reason == "stop" and engine != "llamacpp" else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,12 +147,14 @@ def count_completion_tokens(
     tokenizer: TokenEncoder | None = None,
     reported: int | None = None,
     complete: bool = True,
+    engine: str = "unknown",
 ) -> TokenCount:
     """The completion tokens of one response and their source (see the module docstring).
 
     ``reported``: the engine's own count from outside the usage object (llama.cpp's
     ``timings.predicted_n``). ``complete``: the response ended normally, so an empty output is 0
-    tokens (an interrupted one with nothing counted stays None).
+    tokens (an interrupted one with nothing counted stays None). ``engine``: who answered, which
+    decides whether an end token is counted (:func:`end_tokens`).
     """
     evidence.observe(arm, tap)
     if tap.usage_tokens is not None:
@@ -165,7 +169,7 @@ def count_completion_tokens(
         ended = complete and (tap.done or tap.finish_reason is not None)
         return TokenCount(0, "text_estimate") if ended else TokenCount(None, None)
     if tokenizer is not None:
-        return TokenCount(tokenizer.count(text) + end_tokens(tap.finish_reason), "tokenizer")
+        return TokenCount(tokenizer.count(text) + end_tokens(tap.finish_reason, engine), "tokenizer")
     counted = evidence.count(arm, tap)
     if counted is not None:
         return TokenCount(counted, "chunks")
