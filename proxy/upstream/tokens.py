@@ -5,7 +5,8 @@ A span's ``completion_tokens`` is one of these, best first (``tokens_source`` na
 - ``usage``: the backend's own count (the final ``usage``, continuous usage, the token ids it returned,
   or an engine's own report such as llama.cpp's ``timings.predicted_n``). Exact.
 - ``tokenizer``: the output text encoded with the model's tokenizer (a ``tokenizer.json`` given per arm
-  or per experiment, loaded offline with the ``tokenizers`` package), plus the end token when the
+  or per experiment, loaded offline with the ``tokenizers`` package, or a ``.gguf`` model's vocabulary
+  through llama-cpp-python), plus the end token when the
   engine stopped on one. Exact but for the rare text whose re-encoding differs from the ids the model
   generated, and for stop strings.
 - ``chunks``: one token per content chunk, used only for an arm whose chunks have been seen to hold one
@@ -81,18 +82,38 @@ class _HFTokenizer:
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
 
+class _GGUFTokenizer:
+    """A GGUF model's own tokenizer, through llama-cpp-python: its vocabulary only, no weights loaded.
+
+    llama.cpp models ship as one GGUF file and seldom with a tokenizer.json."""
+
+    __slots__ = ("_llm",)
+
+    def __init__(self, path: Path) -> None:
+        from llama_cpp import Llama
+
+        self._llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+    def count(self, text: str) -> int:
+        return len(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+
 @functools.lru_cache(maxsize=16)
 def load_tokenizer(path: str) -> TokenEncoder:
-    """A ``tokenizer.json`` (Hugging Face ``tokenizers`` format), read from disk once; never downloads.
+    """A ``tokenizer.json`` (Hugging Face ``tokenizers`` format) or a ``.gguf`` model's vocabulary
+    (needs llama-cpp-python), read from disk once; never downloads.
 
     Raises OSError when the file is missing and ValueError when it is not a tokenizer."""
     p = Path(path)
     if not p.is_file():
         raise OSError(f"tokenizer file {p} does not exist")
+    gguf = p.suffix.lower() == ".gguf"
     try:
-        return _HFTokenizer(p)
-    except Exception as exc:  # tokenizers raises its own Exception subclass on a bad file
-        raise ValueError(f"{p} is not a tokenizer.json: {exc}") from exc
+        return _GGUFTokenizer(p) if gguf else _HFTokenizer(p)
+    except ImportError as exc:
+        raise ValueError(f"reading {p}'s tokenizer needs llama-cpp-python: {exc}") from exc
+    except Exception as exc:  # tokenizers and llama_cpp raise their own Exception subclasses
+        raise ValueError(f"{p} is not a {'GGUF model' if gguf else 'tokenizer.json'}: {exc}") from exc
 
 
 @dataclass(slots=True)

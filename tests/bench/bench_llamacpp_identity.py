@@ -13,7 +13,9 @@ call at a time (llama-cpp-python's server aborts a running request when the next
 - for every mismatch, the first divergence (character) and the baseline's top-1 minus top-2 logprob
   there: a margin ≤ 0.5 nat is a near-tie that the lookup arm's different batch shapes can flip
   (llama.cpp's numerics differ with the number of tokens evaluated at once), a larger one a real bug;
-- the engine each span names, its token source and acceptance source.
+- the engine each span names, its token source and acceptance source, and how many spans' token
+  counts equal the server's (the logprob entries of the direct stream, one per generated token; with
+  ``SPECPROXY_TEST_GGUF`` set the arms count with the GGUF's own tokenizer, else by the text estimate).
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ def _body(prompt: str, max_tokens: int) -> dict[str, Any]:
     }
 
 
-async def _text(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
-    """A streamed chat's text, read from its SSE events."""
+async def _text(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[str, int]:
+    """A streamed chat's text and its tokens (logprob entries, one per generated token)."""
     parts: list[str] = []
+    tokens = 0
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.content:
@@ -101,7 +104,8 @@ async def _text(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
                 chunk = orjson.loads(line[6:])
                 for choice in chunk.get("choices") or ():
                     parts.append((choice.get("delta") or {}).get("content") or "")
-    return "".join(parts)
+                    tokens += len((choice.get("logprobs") or {}).get("content") or ())
+    return "".join(parts), tokens
 
 
 async def _until_idle(state: UpstreamState, url: str) -> None:
@@ -110,8 +114,8 @@ async def _until_idle(state: UpstreamState, url: str) -> None:
             await asyncio.sleep(0.05)
 
 
-async def measure(urls: dict[str, str], max_tokens: int) -> None:
-    direct: dict[tuple[str, str], str] = {}
+async def measure(urls: dict[str, str], max_tokens: int, gguf: str | None) -> None:
+    direct: dict[tuple[str, str], tuple[str, int]] = {}
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for prompt in PROMPTS:
@@ -121,6 +125,8 @@ async def measure(urls: dict[str, str], max_tokens: int) -> None:
             {"name": "plain", "role": "baseline", "url": urls["plain"]},
             {"name": "lookup", "url": urls["lookup"], "speculative": LOOKUP},
         ]
+        if gguf:
+            arms = [{**arm, "tokenizer": gguf} for arm in arms]
         with tempfile.TemporaryDirectory() as tmp:
             async with running_proxy(Path(tmp), arms) as p:
                 for prompt in PROMPTS:
@@ -130,8 +136,8 @@ async def measure(urls: dict[str, str], max_tokens: int) -> None:
     report(direct, rows)
 
 
-def report(direct: dict[tuple[str, str], str], rows: list[dict[str, Any]]) -> None:
-    same_direct = {pr: direct[("plain", pr)] == direct[("lookup", pr)] for pr in PROMPTS}
+def report(direct: dict[tuple[str, str], tuple[str, int]], rows: list[dict[str, Any]]) -> None:
+    same_direct = {pr: direct[("plain", pr)][0] == direct[("lookup", pr)][0] for pr in PROMPTS}
     # One call at a time: the k-th candidate span (by start) is the k-th prompt's.
     cands = dict(zip(PROMPTS, [r for r in rows if r["arm"] == "lookup"], strict=True))
     print(f"\nplain vs prompt lookup, {len(PROMPTS)} greedy streamed chats asking top-2 logprobs")
@@ -151,7 +157,7 @@ def report(direct: dict[tuple[str, str], str], rows: list[dict[str, Any]]) -> No
         gross += kind == "REAL MISMATCH"
         unknown += margin is None
         at = r["first_divergence"]
-        base = direct[("plain", pr)]
+        base = direct[("plain", pr)][0]
         shown = "—" if margin is None else f"{abs(margin):.3f}"
         where = base[max(0, at - 12) : at + 8]
         print(f"    {pr[:40]!r:<44} diverges at char {at} ({where!r}), margin {shown}: {kind}")
@@ -160,6 +166,10 @@ def report(direct: dict[tuple[str, str], str], rows: list[dict[str, Any]]) -> No
         mine = [r for r in rows if r["arm"] == arm]
         facts = sorted({(r["engine"], r["tokens_source"], r["spec_source"]) for r in mine}, key=str)
         print(f"  {arm}: {len(mine)} spans, (engine, tokens_source, spec_source) = {facts}")
+        true = [direct[(arm, pr)][1] for pr in PROMPTS]
+        exact = sum(r["completion_tokens"] == t for r, t in zip(mine, true, strict=True))
+        worst = max(abs(r["completion_tokens"] - t) / t for r, t in zip(mine, true, strict=True))
+        print(f"    completion_tokens = the server's count: {exact}/{len(mine)} (worst error {worst:.1%})")
 
 
 def main() -> None:
@@ -170,14 +180,14 @@ def main() -> None:
     parser.add_argument("--lookup", help="a running prompt-lookup llama-cpp-python server's URL")
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
-    if args.plain and args.lookup:
-        asyncio.run(measure({"plain": args.plain, "lookup": args.lookup}, args.max_tokens))
-        return
     gguf = os.environ.get("SPECPROXY_TEST_GGUF")
+    if args.plain and args.lookup:
+        asyncio.run(measure({"plain": args.plain, "lookup": args.lookup}, args.max_tokens, gguf))
+        return
     if not gguf:
         sys.exit("set SPECPROXY_TEST_GGUF to a GGUF model, or pass --plain and --lookup")
     with llama_servers(gguf) as urls:
-        asyncio.run(measure(urls, args.max_tokens))
+        asyncio.run(measure(urls, args.max_tokens, gguf))
 
 
 if __name__ == "__main__":
