@@ -6,7 +6,7 @@ Public API (used by `specproxy lab` and the click commands):
 - :func:`analyze` — the same, with the arms whose every call failed;
 - :func:`write_report` — the self-contained HTML report;
 - :func:`~specproxy.analysis.store.open_store` — a read-only DuckDB connection over several files,
-  with the views ``arm_summary``, ``pairs``, ``identity``, ``acceptance``;
+  with the views ``arm_summary``, ``pairs``, ``identity``, ``acceptance``, ``slo_calls``;
 - :func:`~specproxy.analysis.evaluation.evaluate` — the figures as dataclasses.
 
 Errors are :class:`~specproxy.analysis.store.StoreError` (a sentence saying what to do).

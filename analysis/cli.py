@@ -23,7 +23,7 @@ from specproxy.analysis.evaluation import Settings
 from specproxy.analysis.render import FORMATS
 from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
 from specproxy.analysis.verdict import Thresholds
-from specproxy.commandline import FiniteFloat
+from specproxy.commandline import SLO_HELP, FiniteFloat, SloParam
 
 DEFAULT_DB = "specproxy.duckdb"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -50,8 +50,31 @@ def settings_options(func: F) -> F:
             "--peak-concurrency",
             type=click.IntRange(1),
             metavar="N",
-            help="Your peak concurrency: throughput there must not be lower (default: the experiment "
-            "file's peak_concurrency, else the highest reliable level, said so).",
+            help="Your peak concurrency: throughput there must not be lower, and the fleet at the SLO "
+            "is sized for it (default: the experiment file's peak_concurrency, else the highest "
+            "reliable level, said so).",
+        ),
+        click.option(
+            "--at-rate",
+            type=FiniteFloat(min=0, min_open=True),
+            metavar="R",
+            help="For a sweep of request rates (replay --rates): the rate you run at, in requests/s "
+            "(default: the experiment file's at_rate, else the lowest reliable rate, said so).",
+        ),
+        click.option(
+            "--peak-rate",
+            type=FiniteFloat(min=0, min_open=True),
+            metavar="R",
+            help="For a sweep of request rates: your peak, in requests/s; the fleet at the SLO is sized "
+            "for it (default: the experiment file's peak_rate, else the highest reliable rate, said so).",
+        ),
+        click.option("--slo", type=SloParam(), default=None, help=SLO_HELP),
+        click.option(
+            "--gpu-hour-usd",
+            type=FiniteFloat(0, min_open=True),
+            metavar="X",
+            help="Price of one GPU-hour: the fleet's cost per hour and per million output tokens "
+            "(default: the experiment file's gpu_hour_usd).",
         ),
         click.option(
             "--margin",
@@ -112,6 +135,10 @@ def _settings(kw: dict[str, Any]) -> Settings:
         bootstrap_seed=kw["bootstrap_seed"],
         at_concurrency=kw["at_concurrency"],
         peak_concurrency=kw["peak_concurrency"],
+        at_rate=kw["at_rate"],
+        peak_rate=kw["peak_rate"],
+        slo=kw["slo"],
+        gpu_hour_usd=kw["gpu_hour_usd"],
     )
 
 
@@ -127,8 +154,9 @@ def _settings(kw: dict[str, Any]) -> Settings:
 )
 @settings_options
 def analyze(dbs: tuple[str, ...], fmt: str, **kw: Any) -> None:
-    """The verdict table: per run, arm and concurrency level; then by workload category, and each
-    arm's deploy verdict at your operating point (aggregate throughput at your peak not lower).
+    """The verdict table: per run, arm and level (a concurrency, or a request rate); then by workload
+    category, and each arm's deploy verdict at your operating point (aggregate throughput at your peak
+    not lower).
     Exits 1 when an arm's every call failed (its first error is printed).
 
     DB files default to specproxy.duckdb; each file's worker siblings (specproxy.w0.duckdb, ...) are
@@ -223,8 +251,8 @@ def format_result(names: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str)
 def sql(args: tuple[str, ...], fmt: str) -> None:
     """Run QUERY (the last argument) on the span store(s), read-only.
 
-    Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance
-    are available; several DB files are queried as their union. Example:
+    Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance,
+    slo_calls are available; several DB files are queried as their union. Example:
 
         specproxy sql specproxy.duckdb "SELECT arm, level, agg_tok_s FROM arm_summary"
 

@@ -30,13 +30,14 @@ from specproxy.analysis.figures import (
     RoundFigures,
     call_groups,
     failed_arms,
-    level_sort_key,
     level_summaries,
     pair_groups,
     round_figures,
 )
+from specproxy.analysis.levels import level_name, level_sort_key, level_unit, load_name, run_unit
 from specproxy.analysis.provenance import estimate_note
 from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
+from specproxy.analysis.slo import SloEvaluation, SloInputs, evaluate_slo, parse_config, slo_inputs_from_run
 from specproxy.analysis.stats import Interval, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.validity import LevelHealth, level_health
@@ -182,10 +183,10 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
         for s in run.summaries
     ]
     categories = _category_rows(run, rows, margins, confidence, settings)
-    point, point_text = _operating_point(settings, info)
+    point, point_text = _operating_point(settings, info, run_unit(r.level for r in rows))
     failed = {f.arm: f.describe() for f in failed_arms(store, run.run_id)}
     arms = [_arm_outcome(run, arm, rows, point, confidence, settings, failed) for arm in _arm_order(run)]
-    numeric = [r.concurrency_level for r in rows if r.concurrency_level is not None and r.reliable]
+    loaded = [r.level for r in rows if r.level_load is not None and r.reliable]
     return RunEvaluation(
         run_id=run.run_id,
         name=info["name"],
@@ -193,7 +194,7 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
         source=info.get("source"),
         started_at=info.get("started_at"),
         baseline=run.baseline,
-        peak_level=str(max(numeric)) if numeric else "live",
+        peak_level=max(loaded, key=level_sort_key, default="live"),
         rows=rows,
         arms=arms,
         categories=categories,
@@ -203,12 +204,49 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
         ),
         stacks=_stacks(info, notes),
         notes=notes + _run_notes(run, rows),
-        at_concurrency=point.at,
-        peak_concurrency=point.peak,
+        at_concurrency=int(point.at) if point.at is not None and point.unit == "c" else None,
+        peak_concurrency=int(point.peak) if point.peak is not None and point.unit == "c" else None,
+        at_rate=point.at if point.unit == "r" else None,
+        peak_rate=point.peak if point.unit == "r" else None,
         operating_point=point_text,
         unreliable_levels=sorted((lv for lv, h in run.health.items() if not h.reliable), key=level_sort_key),
         failed_arms=list(failed.values()),
+        slo=_at_slo(store, run, info, settings, arms, point),
     )
+
+
+def _at_slo(
+    store: SpanStore,
+    run: RunFigures,
+    info: dict[str, Any],
+    settings: Settings,
+    arms: Sequence[ArmOutcome],
+    point: OperatingPoint,
+) -> SloEvaluation | None:
+    """Goodput, capacity and fleet at the SLO of the command line, else of the run's experiment file."""
+    recorded = slo_inputs_from_run(parse_config(info.get("config_json")))
+    slo = settings.slo or recorded["slo"]
+    if slo is None:
+        return None
+    inputs = SloInputs(
+        slo=slo,
+        source="command line" if settings.slo else "experiment file",
+        peak_concurrency=int(point.peak) if point.peak is not None and point.unit == "c" else None,
+        peak_rate=settings.peak_rate or recorded["peak_rate"],
+        peak_sources=(
+            "command line" if settings.peak_concurrency else "experiment file",
+            "command line" if settings.peak_rate else "experiment file",
+        ),
+        gpu_hour_usd=settings.gpu_hour_usd or recorded["gpu_hour_usd"],
+        gpus=recorded["gpus"],
+        confidence=settings.confidence,
+        iterations=settings.bootstrap_iterations,
+        seed=settings.bootstrap_seed,
+        max_sample=settings.bootstrap_max_sample,
+    )
+    kinds = {a.arm: a.kind for a in arms}
+    unreliable = {lv for lv, h in run.health.items() if not h.reliable}
+    return evaluate_slo(store, run.run_id, inputs, run.baseline, kinds, unreliable)
 
 
 def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, notes: list[str]) -> RunFigures:
@@ -249,9 +287,7 @@ def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, not
         for s in summaries
         if s.arm != baseline
         and s.level in base_of
-        and (
-            s.concurrency_level is None or (s.arm, s.level) in unpaired or not _same_work(s, base_of[s.level])
-        )
+        and (s.level_load is None or (s.arm, s.level) in unpaired or not _same_work(s, base_of[s.level]))
     }
     loads = matched.load_bands(
         store,
@@ -340,7 +376,7 @@ def _confidences(run: RunFigures, settings: Settings) -> dict[str, float]:
 
 def _round_count(run: RunFigures, arm: str, level: str) -> int | None:
     s = run.summary(arm, level)
-    if s is None or s.concurrency_level is None:
+    if s is None or s.level_load is None:
         return None
     r = run.rounds.get((arm, level))
     return len(r.rounds) if r is not None else 1
@@ -385,7 +421,7 @@ def _wall_point(
     """A replay level's wall-clock throughput ratio (None for live traffic, or when the arms did not
     serve the same work): over the rounds when it has several (Σ tokens / Σ wall per arm, with the
     per-round figures for the drift term), else the level's agg tok/s ratio."""
-    if cand.concurrency_level is None or not _same_work(cand, base):
+    if cand.level_load is None or not _same_work(cand, base):
         return None, None
     rc, rb = run.rounds.get((cand.arm, cand.level)), run.rounds.get((base.arm, base.level))
     if rc is not None and rb is not None and len(rc.rounds) >= 2:
@@ -489,6 +525,7 @@ def _level_row(
         spec_method=s.spec_method,
         level=s.level,
         concurrency_level=s.concurrency_level,
+        offered_rate=s.offered_rate,
         calls=s.calls,
         ok=s.ok,
         completion_tokens=s.completion_tokens,
@@ -640,6 +677,7 @@ def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, threshold
         category=fig.category,
         level=row.level,
         concurrency_level=row.concurrency_level,
+        offered_rate=row.offered_rate,
         paired=fig.comparison.paired,
         calls=fig.calls,
         baseline_calls=fig.baseline_calls,
@@ -655,9 +693,9 @@ def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, threshold
     )
 
 
-def _operating_point(settings: Settings, info: dict[str, Any]) -> tuple[OperatingPoint, str]:
-    """The user's operating point: the command line's, else the experiment file's, else none (the
-    deploy verdict then says what it assumed)."""
+def _operating_point(settings: Settings, info: dict[str, Any], unit: str) -> tuple[OperatingPoint, str]:
+    """The user's operating point on the run's load axis (``unit``): the command line's, else the
+    experiment file's, else none (the deploy verdict then says what it assumed)."""
     try:
         experiment = json.loads(info.get("config_json") or "{}")
     except ValueError:
@@ -665,21 +703,35 @@ def _operating_point(settings: Settings, info: dict[str, Any]) -> tuple[Operatin
     if not isinstance(experiment, dict):
         experiment = {}
 
-    def pick(given: int | None, key: str) -> tuple[int | None, str]:
+    def pick(given: float | None, key: str) -> tuple[float | None, str]:
         if given is not None:
             return given, "command line"
         value = experiment.get(key)
-        if isinstance(value, int) and value > 0:
-            return value, "experiment file"
+        wanted = int if unit == "c" else (int, float)
+        if isinstance(value, wanted) and not isinstance(value, bool) and value > 0:
+            return float(value), "experiment file"
         return None, "assumed"
 
-    at, at_from = pick(settings.at_concurrency, "at_concurrency")
-    peak, peak_from = pick(settings.peak_concurrency, "peak_concurrency")
+    if unit == "r":
+        at, at_from = pick(settings.at_rate, "at_rate")
+        peak, peak_from = pick(settings.peak_rate, "peak_rate")
+    else:
+        at, at_from = pick(settings.at_concurrency, "at_concurrency")
+        peak, peak_from = pick(settings.peak_concurrency, "peak_concurrency")
     parts = [
-        f"operating point c={at} ({at_from})" if at else "operating point: not given",
-        f"peak c={peak} ({peak_from})" if peak else "peak: not given",
+        f"operating point {load_name(at, unit)} ({at_from})" if at else "operating point: not given",
+        f"peak {load_name(peak, unit)} ({peak_from})" if peak else "peak: not given",
     ]
-    return OperatingPoint(at, peak), "; ".join(parts)
+    other = (
+        (settings.at_concurrency, settings.peak_concurrency)
+        if unit == "r"
+        else (settings.at_rate, settings.peak_rate)
+    )
+    if any(v is not None for v in other):
+        given = "--at-concurrency/--peak-concurrency" if unit == "r" else "--at-rate/--peak-rate"
+        swept = "request rates" if unit == "r" else "concurrency levels"
+        parts.append(f"{given} ignored: this run's levels are {swept}")
+    return OperatingPoint(at, peak, unit), "; ".join(parts)
 
 
 def _arm_outcome(
@@ -707,19 +759,19 @@ def _arm_outcome(
     elif kind != "baseline" and judged:
         levels = [
             LevelJudgement(
-                r.concurrency_level,
+                r.level_load,
                 r.verdict or NO_CLEAR_GAIN,
                 r.throughput_speedup,
                 r.throughput_margin or 0.0,
                 r.tokens_estimated,
             )
             for r in judged
-            if r.concurrency_level is not None
+            if r.level_load is not None and level_unit(r.level) == point.unit
         ]
         check = check_identity(identical, compared, confidence[arm], settings.thresholds)
         if levels:
             cross = crossover([(j.level, j.verdict) for j in levels])
-            text = cross.describe([j.level for j in levels if j.verdict != UNRELIABLE])
+            text = cross.describe([j.level for j in levels if j.verdict != UNRELIABLE], point.unit)
             deploy = deploy_verdict(levels, point, check)
         else:
             live = judged[0]
@@ -744,24 +796,24 @@ def _arm_outcome(
 def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
     notes = []
     for level, h in sorted(run.health.items(), key=lambda x: level_sort_key(x[0])):
-        lv = f"c={level}" if level.isdigit() else level
+        lv = level_name(level)
         if not h.reliable:
             notes.append(f"{lv} UNRELIABLE: {h.describe()}; no verdicts there, left out of crossovers")
     for r in rows:
         if r.load is not None and r.load.unequal and r.verdict is not None:
             notes.append(
-                f"{r.arm} {'c=' + r.level if r.level.isdigit() else r.level}: no by-category figures (its "
+                f"{r.arm} {level_name(r.level)}: no by-category figures (its "
                 "calls ran at another load than the baseline's; the level is compared at matched load)"
             )
     for r in rows:
         if r.own_tokens_estimated:
             notes.append(
-                f"{r.arm} {'c=' + r.level if r.level.isdigit() else r.level}: token counts "
+                f"{r.arm} {level_name(r.level)}: token counts "
                 f"{r.tokens_source}: its tok/s and the speedups on them (marked ~) are estimates"
             )
     one_round = sorted({r.level for r in rows if r.drift_note and r.verdict is not None}, key=level_sort_key)
     if one_round:
-        levels = ", ".join(f"c={lv}" for lv in one_round)
+        levels = ", ".join(level_name(lv) for lv in one_round)
         notes.append(
             f"{levels}: 1 round: cannot see between-run drift (the intervals see drift within the run, "
             "in time blocks); replay with --rounds 3 or more"

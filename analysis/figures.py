@@ -14,13 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.analysis.levels import LEVEL_SQL, level_load, level_sort_key
 from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES, NOT_RECORDED, SpecCounts, TokenCounts
 from specproxy.analysis.stats import FloatArray
 from specproxy.analysis.store import SpanStore
-
-
-def level_sort_key(level: str) -> tuple[int, int, str]:
-    return (0, int(level), "") if level.isdigit() else (1, 0, level)
 
 
 @dataclass(frozen=True)
@@ -33,6 +30,7 @@ class LevelSummary:
     spec_method: str
     level: str
     concurrency_level: int | None
+    offered_rate: float | None
     calls: int
     ok: int
     completion_tokens: int
@@ -50,6 +48,11 @@ class LevelSummary:
     req_acceptance_length: float | None
     tokens: TokenCounts = TokenCounts({})
     spec: SpecCounts = SpecCounts({}, None, None, None, None)
+
+    @property
+    def level_load(self) -> float | None:
+        """The replay level's load (its concurrency, or offered req/s); None for live traffic."""
+        return level_load(self.level)
 
 
 def level_summaries(store: SpanStore, run_id: str) -> list[LevelSummary]:
@@ -70,6 +73,7 @@ def level_summaries(store: SpanStore, run_id: str) -> list[LevelSummary]:
                 spec_method=r["spec_method"] or "none",
                 level=r["level"],
                 concurrency_level=r["concurrency_level"],
+                offered_rate=r["offered_rate"],
                 calls=r["calls"],
                 ok=r["ok"],
                 completion_tokens=int(r["completion_tokens"]),
@@ -99,8 +103,8 @@ def _sources(
     """Per arm and level, the ok calls per token source and per speculation source, and the request
     acceptance sums of the calls whose speculation figures are measured."""
     rows = store.query(
-        """
-        SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
+        f"""
+        SELECT arm, {LEVEL_SQL} AS level,
                CASE WHEN completion_tokens IS NULL THEN NULL ELSE coalesce(tokens_source, $nr) END AS ts,
                coalesce(spec_source, 'none') AS ss, count(*) AS n,
                sum(accepted_tokens) AS accepted, sum(draft_tokens) AS drafted, sum(num_drafts) AS drafts,
@@ -193,9 +197,9 @@ class RoundFigures:
 
 def round_figures(store: SpanStore, run_id: str) -> dict[tuple[str, str], RoundFigures]:
     rows = store.query(
-        """
+        f"""
         WITH calls AS (
-            SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level, round, status,
+            SELECT arm, {LEVEL_SQL} AS level, round, status,
                    completion_tokens, e2e_s, coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
             FROM requests WHERE run_id = ? AND round IS NOT NULL
         )
@@ -426,7 +430,7 @@ def call_groups(
                list([r.decode_tok_s, r.completion_tokens, r.e2e_s, {_block_sql("r", blocks)}])
                    FILTER (WHERE k.p >= 1 OR hash(r.request_id, r.span_id, $seed) % 1000000007
                                               < k.p * 1000000007) AS sample
-        FROM (SELECT *, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
+        FROM (SELECT *, {LEVEL_SQL} AS level,
                      coalesce(category, '(none)') AS cat,
                      coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
               FROM requests WHERE run_id = $run AND status = 'ok') r

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specproxy.analysis.figures import ordered
+from specproxy.analysis.levels import LEVEL_SQL
 from specproxy.analysis.stats import FloatArray, Interval, percentile_interval
 from specproxy.analysis.store import SpanStore
+from specproxy.schema import level_sql
 
 MIN_BAND_CALLS = 8
 UNEQUAL_LOAD = 1.10
@@ -97,8 +99,8 @@ def load_bands(
     coverage = {
         (r["arm"], r["level"]): r
         for r in store.query(
-            """
-            SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level, count(*) AS n,
+            f"""
+            SELECT arm, {LEVEL_SQL} AS level, count(*) AS n,
                    count(engine_running) AS running, count(inflight_at_start) AS inflight,
                    quantile_cont(engine_running, 0.5) AS p50_running,
                    quantile_cont(inflight_at_start, 0.5) AS p50_inflight
@@ -134,7 +136,7 @@ def load_bands(
                        THEN r.engine_running ELSE r.inflight_at_start END))) AS band
             FROM requests r
             JOIN load_keys k
-              ON k.arm = r.arm AND k.level = coalesce(CAST(r.concurrency_level AS VARCHAR), 'live')
+              ON k.arm = r.arm AND k.level = {level_sql("r")}
             WHERE r.run_id = $run AND r.status = 'ok' AND r.decode_tok_s > 0
         )
         SELECT arm, level, basis, band, count(*) AS n, quantile_cont(decode_tok_s, 0.5) AS med,

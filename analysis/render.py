@@ -16,7 +16,9 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
+from specproxy.analysis import render_slo
 from specproxy.analysis.evaluation import CategoryRow, LevelRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.levels import level_name
 from specproxy.analysis.provenance import TEXT_ESTIMATE_ERROR
 from specproxy.analysis.stats import Interval
 
@@ -59,7 +61,7 @@ def fmt_interval(iv: Interval | None) -> str:
 
 
 def fmt_level(level: str) -> str:
-    return f"c={level}" if level.isdigit() else level
+    return level_name(level)
 
 
 def fmt_margin(row: LevelRow) -> str:
@@ -218,8 +220,42 @@ def category_matrix(ev: RunEvaluation) -> tuple[list[str], list[list[str]]]:
 
 
 def deploy_lines(ev: RunEvaluation) -> list[str]:
-    """Each arm's overall verdict at the operating point, peak throughput included."""
-    return [f"{a.arm}: {a.deploy.verdict} — {a.deploy.text}" for a in ev.arms if a.deploy is not None]
+    """Each arm's overall verdict at the operating point, peak throughput included; with an SLO, its
+    capacity at the SLO first."""
+    lines = []
+    for a in ev.arms:
+        capacity = render_slo.headline(ev, a.arm)
+        verdict = f"{a.deploy.verdict} — {a.deploy.text}" if a.deploy is not None else ""
+        if capacity:
+            lines.append(f"{capacity}. {verdict}" if verdict else capacity)
+        elif verdict:
+            lines.append(f"{a.arm}: {verdict}")
+    return lines
+
+
+def deploy_title(ev: RunEvaluation) -> str:
+    if ev.slo is None:
+        return "deploy verdict (at the operating point, peak throughput included)"
+    return (
+        f"deploy verdict at your SLO: {ev.slo.slo.describe()} (capacity at the SLO, then the verdict at "
+        "the operating point, peak throughput included)"
+    )
+
+
+def slo_block(ev: RunEvaluation, markdown: bool) -> str:
+    """Goodput per level, capacity per arm and the fleet at the peak, when an SLO was given."""
+    s = ev.slo
+    if s is None:
+        return ""
+    headers, rows = render_slo.level_table(s)
+    notes = render_slo.capacity_lines(s)
+    fleet_headers, fleet_rows = render_slo.fleet_table(s)
+    if markdown:
+        text = f"\n\n{render_slo.title(s)}:\n\n{_markdown(headers, rows)}\n\n"
+        text += "\n".join(f"- {n}" for n in notes)
+        return text + (f"\n\n{_markdown(fleet_headers, fleet_rows)}" if fleet_rows else "")
+    text = f"\n\n{render_slo.title(s)}\n{_aligned(headers, rows)}\n" + "\n".join(f"  {n}" for n in notes)
+    return text + (f"\n{_aligned(fleet_headers, fleet_rows, left={0})}" if fleet_rows else "")
 
 
 def run_notes(ev: RunEvaluation, settings: Settings, all_reasons: bool = True) -> list[str]:
@@ -309,16 +345,18 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
             block = f"### {run_title(ev)}\n\n{_markdown(HEADERS, rows)}\n\n{notes}"
             if cat_rows:
                 block += f"\n\n{CATEGORY_TITLE}:\n\n{_markdown(cat_headers, cat_rows)}"
+            block += slo_block(ev, markdown=True)
             if deploy:
-                block += "\n\ndeploy verdict (at the operating point, peak throughput included):\n\n"
+                block += f"\n\n{deploy_title(ev)}:\n\n"
                 block += "\n".join(f"- {d}" for d in deploy)
         else:
             notes = "\n".join(f"  {n}" for n in run_notes(ev, settings, all_reasons=False))
             block = f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}"
             if cat_rows:
                 block += f"\n\n{CATEGORY_TITLE}\n{_aligned(cat_headers, cat_rows, left={0, 1})}"
+            block += slo_block(ev, markdown=False)
             if deploy:
-                block += "\n\ndeploy verdict (at the operating point, peak throughput included)\n"
+                block += f"\n\n{deploy_title(ev)}\n"
                 block += "\n".join(f"  {d}" for d in deploy)
         blocks.append(block)
     return "\n\n".join(blocks) + "\n"
@@ -353,6 +391,7 @@ CSV_FIELDS = (
     "run_name",
     "level",
     "concurrency_level",
+    "offered_rate",
     "arm",
     "category",
     "role",
@@ -407,6 +446,7 @@ CSV_FIELDS = (
     "estimate_note",
     "req_acceptance_source",
     "req_acceptance_not_measured",
+    *render_slo.CSV_FIELDS,
 )
 
 
@@ -418,6 +458,7 @@ def render_csv(evals: Sequence[RunEvaluation]) -> str:
         for r in ev.rows:
             d = asdict(r)
             d.update(run_id=ev.run_id, run_name=ev.name)
+            d.update(render_slo.csv_cells(ev, r))
             load = r.load
             d.update(
                 load_basis=load.basis if load else None,

@@ -14,6 +14,7 @@ from typing import Any
 
 from specproxy import __version__
 from specproxy.analysis.evaluation import CategoryRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.levels import AXIS_LABEL, LEVEL_SQL, level_unit, run_unit
 from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES
 from specproxy.analysis.render import (
     CATEGORY_TITLE,
@@ -27,8 +28,11 @@ from specproxy.analysis.render import (
     run_notes,
     run_title,
 )
+from specproxy.analysis.render_slo import headline
+from specproxy.analysis.report_slo import slo_section
 from specproxy.analysis.store import SpanStore
 from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
+from specproxy.schema import level_sql
 
 MAX_MISMATCH_ROWS = 100
 VERDICT_CSS = {"WIN": "WIN", "LOSS": "LOSS", "NO CLEAR GAIN": "NCG", "UNRELIABLE": "UNREL", "FAILED": "LOSS"}
@@ -94,9 +98,11 @@ def _verdict_table(ev: RunEvaluation) -> str:
 
 
 def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
-    numeric = [r for r in ev.rows if r.concurrency_level is not None]
+    unit = run_unit(r.level for r in ev.rows)
+    numeric = [r for r in ev.rows if r.level_load is not None and level_unit(r.level) == unit]
     if not numeric:
-        return '<p class="muted">No concurrency levels (live traffic): see the "live" row of the table.</p>'
+        return '<p class="muted">No replay levels (live traffic): see the "live" row of the table.</p>'
+    x_label = AXIS_LABEL[unit]
     order = _arm_order(colors)
     arms = sorted(dict.fromkeys(r.arm for r in numeric), key=lambda a: order.get(a, len(order)))
     speed: list[Series] = []
@@ -110,9 +116,9 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
             Series(
                 arm,
                 [
-                    (r.concurrency_level, r.p50_decode_tok_s)
+                    (r.level_load, r.p50_decode_tok_s)
                     for r in rows
-                    if r.concurrency_level and r.p50_decode_tok_s is not None
+                    if r.level_load and r.p50_decode_tok_s is not None
                 ],
                 color=color,
             )
@@ -120,18 +126,14 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
         agg.append(
             Series(
                 arm,
-                [
-                    (r.concurrency_level, r.agg_tok_s)
-                    for r in rows
-                    if r.concurrency_level and r.agg_tok_s is not None
-                ],
+                [(r.level_load, r.agg_tok_s) for r in rows if r.level_load and r.agg_tok_s is not None],
                 color=color,
             )
         )
         if arm == ev.baseline:
             continue
         for target, attr in ((speed, "decode_speedup"), (thr, "throughput_speedup")):
-            ivs = [(r.concurrency_level, getattr(r, attr)) for r in rows if r.concurrency_level]
+            ivs = [(r.level_load, getattr(r, attr)) for r in rows if r.level_load]
             ivs = [(c, iv) for c, iv in ivs if iv is not None]
             target.append(
                 Series(
@@ -147,7 +149,7 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
         line_chart(
             speed,
             title="P50 decode speedup vs baseline (95% CI)",
-            x_label="concurrency",
+            x_label=x_label,
             y_label="speedup (x)",
             reference_y=1.0,
             y_from_zero=False,
@@ -155,21 +157,21 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
         line_chart(
             thr,
             title="Aggregate throughput ratio vs baseline (95% CI)",
-            x_label="concurrency",
+            x_label=x_label,
             y_label="ratio (x)",
             reference_y=1.0,
             y_from_zero=False,
         ),
-        line_chart(decode, title="P50 decode tok/s per request", x_label="concurrency", y_label="tok/s"),
-        line_chart(agg, title="Aggregate tok/s (all requests)", x_label="concurrency", y_label="tok/s"),
+        line_chart(decode, title="P50 decode tok/s per request", x_label=x_label, y_label="tok/s"),
+        line_chart(agg, title="Aggregate tok/s (all requests)", x_label=x_label, y_label="tok/s"),
     ]
     return '<div class="charts">' + "".join(charts) + "</div>"
 
 
 def _ttft_charts(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) -> str:
     rows = store.query(
-        """
-        SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
+        f"""
+        SELECT arm, {LEVEL_SQL} AS level,
                quantile_cont(ttft_s, [i / 100 for i in range(101)]) AS q
         FROM requests WHERE run_id = ? AND status = 'ok' AND ttft_s IS NOT NULL
         GROUP BY ALL
@@ -266,7 +268,7 @@ def _deploy(ev: RunEvaluation) -> str:
         items.append(
             f'<tr><td class="l"><b>{escape(a.arm)}</b></td>'
             f'<td class="l {cls}">{escape(a.deploy.verdict)}</td>'
-            f'<td class="l wrap">{escape(a.deploy.text)}</td></tr>'
+            f'<td class="l wrap">{escape(_deploy_text(ev, a.arm, a.deploy.text))}</td></tr>'
         )
     if not items:
         return ""
@@ -276,6 +278,16 @@ def _deploy(ev: RunEvaluation) -> str:
         + "".join(items)
         + "</tbody></table>"
     )
+
+
+def _deploy_text(ev: RunEvaluation, arm: str, text: str) -> str:
+    """The deploy verdict's sentence, led by the arm's capacity at the SLO when one was given."""
+    capacity = headline(ev, arm)
+    return f"{capacity}. {text}" if capacity else text
+
+
+def _deploy_heading(ev: RunEvaluation) -> str:
+    return f"Deploy verdict at your SLO: {ev.slo.slo.describe()}" if ev.slo is not None else "Deploy verdict"
 
 
 def _category_title(c: CategoryRow) -> str:
@@ -307,14 +319,14 @@ def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
             cells.append(f'<td class="{cls}" title="{title}">{escape(category_cell(c))}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-    # small multiples: one chart per category, decode speedup vs concurrency per arm with its CI band
+    # small multiples: one chart per category, decode speedup vs load per arm with its CI band
     order = _arm_order(colors)
     arms = sorted({c.arm for c in ev.categories}, key=lambda a: (order.get(a, len(order)), a))
     # one y axis for every category, so the panels compare at a glance
     extent = [
         v
         for c in ev.categories
-        if c.concurrency_level and c.decode_speedup is not None
+        if c.level_load and c.decode_speedup is not None
         for v in (c.decode_speedup.point, c.decode_speedup.low, c.decode_speedup.high)
         if v is not None
     ]
@@ -324,9 +336,9 @@ def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
         series = []
         for arm in arms:
             ivs = [
-                (c.concurrency_level, c.decode_speedup)
+                (c.level_load, c.decode_speedup)
                 for c in ev.categories
-                if c.arm == arm and c.category == cat and c.concurrency_level and c.decode_speedup is not None
+                if c.arm == arm and c.category == cat and c.level_load and c.decode_speedup is not None
             ]
             series.append(
                 Series(
@@ -343,7 +355,7 @@ def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
                 line_chart(
                     series,
                     title=f"{cat}: P50 decode speedup (95% CI)",
-                    x_label="concurrency",
+                    x_label=AXIS_LABEL[run_unit(c.level for c in ev.categories)],
                     y_label="speedup (x)",
                     reference_y=1.0,
                     y_from_zero=False,
@@ -400,11 +412,12 @@ def _mismatch_rows(store: SpanStore, run_id: str, wanted: int) -> list[dict[str,
             WHERE run_id = $run AND arm_role = 'baseline' AND request_id IN (SELECT request_id FROM c)
             GROUP BY request_id
         )
-        SELECT c.arm, {kind} AS kind, coalesce(CAST(c.concurrency_level AS VARCHAR), 'live') AS level,
+        SELECT c.arm, {kind} AS kind, {level_sql("c")} AS level,
                c.request_id, c.category, c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
                c.output_text, b.text AS baseline_output_text
         FROM c LEFT JOIN b USING (request_id)
-        ORDER BY kind, c.arm, c.concurrency_level NULLS LAST, divergence_margin DESC NULLS LAST, c.request_id
+        ORDER BY kind, c.arm, c.concurrency_level NULLS LAST, c.offered_rate NULLS LAST,
+                 divergence_margin DESC NULLS LAST, c.request_id
         """,
         {"run": run_id},
     )
@@ -415,7 +428,8 @@ def _mismatch_rows(store: SpanStore, run_id: str, wanted: int) -> list[dict[str,
         SELECT arm, kind, level, request_id, category, first_divergence, divergence_margin,
                output_text, baseline_output_text
         FROM pairs WHERE run_id = ? AND NOT identical
-        ORDER BY kind, arm, concurrency_level NULLS LAST, divergence_margin DESC NULLS LAST, request_id
+        ORDER BY kind, arm, concurrency_level NULLS LAST, offered_rate NULLS LAST,
+                 divergence_margin DESC NULLS LAST, request_id
         LIMIT {int(wanted)}
         """,
         [run_id],
@@ -526,14 +540,15 @@ def build_report(
 <h2>{escape(run_title(ev))}</h2>
 <p class="muted">run_id <span class="mono">{escape(ev.run_id)}</span> · source {escape(str(ev.source))}
  · started {escape(started)}</p>
-<h3>Deploy verdict</h3>
+<h3>{escape(_deploy_heading(ev))}</h3>
 {_deploy(ev)}
+{slo_section(ev.slo)}
 <h3>Verdicts per level</h3>
 {_verdict_table(ev)}
 <ul class="notes">{notes}</ul>
 <h3>Verdicts by workload category</h3>
 {_categories(ev, colors)}
-<h3>Speed and throughput vs concurrency</h3>
+<h3>Speed and throughput vs load</h3>
 {_level_charts(ev, colors)}
 <h3>Time to first token</h3>
 {_ttft_charts(store, ev, colors)}

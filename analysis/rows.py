@@ -6,9 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specproxy.analysis.levels import level_load
 from specproxy.analysis.matched import LoadFigures
+from specproxy.analysis.slo import SloEvaluation
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdict import Crossover, DeployVerdict, Thresholds
+from specproxy.slo import Slo
 
 
 @dataclass(frozen=True)
@@ -16,8 +19,12 @@ class Settings:
     """Everything `analyze` can be told. ``confidence`` holds for all of an arm's levels at once.
 
     ``at_concurrency`` / ``peak_concurrency``: where the user runs and their peak (else the run's
-    experiment file says, else the analysis assumes the lowest and highest reliable levels).
+    experiment file says, else the analysis assumes the lowest and highest reliable levels);
+    ``at_rate`` / ``peak_rate`` the same in requests/s, for a run of open-loop rate levels.
     ``time_blocks``: the blocks a level of one round (or live traffic) is cut into to see drift.
+    ``slo``: the latency targets of goodput and capacity (else the experiment file's, else none);
+    ``peak_rate`` / ``gpu_hour_usd``: the peak in requests/s and the price of a GPU-hour, for the fleet
+    at the peak (else the experiment file's).
     """
 
     thresholds: Thresholds = field(default_factory=Thresholds)
@@ -28,12 +35,16 @@ class Settings:
     bootstrap_max_sample: int = 2000
     at_concurrency: int | None = None
     peak_concurrency: int | None = None
+    at_rate: float | None = None
+    peak_rate: float | None = None
     time_blocks: int = 4
+    slo: Slo | None = None
+    gpu_hour_usd: float | None = None
 
 
 @dataclass(frozen=True)
 class LevelRow:
-    """One row of the verdict table: an arm at a concurrency level.
+    """One row of the verdict table: an arm at a level (a concurrency, an offered rate, or live).
 
     ``rounds``: replay rounds measured (None: live traffic); ``blocks``: what the intervals' drift
     term came from; ``confidence``: each interval's own level (simultaneous over the arm's levels);
@@ -49,6 +60,7 @@ class LevelRow:
     spec_method: str
     level: str
     concurrency_level: int | None
+    offered_rate: float | None
     calls: int
     ok: int
     completion_tokens: int
@@ -101,6 +113,11 @@ class LevelRow:
     def identical_rate(self) -> float | None:
         return self.identical / self.compared if self.compared else None
 
+    @property
+    def level_load(self) -> float | None:
+        """The level's load: its concurrency, or its offered rate (req/s); None for live traffic."""
+        return level_load(self.level)
+
 
 @dataclass(frozen=True)
 class CategoryRow:
@@ -116,6 +133,7 @@ class CategoryRow:
     category: str
     level: str
     concurrency_level: int | None
+    offered_rate: float | None
     paired: bool
     calls: int
     baseline_calls: int
@@ -129,6 +147,10 @@ class CategoryRow:
     verdict: str | None = None
     reason: str = ""
     tokens_estimated: bool = False
+
+    @property
+    def level_load(self) -> float | None:
+        return level_load(self.level)
 
 
 @dataclass(frozen=True)
@@ -165,9 +187,13 @@ class RunEvaluation:
     at_concurrency: int | None = None
     peak_concurrency: int | None = None
     operating_point: str = ""
+    at_rate: float | None = None
+    peak_rate: float | None = None
     unreliable_levels: list[str] = field(default_factory=list)
     # arms without a single ok call, one sentence each with the first error (`analyze` exits non-zero)
     failed_arms: list[str] = field(default_factory=list)
+    # goodput, capacity and fleet at the SLO, when one was given
+    slo: SloEvaluation | None = None
 
     @property
     def noise_floor(self) -> float | None:

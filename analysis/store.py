@@ -251,6 +251,7 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
         _create_union_views(conn, attached)
         for stmt in schema.VIEWS_DDL:
             conn.execute(stmt)
+        conn.execute(schema.SLO_CALLS_VIEW)
     except BaseException:
         conn.close()
         raise

@@ -155,10 +155,12 @@ def line_chart(
     y_from_zero: bool = True,
     x_tick_fmt: str = "{}",
     y_extent: Sequence[float] = (),
+    markers_x: Sequence[tuple[float, str]] = (),
 ) -> str:
     """Lines with markers (and shaded bands where given); log2 x for concurrency levels.
 
-    ``y_extent``: values the y axis must cover as well (small multiples share one axis this way).
+    ``y_extent``: values the y axis must cover as well (small multiples share one axis this way);
+    ``markers_x``: vertical dashed lines at these x values, each with a label (a crossing, say).
     """
     xs = [x for s in series for x, _ in s.points]
     ys = [y for s in series for _, y in s.points] + [
@@ -172,6 +174,7 @@ def line_chart(
     if reference_y is not None:
         y = frame.py(reference_y)
         body.append(f'<line x1="{MARGIN_L}" y1="{y:.1f}" x2="{WIDTH - MARGIN_R}" y2="{y:.1f}" class="ref"/>')
+    body += _vertical_markers(frame, markers_x)
     for s in series:
         if s.band:
             band = sorted(s.band)
@@ -190,6 +193,19 @@ def line_chart(
                 f"<title>{escape(s.name)}: {_fmt_tick(x)} → {y:.3g}</title></circle>"
             )
     return _svg(body + _legend(series), title)
+
+
+def _vertical_markers(frame: _Frame, markers: Sequence[tuple[float, str]]) -> list[str]:
+    out = []
+    for i, (x, label) in enumerate(markers):
+        px = frame.px(x)
+        out.append(
+            f'<line x1="{px:.1f}" y1="{MARGIN_T}" x2="{px:.1f}" y2="{HEIGHT - MARGIN_B}" class="ref marker"/>'
+        )
+        out.append(
+            f'<text x="{px + 4:.1f}" y="{MARGIN_T + 12 + 13 * i}" class="tick marker">{escape(label)}</text>'
+        )
+    return out
 
 
 def cdf_chart(series: Sequence[Series], *, title: str, x_label: str) -> str:

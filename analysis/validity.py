@@ -9,12 +9,17 @@ check                       default    what it measures
 ==========================  =========  ==================================================================
 engine_clock_lag            0.02       share of the run a simulator fell behind its own clock (2 %)
 loadgen_start_lag_p99_s     0.05 s     P99 delay of the load generator's sends behind their schedule
-event_loop_lag_p99_s        0.05 s     P99 lag of the client's event loop
+event_loop_lag_share        0.02       mean lag of the client's event loop over the median decode time
 proxy_queue_p99_s           0.05 s     P99 time a call waited in the proxy before its upstream send
+open_loop_rate_shortfall    0.05       an open-loop level: 1 − the rate calls left at / the schedule's
 ==========================  =========  ==================================================================
 
-A check of another name with no threshold is shown and never gates. Health rows without a
-concurrency level belong to live traffic (level ``live``).
+A check of another name with no threshold is shown and never gates: ``open_loop_achieved_rate`` (the
+requests/s an open-loop level actually sent), ``event_loop_lag_p99_s`` (the loop's lag in seconds;
+stores written before the share existed held it to 50 ms and say so in their rows), the lab's
+``sim_time_scale`` per level. A health row's level is named as the spans'
+(:data:`~specproxy.analysis.levels.LEVEL_SQL`): its concurrency, its offered rate ('r=2'), else
+``live`` (rows of live traffic, written by ``specproxy serve`` every few seconds).
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from specproxy.analysis.levels import LEVEL_SQL
 from specproxy.analysis.store import SpanStore
 
 DEFAULT_THRESHOLDS: dict[str, float] = {
     "engine_clock_lag": 0.02,
     "loadgen_start_lag_p99_s": 0.05,
-    "event_loop_lag_p99_s": 0.05,
+    "event_loop_lag_share": 0.02,
     "proxy_queue_p99_s": 0.05,
+    "open_loop_rate_shortfall": 0.05,
 }
+# Checks whose value is a share (shown as a percentage); the others ending in _s are seconds.
+SHARE_CHECKS = frozenset({"engine_clock_lag", "event_loop_lag_share", "open_loop_rate_shortfall"})
 
 
 @dataclass(frozen=True)
@@ -44,10 +53,12 @@ class HealthFailure:
         where = " ".join(
             bit for bit in (self.arm or "client", f"round {self.round}" if self.round else "") if bit
         )
-        if self.check == "engine_clock_lag":
+        if self.check in SHARE_CHECKS:
             figures = f"{self.value:.1%} > {self.threshold:.1%}"
-        else:
+        elif self.check.endswith("_s"):
             figures = f"{self.value * 1000:.1f} ms > {self.threshold * 1000:.1f} ms"
+        else:
+            figures = f"{self.value:.3g} > {self.threshold:.3g}"
         return f"{self.check} {figures} ({where})"
 
 
@@ -69,10 +80,10 @@ class LevelHealth:
 
 
 def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
-    """Per level ('1', '8', ..., 'live'): its checks and failures. Levels without rows are absent."""
+    """Per level ('1', '8', 'r=2', ..., 'live'): its checks and failures. Levels without rows are absent."""
     rows = store.query(
-        """
-        SELECT coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level, arm, round, check_name,
+        f"""
+        SELECT {LEVEL_SQL} AS level, arm, round, check_name,
                value, threshold
         FROM health WHERE run_id = ? AND value IS NOT NULL
         """,

@@ -1,6 +1,7 @@
 """The verdict rules, the crossover and the deploy verdict, as pure functions of the measured figures.
 
-Per arm and concurrency level, each level judged on its own figures, against a margin:
+Per arm and level (a concurrency, or an offered rate in an open-loop sweep), each level judged on its
+own figures, against a margin:
 
 - WIN: the decode speedup's lower bound is above 1 + margin, nothing is lower beyond the margin
   (throughput's upper bound ≥ 1 − margin) and identity does not fail;
@@ -32,6 +33,9 @@ peak throughput is lower beyond the margin, or identity fails; NO CLEAR GAIN oth
 tested levels is judged at the two levels around it (the less favourable verdict); outside the tested
 range, at the nearest tested level; unreliable levels are never used. A level whose token counts are
 estimated gives no WIN there and no LOSS on its throughput.
+
+Levels are loads on one axis, ``unit`` 'c' (concurrency) or 'r' (offered requests/s): the crossover
+and the deploy verdict read them the same way and name them ``c=16`` or ``r=2``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specproxy.analysis.levels import load_name
 from specproxy.analysis.stats import Interval, wilson_interval
 
 WIN = "WIN"
@@ -145,23 +150,24 @@ class Crossover:
     verdict is not WIN (None: it wins at every level), and ``verdict_there`` that level's verdict.
     """
 
-    pays_up_to: int | None
-    first_not_paying: int | None
+    pays_up_to: float | None
+    first_not_paying: float | None
     verdict_there: str | None
 
-    def describe(self, levels: Sequence[int]) -> str:
+    def describe(self, levels: Sequence[float], unit: str = "c") -> str:
         if not levels:
-            return "n/a (no reliable concurrency levels)"
+            return "n/a (no reliable levels)"
         if self.first_not_paying is None:
-            return f"WIN at every tested level (up to c={max(levels)})"
+            return f"WIN at every tested level (up to {load_name(max(levels), unit)})"
         if self.pays_up_to is None:
-            return f"no WIN from the lowest level (c={min(levels)}: {self.verdict_there})"
-        return f"WIN up to c={self.pays_up_to}; not from c={self.first_not_paying} ({self.verdict_there})"
+            return f"no WIN from the lowest level ({load_name(min(levels), unit)}: {self.verdict_there})"
+        up_to, not_from = load_name(self.pays_up_to, unit), load_name(self.first_not_paying, unit)
+        return f"WIN up to {up_to}; not from {not_from} ({self.verdict_there})"
 
 
-def crossover(verdicts: Sequence[tuple[int, str]]) -> Crossover:
+def crossover(verdicts: Sequence[tuple[float, str]]) -> Crossover:
     """The crossover from (level, verdict) points, any order; UNRELIABLE levels are left out."""
-    pays_up_to: int | None = None
+    pays_up_to: float | None = None
     for level, verdict in sorted(v for v in verdicts if v[1] != UNRELIABLE):
         if verdict == WIN:
             pays_up_to = level
@@ -170,10 +176,10 @@ def crossover(verdicts: Sequence[tuple[int, str]]) -> Crossover:
     return Crossover(pays_up_to, None, None)
 
 
-def verdict_runs(verdicts: Sequence[tuple[int, str]]) -> str:
+def verdict_runs(verdicts: Sequence[tuple[float, str]], unit: str = "c") -> str:
     """Consecutive equal verdicts merged: "WIN up to c=16, NO CLEAR GAIN at c=64, LOSS from c=256"."""
     points = sorted(verdicts)
-    runs: list[tuple[str, int, int]] = []
+    runs: list[tuple[str, float, float]] = []
     for level, verdict in points:
         if runs and runs[-1][0] == verdict:
             runs[-1] = (verdict, runs[-1][1], level)
@@ -184,30 +190,32 @@ def verdict_runs(verdicts: Sequence[tuple[int, str]]) -> str:
     parts = []
     for i, (verdict, lo, hi) in enumerate(runs):
         if lo == hi:
-            parts.append(f"{verdict} at c={lo}")
+            parts.append(f"{verdict} at {load_name(lo, unit)}")
         elif i == 0:
-            parts.append(f"{verdict} up to c={hi}")
+            parts.append(f"{verdict} up to {load_name(hi, unit)}")
         elif i == len(runs) - 1:
-            parts.append(f"{verdict} from c={lo}")
+            parts.append(f"{verdict} from {load_name(lo, unit)}")
         else:
-            parts.append(f"{verdict} at c={lo}–{hi}")
+            parts.append(f"{verdict} at {load_name(lo, unit)}–{load_name(hi, unit).split('=')[1]}")
     return ", ".join(parts)
 
 
 @dataclass(frozen=True)
 class OperatingPoint:
-    """Where the user runs (``at``) and their peak; None: not given (the deploy verdict assumes the
-    lowest and the highest reliable tested level, and says so)."""
+    """Where the user runs (``at``) and their peak, as loads in ``unit`` ('c' concurrency, 'r' offered
+    requests/s); None: not given (the deploy verdict assumes the lowest and the highest reliable tested
+    level, and says so)."""
 
-    at: int | None = None
-    peak: int | None = None
+    at: float | None = None
+    peak: float | None = None
+    unit: str = "c"
 
 
 @dataclass(frozen=True)
 class LevelJudgement:
-    """One level of an arm, as the deploy verdict sees it."""
+    """One level of an arm, as the deploy verdict sees it (``level``: its load)."""
 
-    level: int
+    level: float
     verdict: str
     throughput: Interval | None
     throughput_margin: float
@@ -223,22 +231,32 @@ class DeployVerdict:
     at_concurrency: int | None = None
     peak_concurrency: int | None = None
     assumed: str = ""
+    # the operating point and peak of an open-loop sweep (req/s), instead of the concurrencies
+    at_rate: float | None = None
+    peak_rate: float | None = None
 
 
-def _around(target: int, levels: Sequence[LevelJudgement]) -> tuple[list[LevelJudgement], str]:
-    """The tested level(s) a concurrency is judged at, and how that was chosen."""
+def _around(target: float, levels: Sequence[LevelJudgement], unit: str) -> tuple[list[LevelJudgement], str]:
+    """The tested level(s) a load is judged at, and how that was chosen."""
+
+    def name(load: float) -> str:
+        return load_name(load, unit)
+
     by_level = sorted(levels, key=lambda j: j.level)
     exact = [j for j in by_level if j.level == target]
     if exact:
-        return exact, f"c={target}"
+        return exact, name(target)
     below = [j for j in by_level if j.level < target]
     above = [j for j in by_level if j.level > target]
     if below and above:
         lo, hi = below[-1], above[0]
-        return [lo, hi], f"c={target}, between tested c={lo.level} and c={hi.level}: the less favourable"
+        return [
+            lo,
+            hi,
+        ], f"{name(target)}, between tested {name(lo.level)} and {name(hi.level)}: the less favourable"
     if above:
-        return [above[0]], f"c={target}, below the lowest tested level: judged at c={above[0].level}"
-    return [below[-1]], f"c={target}, above the highest tested level: judged at c={below[-1].level}"
+        return [above[0]], f"{name(target)}, below the lowest tested level: judged at {name(above[0].level)}"
+    return [below[-1]], f"{name(target)}, above the highest tested level: judged at {name(below[-1].level)}"
 
 
 def _worst_throughput(levels: Sequence[LevelJudgement]) -> LevelJudgement:
@@ -253,22 +271,25 @@ def deploy_verdict(
     levels: Sequence[LevelJudgement], point: OperatingPoint, identity: IdentityCheck
 ) -> DeployVerdict:
     """The arm's verdict at the operating point and the peak (module docstring)."""
+    unit = point.unit
     reliable = [j for j in levels if j.verdict != UNRELIABLE]
-    per_level = verdict_runs([(j.level, j.verdict) for j in levels]) if levels else "no per-level verdicts"
+    per_level = (
+        verdict_runs([(j.level, j.verdict) for j in levels], unit) if levels else "no per-level verdicts"
+    )
     if not reliable:
         return DeployVerdict(UNRELIABLE, f"{per_level}: no level passed the measurement's health checks")
     tested = sorted(j.level for j in reliable)
     assumed = []
     at = point.at if point.at is not None else tested[0]
     if point.at is None:
-        assumed.append(f"operating point = lowest reliable level c={at}")
+        assumed.append(f"operating point = lowest reliable level {load_name(at, unit)}")
     peak = point.peak if point.peak is not None else tested[-1]
     if point.peak is None:
-        assumed.append(f"peak = highest reliable level c={peak}")
+        assumed.append(f"peak = highest reliable level {load_name(peak, unit)}")
     assumption = f" (assumed: {', '.join(assumed)})" if assumed else ""
-    at_levels, at_text = _around(at, reliable)
+    at_levels, at_text = _around(at, reliable, unit)
     at_verdict = min((j.verdict for j in at_levels), key=lambda v: _RANK.get(v, 1))
-    peak_levels, peak_text = _around(peak, reliable)
+    peak_levels, peak_text = _around(peak, reliable, unit)
     peak_j = _worst_throughput(peak_levels)
     thr = peak_j.throughput
     thr_text = "not estimable" if thr is None or thr.high is None else fmt_ratio(thr)
@@ -280,7 +301,10 @@ def deploy_verdict(
     )
 
     def verdict(v: str, why: str) -> DeployVerdict:
-        return DeployVerdict(v, f"{head}: {why}", at, peak, ", ".join(assumed))
+        text, assumption = f"{head}: {why}", ", ".join(assumed)
+        if unit == "r":
+            return DeployVerdict(v, text, assumed=assumption, at_rate=at, peak_rate=peak)
+        return DeployVerdict(v, text, int(at), int(peak), assumption)
 
     if identity.fails:
         return verdict(LOSS, f"{identity.text}: do not enable")
@@ -293,7 +317,7 @@ def deploy_verdict(
     if at_verdict == LOSS:
         return verdict(LOSS, "do not enable: it loses at the operating point")
     if at_verdict == WIN and losing:
-        where = ", ".join(f"c={lv}" for lv in losing)
+        where = ", ".join(load_name(lv, unit) for lv in losing)
         return verdict(NO_CLEAR_GAIN, f"it wins at the operating point but loses at {where}, up to the peak")
     if at_verdict == WIN and thr is not None and thr.high is not None:
         return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import click
 
 from specproxy.config import ConfigError, Experiment, load_experiment
+from specproxy.slo import Slo, SloError, parse_slo
 
 T = TypeVar("T")
 
@@ -57,6 +58,69 @@ class ConcurrencyLevels(click.ParamType):  # type: ignore[type-arg]
             return parse_levels(str(value))
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    """``"1,2,4,8"`` → (1.0, 2.0, 4.0, 8.0) requests/s; ValueError with a sentence otherwise."""
+    parts = [x for x in text.replace(" ", "").split(",") if x]
+    try:
+        rates = tuple(float(x) for x in parts)
+    except ValueError:
+        raise ValueError(
+            f"rates must be a comma-separated list of numbers (requests/s), got {text!r}"
+        ) from None
+    if not rates or any(not math.isfinite(r) or r <= 0 for r in rates):
+        raise ValueError(f"rates must be finite numbers > 0 (requests/s), got {text!r}")
+    if len(set(rates)) < len(rates):
+        raise ValueError(
+            f"each rate once: a level is measured in --rounds, not by repeating it; got {text!r}"
+        )
+    return rates
+
+
+class RequestRates(click.ParamType):  # type: ignore[type-arg]
+    """``1,2,4.5`` on the command line → ``(1.0, 2.0, 4.5)`` requests/s; with ``auto=True`` also the
+    word ``auto`` → ``()`` (the command picks the rates)."""
+
+    name = "LIST"
+
+    def __init__(self, *, auto: bool = False) -> None:
+        self.auto = auto
+        if auto:
+            self.name = "LIST|auto"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[float, ...]:
+        if isinstance(value, tuple):
+            return value
+        if self.auto and str(value).strip().lower() == "auto":
+            return ()
+        try:
+            return parse_rates(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class SloParam(click.ParamType):  # type: ignore[type-arg]
+    """``ttft_p95=500ms,itl_p99=80ms`` on the command line → :class:`~specproxy.slo.Slo`."""
+
+    name = "TARGETS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Slo:
+        if isinstance(value, Slo):
+            return value
+        try:
+            return parse_slo(str(value))
+        except SloError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SLO_HELP = (
+    "Latency SLO, e.g. ttft_p95=500ms,itl_p99=80ms,e2e_p95=20s (metrics ttft, tpot, itl, e2e; "
+    "percentiles p50..p99.9; ms or s): goodput per level, capacity at the SLO and the fleet at the peak "
+    "(default: the experiment file's [slo])."
+)
 
 
 class FiniteFloat(click.FloatRange):

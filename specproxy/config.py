@@ -1,7 +1,10 @@
 """The experiment file: TOML in, typed frozen config out.
 
     [experiment]            name, mode (shadow | split), db, model, the operating point
-                            (at_concurrency, peak_concurrency) and proxy settings
+                            (at_concurrency, peak_concurrency, at_rate, peak_rate) and proxy settings
+    [slo]                   optional latency targets (ttft_p95 = "500ms", itl_p99 = "80ms", ...):
+                            goodput, capacity at the SLO and the fleet at the peak (peak_rate,
+                            gpu_hour_usd in [experiment]); see specproxy/slo.py
     [[arms]]                one per backend, each with a role:
                               "baseline"   exactly one: the configuration candidates are measured against
                               "candidate"  (the default) a configuration under test
@@ -29,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
+
+from specproxy.slo import Slo, SloError, slo_from_table
 
 Mode = Literal["shadow", "split"]
 Role = Literal["baseline", "candidate", "replica"]
@@ -147,6 +152,13 @@ class Experiment:
     # answered at these levels; None: the analysis says what it assumed.
     at_concurrency: int | None = None
     peak_concurrency: int | None = None
+    # The same for a sweep of request rates (replay --rates), in requests/s.
+    at_rate: float | None = None
+    peak_rate: float | None = None
+    # The latency SLO ([slo]) and the price of a GPU-hour: the analysis sizes each arm's fleet at the
+    # peak (peak_concurrency or peak_rate) from its capacity at the SLO.
+    slo: Slo | None = None
+    gpu_hour_usd: float | None = None
 
     @property
     def baseline(self) -> Arm:
@@ -377,7 +389,8 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
     top = _Reader(where, data, "")
     exp_table = top.get("experiment", dict, {})
     arms_list = top.get("arms", list, required=True)
-    top.check_unknown({"experiment", "arms"})
+    slo = _load_slo(where, top.get("slo", dict, None))
+    top.check_unknown({"experiment", "arms", "slo"})
     r = _Reader(where, exp_table, "experiment")
     name = r.get("name", str, "experiment")
     mode = r.get("mode", str, "shadow")
@@ -429,6 +442,11 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
             "must be ≥ at_concurrency (the peak is the busiest you run): "
             f"{peak_concurrency} < {at_concurrency}",
         )
+    at_rate, peak_rate = positive("at_rate", None), positive("peak_rate", None)
+    if at_rate is not None and peak_rate is not None and peak_rate < at_rate:
+        raise r.fail(
+            "peak_rate", f"must be ≥ at_rate (the peak is the busiest you run): {peak_rate} < {at_rate}"
+        )
 
     exp = Experiment(
         name=name,
@@ -454,9 +472,26 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
         tokenizer=tokenizer,
         at_concurrency=at_concurrency,
         peak_concurrency=peak_concurrency,
+        at_rate=float(at_rate) if at_rate is not None else None,
+        peak_rate=float(peak_rate) if peak_rate is not None else None,
+        slo=slo,
+        gpu_hour_usd=_optional_float(positive("gpu_hour_usd", None)),
     )
     r.check_unknown(r.used)
     return exp
+
+
+def _load_slo(where: str, table: Mapping[str, Any] | None) -> Slo | None:
+    if table is None:
+        return None
+    try:
+        return slo_from_table(table)
+    except SloError as exc:
+        raise ConfigError(f"{where}: slo: {exc}") from None
+
+
+def _optional_float(value: float | None) -> float | None:
+    return float(value) if value is not None else None
 
 
 def _optional_int(value: float | None) -> int | None:

@@ -12,29 +12,40 @@ would) on free local ports — the lab's four configurations and a replica of th
     eagle3       {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", ...}
 
 then replays the built-in mixed workload (:mod:`specproxy.proxy.replay.workload`) in paired mode at
-temperature 0 over a closed-loop concurrency sweep, each level in ``--rounds`` rounds (the arms'
-order rotated each round), prints the analysis table and a per-category latency table, and writes
-the DuckDB span store and report.html into ``--out``. With ``--config`` it replays against the
-experiment's (running) arms instead.
+temperature 0 over a closed-loop concurrency sweep (or, with ``--rates``, an open-loop sweep of Poisson
+request rates), each level in ``--rounds`` rounds (the arms' order rotated each round), prints the
+analysis table and a per-category latency table, and writes the DuckDB span store and report.html into
+``--out``. With ``--config`` it replays against the experiment's (running) arms instead.
 
 The sweep goes to 256, not only 64: on the h100-llama3.1-8b profile (the SpecDecode-Bench fit of vLLM on
 an H100) verifying k+1 tokens per request is still cheap enough at batch 64 for n-gram to pay on
 copy-heavy traffic; its crossover lies near 100–130, and a sweep that stops at 64 never shows it.
 
+Rates. ``--rates auto`` picks the open-loop levels from the simulators' speed: shares (``rate_shares``)
+of the baseline's capacity at the top concurrency, estimated from the cost profile (batch over step
+time over the workload's mean answer length) at the chosen time scale, so the sweep runs from a nearly
+idle engine (where speculation's faster steps show) to one near saturation (where its extra
+verification work costs capacity and queues build). A rate level sends ``rate_window_s`` seconds of
+arrivals per round, at least its share of ``--items`` and at most what the top concurrency level sends
+in a round, so it keeps the closed-loop sweep's time budget.
+
 Time. ``--time-scale X`` runs every simulator X times faster than the profile's clock; every arm is
 scaled alike, so ratios between arms (what the verdicts use) are kept as long as the machine keeps up,
 while absolute tok/s are multiplied by X and times divided by it (the lab says so under its tables).
 A simulator that cannot keep its clock (too many streams for the cores it gets) stretches every time
-it reports, and the level's health says so. Without ``--time-scale`` the lab first probes: one short
-wave at the top level at time scale 1; while a simulator falls more than the health limit behind its
-clock, the simulators are restarted at half the speed and probed again (down to 1/4). It prints what it
-chose and why, and the run's experiment description records it.
+it reports, and the level's health says so. Without ``--time-scale`` the lab paces each level
+(:mod:`specproxy.pacing`): one unrecorded wave at the level first, and while the machine does not keep
+up with it the simulators are slowed to half speed (down to 1/4) and the wave is sent again. It prints
+what each level ran at and why, records the scale with each level's health, and the run's experiment
+description says how the scale was chosen.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import math
 import socket
 import sys
 import time
@@ -46,31 +57,36 @@ from typing import Any
 import click
 from rich.console import Console
 
-from specproxy.commandline import ConcurrencyLevels, experiment_or_none, run_async
+from specproxy.commandline import (
+    SLO_HELP,
+    ConcurrencyLevels,
+    FiniteFloat,
+    RequestRates,
+    SloParam,
+    experiment_or_none,
+    run_async,
+)
 from specproxy.config import Arm, EngineSettings, Experiment, Role
 from specproxy.engine_state import EngineError
 from specproxy.engines.launch.plan import SimOptions, plan_arm
 from specproxy.engines.launch.supervisor import start_arms, stop_experiment
+from specproxy.engines.profiles import ProfileError, load_profile
+from specproxy.pacing import CLOCK_LIMIT, LOOP_LIMIT, SimPacer
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
 from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, THRESHOLDS
-from specproxy.proxy.replay.runner import (
-    LoadPlan,
-    ReplayError,
-    ReplaySettings,
-    replay_until_stopped,
-    run_replay,
-)
+from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
 from specproxy.proxy.replay.summary import print_summary
 from specproxy.proxy.replay.workload import mixed_workload
 from specproxy.proxy.spans.sink import HealthRow, SpanSinkError
+from specproxy.schema import rate_label
+from specproxy.slo import Slo
 
 LAB_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_PROFILE = "h100-llama3.1-8b"
 # Above this share of busy time behind its clock, a simulator's figures are stretched by the machine.
-MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG]
-# The time-scale probe: one wave of this many tokens per call at the top level; never slower than this.
-PROBE_MAX_TOKENS = 64
-SLOWEST_PROBED_SCALE = 1 / 4
+MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02
+# Pacing never slows the simulators below this share of their starting speed (the lab's time budget).
+SLOWEST_PACED_SCALE = 1 / 4
 REPLICA = "replica"
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
@@ -103,11 +119,22 @@ class LabPlan:
     time_scale: float
     max_tokens_scale: float
     rounds: int
+    # Open-loop sweeps: default rates as shares of the baseline's estimated capacity, and how many
+    # seconds of arrivals a rate level sends per round.
+    rate_shares: tuple[float, ...] = (1 / 32, 1 / 8, 1 / 2, 1.0)
+    rate_window_s: float = 4.0
 
     def items_per_round(self, level: int) -> int:
         """A level's items split over its rounds; every round fills the level's slots at least once."""
         total = max(self.min_items_per_level, self.waves_per_level * level)
         return max(level, -(-total // self.rounds))
+
+    def arrivals_per_round(self, rate: float) -> int:
+        """A rate level's arrivals per round: ``rate_window_s`` seconds of them, at least the level's
+        share of ``min_items_per_level`` and at most what the top concurrency level sends in a round."""
+        low = -(-self.min_items_per_level // self.rounds)
+        high = max(low, self.items_per_round(max(self.levels)))
+        return min(high, max(low, math.ceil(rate * self.rate_window_s)))
 
 
 QUICK = LabPlan(
@@ -125,6 +152,8 @@ FULL = LabPlan(
     time_scale=1.0,
     max_tokens_scale=1.0,
     rounds=3,
+    rate_shares=(1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0),
+    rate_window_s=8.0,
 )
 
 
@@ -189,99 +218,64 @@ def simulated_arms(
         stop_experiment(exp, grace_s=10.0)
 
 
-def probe_clock_lag(exp: Experiment, items: Sequence[ReplayItem], level: int, out: Path, seed: int) -> float:
-    """The worst simulator clock lag over one short wave at ``level`` (its spans go to probe.duckdb)."""
-    settings = ReplaySettings(
-        arms=exp.arms,
-        db_path=out / "probe.duckdb",
-        run_name="lab-probe",
-        load=LoadPlan(kind="closed", levels=(level,), warmup=0, items_per_level=lambda c: c),
-        max_tokens=PROBE_MAX_TOKENS,
-        seed=seed,
-        experiment=exp,
-        show_progress=False,
+def pace_note(pacer: SimPacer | None, time_scale: float, *, given: bool = True) -> str:
+    """How the simulators' time scale was chosen, for the run's experiment description."""
+    if pacer is None:
+        if given:
+            return f"time scale {time_scale:g} (given)"
+        return f"time scale {time_scale:g} (a sweep of rates is not paced: a rate's load is relative to it)"
+    return (
+        f"time scale paced per level from {time_scale:g} down to {time_scale * SLOWEST_PACED_SCALE:g}: "
+        f"halved while a wave at the level saw a simulator over {CLOCK_LIMIT:.0%} behind its clock or "
+        f"the client's loop lag over {LOOP_LIMIT:.1%} of decode (health check sim_time_scale)"
     )
-    result = run_async(run_replay(settings, items))
-    lags = [r.value for r in result.health if r.check_name == ENGINE_CLOCK_LAG and r.value is not None]
-    return max(lags, default=0.0)
 
 
-@dataclass(frozen=True, slots=True)
-class ScaleChoice:
-    time_scale: float
-    probed: tuple[tuple[float, float], ...]  # (time scale, worst clock lag) in the order tried
-
-    def sentence(self, level: int) -> str:
-        if not self.probed:
-            return f"time scale {self.time_scale:g} (given)"
-        tried = ", ".join(f"{lag:.1%} at {scale:g}" for scale, lag in self.probed)
-        kept_up = self.probed[-1][1] <= MAX_CLOCK_LAG
-        why = "the fastest that kept up" if kept_up else f"the slowest probed, still over {MAX_CLOCK_LAG:.0%}"
-        return (
-            f"time scale {self.time_scale:g}, {why}: a probe at c={level} saw a worst simulator clock lag of "
-            f"{tried}"
+def print_pace(pacer: SimPacer, profile: str, console: Console) -> None:
+    """What each level ran at and why, and how to read its absolute figures."""
+    for sentence in pacer.sentences():
+        console.print(f"pace: {sentence}", highlight=False)
+    slowed = {level: scale for level, scale in pacer.scales().items() if scale != 1}
+    if slowed:
+        cells = ", ".join(f"c={level} {scale:g}x" for level, scale in slowed.items())
+        console.print(
+            f"note: some levels ran slower than the {profile} clock ({cells}): divide their tok/s by that "
+            "factor and multiply their times by it; ratios are unaffected",
+            highlight=False,
         )
 
 
-def start_simulated_arms(
-    stack: contextlib.ExitStack[Any],
-    out: Path,
-    profile: str,
-    plan: LabPlan,
-    seed: int,
-    *,
-    replica: bool,
-    probe_items: Sequence[ReplayItem] | None,
-    console: Console,
-) -> tuple[Experiment, ScaleChoice]:
-    """Start the simulated arms, at ``plan.time_scale`` or, with ``probe_items``, at the fastest time
-    scale (halving from it) at which a probe at the top level keeps every simulator on its clock."""
-    top = max(plan.levels)
-    scale = plan.time_scale
-    probed: list[tuple[float, float]] = []
-    while True:
-        n = len(LAB_ARMS) - (0 if replica else 1)
-        console.print(f"starting {n} simulated arms ({profile}, time scale {scale:g}) ...", highlight=False)
-        arms = contextlib.ExitStack()
-        exp = arms.enter_context(simulated_arms(out, profile, scale, seed, replica=replica))
-        if probe_items is None:
-            break
-        try:
-            lag = probe_clock_lag(exp, probe_items, top, out, seed)
-        except BaseException:
-            arms.close()
-            raise
-        probed.append((scale, lag))
-        console.print(f"probe at c={top}, time scale {scale:g}: worst clock lag {lag:.1%}", highlight=False)
-        if lag <= MAX_CLOCK_LAG or scale / 2 < plan.time_scale * SLOWEST_PROBED_SCALE:
-            break
-        arms.close()
-        scale /= 2
-    stack.enter_context(arms)
-    return exp, ScaleChoice(scale, tuple(probed))
-
-
-def clock_lag_by_level(health: Sequence[HealthRow]) -> dict[int, tuple[float, str]]:
-    """level → the worst engine clock lag over its rounds and arms, and that arm."""
-    worst: dict[int, tuple[float, str]] = {}
+def clock_lag_by_level(health: Sequence[HealthRow]) -> dict[str, tuple[float, str]]:
+    """level ('c=16', 'r=2') → the worst engine clock lag over its rounds and arms, and that arm;
+    concurrency levels first, then rates, each by load."""
+    worst: dict[tuple[int, float], tuple[float, str]] = {}
     for row in health:
-        if row.check_name != ENGINE_CLOCK_LAG or row.value is None or row.concurrency_level is None:
+        if row.check_name != ENGINE_CLOCK_LAG or row.value is None:
             continue
-        if row.concurrency_level not in worst or row.value > worst[row.concurrency_level][0]:
-            worst[row.concurrency_level] = (row.value, row.arm or "?")
-    return dict(sorted(worst.items()))
+        if row.concurrency_level is not None:
+            key = (0, float(row.concurrency_level))
+        elif row.offered_rate is not None:
+            key = (1, row.offered_rate)
+        else:
+            continue
+        if key not in worst or row.value > worst[key][0]:
+            worst[key] = (row.value, row.arm or "?")
+    return {
+        (f"c={int(load)}" if kind == 0 else rate_label(load)): lag
+        for (kind, load), lag in sorted(worst.items())
+    }
 
 
-def print_clock_lag(lag: dict[int, tuple[float, str]], console: Console) -> None:
+def print_clock_lag(lag: dict[str, tuple[float, str]], console: Console) -> None:
     if not lag:
         return
-    cells = [f"c={level} {value:.1%} ({arm})" for level, (value, arm) in lag.items()]
+    cells = [f"{level} {value:.1%} ({arm})" for level, (value, arm) in lag.items()]
     console.print(
         "simulator clock lag by level (worst arm and round; share of busy time behind the profile's "
         "clock): " + ", ".join(cells),
         highlight=False,
     )
-    late = [f"c={level}" for level, (value, _) in lag.items() if value > MAX_CLOCK_LAG]
+    late = [level for level, (value, _) in lag.items() if value > MAX_CLOCK_LAG]
     if late:
         console.print(
             f"[yellow]warning: at {', '.join(late)} a simulator fell more than {MAX_CLOCK_LAG:.0%} "
@@ -310,6 +304,29 @@ def analysis_outputs(db_path: Path, out: Path, run: str, console: Console) -> Pa
 # -- the command ---------------------------------------------------------------------------------
 
 
+def _check_rate_options(
+    rates: tuple[float, ...] | None,
+    levels: tuple[int, ...] | None,
+    experiment: Experiment | None,
+    at_rate: float | None,
+    peak_rate: float | None,
+) -> None:
+    """The user's mistakes with --rates, as sentences."""
+    if rates is not None and levels is not None:
+        raise click.UsageError("--concurrency and --rates are two different sweeps; choose one")
+    if rates is None and (at_rate is not None or peak_rate is not None):
+        raise click.UsageError("--at-rate and --peak-rate answer a sweep of rates: give --rates too")
+    if rates == () and experiment is not None:
+        raise click.BadParameter(
+            "auto picks rates from the simulated arms' speed; with --config give the rates, e.g. 1,2,4,8",
+            param_hint="--rates",
+        )
+    if at_rate is not None and peak_rate is not None and peak_rate < at_rate:
+        raise click.BadParameter(
+            f"must be ≥ --at-rate ({peak_rate:g} < {at_rate:g})", param_hint="--peak-rate"
+        )
+
+
 def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayItem]:
     if workload is None:
         n = max(plan.items_per_round(c) for c in plan.levels)
@@ -320,14 +337,79 @@ def _lab_items(workload: Path | None, plan: LabPlan, seed: int) -> list[ReplayIt
         raise click.ClickException(str(exc)) from None
 
 
-def _with_operating_point(exp: Experiment, at: int | None, peak: int | None, note: str) -> Experiment:
+def _with_operating_point(
+    exp: Experiment,
+    at: int | None,
+    peak: int | None,
+    note: str,
+    *,
+    at_rate: float | None = None,
+    peak_rate: float | None = None,
+) -> Experiment:
     """The experiment as the run records it: the operating point given on the command line wins."""
     description = "; ".join(x for x in (exp.description, note) if x)
     return dataclasses.replace(
         exp,
         at_concurrency=at if at is not None else exp.at_concurrency,
         peak_concurrency=peak if peak is not None else exp.peak_concurrency,
+        at_rate=at_rate if at_rate is not None else exp.at_rate,
+        peak_rate=peak_rate if peak_rate is not None else exp.peak_rate,
         description=description,
+    )
+
+
+# -- open-loop sweeps ----------------------------------------------------------------------------
+
+
+def estimated_capacity(
+    profile: str, time_scale: float, items: Sequence[ReplayItem], batch: int, max_tokens: int | None
+) -> float:
+    """The baseline's requests/s with ``batch`` calls in flight, from the cost profile: ``batch`` tokens
+    per decode step over the workload's mean answer length, at ``time_scale``. Prefill and early stops
+    are left out: a rough figure, good for placing a sweep, not for a verdict."""
+    try:
+        cost = load_profile(profile)
+    except ProfileError as exc:
+        raise click.ClickException(str(exc)) from None
+    answers = [float(max_tokens or it.body.get("max_tokens") or 256) for it in items]
+    answer = sum(answers) / len(answers)
+    # Context per call: the prompt (about 4 characters a token) and half the answer, on average.
+    prompt = sum(len(json.dumps(it.body.get("messages") or it.body.get("prompt"))) / 4 for it in items)
+    kv_tokens = int(batch * (prompt / len(items) + answer / 2))
+    batch = min(batch, cost.max_num_seqs)
+    return batch / cost.step_time(batch, kv_tokens) / answer * time_scale
+
+
+def default_rates(capacity: float, shares: Sequence[float]) -> tuple[float, ...]:
+    """The shares of ``capacity``, each to two significant digits (labels people can read: r=6.6)."""
+    return tuple(sorted({float(f"{capacity * share:.2g}") for share in shares}))
+
+
+def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None) -> LoadPlan:
+    if rates is None:
+        return LoadPlan(
+            kind="closed", levels=plan.levels, items_per_level=plan.items_per_round, rounds=plan.rounds
+        )
+    return LoadPlan(kind="rate", rates=rates, items_per_rate=plan.arrivals_per_round, rounds=plan.rounds)
+
+
+def _sweep_sentence(plan: LabPlan, rates: tuple[float, ...] | None) -> str:
+    if rates is None:
+        n_calls = plan.rounds * sum(plan.items_per_round(c) for c in plan.levels)
+        levels = ",".join(map(str, plan.levels))
+    else:
+        n_calls = plan.rounds * sum(plan.arrivals_per_round(r) for r in rates)
+        levels = "open-loop rates " + ",".join(f"{r:g}" for r in rates) + " req/s"
+    return f"sweep {levels} in paired mode, {plan.rounds} rounds per level, {n_calls} requests per arm"
+
+
+def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> Experiment:
+    """The experiment as the run records it: the SLO and GPU price given on the command line win (the
+    analysis reads them back from the run)."""
+    return dataclasses.replace(
+        exp,
+        slo=slo or exp.slo,
+        gpu_hour_usd=gpu_hour_usd if gpu_hour_usd is not None else exp.gpu_hour_usd,
     )
 
 
@@ -348,6 +430,13 @@ def _with_operating_point(exp: Experiment, at: int | None, peak: int | None, not
     "levels",
     type=ConcurrencyLevels(),
     help="Concurrency levels of the sweep (default 1,2,4,8,16,32,64,128,256; with --quick 1,4,16,64,256).",
+)
+@click.option(
+    "--rates",
+    type=RequestRates(auto=True),
+    metavar="LIST|auto",
+    help="Open loop instead: a sweep of Poisson request rates (req/s), e.g. 1,2,4,8; auto: shares of "
+    "the baseline's capacity estimated from the simulators' speed.",
 )
 @click.option(
     "--rounds",
@@ -371,6 +460,27 @@ def _with_operating_point(exp: Experiment, at: int | None, peak: int | None, not
     help="Your peak concurrency: throughput must not drop there (default: the experiment's).",
 )
 @click.option(
+    "--at-rate",
+    type=FiniteFloat(min=0, min_open=True),
+    metavar="R",
+    help="With --rates: the request rate you run at (req/s); the deploy verdict answers there.",
+)
+@click.option(
+    "--peak-rate",
+    type=FiniteFloat(min=0, min_open=True),
+    metavar="R",
+    help="With --rates: your peak request rate (req/s); throughput must not drop there, and the fleet "
+    "at the SLO is sized for it.",
+)
+@click.option("--slo", type=SloParam(), default=None, help=SLO_HELP)
+@click.option(
+    "--gpu-hour-usd",
+    type=FiniteFloat(0, min_open=True),
+    default=None,
+    metavar="X",
+    help="Price of one GPU-hour: the fleet's cost at the peak (default: the experiment's).",
+)
+@click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("lab-out"),
@@ -388,9 +498,9 @@ def _with_operating_point(exp: Experiment, at: int | None, peak: int | None, not
     "--time-scale",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="Simulated arms run this many times faster than the profile's clock (default: the fastest, "
-    "from 1 down, at which a probe at the top level keeps up); ratios between arms are kept, absolute "
-    "tok/s are multiplied by it.",
+    help="Simulated arms run this many times faster than the profile's clock (default: paced per level, "
+    "from 1 down to 1/4, halved while a wave at the level shows the machine not keeping up); ratios "
+    "between arms are kept, absolute tok/s are multiplied by it.",
 )
 @click.option("--no-replica", is_flag=True, help="Do not start the baseline's replica (the noise floor).")
 @click.option(
@@ -411,9 +521,14 @@ def lab(
     config_path: Path | None,
     workload: Path | None,
     levels: tuple[int, ...] | None,
+    rates: tuple[float, ...] | None,
     rounds: int | None,
     at_concurrency: int | None,
     peak_concurrency: int | None,
+    at_rate: float | None,
+    peak_rate: float | None,
+    slo: Slo | None,
+    gpu_hour_usd: float | None,
     out: Path,
     quick: bool,
     profile: str,
@@ -425,13 +540,15 @@ def lab(
     no_progress: bool,
 ) -> None:
     """The whole evaluation in one command: four speculative configs and a replica of the baseline, a
-    concurrency sweep in rounds, a verdict.
+    concurrency (or request-rate) sweep in rounds, a verdict.
 
     \b
     Examples:
       specproxy lab --quick                      # simulated arms
+      specproxy lab --quick --slo ttft_p95=500ms,e2e_p95=20s   # capacity at your SLO
       specproxy lab --profile h200-llama3.1-8b   # the full sweep on another cost profile
       specproxy lab --config exp.toml --workload capture.jsonl --concurrency 1,8,32
+      specproxy lab --quick --rates auto         # open-loop request rates instead
     """
     console = Console(stderr=True, soft_wrap=True)
     base = QUICK if quick else FULL
@@ -449,45 +566,59 @@ def lab(
             f"must be ≥ --at-concurrency ({peak_concurrency} < {at_concurrency})",
             param_hint="--peak-concurrency",
         )
+    _check_rate_options(rates, levels, experiment, at_rate, peak_rate)
     out.mkdir(parents=True, exist_ok=True)
     db_path = out / "specproxy.duckdb"
     lab_items = _lab_items(workload, plan, seed)
     t0 = time.monotonic()
     scale_note = ""
+    pacer: SimPacer | None = None
     with contextlib.ExitStack() as stack:
         simulated = experiment is None
         if experiment is None:
-            top = max(plan.levels)
-            probe = [lab_items[i % len(lab_items)] for i in range(top)] if time_scale is None else None
-            experiment, choice = start_simulated_arms(
-                stack, out, profile, plan, seed, replica=not no_replica, probe_items=probe, console=console
+            n = len(LAB_ARMS) - (1 if no_replica else 0)
+            starting = f"starting {n} simulated arms ({profile}, time scale {plan.time_scale:g}) ..."
+            console.print(starting, highlight=False)
+            experiment = stack.enter_context(
+                simulated_arms(out, profile, plan.time_scale, seed, replica=not no_replica)
             )
-            plan = dataclasses.replace(plan, time_scale=choice.time_scale)
-            scale_note = choice.sentence(top)
+            # A rate level's load is relative to the engines' speed, so a rate sweep keeps one time scale.
+            if time_scale is None and rates is None:
+                slowest = plan.time_scale * SLOWEST_PACED_SCALE
+                pacer = SimPacer(experiment.arms, plan.time_scale, slowest, console)
+            scale_note = pace_note(pacer, plan.time_scale, given=time_scale is not None)
             click.echo(f"lab: {scale_note}")
+        if rates == ():
+            top = max(plan.levels)
+            capacity = estimated_capacity(profile, plan.time_scale, lab_items, top, max_tokens)
+            rates = default_rates(capacity, plan.rate_shares)
+            click.echo(
+                f"lab: rates {', '.join(f'{r:g}' for r in rates)} req/s: shares of the baseline's estimated "
+                f"capacity at c={top}, {capacity:.3g} req/s at time scale {plan.time_scale:g}"
+            )
         experiment = _with_operating_point(
-            experiment, at_concurrency, peak_concurrency, f"lab: {scale_note}" if scale_note else ""
+            experiment,
+            at_concurrency,
+            peak_concurrency,
+            f"lab: {scale_note}" if scale_note else "",
+            at_rate=at_rate,
+            peak_rate=peak_rate,
         )
+        experiment = _with_slo(experiment, slo, gpu_hour_usd)
         settings = ReplaySettings(
             arms=experiment.arms,
             db_path=db_path,
             run_name="lab-quick" if quick else "lab",
             mode="paired",
-            load=LoadPlan(
-                kind="closed", levels=plan.levels, items_per_level=plan.items_per_round, rounds=plan.rounds
-            ),
+            load=_load_plan(plan, rates),
             temperature=0.0,
             max_tokens=max_tokens,
             seed=seed,
             experiment=experiment,
             show_progress=not no_progress,
+            pacer=pacer,
         )
-        n_calls = plan.rounds * sum(plan.items_per_round(c) for c in plan.levels)
-        console.print(
-            f"sweep {','.join(map(str, plan.levels))} in paired mode, {plan.rounds} rounds per level, "
-            f"{n_calls} requests per arm",
-            highlight=False,
-        )
+        console.print(_sweep_sentence(plan, rates), highlight=False)
         try:
             result = run_async(replay_until_stopped(settings, ItemSet("lab", lab_items)))
         except ReplayError as exc:
@@ -499,12 +630,21 @@ def lab(
     console.print(f"measured in {time.monotonic() - t0:.0f} s", highlight=False)
     if result.interrupted:
         console.print("interrupted: what was measured so far is analysed below", highlight=False)
-    if simulated and plan.time_scale != 1:
+    if pacer is not None:
+        print_pace(pacer, profile, console)
+    elif simulated and plan.time_scale != 1:
         console.print(
             f"note: the simulated arms ran {plan.time_scale:g}x as fast as the {profile} clock: "
             f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
             highlight=False,
         )
+        if rates is not None:
+            # An open loop's load is relative to the engine's speed: a slower clock serves fewer req/s.
+            console.print(
+                f"note: a rate level r=R loaded the simulators as R / {plan.time_scale:g} req/s would on "
+                f"the {profile} clock",
+                highlight=False,
+            )
     print_clock_lag(clock_lag_by_level(result.health), console)
     report = analysis_outputs(db_path, out, result.run_id, console)
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)

@@ -87,8 +87,9 @@ CREATE TABLE IF NOT EXISTS backend_metrics (
 
 # The measurement's own health, per level and round: did the machine keep up? One row per check,
 # e.g. check_name = 'engine_clock_lag' (a simulator's lag behind its clock, as a fraction),
-# 'loadgen_start_lag_p99_s', 'event_loop_lag_p99_s', 'proxy_queue_p99_s'. arm is NULL for checks
-# of the client side; threshold is the limit above which the level is not trusted.
+# 'loadgen_start_lag_p99_s', 'event_loop_lag_share', 'proxy_queue_p99_s'. arm is NULL for checks
+# of the client side; threshold is the limit above which the level is not trusted (NULL: shown only,
+# e.g. 'event_loop_lag_p99_s', 'sim_time_scale'). Live traffic's rows have no level or round.
 HEALTH_DDL = """
 CREATE TABLE IF NOT EXISTS health (
     run_id VARCHAR,
@@ -102,17 +103,44 @@ CREATE TABLE IF NOT EXISTS health (
 )
 """
 
+
+def level_sql(alias: str = "") -> str:
+    """The SQL expression of a call's (or health row's) level label, the one name every query groups by.
+
+    A closed-loop level is its concurrency as text ('16'), an open-loop level its offered rate in
+    requests/s ('r=2', 'r=0.5': as :func:`rate_label` writes it), serve's traffic 'live'.
+    ``alias``: the table alias to qualify the columns with.
+    """
+    p = f"{alias}." if alias else ""
+    return (
+        f"coalesce(CAST({p}concurrency_level AS VARCHAR), "
+        f"'r=' || regexp_replace(CAST({p}offered_rate AS VARCHAR), '\\.0$', ''), 'live')"
+    )
+
+
+def rate_label(rate_per_s: float) -> str:
+    """An open-loop level's label, as :func:`level_sql` computes it: 'r=2' for 2.0, 'r=0.5' for 0.5.
+
+    DuckDB writes a DOUBLE as text the way Python's ``repr`` does (shortest round trip), so both agree.
+    """
+    return "r=" + repr(float(rate_per_s)).removesuffix(".0")
+
+
+# The level label before open-loop levels had one (views of migrations 2-9).
+_LEVEL_SQL_V2 = "coalesce(CAST({p}concurrency_level AS VARCHAR), 'live')"
+
 # Views (migration 2): the analysis' building blocks, kept in the file so the DuckDB CLI sees them too.
-# specproxy.analysis creates the same views over the union of several files. A concurrency level is
-# `concurrency_level` as text, or 'live' for serve's traffic (which has none). Times in seconds since
-# the epoch come from t_start_ns when present (exact), else from t_start (microseconds).
-ARM_SUMMARY_VIEW = """
+# specproxy.analysis creates the same views over the union of several files. A level is named by
+# level_sql(): the concurrency as text, 'r=<rate>' for an open-loop level, 'live' for serve's traffic.
+# Times in seconds since the epoch come from t_start_ns when present (exact), else from t_start
+# (microseconds).
+ARM_SUMMARY_VIEW_TEMPLATE = """
 CREATE OR REPLACE VIEW arm_summary AS
 WITH calls AS (
     SELECT run_id, arm, arm_role, spec_method, status, completion_tokens, decode_tok_s, ttft_s, e2e_s,
            num_drafts, draft_tokens, accepted_tokens, acceptance_length, spec_source,
-           concurrency_level,
-           coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level,
+           {offered_rate}concurrency_level,
+           {level} AS level,
            coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
     FROM requests
 ), agg AS (
@@ -120,7 +148,7 @@ WITH calls AS (
            any_value(arm_role) AS arm_role,
            any_value(spec_method) AS spec_method,
            any_value(concurrency_level) AS concurrency_level,
-           count(*) AS calls,
+           {any_offered_rate}count(*) AS calls,
            count(*) FILTER (WHERE status = 'ok') AS ok,
            coalesce(sum(completion_tokens) FILTER (WHERE status = 'ok'), 0) AS completion_tokens,
            -- the level's wall time: first start to last end of the calls that were sent
@@ -138,7 +166,7 @@ WITH calls AS (
     GROUP BY run_id, arm, level
 )
 SELECT run_id, arm, arm_role, spec_method, level, concurrency_level, calls, ok, calls - ok AS failed,
-       completion_tokens, first_start_s, last_end_s, last_end_s - first_start_s AS wall_s,
+       completion_tokens, {offered_rate}first_start_s, last_end_s, last_end_s - first_start_s AS wall_s,
        completion_tokens / nullif(last_end_s - first_start_s, 0) AS agg_tok_s,
        decode_calls, p50_decode_tok_s, ttft_q[1] AS p50_ttft_s, ttft_q[2] AS p95_ttft_s,
        req_accepted_tokens / nullif(req_draft_tokens, 0) AS req_acceptance_rate,
@@ -157,11 +185,11 @@ FROM agg
 # Columns are listed, not `*`: DuckDB does not prune unused columns through the window, and the view
 # over 10 M spans is twice as fast for it. `calls` is used twice and DuckDB would materialise it (all
 # spans, in memory): NOT MATERIALIZED halves peak memory.
-PAIRS_VIEW = """
+PAIRS_VIEW_TEMPLATE = """
 CREATE OR REPLACE VIEW pairs AS
 WITH calls AS NOT MATERIALIZED (
     SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
-           status, decode_tok_s, ttft_s, e2e_s, completion_tokens, identical, first_divergence,
+           {offered_rate}status, decode_tok_s, ttft_s, e2e_s, completion_tokens, identical, first_divergence,
            divergence_margin, output_text, t_start, t_start_ns, span_id, round,
            coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s,
            temperature = 0 AS greedy, hash(output_sha256) AS output_hash
@@ -182,8 +210,8 @@ WITH calls AS NOT MATERIALIZED (
     SELECT * EXCLUDE (t_start, t_start_ns, span_id, base_rank) FROM ranked WHERE base_rank > 1
 )
 SELECT c.run_id, c.request_id,
-       coalesce(CAST(c.concurrency_level AS VARCHAR), 'live') AS level,
-       c.concurrency_level, c.round, c.start_s, c.category, c.arm, c.arm_role, c.spec_method,
+       {c_level} AS level,
+       c.concurrency_level, {c_offered_rate}c.round, c.start_s, c.category, c.arm, c.arm_role, c.spec_method,
        c.routed_as,
        CASE WHEN c.arm_role = 'baseline' THEN 'repeat'
             WHEN c.arm_role = 'replica' OR coalesce(c.spec_method, 'none') IN ('none', '') THEN 'replica'
@@ -380,9 +408,50 @@ FROM totals t
 LEFT JOIN positions p USING (run_id, arm, phase)
 """
 
+
+def _arm_summary_view(*, with_rate: bool) -> str:
+    return ARM_SUMMARY_VIEW_TEMPLATE.format(
+        level=level_sql() if with_rate else _LEVEL_SQL_V2.format(p=""),
+        offered_rate="offered_rate, " if with_rate else "",
+        any_offered_rate="any_value(offered_rate) AS offered_rate,\n           " if with_rate else "",
+    )
+
+
+def _pairs_view(*, with_rate: bool) -> str:
+    return PAIRS_VIEW_TEMPLATE.format(
+        offered_rate="offered_rate, " if with_rate else "",
+        c_level=level_sql("c") if with_rate else _LEVEL_SQL_V2.format(p="c."),
+        c_offered_rate="c.offered_rate, " if with_rate else "",
+    )
+
+
+# The views as migrations 2-9 created them (before open-loop levels had a label).
+_ARM_SUMMARY_VIEW_V2 = _arm_summary_view(with_rate=False)
+_PAIRS_VIEW_V8 = _pairs_view(with_rate=False)
+ARM_SUMMARY_VIEW = _arm_summary_view(with_rate=True)
+PAIRS_VIEW = _pairs_view(with_rate=True)
+
 VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
-# The views as migrations 2-6 created them: a migration's statements never change once shipped.
-VIEWS_DDL_V2: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW_V2]
+# The views as migrations 2-6 and 8 created them: a migration's statements never change once shipped.
+VIEWS_DDL_V2: list[str] = [_ARM_SUMMARY_VIEW_V2, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW_V2]
+VIEWS_DDL_V8: list[str] = [_ARM_SUMMARY_VIEW_V2, _PAIRS_VIEW_V8, IDENTITY_VIEW, ACCEPTANCE_VIEW]
+
+# Every call (shadow copies never sent left out) with its load and the per-call latencies an SLO is
+# checked on: goodput at any SLO is a filter and a count over it (analysis/README.md shows how).
+SLO_CALLS_VIEW = f"""
+CREATE OR REPLACE VIEW slo_calls AS
+SELECT run_id, arm, arm_role, request_id, span_id, round, category,
+       {level_sql()} AS level,
+       CAST(coalesce(offered_rate, concurrency_level) AS DOUBLE) AS load,
+       CASE WHEN offered_rate IS NOT NULL THEN 'rate'
+            WHEN concurrency_level IS NOT NULL THEN 'concurrency' ELSE '' END AS load_axis,
+       status, status = 'ok' AS ok,
+       coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s,
+       coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) + coalesce(e2e_s, 0) AS end_s,
+       ttft_s, tpot_s, itl_p50_s, itl_p95_s, itl_p99_s, itl_max_s, e2e_s,
+       coalesce(completion_tokens, 0) AS completion_tokens
+FROM requests WHERE status <> 'dropped'
+"""
 
 # One list of statements per version; index 0 brings an empty file to version 1.
 MIGRATIONS: list[list[str]] = [
@@ -410,7 +479,7 @@ MIGRATIONS: list[list[str]] = [
     ],
     # 8: pairs matches calls within a replay round, shows round and start_s; role 'replica' is a replica;
     # acceptance sums a level's rounds (each round its own before/after window, 'c=16 r2/3')
-    VIEWS_DDL,
+    VIEWS_DDL_V8,
     # 9: per-call TPOT and inter-token latency, chunk gaps and sizes; an open-loop level's offered rate
     [
         "ALTER TABLE requests ADD COLUMN tpot_s DOUBLE",
@@ -422,6 +491,10 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE requests ADD COLUMN chunk_tokens VARCHAR",
         "ALTER TABLE requests ADD COLUMN offered_rate DOUBLE",
     ],
+    # 10: open-loop levels: the health of a rate level; views label a level by its rate ('r=2')
+    ["ALTER TABLE health ADD COLUMN offered_rate DOUBLE", *VIEWS_DDL],
+    # 11: slo_calls: each call's load and the per-call latencies an SLO is checked on
+    [SLO_CALLS_VIEW],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

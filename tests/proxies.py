@@ -22,6 +22,7 @@ from aiohttp import web
 from specproxy.config import parse_experiment
 from specproxy.proxy.server.app import STATE, ProxySettings, ProxyState, create_app
 from specproxy.proxy.server.connections import ClientLimits, ProxyRunner
+from tests.backends import BackendConfig, RunningBackend, running_backend
 from tests.support import free_port, wait_for_count
 
 
@@ -53,6 +54,23 @@ async def running_proxy(
         yield RunningProxy(f"http://127.0.0.1:{port}", app[STATE], db)
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def two_arm_proxy(
+    tmp_path: Path, cfg: BackendConfig
+) -> AsyncIterator[tuple[RunningProxy, RunningBackend, RunningBackend]]:
+    """The proxy in front of two scripted backends alike, baseline ``base`` and shadow candidate ``cand``:
+    yields the proxy and the two backends."""
+    async with (
+        running_backend(cfg) as base,
+        running_backend(cfg) as cand,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
+        ) as p,
+    ):
+        yield p, base, cand
 
 
 def spans(db: Path, where: str = "true") -> list[dict[str, Any]]:

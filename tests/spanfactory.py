@@ -52,7 +52,7 @@ class ArmSpec:
     role: str = "candidate"
     spec_method: str = "eagle3"
     speedup: float = 1.0
-    speedup_by_level: dict[int, float] = field(default_factory=dict)
+    speedup_by_level: dict[float, float] = field(default_factory=dict)
     identical_p: float = 1.0
     # acceptance per drafted token and tokens drafted per step, for the /metrics counters
     acceptance_rate: float = 0.6
@@ -63,7 +63,7 @@ class ArmSpec:
     # every call fails with this HTTP status (an upstream that rejects everything), else 1 % time out
     http_error: int | None = None
 
-    def true_speedup(self, level: int | None) -> float:
+    def true_speedup(self, level: float | None) -> float:
         if level is not None and level in self.speedup_by_level:
             return self.speedup_by_level[level]
         return self.speedup
@@ -88,10 +88,11 @@ def health_row(
     threshold: float | None = None,
     arm: str | None = None,
     round_: int | None = None,
+    offered_rate: float | None = None,
 ) -> tuple[Any, ...]:
     """One row of the `health` table (run_id, arm, concurrency_level, round, check_name, value,
-    threshold, measured_at)."""
-    return (run_id, arm, level, round_, check, value, threshold, T0)
+    threshold, measured_at, offered_rate)."""
+    return (run_id, arm, level, round_, check, value, threshold, T0, offered_rate)
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
@@ -100,7 +101,7 @@ def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
 
 def make_run(
     arms: Sequence[ArmSpec],
-    levels: Sequence[int | None] = (1, 8),
+    levels: Sequence[float | None] = (1, 8),
     n_per_level: int = 200,
     *,
     run_id: str = "run-1",
@@ -116,9 +117,11 @@ def make_run(
     rounds: int = 1,
     round_sigma: float = 0.0,
     health: Sequence[tuple[Any, ...]] = (),
+    open_loop: bool = False,
 ) -> SyntheticRun:
     """A run: every request goes to every arm (paired) or to one arm (split): round robin, or the arm
-    indices of ``split_cycle`` in turn (``[0, 0, 0, 1]``: the first arm gets 3 requests in 4)."""
+    indices of ``split_cycle`` in turn (``[0, 0, 0, 1]``: the first arm gets 3 requests in 4).
+    ``open_loop``: the levels are offered rates (req/s, ``replay --rates``), not concurrencies."""
     rng = random.Random(seed)
     spans: list[SpanRecord] = []
     metrics: list[tuple[Any, ...]] = []
@@ -187,7 +190,8 @@ def make_run(
                         source="replay" if level is not None else "live",
                         routed_as=("primary" if arm is baseline else "shadow") if paired else "split",
                         category=category,
-                        concurrency_level=level,
+                        concurrency_level=None if open_loop or level is None else int(level),
+                        offered_rate=float(level) if open_loop and level is not None else None,
                         endpoint="chat",
                         model="m",
                         stream=True,
@@ -231,7 +235,8 @@ def make_run(
         # before/after scrapes of the level, split over two engines; with restart_engine, that engine
         # restarted during the level: its counter went back to zero, so "after" is below "before".
         # one before/after window per level, or per round of it ('c=16 r2/3') when measured in rounds
-        window = None if level is None else f"c={level}" if rounds == 1 else f"c={level} r{round_no}/{rounds}"
+        name_ = None if level is None else schema.rate_label(level) if open_loop else f"c={level}"
+        window = None if name_ is None else name_ if rounds == 1 else f"{name_} r{round_no}/{rounds}"
         for arm_name, c in counters.items():
             for cname, total in c.items():
                 share0 = math.floor(total * 0.6)

@@ -11,7 +11,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -106,6 +108,25 @@ def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subproc
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
     )
+
+
+@contextmanager
+def backend_process(*args: str) -> Iterator[str]:
+    """A scripted vLLM-shaped test backend (``python -m tests.backends ARGS...``) in its own process,
+    ready; yields its base URL and stops it after."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.backends", "--port", str(port), *args],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=None)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> str:

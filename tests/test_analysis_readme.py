@@ -35,9 +35,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_db(tmp_path_factory.mktemp("readme") / "specproxy.duckdb", [run])
 
 
-def test_the_five_queries_run(store: Path) -> None:
+def test_the_six_queries_run(store: Path) -> None:
     queries = re.findall(r"```sql\n(.*?)```", _section(), re.S)
-    assert len(queries) == 5
+    assert len(queries) == 6
     for query in queries:
         result = CliRunner().invoke(main, ["sql", str(store), query, "--format", "csv"])
         assert result.exit_code == 0, (query, result.output)

@@ -16,8 +16,8 @@ import openai
 
 from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim
-from tests.backends import BackendConfig, running_backend
-from tests.proxies import running_proxy, spans, wait_for_calls
+from tests.backends import BackendConfig
+from tests.proxies import running_proxy, spans, two_arm_proxy, wait_for_calls
 
 
 def _sync_streams(url: str, n: int, completions: bool = False) -> list[int]:
@@ -47,12 +47,7 @@ async def test_client_closing_right_after_done_is_not_a_cancellation(tmp_path: P
     body_end = asyncio.Event()
     cfg = BackendConfig(tokens=6, eof_gate=body_end)
     async with (
-        running_backend(cfg) as base,
-        running_backend(cfg) as cand,
-        running_proxy(
-            tmp_path,
-            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
-        ) as p,
+        two_arm_proxy(tmp_path, cfg) as (p, base, cand),
     ):
         counts = await asyncio.to_thread(_sync_streams, p.url, 6)
         counts += await asyncio.to_thread(_sync_streams, p.url, 2, True)

@@ -14,7 +14,7 @@ from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.upstream.calls import upstream_request_id
 from tests.backends import BackendConfig, running_backend
-from tests.proxies import running_proxy, spans
+from tests.proxies import running_proxy, spans, two_arm_proxy
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
@@ -24,12 +24,7 @@ BODY: Any = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tem
 async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_traceparent(tmp_path: Path) -> None:
     cfg = BackendConfig(tokens=4)
     async with (
-        running_backend(cfg) as base,
-        running_backend(cfg) as cand,
-        running_proxy(
-            tmp_path,
-            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
-        ) as p,
+        two_arm_proxy(tmp_path, cfg) as (p, base, cand),
     ):
         assert p.state.sink is not None
         seen = InMemorySpanExporter()
@@ -83,12 +78,7 @@ async def test_primary_and_shadow_spans_share_a_trace_under_the_clients_tracepar
 async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_path: Path) -> None:
     cfg = BackendConfig(tokens=3)
     async with (
-        running_backend(cfg) as base,
-        running_backend(cfg) as cand,
-        running_proxy(
-            tmp_path,
-            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
-        ) as p,
+        two_arm_proxy(tmp_path, cfg) as (p, base, cand),
         aiohttp.ClientSession() as s,
     ):
         hdr = "X-Specproxy-Concurrency-Level"
@@ -98,9 +88,15 @@ async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_pa
         for bad in ("sixteen", "0", "-3"):
             async with s.post(p.url + "/v1/chat/completions", json=BODY, headers={hdr: bad}) as r:
                 assert r.status == 400 and hdr in (await r.json())["error"]["message"]
+        async with s.post(
+            p.url + "/v1/chat/completions", json=BODY, headers={"X-Specproxy-Round": "2nd"}
+        ) as r:
+            assert r.status == 400 and "X-Specproxy-Round" in (await r.json())["error"]["message"]
         async with s.post(p.url + "/v1/chat/completions", json=BODY) as r:
             await r.read()
-        assert all(hdr not in h for h in base.stats.headers + cand.stats.headers)
+        assert all(
+            hdr not in h and "X-Specproxy-Round" not in h for h in base.stats.headers + cand.stats.headers
+        )
     assert sorted((r["routed_as"], r["concurrency_level"] or 0) for r in spans(p.db)) == [
         ("primary", 0),
         ("primary", 16),
@@ -109,7 +105,7 @@ async def test_concurrency_level_header_labels_spans_and_is_not_forwarded(tmp_pa
     ]
 
 
-async def test_replay_through_the_proxy_labels_its_spans_with_each_level(tmp_path: Path) -> None:
+async def test_replay_through_the_proxy_labels_its_spans_with_each_level_and_round(tmp_path: Path) -> None:
     async with (
         running_backend(BackendConfig(tokens=3)) as base,
         running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": base.url}]) as p,
@@ -122,12 +118,12 @@ async def test_replay_through_the_proxy_labels_its_spans_with_each_level(tmp_pat
             arms=(Arm(name="target", url=p.url, role="baseline"),),
             db_path=tmp_path / "replay.duckdb",
             show_progress=False,
-            load=LoadPlan(levels=(1, 3), warmup=0),
+            load=LoadPlan(levels=(1, 3), warmup=0, rounds=2),
         )
         result = await run_replay(settings, items)
-        assert result.per_arm["target"].ok == 12
-    levels = sorted(r["concurrency_level"] for r in spans(p.db))
-    assert levels == [1] * 6 + [3] * 6
+        assert result.per_arm["target"].ok == 24
+    phases = sorted((r["concurrency_level"], r["round"]) for r in spans(p.db))
+    assert phases == [(c, k) for c in (1, 3) for k in (1, 2) for _ in range(6)]
 
 
 def test_rows_are_the_same_with_otel_spans_built_or_not(tmp_path: Path) -> None:

@@ -147,13 +147,13 @@ async def test_split_mode_sends_each_item_to_one_arm_by_weight(tmp_path: Path) -
 async def test_poisson_rate_and_timed_runs(tmp_path: Path) -> None:
     async with running_backend() as base:
         one = (Arm(name="base", url=base.url, role="baseline"),)
-        for load in (LoadPlan(kind="rate", rate_per_s=200.0), LoadPlan(kind="timed", speedup=2.0)):
+        for load in (LoadPlan(kind="rate", rates=(200.0,)), LoadPlan(kind="timed", speedup=2.0)):
             db = tmp_path / f"{load.kind}.duckdb"
             settings = ReplaySettings(arms=one, db_path=db, show_progress=False, load=load)
             result = await run_replay(settings, items(20))
             assert result.lag_p99_s is not None  # how well the schedule was kept is a benchmark's figure
             assert rows(db, "SELECT count(*), count(concurrency_level) FROM requests") == [(20, 0)]
-            phase = "rate=200" if load.kind == "rate" else "timed x2"
+            phase = "r=200" if load.kind == "rate" else "timed x2"
             assert rows(
                 db, "SELECT count(*) > 0 FROM backend_metrics WHERE phase = ?", [f"{phase}:after"]
             ) == [(True,)]

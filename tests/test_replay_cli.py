@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from specproxy.cli import main
-from tests.support import free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
+from tests.support import backend_process, free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,31 +33,8 @@ def run_in_process(*args: str) -> Result:
 @pytest.fixture
 def backend_url() -> Iterator[str]:
     """A vLLM-shaped test backend in its own process (8 tokens, 5 ms apart)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.backends",
-            "--port",
-            str(port),
-            "--ttft-ms",
-            "2",
-            "--itl-ms",
-            "5",
-            "--tokens",
-            "8",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=None)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with backend_process("--ttft-ms", "2", "--itl-ms", "5", "--tokens", "8") as url:
+        yield url
 
 
 def write_custom(path: Path, n: int, bad_line: int | None = None) -> Path:
@@ -262,3 +239,56 @@ def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str)
     )
     assert res.returncode == 0, res.stderr
     assert "replaying 6 capture items" in res.stderr and "12 spans" in res.stderr
+
+
+def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
+    tmp_path: Path, backend_url: str
+) -> None:
+    """replay --target with rounds: the proxy's spans carry each call's level and round; and serve writes
+    its own health (loop lag, queueing per arm) for the live traffic it carried."""
+    cfg = tmp_path / "exp.toml"
+    cfg.write_text(
+        f'[experiment]\nmode = "shadow"\n\n[[arms]]\nname = "base"\nrole = "baseline"\n'
+        f'url = "{backend_url}"\n\n[[arms]]\nname = "cand"\nurl = "{backend_url}"\n'
+    )
+    port = free_port()
+    proxy_db = tmp_path / "proxy.duckdb"
+    serve = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--db", str(proxy_db)])
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=serve)
+        log = tmp_path / "question.jsonl"
+        log.write_text("".join(json.dumps({"question_id": i, "turns": [f"q {i}"]}) + "\n" for i in range(4)))
+        res = run_cli(
+            "replay",
+            str(log),
+            "--target",
+            f"http://127.0.0.1:{port}",
+            "--concurrency",
+            "1,2",
+            "--rounds",
+            "2",
+            "--db",
+            str(tmp_path / "client.duckdb"),
+            "--no-progress",
+        )
+        assert res.returncode == 0, res.stderr
+    finally:
+        out = stop(serve)
+        if serve.stdout is not None:
+            serve.stdout.close()
+    assert serve.returncode == 0, out
+    with duckdb.connect(str(proxy_db), read_only=True) as conn:
+        phases = conn.execute(
+            "SELECT arm, concurrency_level, round, count(*) FROM requests GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
+        health = conn.execute(
+            "SELECT check_name, arm, bool_and(concurrency_level IS NULL AND round IS NULL), "
+            "bool_and(value >= 0), any_value(threshold) FROM health GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
+    assert phases == [(arm, c, k, 4) for arm in ("base", "cand") for c in (1, 2) for k in (1, 2)]
+    assert health == [
+        ("event_loop_lag_p99_s", None, True, True, None),
+        ("event_loop_lag_share", None, True, True, 0.02),
+        ("proxy_queue_p99_s", "base", True, True, 0.05),
+        ("proxy_queue_p99_s", "cand", True, True, 0.05),
+    ]

@@ -18,7 +18,7 @@ import duckdb
 import pytest
 
 from specproxy.proxy.replay.loadgen import poisson_offsets, timed_offsets
-from tests.support import free_port, wait_http
+from tests.support import backend_process
 
 ROOT = Path(__file__).resolve().parents[1]
 NOWHERE = "http://127.0.0.1:9"
@@ -169,19 +169,8 @@ def test_options_must_be_finite_numbers_in_range(tmp_path: Path, args: list[str]
 @pytest.fixture
 def backend_url() -> Iterator[str]:
     """A vLLM-shaped test backend in its own process (4 tokens, 2 ms apart)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.backends", "--port", str(port), "--itl-ms", "2", "--tokens", "4"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=None)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with backend_process("--itl-ms", "2", "--tokens", "4") as url:
+        yield url
 
 
 def test_skip_counts_every_bad_record_and_measures_the_rest(tmp_path: Path, backend_url: str) -> None:

@@ -90,9 +90,9 @@ async def test_rounds_stamp_each_call_rotate_the_arms_and_shuffle_the_items(tmp_
         "SELECT concurrency_level, round, list(check_name ORDER BY check_name), bool_and(arm IS NULL), "
         "bool_and(value >= 0) FROM health GROUP BY ALL ORDER BY ALL",
     )
-    checks = ["event_loop_lag_p99_s", "loadgen_start_lag_p99_s", "proxy_queue_p99_s"]
+    checks = ["event_loop_lag_p99_s", "event_loop_lag_share", "loadgen_start_lag_p99_s", "proxy_queue_p99_s"]
     assert health == [(c, k, checks, True, True) for c in (1, 2) for k in (1, 2, 3)]
-    assert len(result.health) == 18
+    assert len(result.health) == 24
 
 
 async def test_a_simulator_that_cannot_keep_its_clock_gets_a_lagging_health_row(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
@@ -41,12 +42,29 @@ def test_sim_subprocess_serves_and_stops() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/sim/stats", timeout=5) as resp:
             stats = json.loads(resp.read())
         assert stats["method"] == "ngram" and stats["num_speculative_tokens"] == 4
+        assert stats["time_scale"] == 50
+        assert _post_time_scale(port, 12.5) == (200, 12.5)
+        assert _post_time_scale(port, 0)[0] == 400
     finally:
         out = stop(proc)
         if proc.stdout is not None:
             proc.stdout.close()
     assert f"listening on http://127.0.0.1:{port}" in out
     assert "Traceback" not in out
+
+
+def _post_time_scale(port: int, value: float) -> tuple[int, float | None]:
+    """POST /sim/time_scale: the status and the engine's time scale it reports."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/sim/time_scale",
+        data=json.dumps({"time_scale": value}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())["time_scale"]
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ category: conditional rates alpha_i = P(position i accepted | positions < i acce
 from __future__ import annotations
 
 import random
+from array import array
 from collections import OrderedDict
 
 from specproxy.engines.sim.config import SpeculativeConfig
@@ -83,41 +84,39 @@ def draw_accepted(rng: random.Random, rates: tuple[float, ...], k: int) -> int:
 
 
 class NgramIndex:
-    """n-gram -> position that followed its earliest occurrence, kept up to date as tokens append."""
+    """The tokens so far, searched for the earliest earlier occurrence of their last n tokens.
 
-    __slots__ = ("tokens", "_lo", "_hi", "_maps")
+    The tokens are also kept packed (4 bytes each) so that a lookup is one ``bytes.find`` in C: no
+    index to build when a request arrives (a per-prompt-token Python loop was the n-gram simulator's
+    largest cost inside its event loop, enough to put it behind its clock at high concurrency)."""
+
+    __slots__ = ("tokens", "_lo", "_hi", "_packed")
 
     def __init__(self, tokens: list[int], lo: int, hi: int) -> None:
         self.tokens = tokens
         self._lo = lo
         self._hi = hi
-        self._maps: list[dict[tuple[int, ...], int]] = [{} for _ in range(hi + 1)]
-        for m in range(1, len(tokens)):
-            self._register(m)
-
-    def _register(self, m: int) -> None:
-        # Token m now exists, so every n-gram ending at m-1 has a follower: remember the first one.
-        tokens = self.tokens
-        for n in range(self._lo, self._hi + 1):
-            if m >= n:
-                self._maps[n].setdefault(tuple(tokens[m - n : m]), m)
+        self._packed = bytearray(array("I", tokens))
 
     def append(self, new: list[int]) -> None:
-        start = len(self.tokens)
         self.tokens.extend(new)
-        for m in range(max(start, 1), len(self.tokens)):
-            self._register(m)
+        self._packed += array("I", new)
 
     def longest_match(self) -> tuple[int, int] | None:
-        """(n, position after the earliest occurrence) of the longest n-gram (hi..lo) ending the tokens."""
-        tokens = self.tokens
-        size = len(tokens)
+        """(n, position after the earliest occurrence) of the longest n-gram (hi..lo) ending the tokens,
+        among occurrences followed by a token."""
+        size = len(self.tokens)
+        packed = self._packed
+        end = (size - 1) * 4  # an occurrence must end before the last token
         for n in range(self._hi, self._lo - 1, -1):
-            if size < n:
+            if size <= n:
                 continue
-            follow = self._maps[n].get(tuple(tokens[size - n :]))
-            if follow is not None:
-                return n, follow
+            pattern = bytes(packed[(size - n) * 4 :])
+            at = packed.find(pattern, 0, end)
+            while at >= 0 and at % 4:  # a match across token boundaries
+                at = packed.find(pattern, at + 1, end)
+            if at >= 0:
+                return n, at // 4 + n
         return None
 
     def propose(self, k: int) -> list[int]:

@@ -7,14 +7,15 @@
         client = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x")
 
 Beyond vLLM's routes the simulator adds ground truth: `GET /sim/requests/{request_id}` (true steps,
-drafts, draft tokens, accepted tokens of one request), `GET /sim/requests`, and `GET /sim/stats`
-(engine clock and lag).
+drafts, draft tokens, accepted tokens of one request), `GET /sim/requests`, `GET /sim/stats` (engine
+clock and lag), and `POST /sim/time_scale` (the clock's speed from the next step on).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 import uuid
@@ -327,6 +328,23 @@ async def sim_stats(request: web.Request) -> web.Response:
     return web.json_response(body, dumps=_dumps)
 
 
+async def sim_time_scale(request: web.Request) -> web.Response:
+    """``POST {"time_scale": X}``: the engine runs X times faster than the profile's clock from its next
+    step on. The lab slows the simulators down for a level this machine cannot keep up with."""
+    engine = request.app[STATE].engine
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        return error_response(f"Invalid JSON body: {exc}")
+    value = body.get("time_scale") if isinstance(body, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return error_response(f"time_scale must be a number > 0, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        return error_response(f"time_scale must be a number > 0, got {value!r}")
+    engine.time_scale = float(value)
+    return web.json_response(engine.stats(), dumps=_dumps)
+
+
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
@@ -384,6 +402,7 @@ def create_sim_app(config: SimConfig, profile: CostProfile | None = None) -> web
     app.router.add_get("/sim/requests", sim_requests)
     app.router.add_get("/sim/requests/{request_id}", sim_request)
     app.router.add_get("/sim/stats", sim_stats)
+    app.router.add_post("/sim/time_scale", sim_time_scale)
     return app
 
 

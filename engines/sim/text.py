@@ -9,6 +9,7 @@ copies much of its prompt, open chat little. That copying is what n-gram specula
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import re
@@ -137,6 +138,20 @@ _WORD_CHAR = re.compile(r"\w")
 
 def tokenize(text: str) -> tuple[list[int], list[str]]:
     """Word-level tokens: (ids, pieces) where "".join(pieces) == text (whitespace kept with the word)."""
+    ids, pieces = _tokenize_cached(text)
+    return list(ids), list(pieces)
+
+
+# A replay sends the same prompts again and again (every round, every arm); tokenizing one costs about a
+# millisecond per few hundred words, and a wave of a few hundred arrivals at once would hold the engine's
+# loop for that long and put it behind its clock.
+@functools.lru_cache(maxsize=4096)
+def _tokenize_cached(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    ids, pieces = _tokenize(text)
+    return tuple(ids), tuple(pieces)
+
+
+def _tokenize(text: str) -> tuple[list[int], list[str]]:
     ids: list[int] = []
     pieces: list[str] = []
     for match in _PIECE.finditer(text):

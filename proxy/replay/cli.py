@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from specproxy.commandline import ConcurrencyLevels, FiniteFloat, experiment_or_none, run_async
+from specproxy.commandline import ConcurrencyLevels, FiniteFloat, RequestRates, experiment_or_none, run_async
 from specproxy.config import Arm
 from specproxy.proxy.replay.formats import FORMATS, FormatError, read_items
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
@@ -47,10 +47,15 @@ from specproxy.proxy.spans.sink import SpanSinkError
     help="Closed loop: the concurrency levels of the sweep, one phase each.",
 )
 @click.option(
+    "--rates",
+    type=RequestRates(),
+    help="Open loop: a sweep of Poisson arrival rates in requests/s, one level each (e.g. 1,2,4,8).",
+)
+@click.option(
     "--rate",
     type=FiniteFloat(min=0, min_open=True),
     metavar="R",
-    help="Open loop: Poisson arrivals at R requests/s.",
+    help="Open loop: Poisson arrivals at R requests/s (a sweep of one rate).",
 )
 @click.option("--timed", is_flag=True, help="Open loop at the log's recorded timestamps.")
 @click.option(
@@ -87,7 +92,8 @@ from specproxy.proxy.spans.sink import SpanSinkError
     "--duration",
     type=FiniteFloat(min=0, min_open=True),
     metavar="S",
-    help="Stop sending after S seconds (per level in a closed-loop sweep).",
+    help="Stop sending after S seconds (per level of a sweep; a rate level sends arrivals for S "
+    "seconds, cycling the items).",
 )
 @click.option(
     "--rounds",
@@ -95,14 +101,14 @@ from specproxy.proxy.spans.sink import SpanSinkError
     default=1,
     show_default=True,
     metavar="N",
-    help="Measure each level (or the open loop) N times, the arms' order rotated and the items "
+    help="Measure each level (or the timed loop) N times, the arms' order rotated and the items "
     "shuffled each round; the analysis reads the spread between rounds.",
 )
 @click.option(
     "--warmup",
     type=click.IntRange(min=0),
     metavar="N",
-    help="Closed loop: unrecorded calls per arm before each level (default: one per slot; "
+    help="Unrecorded calls per arm before each level (default: one per slot, one per rate level; "
     "none with --target, where the proxy would record them).",
 )
 @click.option(
@@ -135,6 +141,7 @@ def replay(
     target: str | None,
     fmt: str,
     levels: tuple[int, ...],
+    rates: tuple[float, ...] | None,
     rate: float | None,
     timed: bool,
     speedup: float,
@@ -162,14 +169,18 @@ def replay(
     \b
     Examples:
       specproxy replay capture.jsonl --config exp.toml --concurrency 1,4,16,64 --rounds 3
-      specproxy replay question.jsonl --config exp.toml --rate 5 --duration 120
+      specproxy replay question.jsonl --config exp.toml --rates 1,2,4,8 --duration 60 --rounds 3
       specproxy replay mooncake.jsonl --target http://127.0.0.1:8000 --timed --speedup 10
     """
     console = Console(stderr=True, soft_wrap=True)
     if (config_path is None) == (target is None):
         raise click.UsageError("give exactly one of --config exp.toml (the arms) or --target URL (a proxy)")
-    if rate is not None and timed:
-        raise click.UsageError("--rate and --timed are two different load shapes; choose one")
+    if rate is not None and rates is not None:
+        raise click.UsageError("--rate R is a sweep of one rate: give --rate or --rates, not both")
+    if rate is not None:
+        rates = (rate,)
+    if rates is not None and timed:
+        raise click.UsageError("--rates and --timed are two different load shapes; choose one")
     experiment = experiment_or_none(config_path)
     if experiment is not None:
         arms = experiment.arms
@@ -191,9 +202,9 @@ def replay(
     except FormatError as exc:
         raise click.ClickException(str(exc)) from None
     load = LoadPlan(
-        kind="rate" if rate is not None else "timed" if timed else "closed",
+        kind="rate" if rates is not None else "timed" if timed else "closed",
         levels=levels,
-        rate_per_s=rate,
+        rates=rates or (),
         speedup=speedup,
         duration_s=duration,
         warmup=0 if warmup is None and target is not None else warmup,

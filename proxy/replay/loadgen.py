@@ -77,10 +77,29 @@ class LoadStats:
     lag_s: list[float] = field(default_factory=list)
     gauge: InflightGauge = field(default_factory=InflightGauge)
     stopped: bool = False
+    # Open loops: the first and last moments (loop time) a call was due, and a call actually left.
+    first_due: float | None = None
+    last_due: float | None = None
+    first_sent: float | None = None
+    last_sent: float | None = None
 
     @property
     def wall_s(self) -> float:
         return self.ended_at - self.started_at
+
+    def achieved_rate(self) -> float | None:
+        """Open loops: calls per second as they actually left (None for fewer than two calls)."""
+        return _rate(self.sent, self.first_sent, self.last_sent)
+
+    def scheduled_rate(self) -> float | None:
+        """Open loops: calls per second the schedule asked for, over the same calls."""
+        return _rate(self.sent, self.first_due, self.last_due)
+
+
+def _rate(n: int, first: float | None, last: float | None) -> float | None:
+    if n < 2 or first is None or last is None or last <= first:
+        return None
+    return (n - 1) / (last - first)
 
 
 async def closed_loop(
@@ -139,7 +158,8 @@ async def open_loop(
     """Start ``send(items[i])`` at ``offsets_s[i]`` seconds from now, then wait for all calls.
 
     The schedule never waits for responses (an open loop): a slow backend builds a queue, as real
-    users would. Each call's start lag behind its schedule goes to ``stats.lag_s``.
+    users would. Each call's start lag behind its schedule goes to ``stats.lag_s``; the rate the
+    calls actually left at is ``stats.achieved_rate()``, the schedule's ``stats.scheduled_rate()``.
     """
     if len(items) != len(offsets_s):
         raise ValueError("items and offsets_s must have the same length")
@@ -149,7 +169,10 @@ async def open_loop(
     tasks: set[asyncio.Task[None]] = set()
 
     async def one(item: T, due: float) -> None:
-        stats.lag_s.append(loop.time() - due)
+        now = loop.time()
+        stats.lag_s.append(now - due)
+        stats.first_sent = now if stats.first_sent is None else min(stats.first_sent, now)
+        stats.last_sent = now if stats.last_sent is None else max(stats.last_sent, now)
         stats.gauge.enter()
         try:
             await send(item)
@@ -174,6 +197,8 @@ async def open_loop(
                 stats.stopped = True
                 break
             stats.sent += 1
+            stats.first_due = due if stats.first_due is None else stats.first_due
+            stats.last_due = due
             task = asyncio.create_task(one(item, due))
             tasks.add(task)
             task.add_done_callback(tasks.discard)

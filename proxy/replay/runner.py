@@ -2,20 +2,23 @@
 
 Replay calls every arm through :func:`~specproxy.proxy.upstream.calls.call_arm`, the function the proxy
 uses, so a replayed call's span is measured exactly like a live one; it then adds what only replay
-knows (``source = replay``, ``routed_as``, ``concurrency_level``, ``category``) and, in paired mode,
-greedy identity against the baseline's output of the same ``request_id``.
+knows (``source = replay``, ``routed_as``, ``concurrency_level`` or ``offered_rate``, ``category``)
+and, in paired mode, greedy identity against the baseline's output of the same ``request_id``.
 
     paired   every item goes to every arm at the same time, each arm with its own concurrency
              slots; spans share request_id across arms (routed_as = "replay")
     split    each item goes to one arm, chosen by weight with a seeded draw (routed_as = "split")
 
-Load (:class:`LoadPlan`): a closed-loop sweep over concurrency levels, an open-loop Poisson rate, or
-the recorded timestamps with a speed-up. Each level (or the open loop) is measured in ``rounds``
-rounds, each a labelled phase (``c=16 r2/3``): a /metrics scrape and a reading of the simulators'
-clocks, the measured calls, the same again. A closed-loop level starts with a short unrecorded
-warm-up. Every call's span carries its round; from one round to the next the arms' order is rotated
-(in paired mode, the order in which each item's copies go out) and the items are shuffled with the
-seed, so that a slow moment of the machine does not always fall on the same arm or the same items.
+Load (:class:`LoadPlan`): a closed-loop sweep over concurrency levels, an open-loop sweep over
+Poisson rates, or the recorded timestamps with a speed-up. Each level (or the timed loop) is measured
+in ``rounds`` rounds, each a labelled phase (``c=16 r2/3``, ``r=4 r2/3``): a /metrics scrape and a
+reading of the simulators' clocks, the measured calls, the same again. A level starts with a short
+unrecorded warm-up. A rate level's calls carry ``offered_rate`` (requests/s) and no
+``concurrency_level``; with a duration it sends Poisson arrivals for that long (cycling the items),
+else each item once, on the same arrival schedule in every round. Every call's span carries its
+round; from one round to the next the arms' order is rotated (in paired mode, the order in which each
+item's copies go out) and the items are shuffled with the seed, so that a slow moment of the machine
+does not always fall on the same arm or the same items.
 Each round also records the measurement's health (:mod:`.health`) in table ``health``. Before
 anything runs, every arm's ``/v1/models`` is asked for its served model (an unreachable arm fails
 the run, naming its URL) and ``/version`` with it; both land in the run's ``stacks_json``.
@@ -35,18 +38,25 @@ import re
 import secrets
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import aiohttp
 
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.identity import NOT_COMPARABLE, compare, is_comparable
 from specproxy.proxy.replay.formats import ItemSet, ReplayItem
-from specproxy.proxy.replay.health import LoopLagSampler, clock_lag, health_rows, p99, read_sim_clocks
+from specproxy.proxy.replay.health import (
+    LoopLagSampler,
+    clock_lag,
+    health_rows,
+    loop_lag_share,
+    p99,
+    read_sim_clocks,
+)
 from specproxy.proxy.replay.loadgen import LoadStats, closed_loop, open_loop, poisson_offsets, timed_offsets
 from specproxy.proxy.replay.progress import ReplayProgress
 from specproxy.proxy.spans.sink import HealthRow, SpanSink
@@ -55,14 +65,15 @@ from specproxy.proxy.upstream.calls import (
     UpstreamState,
     UpstreamTimeout,
     call_arm,
-    level_header,
     new_record,
+    phase_headers,
     upstream_request_id,
 )
 from specproxy.proxy.upstream.scrape import MetricsScraper
 from specproxy.proxy.upstream.stacks import arm_stacks
 from specproxy.proxy.upstream.wire import UpstreamClient
 from specproxy.record import RoutedAs, SpanRecord
+from specproxy.schema import rate_label
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
@@ -79,20 +90,52 @@ class ReplayError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
-    """How items are sent. ``kind``: closed (a sweep over ``levels``), rate (Poisson) or timed."""
+    """How items are sent. ``kind``: closed (a sweep over ``levels``), rate (a sweep over Poisson
+    ``rates``, requests/s) or timed."""
 
     kind: Literal["closed", "rate", "timed"] = "closed"
     levels: tuple[int, ...] = (1, 4, 16, 64)
-    rate_per_s: float | None = None
+    rates: tuple[float, ...] = ()
     speedup: float = 1.0
-    # Closed loop: per level; rate/timed: the whole run. None: until the items run out.
+    # Closed loop and rates: per level (a rate level sends arrivals for that long, cycling the items);
+    # timed: the whole run. None: until the items run out.
     duration_s: float | None = None
-    # Closed loop: calls per arm before each level that are not recorded; None = one per slot.
+    # Calls per arm before each level that are not recorded; None = one per slot (closed loop), one
+    # (rates).
     warmup: int | None = None
     # Closed loop: how many items each round of a level sends (cycling the list); None = every item once.
     items_per_level: Callable[[int], int] | None = None
+    # Rates: how many arrivals each round of a rate level sends (cycling the list), instead of a duration.
+    items_per_rate: Callable[[float], int] | None = None
     # Each level (or the open loop) is measured this many times, the arms' order rotated each round.
     rounds: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LevelTrial:
+    """One unrecorded wave at a level: each simulator's clock lag over it and the client loop's lag as a
+    share of the wave's median decode time (None when nothing decoded)."""
+
+    engine_lag: Mapping[str, float]
+    loop_lag_share: float | None
+
+    @property
+    def worst_engine_lag(self) -> float:
+        return max(self.engine_lag.values(), default=0.0)
+
+
+class LevelPacer(Protocol):
+    """Sets the pace of a closed-loop level before it is measured (the lab slows its simulators down)."""
+
+    async def settle(self, level: int, trial: Callable[[], Awaitable[LevelTrial]]) -> Mapping[str, float]:
+        """Called before ``level``'s rounds instead of its warm-up; ``trial()`` sends one unrecorded wave
+        of full-length calls (``level`` per arm) and says how the machine kept up. Returns figures to
+        record with each of the level's rounds (health rows that never gate)."""
+        ...
+
+    def measured(self, level: int, health: Sequence[HealthRow]) -> None:
+        """Called after ``level``'s rounds with their health rows (to pace the next level by them)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +154,7 @@ class ReplaySettings:
     timeout: UpstreamTimeout = UpstreamTimeout()
     capture_output: bool = False
     show_progress: bool = True
+    pacer: LevelPacer | None = None
 
 
 @dataclass(slots=True)
@@ -221,15 +265,18 @@ class _Call:
     body: dict[str, Any]
     concurrency_level: int | None
     round: int
+    offered_rate: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Phase:
-    """One measured round of one level (``level`` None for an open loop)."""
+    """One measured round of one level (``level`` None for an open loop, ``offered_rate`` set for a
+    rate level)."""
 
     label: str
     level: int | None
     round: int
+    offered_rate: float | None = None
 
 
 def phase_label(base: str, round_: int, rounds: int) -> str:
@@ -278,6 +325,8 @@ class ReplayRunner:
         self._recording = True
         self._warmups = 0
         self._queue_s: list[float] = []  # this phase's calls: handed over → upstream request sent
+        self._decode_s: list[float] = []  # this phase's calls: first → last token
+        self._level_notes: Mapping[str, float] = {}
 
     # bodies and ids
 
@@ -309,6 +358,7 @@ class ReplayRunner:
                 self._body(it, warmup=False),
                 phase.level,
                 phase.round,
+                phase.offered_rate,
             )
             for i, it in enumerate(items)
         ]
@@ -317,7 +367,8 @@ class ReplayRunner:
         """The items in the order of this round: as given in the first, shuffled with the seed after."""
         ordered = list(items)
         if phase.round > 1:
-            random.Random(f"{self.s.seed}:{phase.level}:{phase.round}").shuffle(ordered)
+            level = phase.level if phase.offered_rate is None else rate_label(phase.offered_rate)
+            random.Random(f"{self.s.seed}:{level}:{phase.round}").shuffle(ordered)
         return ordered
 
     def _for_arm(self, arm: Arm, body: dict[str, Any]) -> dict[str, Any]:
@@ -346,6 +397,7 @@ class ReplayRunner:
             engine_load=self.scraper.engine_load.get(arm.name),
         )
         record.round = call.round
+        record.offered_rate = call.offered_rate
         try:
             result = await call_arm(
                 self.client,
@@ -356,7 +408,7 @@ class ReplayRunner:
                 timeout=self.s.timeout,
                 capture_output=self.s.capture_output,
                 state=self.state,
-                headers=level_header(call.concurrency_level),
+                headers=phase_headers(call.concurrency_level, call.round, call.offered_rate),
             )
         except asyncio.CancelledError:
             # Stopped by the user mid-call: keep the span (status client_cancelled), never the output.
@@ -367,6 +419,8 @@ class ReplayRunner:
         if not self._recording:
             return ended
         self._queue_s.append(result.t_send - handed_over)
+        if result.ok and record.ttft_s is not None and record.e2e_s is not None:
+            self._decode_s.append(record.e2e_s - record.ttft_s)
         totals = self.result.per_arm[arm.name]
         if result.ok:
             totals.ok += 1
@@ -383,8 +437,10 @@ class ReplayRunner:
     async def _send_split(self, assigned: tuple[Arm, _Call]) -> float | None:
         return await self._send(assigned[0], assigned[1], routed_as="split", joiner=None)
 
-    async def _warm(self, arm: Arm, item: ReplayItem) -> None:
-        body = self._for_arm(arm, self._body(item, warmup=True))
+    async def _warm(self, arm: Arm, item: ReplayItem, decode_s: list[float] | None = None) -> None:
+        """An unrecorded call: short (a warm-up), or at full length when ``decode_s`` collects its
+        decode time (a pacer's trial)."""
+        body = self._for_arm(arm, self._body(item, warmup=decode_s is None))
         self._warmups += 1
         rid = f"{self.run_id.removeprefix('replay-')[:6]}-warmup-{self._warmups:05d}"
         record = new_record(
@@ -397,7 +453,7 @@ class ReplayRunner:
             source="replay",
             category=item.category,
         )
-        await call_arm(
+        result = await call_arm(
             self.client,
             arm,
             body,
@@ -406,6 +462,32 @@ class ReplayRunner:
             timeout=self.s.timeout,
             state=self.state,
         )
+        if decode_s is not None and result.ok and record.ttft_s is not None and record.e2e_s is not None:
+            decode_s.append(record.e2e_s - record.ttft_s)
+
+    async def _trial(self, level: int, items: Sequence[ReplayItem]) -> LevelTrial:
+        """One unrecorded wave of full-length calls at ``level`` on every arm, and how the machine kept up."""
+        before = await read_sim_clocks(self.session, self.s.arms)
+        decode_s: list[float] = []
+        wave = [items[i % len(items)] for i in range(level)]
+        stop = self.stop
+        # The engines are scraped as during a measured round: that is part of the load the wave predicts.
+        scraping = asyncio.ensure_future(self._scrape_during())
+        try:
+            async with LoopLagSampler() as loop_lag:
+                await asyncio.gather(
+                    *(
+                        closed_loop(
+                            wave, level, functools.partial(self._warm, arm, decode_s=decode_s), stop=stop
+                        )
+                        for arm in self.s.arms
+                    )
+                )
+        finally:
+            scraping.cancel()
+            await asyncio.gather(scraping, return_exceptions=True)
+        after = await read_sim_clocks(self.session, self.s.arms)
+        return LevelTrial(clock_lag(before, after), loop_lag_share(loop_lag.lags_s, decode_s))
 
     def _emit(self, record: SpanRecord) -> None:
         assert self._sink is not None
@@ -439,6 +521,7 @@ class ReplayRunner:
         self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
         self.result.phases.append(label)
         self._queue_s = []
+        self._decode_s = []
         stats: list[LoadStats] = []
         loop_lag = LoopLagSampler()
         scraping = asyncio.ensure_future(self._scrape_during())
@@ -484,7 +567,17 @@ class ReplayRunner:
     ) -> None:
         start_lags = [lag for st in stats for lag in st.lag_s]
         rows = health_rows(
-            self.run_id, phase.level, phase.round, engine_lag, start_lags, loop_lags, self._queue_s
+            self.run_id,
+            phase.level,
+            phase.round,
+            engine_lag,
+            start_lags,
+            loop_lags,
+            self._queue_s,
+            self._decode_s,
+            notes=self._level_notes,
+            offered_rate=phase.offered_rate,
+            rates=[(st.achieved_rate(), st.scheduled_rate()) for st in stats],
         )
         self.result.health.extend(rows)
         assert self._sink is not None
@@ -496,6 +589,18 @@ class ReplayRunner:
         n = plan.items_per_level(level) if plan.items_per_level is not None else len(self.items)
         return [self.items[i % len(self.items)] for i in range(n)]
 
+    async def _warm_level(self, items: Sequence[ReplayItem], n_warm: int, slots: int) -> None:
+        """``n_warm`` unrecorded calls per arm, ``slots`` at a time, before a level is measured."""
+        if n_warm <= 0:
+            return
+        warm_items = [items[i % len(items)] for i in range(n_warm)]
+        await asyncio.gather(
+            *(
+                closed_loop(warm_items, slots, functools.partial(self._warm, arm), stop=self.stop)
+                for arm in self.s.arms
+            )
+        )
+
     async def _closed_sweep(self) -> None:
         plan = self.s.load
         for level in plan.levels:
@@ -503,14 +608,12 @@ class ReplayRunner:
                 break
             items = self._level_items(level)
             n_warm = level if plan.warmup is None else plan.warmup
-            if n_warm > 0:
-                warm_items = [items[i % len(items)] for i in range(n_warm)]
-                await asyncio.gather(
-                    *(
-                        closed_loop(warm_items, level, functools.partial(self._warm, arm), stop=self.stop)
-                        for arm in self.s.arms
-                    )
+            if self.s.pacer is not None:
+                self._level_notes = await self.s.pacer.settle(
+                    level, functools.partial(self._trial, level, items)
                 )
+            else:
+                await self._warm_level(items, n_warm, level)
 
             def drive(
                 seq: Sequence[Any], send: Callable[[Any], Awaitable[float | None]], level: int = level
@@ -523,44 +626,74 @@ class ReplayRunner:
                 phase = _Phase(phase_label(f"c={level}", round_, plan.rounds), level, round_)
                 calls = self._calls(f"c{level}", self._round_order(items, phase), phase)
                 await self._phase(phase, calls, drive)
+            if self.s.pacer is not None:
+                self.s.pacer.measured(level, [r for r in self.result.health if r.concurrency_level == level])
 
-    async def _open(self) -> None:
+    def _rate_schedule(self, rate: float) -> tuple[list[ReplayItem], list[float]]:
+        """A rate level's items and Poisson offsets: ``items_per_rate`` arrivals, else arrivals for the
+        plan's duration (both cycling the items), else one per item. The same seed at every rate: the
+        levels' gaps are one pattern scaled."""
         plan = self.s.load
-        if plan.kind == "rate":
-            assert plan.rate_per_s is not None
-            items = self.items
-            offsets = poisson_offsets(len(items), plan.rate_per_s, self.s.seed)
-            label = f"rate={plan.rate_per_s:g}"
-        else:
-            missing = next((it for it in self.items if it.arrival_s is None), None)
-            if missing is not None:
-                raise ReplayError(f"{missing.where}: --timed needs arrival times, and this record has none")
-            items = sorted(self.items, key=lambda it: it.arrival_s or 0.0)
-            offsets = timed_offsets([it.arrival_s or 0.0 for it in items], plan.speedup)
-            label = f"timed x{plan.speedup:g}"
+        if plan.items_per_rate is not None:
+            n = plan.items_per_rate(rate)
+            return [self.items[i % len(self.items)] for i in range(n)], poisson_offsets(n, rate, self.s.seed)
+        if plan.duration_s is None:
+            return self.items, poisson_offsets(len(self.items), rate, self.s.seed)
+        # Enough arrivals to pass the duration with near certainty (mean + 6 standard deviations).
+        expected = rate * plan.duration_s
+        n = int(expected + 6 * expected**0.5) + 2
+        offsets = [t for t in poisson_offsets(n, rate, self.s.seed) if t < plan.duration_s]
+        return [self.items[i % len(self.items)] for i in range(len(offsets))], offsets
+
+    async def _rate_sweep(self) -> None:
+        plan = self.s.load
+        lags: list[float] = []
+        for rate in plan.rates:
+            if self.stop.is_set():
+                break
+            items, offsets = self._rate_schedule(rate)
+            await self._warm_level(items, 1 if plan.warmup is None else plan.warmup, 1)
+            label = rate_label(rate)
+            for round_ in range(1, plan.rounds + 1):
+                if self.stop.is_set():
+                    break
+                phase = _Phase(phase_label(label, round_, plan.rounds), None, round_, rate)
+                ordered = self._round_order(items, phase)
+                calls = self._calls(label.replace("=", ""), ordered, phase)
+                lags += await self._open_phase(phase, calls, offsets)
+        self.result.lag_p99_s = p99(lags)
+
+    async def _timed(self) -> None:
+        plan = self.s.load
+        missing = next((it for it in self.items if it.arrival_s is None), None)
+        if missing is not None:
+            raise ReplayError(f"{missing.where}: --timed needs arrival times, and this record has none")
+        items = sorted(self.items, key=lambda it: it.arrival_s or 0.0)
+        offsets = timed_offsets([it.arrival_s or 0.0 for it in items], plan.speedup)
+        label = f"timed x{plan.speedup:g}"
         lags: list[float] = []
         for round_ in range(1, plan.rounds + 1):
             if self.stop.is_set():
                 break
             phase = _Phase(phase_label(label, round_, plan.rounds), None, round_)
-            calls = self._calls(plan.kind, items, phase)
-            schedule = dict(zip((c.request_id for c in calls), offsets, strict=True))
-
-            def drive(
-                seq: Sequence[Any],
-                send: Callable[[Any], Awaitable[float | None]],
-                schedule: dict[str, float] = schedule,
-            ) -> Awaitable[LoadStats]:
-                def rid(x: Any) -> str:
-                    return str(x[1].request_id if isinstance(x, tuple) else x.request_id)
-
-                return open_loop(
-                    seq, [schedule[rid(x)] for x in seq], send, deadline_s=plan.duration_s, stop=self.stop
-                )
-
-            stats = await self._phase(phase, calls, drive)
-            lags += [lag for st in stats for lag in st.lag_s]
+            lags += await self._open_phase(phase, self._calls(plan.kind, items, phase), offsets)
         self.result.lag_p99_s = p99(lags)
+
+    async def _open_phase(self, phase: _Phase, calls: list[_Call], offsets: Sequence[float]) -> list[float]:
+        """One round of an open loop: call i leaves at offsets[i]; returns the calls' start lags."""
+        plan = self.s.load
+        # A timed run's duration is the whole run's; a rate level's schedule already ends there.
+        deadline = plan.duration_s if phase.offered_rate is None else None
+        schedule = dict(zip((c.request_id for c in calls), offsets, strict=True))
+
+        def drive(seq: Sequence[Any], send: Callable[[Any], Awaitable[float | None]]) -> Awaitable[LoadStats]:
+            def rid(x: Any) -> str:
+                return str(x[1].request_id if isinstance(x, tuple) else x.request_id)
+
+            return open_loop(seq, [schedule[rid(x)] for x in seq], send, deadline_s=deadline, stop=self.stop)
+
+        stats = await self._phase(phase, calls, drive)
+        return [lag for st in stats for lag in st.lag_s]
 
     async def run(self) -> ReplayResult:
         connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=False)
@@ -598,7 +731,9 @@ class ReplayRunner:
     async def _run_until_stopped(self) -> None:
         """The load, until it is done or ``stop`` is set; then the calls in flight are cancelled (their
         spans say client_cancelled) and each phase still scrapes its "after" metrics."""
-        work = asyncio.ensure_future(self._closed_sweep() if self.s.load.kind == "closed" else self._open())
+        kind = self.s.load.kind
+        sweep = {"closed": self._closed_sweep, "rate": self._rate_sweep, "timed": self._timed}[kind]
+        work = asyncio.ensure_future(sweep())
         stopper = asyncio.ensure_future(self.stop.wait())
         try:
             await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from rich.console import Console
 
 from specproxy.proxy.replay.formats import ItemSet
-from specproxy.proxy.replay.health import over_threshold
+from specproxy.proxy.replay.health import ACHIEVED_RATE, RATE_SHORTFALL, over_threshold
 from specproxy.proxy.replay.runner import ReplayResult
+from specproxy.proxy.spans.sink import HealthRow
+from specproxy.schema import rate_label
 
 
 def print_summary(result: ReplayResult, items: ItemSet | None, console: Console) -> None:
@@ -21,8 +23,17 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
         console.print(f"skipped {items.skipped} bad record(s); first: {items.first_skip}", highlight=False)
     if result.lag_p99_s is not None:
         console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms", highlight=False)
+    for rate, (achieved, shortfall) in _rate_levels(result.health).items():
+        console.print(
+            f"  {rate_label(rate):<8} achieved {achieved:.3g} req/s at the slowest round "
+            f"(sends behind schedule by {shortfall:.1%} at most)",
+            highlight=False,
+        )
     for row in over_threshold(result.health):
-        level = f"c={row.concurrency_level}" if row.concurrency_level is not None else "the open loop"
+        if row.concurrency_level is not None:
+            level = f"c={row.concurrency_level}"
+        else:
+            level = rate_label(row.offered_rate) if row.offered_rate is not None else "the open loop"
         who = f" ({row.arm})" if row.arm else ""
         console.print(
             f"[yellow]health: {level} round {row.round}: {row.check_name}{who} = {row.value:.3g}, over "
@@ -38,3 +49,17 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
     console.print(
         f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}", highlight=False
     )
+
+
+def _rate_levels(health: list[HealthRow]) -> dict[float, tuple[float, float]]:
+    """offered rate → (the lowest achieved rate over its rounds, the largest shortfall), by rate."""
+    achieved: dict[float, float] = {}
+    shortfall: dict[float, float] = {}
+    for row in health:
+        if row.offered_rate is None or row.value is None:
+            continue
+        if row.check_name == ACHIEVED_RATE:
+            achieved[row.offered_rate] = min(achieved.get(row.offered_rate, row.value), row.value)
+        elif row.check_name == RATE_SHORTFALL:
+            shortfall[row.offered_rate] = max(shortfall.get(row.offered_rate, 0.0), row.value)
+    return {rate: (achieved[rate], shortfall.get(rate, 0.0)) for rate in sorted(achieved)}

@@ -48,6 +48,7 @@ from specproxy.proxy.server.errors import (
     openai_error,
     openai_errors,
 )
+from specproxy.proxy.server.health import ServeHealth
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
 from specproxy.proxy.server.routing import ArmRouter
@@ -108,6 +109,7 @@ class ProxyState:
     client: UpstreamClient | None = None  # completions that serve clients
     dispatcher: ShadowDispatcher | None = None
     capture: CaptureWriter | None = None
+    health: ServeHealth | None = None
     shutdown_started: float | None = None
     # arm name → its running/waiting gauges at the latest /metrics scrape (kept by the scraper)
     engine_load: dict[str, EngineLoad] = field(default_factory=dict)
@@ -116,6 +118,8 @@ class ProxyState:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
         client's trace context (its ``traceparent``), if it sent one."""
         self.metrics.observe_call(record)
+        if self.health is not None:
+            self.health.ended(record)
         if self.sink is not None:
             self.sink.emit(record, parent)
 
@@ -220,8 +224,9 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         if exc.close:
             refusal.force_close()
         return refusal
+    handed_over = time.perf_counter()
     body, request_id, category = checked.body, checked.request_id, checked.category
-    level = checked.concurrency_level
+    level, offered_rate = checked.concurrency_level, checked.offered_rate
     # One trace per client request: the client's (W3C traceparent) when it sent one, else a new one.
     # Every call the request makes (primary, shadow, verify) is a span of it with its own span id.
     parent = client_trace_context(request.headers) if TRACEPARENT_HEADER in request.headers else None
@@ -246,7 +251,9 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
                 category=category,
                 concurrency_level=level,
                 engine_load=st.engine_load.get(copy.arm.name),
+                offered_rate=offered_rate,
             )
+            rec.round = checked.round
             dispatcher.send(copy, body, rec, endpoint=endpoint, pair=pair, parent=parent)
     record = new_record(
         st.run_id,
@@ -259,7 +266,9 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         category=category,
         concurrency_level=level,
         engine_load=st.engine_load.get(primary.name),
+        offered_rate=offered_rate,
     )
+    record.round = checked.round
     relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
     assert st.client is not None
     result: CallResult | None = None
@@ -277,6 +286,8 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             capture_output=st.capture is not None,
             tap=tap,
         )
+        if st.health is not None:
+            st.health.queued(primary.name, result.t_send - handed_over)
         return await relay.finish(result)
     except Exception:
         if relay.response is None:
@@ -430,6 +441,7 @@ def create_app(settings: ProxySettings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.cleanup_ctx.append(_span_store)
+    app.cleanup_ctx.append(_health)
     app.cleanup_ctx.append(_sessions)
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(_capture)
@@ -476,6 +488,22 @@ async def _span_store(app: web.Application) -> AsyncIterator[None]:
                 log.warning("%d spans were dropped (queue full or unwritable; see the log)", sink.dropped)
 
 
+async def _health(app: web.Application) -> AsyncIterator[None]:
+    """The proxy's own health rows (loop lag, queueing) every few seconds, and the rest at shutdown:
+    closed after the copies have finished, before the span store."""
+    st = app[STATE]
+    assert st.sink is not None
+    inflight = st.upstream.inflight
+    health = st.health = ServeHealth(st.run_id, st.sink, busy=lambda: any(inflight.values()))
+    task = asyncio.create_task(health.run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await health.flush()
+
+
 async def _sessions(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
     # Generations can be long: no total timeout here (each call sets connect/read limits itself).
@@ -490,6 +518,7 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
         state=st.upstream,
         emit=st.finish,
         capture_output=st.settings.capture is not None,
+        on_queue=st.health.queued if st.health is not None else None,
     )
     try:
         yield

@@ -78,8 +78,11 @@ class ShadowDispatcher:
         state: UpstreamState,
         emit: Callable[[SpanRecord, TraceParent | None], None],
         capture_output: bool = False,
+        on_queue: Callable[[str, float], None] | None = None,
     ) -> None:
+        """``on_queue(arm, seconds)``: each sent copy's wait from being handed over to its upstream send."""
         self.client = client
+        self.on_queue = on_queue
         self.timeout = timeout
         self.state = state
         self.emit = emit
@@ -118,7 +121,7 @@ class ShadowDispatcher:
             self.emit(record, parent)
             return False
         self.inflight[arm.name] = n + 1
-        self.spawn(self._run(copy, body, record, endpoint, pair, parent))
+        self.spawn(self._run(copy, body, record, endpoint, pair, parent, time.perf_counter()))
         return True
 
     async def _run(
@@ -129,6 +132,7 @@ class ShadowDispatcher:
         endpoint: Endpoint,
         pair: IdentityPair | None,
         parent: TraceParent | None,
+        handed_over: float,
     ) -> None:
         is_baseline = copy.arm.role == "baseline"
         result: CallResult | None = None
@@ -143,6 +147,8 @@ class ShadowDispatcher:
                 state=self.state,
                 capture_output=self.capture_output,
             )
+            if self.on_queue is not None:
+                self.on_queue(copy.arm.name, result.t_send - handed_over)
             if pair is not None:
                 if is_baseline:
                     pair.set_baseline(result)

@@ -2,7 +2,7 @@
 
 :func:`read_request` reads the body (size limit, Content-Encoding), parses it (a JSON object, nested
 at most :data:`MAX_JSON_DEPTH` deep) and reads the proxy's own headers (request id, category,
-concurrency level), made safe to forward. Anything wrong raises
+concurrency level or offered rate), made safe to forward. Anything wrong raises
 :class:`Rejected` with the status and a sentence for the client.
 
 A rejected request is answered with an OpenAI-shaped 4xx and counted in
@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -29,7 +30,13 @@ import orjson
 from aiohttp import HttpVersion11, web
 
 from specproxy.proxy.server.errors import error_body
-from specproxy.proxy.upstream.calls import CATEGORY_HEADER, CONCURRENCY_HEADER, REQUEST_ID_HEADER
+from specproxy.proxy.upstream.calls import (
+    CATEGORY_HEADER,
+    CONCURRENCY_HEADER,
+    OFFERED_RATE_HEADER,
+    REQUEST_ID_HEADER,
+    ROUND_HEADER,
+)
 from specproxy.proxy.upstream.wire import header_safe
 
 # Deeper JSON is refused. orjson cannot serialise past 254 levels (the body is serialised again for
@@ -55,6 +62,8 @@ class ClientRequest:
     request_id: str  # the client's X-Request-Id as a valid header value, else a new one
     category: str | None  # X-Specproxy-Category as text (bytes that are not UTF-8 replaced)
     concurrency_level: int | None  # X-Specproxy-Concurrency-Level
+    offered_rate: float | None = None  # X-Specproxy-Offered-Rate (requests/s)
+    round: int | None = None  # X-Specproxy-Round
 
 
 async def read_request(
@@ -84,17 +93,38 @@ async def read_request(
     category = headers.get(CATEGORY_HEADER)
     if category is not None:
         category = category.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    return ClientRequest(body, request_id, category or None, _concurrency_level(headers))
+    return ClientRequest(
+        body,
+        request_id,
+        category or None,
+        _counter_header(headers, CONCURRENCY_HEADER),
+        _offered_rate(headers),
+        _counter_header(headers, ROUND_HEADER),
+    )
 
 
-def _concurrency_level(headers: Mapping[str, str]) -> int | None:
-    text = headers.get(CONCURRENCY_HEADER)
+def _counter_header(headers: Mapping[str, str], name: str) -> int | None:
+    """A header holding a count from 1 (replay's concurrency level, its round); None when absent."""
+    text = headers.get(name)
     if text is None:
         return None
     # ASCII digits only: int() would also take "1_000", "+5" and digits of other scripts.
     if not (text.isascii() and text.isdigit() and len(text) <= 7 and int(text) >= 1):
-        raise Rejected(400, f"header {CONCURRENCY_HEADER} must be an integer from 1 to 9999999, got {text!r}")
+        raise Rejected(400, f"header {name} must be an integer from 1 to 9999999, got {text!r}")
     return int(text)
+
+
+def _offered_rate(headers: Mapping[str, str]) -> float | None:
+    text = headers.get(OFFERED_RATE_HEADER)
+    if text is None:
+        return None
+    try:
+        rate = float(text) if text.isascii() and len(text) <= 32 else math.nan
+    except ValueError:
+        rate = math.nan
+    if not (math.isfinite(rate) and rate > 0):
+        raise Rejected(400, f"header {OFFERED_RATE_HEADER} must be a number of requests/s > 0, got {text!r}")
+    return rate
 
 
 def expect_handler(max_body_bytes: int) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:

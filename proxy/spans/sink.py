@@ -114,10 +114,11 @@ class HealthRow(NamedTuple):
     arm: str | None  # None: a check of the client side (load generator, event loop, proxy)
     concurrency_level: int | None
     round: int | None
-    check_name: str  # engine_clock_lag | loadgen_start_lag_p99_s | event_loop_lag_p99_s | proxy_queue_p99_s
+    check_name: str  # engine_clock_lag | event_loop_lag_share | ...: proxy/replay/health.py
     value: float | None
     threshold: float | None  # the limit applied; above it the level is not trusted
     measured_at: datetime  # tz-aware UTC
+    offered_rate: float | None = None  # an open-loop level's offered load (requests/s); None otherwise
 
 
 def _epoch_us(t: datetime) -> int:
@@ -405,7 +406,7 @@ class SpanSink:
             try:
                 cur.executemany(
                     "INSERT INTO health (run_id, arm, concurrency_level, round, check_name, value, "
-                    "threshold, measured_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "threshold, measured_at, offered_rate) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [list(r) for r in rows],
                 )
             finally:

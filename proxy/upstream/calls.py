@@ -67,6 +67,10 @@ CATEGORY_HEADER = "X-Specproxy-Category"
 # Sent by `specproxy replay` with each call: the concurrency level of its load phase, so that a proxy
 # in between (`specproxy replay --target`) labels its spans with it. serve never forwards it.
 CONCURRENCY_HEADER = "X-Specproxy-Concurrency-Level"
+# The same for an open-loop level: its offered rate in requests/s (`replay --rates`).
+OFFERED_RATE_HEADER = "X-Specproxy-Offered-Rate"
+# With it, the round of the level (1, 2, ...): a --target proxy's spans carry it too.
+ROUND_HEADER = "X-Specproxy-Round"
 REQUEST_ID_HEADER = "X-Request-Id"
 # A UUID as text: 8-4-4-4-12 hex digits, or the same 32 without dashes.
 _UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}(-?)[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{12}")
@@ -216,9 +220,23 @@ class CallResult:
         return self.tap.token_ids if self.tap.has_token_ids else None
 
 
-def level_header(level: int | None) -> dict[str, str] | None:
-    """The request header that tells a proxy the concurrency level of this call (None: no level)."""
-    return {CONCURRENCY_HEADER: str(level)} if level is not None else None
+def level_header(level: int | None, offered_rate: float | None = None) -> dict[str, str] | None:
+    """The request header that tells a proxy the level of this call: its concurrency, or the offered
+    rate of its open loop (None: no level)."""
+    if level is not None:
+        return {CONCURRENCY_HEADER: str(level)}
+    return {OFFERED_RATE_HEADER: repr(float(offered_rate))} if offered_rate is not None else None
+
+
+def phase_headers(
+    level: int | None, round_: int | None, offered_rate: float | None = None
+) -> dict[str, str] | None:
+    """The request headers that tell a proxy the load phase of this call: its level (a concurrency or
+    an open loop's offered rate) and round (None: neither)."""
+    headers = level_header(level, offered_rate) or {}
+    if round_ is not None:
+        headers[ROUND_HEADER] = str(round_)
+    return headers or None
 
 
 def prompt_sha256(body: dict[str, Any], endpoint: str) -> str:
@@ -240,6 +258,7 @@ def new_record(
     trace_id: str | None = None,
     concurrency_level: int | None = None,
     engine_load: tuple[float | None, float | None] | None = None,
+    offered_rate: float | None = None,
 ) -> SpanRecord:
     """A span record with identity and request fields filled from the arm and the client's body.
 
@@ -261,6 +280,7 @@ def new_record(
         routed_as=routed_as,
         category=category,
         concurrency_level=concurrency_level,
+        offered_rate=offered_rate,
         endpoint=endpoint,
         model=body.get("model") if isinstance(body.get("model"), str) else None,
         stream=bool(body.get("stream")),

@@ -1,0 +1,88 @@
+"""The proxy's own health while it serves live traffic: could it keep up with what it measured?
+
+Every ``interval_s`` (and once more at shutdown) :class:`ServeHealth` writes rows to table ``health``
+with no concurrency level or round (the analysis shows them as level ``live``):
+
+    event_loop_lag_share   the proxy loop's P99 lag over the median decode time of the calls that ended
+                           in the interval (the checks of :mod:`specproxy.proxy.replay.health`)
+    event_loop_lag_p99_s   the lag itself (shown, never gates)
+    proxy_queue_p99_s      per arm: from the proxy having the request (or handing a copy over) to its
+                           upstream request being sent
+
+The loop is sampled only while a call is in flight: lag while idle (at startup, between bursts of
+traffic) delays no timestamp. An interval without calls writes nothing. Example::
+
+    health = ServeHealth(run_id, sink, busy=lambda: any(upstream.inflight.values()))
+    task = asyncio.create_task(health.run())
+    health.queued("baseline", result.t_send - handed_over)   # per call
+    health.ended(record)                                       # per span
+    task.cancel(); await health.flush()                        # at shutdown
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from specproxy.proxy.replay.health import PROXY_QUEUE, THRESHOLDS, LoopLagSampler, health_rows, p99
+from specproxy.proxy.spans.sink import HealthRow, SpanSink
+from specproxy.record import SpanRecord
+
+SERVE_HEALTH_INTERVAL_S = 10.0
+
+
+class ServeHealth:
+    """Collects the proxy's loop lag, queueing and decode times; writes them as health rows."""
+
+    def __init__(
+        self,
+        run_id: str,
+        sink: SpanSink,
+        busy: Callable[[], bool],
+        interval_s: float = SERVE_HEALTH_INTERVAL_S,
+    ) -> None:
+        """``busy()``: whether a call is in flight now (the loop's lag counts only then)."""
+        self.run_id = run_id
+        self.sink = sink
+        self.interval_s = interval_s
+        self._queue_s: dict[str, list[float]] = defaultdict(list)
+        self._decode_s: list[float] = []
+        self._sampler = LoopLagSampler(keep=busy)
+
+    def queued(self, arm: str, seconds: float) -> None:
+        """One call's wait inside the proxy before its upstream request was sent."""
+        self._queue_s[arm].append(seconds)
+
+    def ended(self, record: SpanRecord) -> None:
+        """A call's span: its decode time (first to last token) when it streamed to the end."""
+        if record.status == "ok" and record.ttft_s is not None and record.e2e_s is not None:
+            self._decode_s.append(record.e2e_s - record.ttft_s)
+
+    def take_rows(self) -> list[HealthRow]:
+        """The rows for what was collected since the last call (and start collecting anew)."""
+        lags, self._sampler.lags_s = self._sampler.lags_s, []
+        queues, self._queue_s = self._queue_s, defaultdict(list)
+        decode, self._decode_s = self._decode_s, []
+        at = datetime.now(UTC)
+        rows = health_rows(self.run_id, None, None, {}, (), lags, (), decode, measured_at=at)
+        limit = THRESHOLDS[PROXY_QUEUE]
+        for arm, values in sorted(queues.items()):
+            value = p99(values)
+            if value is not None:
+                rows.append(HealthRow(self.run_id, arm, None, None, PROXY_QUEUE, value, limit, at))
+        return rows
+
+    async def run(self) -> None:
+        """Sample the loop and write rows every interval until cancelled."""
+        async with self._sampler:
+            while True:
+                await asyncio.sleep(self.interval_s)
+                await self.flush()
+
+    async def flush(self) -> None:
+        """Write what was collected so far (off the event loop)."""
+        rows = self.take_rows()
+        if rows:
+            await asyncio.to_thread(self.sink.write_health, rows)

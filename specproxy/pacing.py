@@ -1,0 +1,125 @@
+"""The lab's pace: per level, the fastest time scale at which this machine keeps up with the sweep.
+
+Before each level of the sweep (in place of its warm-up), :class:`SimPacer` sends one unrecorded wave of
+full-length calls at that level and reads how the machine kept up: each simulator's clock lag and the
+client loop's lag as a share of the wave's median decode time. While either is over half its health
+limit, the simulators are slowed to half their speed (``POST /sim/time_scale``: same processes, same
+ports) and the wave is sent again, down to ``slowest``. A level is then measured at the scale its last
+wave ran at; the next level starts from there, since load only grows along the sweep, and from half
+of it when a measured round of the level still failed a health check (a wave is one sample of a
+machine whose load can change from one minute to the next).
+
+Half the limit, because a wave predicts a round only roughly: the rounds that follow vary, and a level
+measured at the edge of its limit comes out UNRELIABLE as often as not. Each level's scale is recorded
+with its rounds (health check ``sim_time_scale``, which never gates), and :meth:`SimPacer.sentences`
+says what was tried.
+
+Why per level rather than one probe up front: a short probe at the top level does not see the lag a
+whole sweep builds up, and slowing every level for the top one's sake makes the cheap low levels cost
+several times as long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from rich.console import Console
+
+from specproxy.config import Arm
+from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, EVENT_LOOP_LAG_SHARE, THRESHOLDS, over_threshold
+from specproxy.proxy.replay.runner import LevelTrial, ReplayError
+from specproxy.proxy.spans.sink import HealthRow
+
+TIME_SCALE_CHECK = "sim_time_scale"
+TRIAL_MARGIN = 0.5
+CLOCK_LIMIT = (THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02) * TRIAL_MARGIN
+LOOP_LIMIT = (THRESHOLDS[EVENT_LOOP_LAG_SHARE] or 0.02) * TRIAL_MARGIN
+
+
+def kept_up(trial: LevelTrial) -> bool:
+    """Did the machine keep up with a trial wave, with room to spare?"""
+    loop_ok = trial.loop_lag_share is None or trial.loop_lag_share <= LOOP_LIMIT
+    return trial.worst_engine_lag <= CLOCK_LIMIT and loop_ok
+
+
+def describe(trial: LevelTrial) -> str:
+    """``clock lag 3.1 % (ngram), loop lag 0.8 % of decode``"""
+    worst = max(trial.engine_lag.items(), key=lambda kv: kv[1], default=None)
+    clock = f"clock lag {worst[1]:.1%} ({worst[0]})" if worst is not None else "no simulator clock"
+    loop = f"loop lag {trial.loop_lag_share:.1%} of decode" if trial.loop_lag_share is not None else ""
+    return ", ".join(x for x in (clock, loop) if x)
+
+
+@dataclass(frozen=True, slots=True)
+class LevelPace:
+    level: int
+    time_scale: float
+    trials: tuple[tuple[float, LevelTrial], ...]  # (time scale, what its wave saw), in order
+
+    def sentence(self) -> str:
+        tried = "; ".join(f"{describe(t)} at {scale:g}" for scale, t in self.trials)
+        last_ok = bool(self.trials) and kept_up(self.trials[-1][1])
+        verdict = "" if last_ok else " (still over half a limit at the slowest scale tried)"
+        return f"c={self.level} at time scale {self.time_scale:g}{verdict}: {tried}"
+
+
+async def set_time_scale(session: aiohttp.ClientSession, arms: Sequence[Arm], scale: float) -> None:
+    """Every simulator runs at ``scale`` from its next step; ReplayError naming an arm that refuses."""
+    for arm in arms:
+        try:
+            async with session.post(
+                f"{arm.url}/sim/time_scale",
+                json={"time_scale": scale},
+                timeout=aiohttp.ClientTimeout(total=10.0),
+            ) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:200]
+                    raise ReplayError(f"arm {arm.name!r} refused time scale {scale:g}: {resp.status} {text}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ReplayError(f"arm {arm.name!r} at {arm.url} did not take a new time scale: {exc}") from exc
+
+
+class SimPacer:
+    """A :class:`~specproxy.proxy.replay.runner.LevelPacer` for simulated arms (see the module docstring)."""
+
+    def __init__(self, arms: Sequence[Arm], start: float, slowest: float, console: Console) -> None:
+        self.arms = tuple(arms)
+        self.scale = start
+        self.slowest = slowest
+        self.console = console
+        self.paces: list[LevelPace] = []
+
+    async def settle(self, level: int, trial: Callable[[], Awaitable[LevelTrial]]) -> Mapping[str, float]:
+        scale = self.scale
+        trials: list[tuple[float, LevelTrial]] = []
+        async with aiohttp.ClientSession() as session:
+            while True:
+                await set_time_scale(session, self.arms, scale)
+                seen = await trial()
+                trials.append((scale, seen))
+                if kept_up(seen) or scale / 2 < self.slowest:
+                    break
+                said = f"c={level}: a wave at time scale {scale:g} saw {describe(seen)}"
+                self.console.print(f"{said}; slowing to {scale / 2:g}", highlight=False)
+                scale /= 2
+        self.scale = scale
+        self.paces.append(LevelPace(level, scale, tuple(trials)))
+        return {TIME_SCALE_CHECK: scale}
+
+    def measured(self, level: int, health: Sequence[HealthRow]) -> None:
+        failed = sorted({r.check_name for r in over_threshold(health)})
+        if failed and self.scale / 2 >= self.slowest:
+            self.scale /= 2
+            self.console.print(
+                f"c={level} failed {', '.join(failed)} in a measured round: the next level starts at time "
+                f"scale {self.scale:g}",
+                highlight=False,
+            )
+
+    def scales(self) -> dict[int, float]:
+        return {p.level: p.time_scale for p in self.paces}
+
+    def sentences(self) -> list[str]:
+        return [p.sentence() for p in self.paces]

@@ -1,0 +1,141 @@
+"""Levels measured on a machine that could not keep up: UNRELIABLE, and the lab's pacing that slows the
+simulators down until a wave at the level keeps up."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import aiohttp
+import duckdb
+import pytest
+from rich.console import Console
+
+from specproxy.config import Arm
+from specproxy.engines.sim.config import SimConfig
+from specproxy.engines.sim.server import running_sim
+from specproxy.pacing import TIME_SCALE_CHECK, SimPacer, kept_up
+from specproxy.proxy.replay.formats import ReplayItem
+from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.spans.sink import HealthRow
+from tests.support import free_port, start_cli, stop, wait_http
+
+# Far faster than a simulator's steps can be computed: its clock falls behind whatever the machine.
+TOO_FAST = 2000
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture
+def sims() -> Iterator[dict[str, str]]:
+    """A simulator at a pace the machine keeps, and one started far too fast."""
+    ports = {"base": free_port(), "fast": free_port()}
+    procs = [
+        start_cli(["sim", "--port", str(ports["base"]), "--time-scale", "5"]),
+        start_cli(["sim", "--port", str(ports["fast"]), "--time-scale", str(TOO_FAST)]),
+    ]
+    try:
+        for port, proc in zip(ports.values(), procs, strict=True):
+            wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        yield {arm: f"http://127.0.0.1:{port}" for arm, port in ports.items()}
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def test_a_level_a_simulator_cannot_keep_up_with_is_unreliable_and_says_why(
+    sims: dict[str, str], tmp_path: Path
+) -> None:
+    cfg = tmp_path / "exp.toml"
+    cfg.write_text(
+        f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{sims["base"]}"\n\n'
+        f'[[arms]]\nname = "fast"\nrole = "replica"\nurl = "{sims["fast"]}"\n'
+    )
+    log = tmp_path / "question.jsonl"
+    log.write_text("".join(json.dumps({"question_id": i, "turns": [f"q {i}"]}) + "\n" for i in range(8)))
+    db = tmp_path / "spans.duckdb"
+    res = cli(
+        "replay", str(log), "--config", str(cfg), "--concurrency", "4", "--rounds", "2", "--max-tokens", "64",
+        "--db", str(db), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    # replay says so as it ends ...
+    assert "engine_clock_lag (fast)" in res.stderr and "did not keep up" in res.stderr
+    res = cli("analyze", str(db), "--format", "json")
+    assert res.returncode == 0, res.stderr
+    (run,) = json.loads(res.stdout)["runs"]
+    rows = {r["arm"]: r for r in run["rows"]}
+    # ... and the analysis gives the level no verdict, naming the check, the arm and how far over it was
+    assert rows["fast"]["verdict"] == "UNRELIABLE" and rows["fast"]["reliable"] is False
+    assert "engine_clock_lag" in rows["fast"]["health"] and "(fast round" in rows["fast"]["health"]
+    assert run["unreliable_levels"] == ["4"]
+
+
+async def test_the_pacer_slows_the_simulators_until_a_wave_at_the_level_keeps_up(tmp_path: Path) -> None:
+    said = io.StringIO()
+    items = [
+        ReplayItem(
+            f"q{i}", "chat", {"messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 64}
+        )
+        for i in range(8)
+    ]
+    async with (
+        running_sim(SimConfig(time_scale=TOO_FAST)) as a,
+        running_sim(SimConfig(time_scale=TOO_FAST)) as b,
+    ):
+        arms = (Arm(name="base", url=a.url, role="baseline"), Arm(name="twin", url=b.url, role="replica"))
+        pacer = SimPacer(arms, TOO_FAST, TOO_FAST / 256, Console(file=said, width=200))
+        settings = ReplaySettings(
+            arms=arms,
+            db_path=tmp_path / "spans.duckdb",
+            show_progress=False,
+            load=LoadPlan(levels=(4,), rounds=2),
+            pacer=pacer,
+        )
+        result = await run_replay(settings, items)
+        async with aiohttp.ClientSession() as session, session.get(f"{a.url}/sim/stats") as resp:
+            engine_scale = (await resp.json())["time_scale"]
+    (pace,) = pacer.paces
+    first_scale, first = pace.trials[0]
+    assert first_scale == TOO_FAST and not kept_up(first)
+    # halved after each wave that did not keep up; the level is measured at the last wave's scale
+    assert [scale for scale, _ in pace.trials] == [TOO_FAST / 2**i for i in range(len(pace.trials))]
+    assert all(not kept_up(t) for _, t in pace.trials[:-1])
+    assert pace.time_scale == pace.trials[-1][0] == engine_scale < TOO_FAST
+    assert f"c=4: a wave at time scale {TOO_FAST:g} saw clock lag" in said.getvalue()
+    assert pace.sentence().startswith(f"c=4 at time scale {pace.time_scale:g}")
+    # the scale each round ran at is recorded with its health (a row that never gates)
+    with duckdb.connect(str(settings.db_path), read_only=True) as conn:
+        recorded = conn.execute(
+            "SELECT round, value, threshold FROM health WHERE check_name = ? ORDER BY round",
+            [TIME_SCALE_CHECK],
+        ).fetchall()
+    assert recorded == [(1, pace.time_scale, None), (2, pace.time_scale, None)]
+    assert result.per_arm["base"].ok == result.per_arm["twin"].ok == 16  # the waves are not recorded
+
+
+def test_a_level_whose_rounds_failed_a_check_slows_the_next_level() -> None:
+    said = io.StringIO()
+    pacer = SimPacer((), 1.0, 0.25, Console(file=said, width=200))
+    now = datetime.now(UTC)
+    passed = HealthRow("r", "ngram", 16, 1, "engine_clock_lag", 0.01, 0.02, now)
+    failed = HealthRow("r", "ngram", 64, 2, "engine_clock_lag", 0.05, 0.02, now)
+    pacer.measured(16, [passed])
+    assert pacer.scale == 1.0
+    pacer.measured(64, [passed._replace(concurrency_level=64), failed])
+    assert pacer.scale == 0.5
+    assert "c=64 failed engine_clock_lag in a measured round: the next level starts at time scale 0.5" in (
+        said.getvalue()
+    )
+    for _ in range(3):  # never below the slowest scale
+        pacer.measured(256, [failed])
+    assert pacer.scale == 0.25
