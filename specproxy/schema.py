@@ -354,6 +354,66 @@ FROM totals t
 LEFT JOIN positions p USING (run_id, arm, phase)
 """
 
+# The acceptance view from migration 10: llama.cpp's llama-server counters too. It exports vLLM's
+# spec_decode_* names under its own prefix (llamacpp:), with the same meaning (drafting steps, draft
+# tokens, accepted tokens, accepted per draft position); the prefix is dropped and the rest is as above.
+ACCEPTANCE_VIEW_ENGINES = """
+CREATE OR REPLACE VIEW acceptance AS
+WITH samples AS (
+    SELECT run_id, arm, scraped_at, regexp_replace(name, '^(vllm|llamacpp):', '') AS name,
+           labels_json, value,
+           CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
+                THEN regexp_replace(phase, ':(before|after)$', '')
+                ELSE coalesce(phase, 'periodic') END AS win,
+           json_extract_string(labels_json, '$.position') AS position
+    FROM backend_metrics
+    WHERE name IN ('vllm:spec_decode_num_drafts_total', 'vllm:spec_decode_num_draft_tokens_total',
+                   'vllm:spec_decode_num_accepted_tokens_total',
+                   'vllm:spec_decode_num_accepted_tokens_per_pos_total',
+                   'llamacpp:spec_decode_num_drafts_total', 'llamacpp:spec_decode_num_draft_tokens_total',
+                   'llamacpp:spec_decode_num_accepted_tokens_total',
+                   'llamacpp:spec_decode_num_accepted_tokens_per_pos_total')
+), steps AS (
+    SELECT *, regexp_replace(win, ' r[0-9]+/[0-9]+$', '') AS phase,
+           lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
+    FROM samples
+), series AS (
+    SELECT run_id, arm, phase, name, position,
+           sum(CASE WHEN previous IS NULL THEN 0
+                    WHEN value >= previous THEN value - previous
+                    ELSE value END) AS increase
+    FROM steps
+    GROUP BY run_id, arm, phase, win, name, labels_json, position
+), totals AS (
+    SELECT run_id, arm, phase,
+           sum(increase) FILTER (WHERE name = 'spec_decode_num_drafts_total') AS drafts,
+           sum(increase) FILTER (WHERE name = 'spec_decode_num_draft_tokens_total') AS draft_tokens,
+           sum(increase) FILTER (WHERE name = 'spec_decode_num_accepted_tokens_total') AS accepted_tokens
+    FROM series
+    GROUP BY run_id, arm, phase
+), positions AS (
+    SELECT s.run_id, s.arm, s.phase,
+           list(s.increase / nullif(t.drafts, 0) ORDER BY TRY_CAST(s.position AS INTEGER))
+               AS acceptance_per_position
+    FROM (SELECT run_id, arm, phase, position, sum(increase) AS increase
+          FROM series
+          WHERE name = 'spec_decode_num_accepted_tokens_per_pos_total'
+          GROUP BY run_id, arm, phase, position) s
+    JOIN totals t USING (run_id, arm, phase)
+    GROUP BY s.run_id, s.arm, s.phase
+)
+SELECT t.run_id, t.arm, t.phase,
+       CASE WHEN t.phase LIKE 'c=%' THEN substr(t.phase, 3)
+            WHEN t.phase = 'periodic' THEN 'live'
+            ELSE t.phase END AS level,
+       t.drafts, t.draft_tokens, t.accepted_tokens,
+       t.accepted_tokens / nullif(t.draft_tokens, 0) AS acceptance_rate,
+       1 + t.accepted_tokens / nullif(t.drafts, 0) AS acceptance_length,
+       p.acceptance_per_position
+FROM totals t
+LEFT JOIN positions p USING (run_id, arm, phase)
+"""
+
 # The acceptance view of migrations 2-7 (one window per level), kept as those migrations ran it.
 ACCEPTANCE_VIEW_V2 = """
 CREATE OR REPLACE VIEW acceptance AS
@@ -431,10 +491,12 @@ _PAIRS_VIEW_V8 = _pairs_view(with_rate=False)
 ARM_SUMMARY_VIEW = _arm_summary_view(with_rate=True)
 PAIRS_VIEW = _pairs_view(with_rate=True)
 
-VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
-# The views as migrations 2-6 and 8 created them: a migration's statements never change once shipped.
+# The current views (the analysis creates these over the stores it attaches).
+VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW_ENGINES]
+# The views as migrations 2-6, 8 and 10 created them: a migration's statements never change once shipped.
 VIEWS_DDL_V2: list[str] = [_ARM_SUMMARY_VIEW_V2, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW_V2]
 VIEWS_DDL_V8: list[str] = [_ARM_SUMMARY_VIEW_V2, _PAIRS_VIEW_V8, IDENTITY_VIEW, ACCEPTANCE_VIEW]
+VIEWS_DDL_V10: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
 
 # Every call (shadow copies never sent left out) with its load and the per-call latencies an SLO is
 # checked on: goodput at any SLO is a filter and a count over it (analysis/README.md shows how).
@@ -492,9 +554,11 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE requests ADD COLUMN offered_rate DOUBLE",
     ],
     # 10: open-loop levels: the health of a rate level; views label a level by its rate ('r=2')
-    ["ALTER TABLE health ADD COLUMN offered_rate DOUBLE", *VIEWS_DDL],
+    ["ALTER TABLE health ADD COLUMN offered_rate DOUBLE", *VIEWS_DDL_V10],
     # 11: slo_calls: each call's load and the per-call latencies an SLO is checked on
     [SLO_CALLS_VIEW],
+    # 12: the acceptance view reads llama.cpp's llamacpp:spec_decode_* counters as well as vLLM's
+    [ACCEPTANCE_VIEW_ENGINES],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

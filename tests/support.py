@@ -42,6 +42,9 @@ def wait_http(url: str, timeout: float = WAIT_S, proc: subprocess.Popen[bytes] |
             with urllib.request.urlopen(url, timeout=1.0) as resp:
                 if 200 <= resp.status < 300:
                     return
+        except urllib.error.HTTPError as exc:  # a server still starting (llama-server's 503 while loading)
+            exc.close()  # (its response is open: left so, it is a ResourceWarning)
+            last = exc
         except (urllib.error.URLError, OSError) as exc:
             last = exc
         time.sleep(_POLL_SYNC_S)

@@ -56,7 +56,8 @@ def test_llama_server_usage_next_to_choices_is_the_total_not_an_increment() -> N
     report = engine_report(tap, "llamacpp")
     assert report is not None and report.spec_source == "llamacpp_timings"
     assert (report.draft_tokens, report.accepted_tokens, report.num_drafts) == (20, 12, None)
-    assert report.acceptance_length == pytest.approx(48 / 36)
+    # 48 tokens: the first from prefill, then 35 decoding steps that accepted 12 drafts.
+    assert report.acceptance_length == pytest.approx(1 + 12 / 35)
 
 
 def test_an_empty_stream_that_ended_has_zero_tokens() -> None:

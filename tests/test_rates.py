@@ -120,6 +120,7 @@ def test_rate_sweep_in_rounds_then_analysed_at_a_rate(tmp_path: Path, sim_arms: 
     )
     checks = [
         "event_loop_lag_p99_s",
+        "event_loop_lag_share",
         "loadgen_start_lag_p99_s",
         "open_loop_achieved_rate",
         "open_loop_rate_shortfall",

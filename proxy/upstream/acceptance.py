@@ -94,6 +94,8 @@ def speculation_for(
     """The figures for a span's speculation columns and the ``spec_source`` that names them."""
     calibration.observe(arm, tap)
     if report is not None and report.has_speculation and report.spec_source is not None:
+        if arm.spec_method == "none" and not report.draft_tokens:
+            return None, "none"  # the engine drafted nothing, as the arm's config says
         return _from_report(report), report.spec_source
     if arm.spec_method == "none":
         return None, "none"

@@ -183,8 +183,8 @@ DEFAULT_STATE = UpstreamState()
 class _Strip:
     """What to remove from the upstream response because the proxy, not the client, asked for it."""
 
-    usage: bool = False  # client did not ask include_usage: drop usage and the usage-only chunk
-    chunk_usage: bool = False  # client asked include_usage but not continuous stats
+    usage: bool = False  # client did not ask include_usage: drop the usage-only chunk and null usages
+    chunk_usage: bool = False  # client did not ask continuous stats: drop usage beside choices
     token_ids: bool = False  # client did not ask return_token_ids
     # vLLM sends `"token_ids": null` when not asked: the value goes back to null, the key stays.
     # Another backend's unasked ids are removed with their key.
@@ -311,7 +311,7 @@ def _upstream_body(
         # speculation. Other arms (the production baseline among them) only add the final usage
         # chunk, so their chunks reach the client byte for byte and cost the server nothing extra.
         continuous = arm.spec_method != "none" or bool(client_opts.get("continuous_usage_stats"))
-        strip.chunk_usage = continuous and not strip.usage and not client_opts.get("continuous_usage_stats")
+        strip.chunk_usage = continuous and not client_opts.get("continuous_usage_stats")
         out["stream_options"] = {**client_opts, "include_usage": True, "continuous_usage_stats": continuous}
     if arm.return_token_ids:
         strip.token_ids = not body.get("return_token_ids")
@@ -333,17 +333,20 @@ def _with_standard_usage(body: dict[str, Any], strip: _Strip) -> bytes:
 DROP, KEEP, CHANGED = 0, 1, 2
 
 
-def _strip_chunk(obj: dict[str, Any], strip: _Strip) -> int:
+def _strip_chunk(obj: dict[str, Any], strip: _Strip, per_chunk_usage: bool = True) -> int:
     """Remove what the client did not ask for from one chunk: DROP the event, KEEP it as received, or
-    send it CHANGED (re-serialised)."""
+    send it CHANGED (re-serialised). ``per_chunk_usage``: the stream's first chunk carried a usage
+    (continuous usage); without it a usage beside choices is the engine's own final count."""
     choices = obj.get("choices")
     changed = False
-    if strip.usage:
-        if not choices and "usage" in obj:
-            return DROP
-        changed = _pop(obj, "usage")
-    elif strip.chunk_usage and choices:
-        changed = _pop(obj, "usage")
+    if "usage" in obj:
+        if not choices:
+            if strip.usage:
+                return DROP
+        elif (strip.chunk_usage and per_chunk_usage) or (strip.usage and obj["usage"] is None):
+            # A usage beside choices that the proxy did not cause stays: llama-server ends every
+            # streamed /v1/completions with its usage there, asked or not.
+            changed = _pop(obj, "usage")
     if strip.token_ids:
         unset = _null if strip.null_ids or _vllm_shaped(obj) else _pop
         changed = unset(obj, "prompt_token_ids") or changed
@@ -727,7 +730,7 @@ class _EventRewriter:
             if obj is None:
                 out.append(self.release() + ev.raw)
                 continue
-            action = _strip_chunk(obj, self.strip)
+            action = _strip_chunk(obj, self.strip, bool(self.tap.usage_from_first_chunk))
             if action == DROP:
                 out.append(self._release_with(obj))
                 continue

@@ -21,11 +21,20 @@ server-side timings an engine reports. Each format, with its source:
   Acceptance" reference, ``src/aiperf/spec_decode/trtllm_adapter.py``): a per-choice
   ``speculative_decoding = {num_spec_steps, total_draft_tokens, total_accepted_draft_tokens,
   acceptance_rate, acceptance_histogram, num_spec_tokens}`` on the choice carrying ``finish_reason``.
-- **llama.cpp** ``llama-server`` (``tools/server/server-task.cpp``, ``result_timings::to_json``): a
-  top-level ``timings`` object with ``predicted_n`` (output tokens), ``prompt_ms``/``predicted_ms`` and,
-  when it drafted, ``draft_n`` (draft tokens) and ``draft_n_accepted``. It does not report the number
-  of drafting steps: ``num_drafts`` stays None and the acceptance length is AIPerf's derivation,
-  ``predicted_n / (predicted_n − draft_n_accepted)`` tokens per step (steps without a draft included).
+- **llama.cpp** ``llama-server`` (``tools/server/server-common.cpp``, ``server_slot_stats::to_json``;
+  checked against a real server, recordings in ``tests/fixtures/llama_server/``): a top-level
+  ``timings`` object on a response, on a chat stream's last chunk (the usage-only chunk when
+  ``include_usage`` was asked for) and on a completions stream's last chunk, with ``predicted_n``
+  (output tokens), ``prompt_ms``/``predicted_ms`` and, when the request drafted anything, ``draft_n``
+  (draft tokens) and ``draft_n_accepted``; a response with ``timings`` but no ``draft_n`` drafted
+  nothing (0 draft tokens). It does not report the number of drafting steps: ``num_drafts`` stays None
+  and the acceptance length is derived as ``1 + draft_n_accepted / (predicted_n − draft_n_accepted − 1)``,
+  every decoding step after the first token counted as a drafting step. Measured against the
+  ``llamacpp:spec_decode_num_drafts_total`` delta of single requests (draft model, k = 4, with and
+  without synthetic rejections): 9 of 12 exact, the other three one step off (a last step that could
+  not draft, one token before ``max_tokens``; an end token); over a 48-response run, 313 steps against
+  the counter's 280 (length 4.55 against 4.97). Methods that draft only on a match (n-gram) have steps
+  without a draft, which this counts: a lower bound for them.
 
 Engine detection: an arm's ``engine`` setting wins; otherwise the server's ``/v1/models`` listing names
 it before the first call (:func:`engine_of_models`), or the response's own shape does (see
@@ -174,15 +183,19 @@ def read_llamacpp(extras: dict[str, Any]) -> EngineReport | None:
         completion_tokens=predicted if predicted is not None and predicted >= 0 else None,
         server_generation_s=_ms(timings.get("predicted_ms")),
     )
+    if drafted is None and accepted is None and predicted is not None:
+        # llama-server leaves draft_n out of the timings of a request that drafted nothing.
+        return dataclasses.replace(timing, spec_source="llamacpp_timings", draft_tokens=0, accepted_tokens=0)
     if drafted is None or accepted is None:
         return timing
-    steps = predicted - accepted if predicted is not None and predicted > accepted else None
+    # Decoding steps after the first token (which prefill produced); see the module docstring.
+    steps = predicted - accepted - 1 if predicted is not None else None
     return dataclasses.replace(
         timing,
         spec_source="llamacpp_timings",
         draft_tokens=drafted,
         accepted_tokens=accepted,
-        acceptance_length=predicted / steps if predicted is not None and steps else None,
+        acceptance_length=1.0 + accepted / steps if steps is not None and steps > 0 else None,
     )
 
 
@@ -218,9 +231,10 @@ class MetricNames:
 
 
 # Sources: vLLM 0.33 (vllm/v1/metrics/loggers.py); llama.cpp llama-server --metrics
-# (tools/server/server-context.cpp: llamacpp:requests_processing / requests_deferred and the
-# spec_decode_* counters); SGLang (python/sglang/srt/metrics/collector.py: sglang:num_running_reqs,
-# sglang:num_queue_reqs; acceptance is a gauge there, sglang:spec_accept_length, not a counter);
+# (tools/server/server-task.cpp, server_task_result_metrics::to_metrics: llamacpp:requests_processing /
+# requests_deferred, the spec_decode_* counters and the per-position counter, labelled position="i");
+# SGLang (python/sglang/srt/metrics/collector.py: sglang:num_running_reqs, sglang:num_queue_reqs;
+# acceptance is a gauge there, sglang:spec_accept_length, not a counter);
 # TensorRT-LLM's trtllm-serve exposes no per-request queue gauges under a stable name.
 METRIC_NAMES: dict[str, MetricNames] = {
     "vllm": MetricNames(
@@ -239,6 +253,7 @@ METRIC_NAMES: dict[str, MetricNames] = {
         drafts="llamacpp:spec_decode_num_drafts_total",
         draft_tokens="llamacpp:spec_decode_num_draft_tokens_total",
         accepted="llamacpp:spec_decode_num_accepted_tokens_total",
+        accepted_per_pos="llamacpp:spec_decode_num_accepted_tokens_per_pos_total",
     ),
     "sglang": MetricNames("sglang:", running="sglang:num_running_reqs", waiting="sglang:num_queue_reqs"),
     "trtllm": MetricNames("trtllm_"),

@@ -114,17 +114,29 @@ def parse_metrics(arm: str, text: str, scraped_at: datetime | None = None) -> Sn
     Raises ValueError for text that is not Prometheus exposition format.
     """
     series: dict[str, dict[Labels, float]] = {}
+    exported: dict[str, str] = {}  # sample name as parsed -> as the engine exports it
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
             if not name.startswith(KEPT_PREFIXES) or name.endswith("_created"):
                 continue
+            if family.type == "counter":
+                # The parser names a counter's sample `<name>_total` even when the engine did not
+                # (llama-server's `llamacpp:n_tokens_max`): the row keeps the name the engine exports.
+                if name not in exported:
+                    exported[name] = name if _exported(text, name) else name.removesuffix("_total")
+                name = exported[name]
             series.setdefault(name, {})[tuple(sorted(sample.labels.items()))] = float(sample.value)
     return Snapshot(
         arm=arm,
         scraped_at=scraped_at or datetime.now(UTC),
         series=MappingProxyType({k: MappingProxyType(v) for k, v in series.items()}),
     )
+
+
+def _exported(text: str, sample_name: str) -> bool:
+    """Whether the exposition text has a sample line under exactly this name."""
+    return f"\n{sample_name} " in text or f"\n{sample_name}{{" in text or text.startswith(sample_name)
 
 
 # Every engine's load gauge names, for the line scan of engine_load_from_text.

@@ -183,6 +183,7 @@ class CompletionTap:
         "content_chunks",
         "prompt_token_ids",
         "malformed",
+        "usage_from_first_chunk",
     )
 
     def __init__(self, endpoint: Endpoint) -> None:
@@ -214,6 +215,9 @@ class CompletionTap:
         self.content_chunks = 0  # chunks with content for the client (text, reasoning, tool calls)
         self.prompt_token_ids: list[int] | None = None  # vLLM return_token_ids: the templated prompt
         self.malformed: str | None = None  # the first thing an upstream sent that is not a completion
+        # Whether the first chunk with choices carried a usage: per-chunk (continuous) usage, not only
+        # a final one (None: no chunk with choices yet).
+        self.usage_from_first_chunk: bool | None = None
 
     def feed_data(self, data: bytes, now: float) -> dict[str, Any] | None:
         """One event's data; returns the parsed chunk (None for ``[DONE]`` or a malformed event)."""
@@ -288,6 +292,8 @@ class CompletionTap:
                 self.finish_reason = reason
                 self._take_choice_extras(choice)
         has_usage = isinstance(usage, dict) and usage.get("completion_tokens") is not None
+        if self.usage_from_first_chunk is None:
+            self.usage_from_first_chunk = has_usage
         if usage and has_usage:
             # The last usage seen is the count: cumulative when continuous, the total when final.
             self._take_final_usage(usage)
