@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import tomllib
 from collections.abc import Mapping
@@ -368,7 +369,8 @@ def _engine_kind(r: _Reader, value: str | Mapping[str, Any]) -> str:
 
 
 def _tokenizer_path(r: _Reader, where: str) -> str | None:
-    """The tokenizer.json named in this table, relative to the experiment file; it must exist."""
+    """The tokenizer.json (or .gguf model) named in this table, relative to the experiment file; it
+    must exist, and a GGUF needs llama-cpp-python to be read."""
     value = r.get("tokenizer", str, None)
     if value is None:
         return None
@@ -376,7 +378,9 @@ def _tokenizer_path(r: _Reader, where: str) -> str | None:
     if not path.is_absolute() and not where.startswith("<"):
         path = Path(where).resolve().parent / path
     if not path.is_file():
-        raise r.fail("tokenizer", f"{value!r} is not a file (a tokenizer.json, read offline)")
+        raise r.fail("tokenizer", f"{value!r} is not a file (a tokenizer.json or a .gguf, read offline)")
+    if path.suffix.lower() == ".gguf" and importlib.util.find_spec("llama_cpp") is None:
+        raise r.fail("tokenizer", f"{value!r} is a GGUF model: reading its tokenizer needs llama-cpp-python")
     return str(path)
 
 

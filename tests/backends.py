@@ -407,7 +407,9 @@ async def _models(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     data = {
         "object": "list",
-        "data": [{"id": cfg.model, "object": "model", "owned_by": "vllm", "max_model_len": 8192}],
+        # Not "vllm": this fake leaves out fields vLLM always sends ("token_ids": null), so the proxy
+        # must not take it for vLLM; it learns what it can from the answers.
+        "data": [{"id": cfg.model, "object": "model", "owned_by": "test", "max_model_len": 8192}],
     }
     return web.json_response(data)
 

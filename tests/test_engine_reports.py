@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,10 @@ def test_a_tokenizer_counts_when_there_is_no_usage_and_is_named_in_the_experimen
     assert (
         count_completion_tokens(cut, PLAIN, ChunkEvidence(), tokenizer=load_tokenizer(str(path))).tokens == 5
     )
+    # llama.cpp does not count the end token (llama-cpp-python: a stopped answer's usage = its text tokens).
+    tokenizer = load_tokenizer(str(path))
+    llama = count_completion_tokens(tap, PLAIN, ChunkEvidence(), tokenizer=tokenizer, engine="llamacpp")
+    assert (llama.tokens, llama.source) == (5, "tokenizer")
     exp_file = tmp_path / "exp.toml"
     exp_file.write_text("")
     data = {
@@ -116,6 +121,25 @@ def test_a_tokenizer_counts_when_there_is_no_usage_and_is_named_in_the_experimen
     data["experiment"] = {}
     data["arms"][0]["engine"] = {"kind": "tgi"}  # type: ignore[index]
     with pytest.raises(ConfigError, match=r"arms\[0\]\.engine\.kind: must be one of"):
+        parse_experiment(data, str(exp_file))
+
+
+def test_a_gguf_tokenizer_is_refused_up_front_without_llama_cpp_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    exp_file = tmp_path / "exp.toml"
+    data = {
+        "experiment": {"tokenizer": "model.gguf"},
+        "arms": [{"name": "b", "role": "baseline", "url": "http://x"}],
+    }
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llama_cpp" else find_spec(n, *a)
+    )
+    with pytest.raises(
+        ConfigError, match=r"'model.gguf' is a GGUF model: reading its tokenizer needs llama-cpp"
+    ):
         parse_experiment(data, str(exp_file))
 
 

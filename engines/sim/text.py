@@ -133,6 +133,7 @@ def _zipf_table(n: int) -> list[int]:
 _ZIPF = _zipf_table(len(VOCAB))
 
 _PIECE = re.compile(r"\s*(?:\w+|[^\w\s])|\s+$")
+_WORD_CHAR = re.compile(r"\w")
 
 
 def tokenize(text: str) -> tuple[list[int], list[str]]:
@@ -174,6 +175,29 @@ def _tokenize(text: str) -> tuple[list[int], list[str]]:
     return ids, pieces
 
 
+def _separate(before: list[str], piece: str) -> str:
+    """``piece`` as it can follow ``before`` so that the text re-tokenizes into the same tokens.
+
+    A copied word without a leading space ("width" from "area(width") would fuse with a preceding word
+    into one unknown word, as a real model never emits; it takes the spaced form instead, as a model
+    would (the simulator's ids ignore spacing, so the token is the same). Text that round-trips makes a
+    tokenizer's count of a streamed answer equal the engine's.
+    """
+    if not _WORD_CHAR.match(piece):
+        return piece
+    for prior in reversed(before):
+        if prior:
+            return " " + piece if _WORD_CHAR.match(prior[-1]) else piece
+    return piece
+
+
+def _copyable(ids: list[int], pieces: list[str]) -> tuple[list[int], list[str]]:
+    """The prompt tokens an answer may copy: all but a whitespace-only message's lone piece, which
+    would merge into the next token's leading whitespace."""
+    kept = [(i, p) for i, p in zip(ids, pieces, strict=True) if p.strip()]
+    return [i for i, _ in kept], [p for _, p in kept]
+
+
 @dataclass(frozen=True)
 class Prompt:
     """A tokenized prompt: template ids for `prompt_token_ids`, and its content for copying."""
@@ -195,8 +219,9 @@ def chat_prompt(messages: list[dict[str, str]]) -> Prompt:
         content = message.get("content") or ""
         mids, mpieces = tokenize(content)
         ids += [_HEADER_START, _ROLE_IDS.get(role, 882), _HEADER_END, _DOUBLE_NEWLINE, *mids, EOS_ID]
-        content_ids += mids
-        content_pieces += mpieces
+        copy_ids, copy_pieces = _copyable(mids, mpieces)
+        content_ids += copy_ids
+        content_pieces += copy_pieces
         texts.append(f"{role}:{content}")
     ids += [_HEADER_START, _ROLE_IDS["assistant"], _HEADER_END, _DOUBLE_NEWLINE]
     return Prompt(ids, content_ids, content_pieces, "\x00".join(texts))
@@ -204,7 +229,7 @@ def chat_prompt(messages: list[dict[str, str]]) -> Prompt:
 
 def completion_prompt(text: str) -> Prompt:
     ids, pieces = tokenize(text)
-    return Prompt([BOS_ID, *ids], ids, pieces, text)
+    return Prompt([BOS_ID, *ids], *_copyable(ids, pieces), text)
 
 
 def infer_category(text: str) -> str:
@@ -311,7 +336,7 @@ class TargetText:
             self._seg_left -= 1
             if self._copy_pos >= 0:
                 ids.append(src_ids[self._copy_pos])
-                pieces.append(src_pieces[self._copy_pos])
+                pieces.append(_separate(pieces, src_pieces[self._copy_pos]))
                 self._copy_pos += 1
                 if self._copy_pos >= len(src_ids):
                     self._seg_left = 0

@@ -182,10 +182,13 @@ class ReplayResult:
 # -- stack and reachability ----------------------------------------------------------------------
 
 
-async def probe_arms(session: aiohttp.ClientSession, exp: Experiment) -> tuple[str, dict[str, list[str]]]:
+async def probe_arms(
+    session: aiohttp.ClientSession, exp: Experiment, engines: dict[str, str] | None = None
+) -> tuple[str, dict[str, list[str]]]:
     """Each arm's stack (the proxy's ``arm_stacks``: /version, /v1/models, description) and its served
-    models; ReplayError naming the URL of an arm whose /v1/models does not answer."""
-    stacks = await arm_stacks(session, exp, timeout_s=10.0)
+    models; ReplayError naming the URL of an arm whose /v1/models does not answer. ``engines``: filled
+    with each arm's engine where /v1/models names it."""
+    stacks = await arm_stacks(session, exp, timeout_s=10.0, engines=engines)
     parsed = json.loads(stacks)
     served: dict[str, list[str]] = {}
     for arm in exp.arms:
@@ -698,7 +701,7 @@ class ReplayRunner:
             self.client = client
             self.session = session
             exp = self.s.experiment or Experiment(name=self.s.run_name, arms=self.s.arms)
-            stacks, served = await probe_arms(session, exp)
+            stacks, served = await probe_arms(session, exp, self.state.engines)
             for arm in self.s.arms:
                 self.models[arm.name] = self._pick_model(served[arm.name])
             sink = self._sink = SpanSink(self.s.db_path)

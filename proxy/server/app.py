@@ -469,7 +469,7 @@ async def _span_store(app: web.Application) -> AsyncIterator[None]:
     st.metrics.watch_sink(lambda: (sink.queue_depth, sink.dropped, sink.written))
     try:
         async with aiohttp.ClientSession() as probe:
-            stacks = await arm_stacks(probe, exp)
+            stacks = await arm_stacks(probe, exp, engines=st.upstream.engines)
         sink.begin_run(
             st.run_id,
             name=exp.name,

@@ -799,6 +799,7 @@ def _record_engine_facts(record: SpanRecord, arm: Arm, tap: CompletionTap, state
         tokenizer=tokenizer,
         reported=report.completion_tokens if report is not None else None,
         complete=record.status == "ok",
+        engine=engine,
     )
     record.completion_tokens, record.tokens_source = count.tokens, count.source
     if record.stream:

@@ -36,8 +36,9 @@ server-side timings an engine reports. Each format, with its source:
   the counter's 280 (length 4.55 against 4.97). Methods that draft only on a match (n-gram) have steps
   without a draft, which this counts: a lower bound for them.
 
-Engine detection: an arm's ``engine`` setting wins; otherwise the response's own shape names it (see
-``_engine_signal`` in :mod:`.sse`), and the first engine seen for an arm URL is remembered.
+Engine detection: an arm's ``engine`` setting wins; otherwise the server's ``/v1/models`` listing names
+it before the first call (:func:`engine_of_models`), or the response's own shape does (see
+``_engine_signal`` in :mod:`.sse`); the first engine seen for an arm URL is remembered.
 
 The Prometheus names of each engine's load gauges and speculation counters are in
 :data:`METRIC_NAMES` (read by :mod:`.scrape`).
@@ -265,3 +266,25 @@ def engine_of_metrics(names: set[str] | frozenset[str]) -> str | None:
     counts = {e: sum(1 for n in names if n.startswith(m.prefix)) for e, m in METRIC_NAMES.items()}
     best = max(counts, key=lambda e: counts[e])
     return best if counts[best] else None
+
+
+# /v1/models' ``owned_by``: each server's own word about itself. vLLM: ``ModelCard.owned_by = "vllm"``
+# (vllm/entrypoints/openai/engine/protocol.py); SGLang: ``"sglang"`` (sglang/srt/entrypoints/openai/
+# protocol.py); llama-server: ``"llamacpp"`` (tools/server/server-context.cpp); llama-cpp-python's
+# server: ``"me"``, next to a ``permissions`` list (llama_cpp/server/app.py, get_models), which it
+# needs: its responses carry nothing of their own and echo the requested model name.
+_OWNERS = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}
+
+
+def engine_of_models(listing: Any) -> str | None:
+    """The engine a ``GET /v1/models`` body names through its models' ``owned_by``; None if none does."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    for model in data if isinstance(data, list) else ():
+        if not isinstance(model, dict):
+            continue
+        owner = model.get("owned_by")
+        if owner == "me" and isinstance(model.get("permissions"), list):
+            return "llamacpp"
+        if isinstance(owner, str) and owner in _OWNERS:
+            return _OWNERS[owner]
+    return None

@@ -11,6 +11,7 @@ import aiohttp
 
 from specproxy.config import Arm, Experiment
 from specproxy.engine_state import recorded_stacks
+from specproxy.proxy.upstream.engines import engine_of_models
 
 
 def arm_auth(arm: Arm) -> dict[str, str]:
@@ -18,9 +19,18 @@ def arm_auth(arm: Arm) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def arm_stacks(session: aiohttp.ClientSession, exp: Experiment, timeout_s: float = 3.0) -> str:
+async def arm_stacks(
+    session: aiohttp.ClientSession,
+    exp: Experiment,
+    timeout_s: float = 3.0,
+    *,
+    engines: dict[str, str] | None = None,
+) -> str:
     """Each arm's stack for ``runs.stacks_json``: GET /version and /v1/models (failures recorded, not
-    raised), its speculative config and description, and what `specproxy engines up` recorded."""
+    raised), its speculative config and description, and what `specproxy engines up` recorded.
+
+    ``engines``: arm URL → engine, filled in where an arm's /v1/models names its engine (an
+    :class:`UpstreamState`'s ``engines``, so the first call already speaks that engine's dialect)."""
     try:
         engine_stacks = recorded_stacks(exp)
     except Exception:  # the engines state is optional context; never a reason not to serve
@@ -40,6 +50,9 @@ async def arm_stacks(session: aiohttp.ClientSession, exp: Experiment, timeout_s:
         (version, verr), (models_, merr) = await asyncio.gather(
             get(f"{arm.url}/version", headers), get(f"{arm.url}/v1/models", headers)
         )
+        detected = engine_of_models(models_)
+        if engines is not None and detected is not None:
+            engines.setdefault(arm.url, detected)
         return arm.name, {
             "url": arm.url,
             "role": arm.role,

@@ -5,7 +5,8 @@ A span's ``completion_tokens`` is one of these, best first (``tokens_source`` na
 - ``usage``: the backend's own count (the final ``usage``, continuous usage, the token ids it returned,
   or an engine's own report such as llama.cpp's ``timings.predicted_n``). Exact.
 - ``tokenizer``: the output text encoded with the model's tokenizer (a ``tokenizer.json`` given per arm
-  or per experiment, loaded offline with the ``tokenizers`` package), plus the end token when the
+  or per experiment, loaded offline with the ``tokenizers`` package, or a ``.gguf`` model's vocabulary
+  through llama-cpp-python), plus the end token when the
   engine stopped on one. Exact but for the rare text whose re-encoding differs from the ids the model
   generated, and for stop strings.
 - ``chunks``: one token per content chunk, used only for an arm whose chunks have been seen to hold one
@@ -81,18 +82,38 @@ class _HFTokenizer:
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
 
+class _GGUFTokenizer:
+    """A GGUF model's own tokenizer, through llama-cpp-python: its vocabulary only, no weights loaded.
+
+    llama.cpp models ship as one GGUF file and seldom with a tokenizer.json."""
+
+    __slots__ = ("_llm",)
+
+    def __init__(self, path: Path) -> None:
+        from llama_cpp import Llama
+
+        self._llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+    def count(self, text: str) -> int:
+        return len(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+
 @functools.lru_cache(maxsize=16)
 def load_tokenizer(path: str) -> TokenEncoder:
-    """A ``tokenizer.json`` (Hugging Face ``tokenizers`` format), read from disk once; never downloads.
+    """A ``tokenizer.json`` (Hugging Face ``tokenizers`` format) or a ``.gguf`` model's vocabulary
+    (needs llama-cpp-python), read from disk once; never downloads.
 
     Raises OSError when the file is missing and ValueError when it is not a tokenizer."""
     p = Path(path)
     if not p.is_file():
         raise OSError(f"tokenizer file {p} does not exist")
+    gguf = p.suffix.lower() == ".gguf"
     try:
-        return _HFTokenizer(p)
-    except Exception as exc:  # tokenizers raises its own Exception subclass on a bad file
-        raise ValueError(f"{p} is not a tokenizer.json: {exc}") from exc
+        return _GGUFTokenizer(p) if gguf else _HFTokenizer(p)
+    except ImportError as exc:
+        raise ValueError(f"reading {p}'s tokenizer needs llama-cpp-python: {exc}") from exc
+    except Exception as exc:  # tokenizers and llama_cpp raise their own Exception subclasses
+        raise ValueError(f"{p} is not a {'GGUF model' if gguf else 'tokenizer.json'}: {exc}") from exc
 
 
 @dataclass(slots=True)
@@ -124,11 +145,13 @@ class ChunkEvidence:
         return tap.content_chunks + offset if offset is not None else None
 
 
-def end_tokens(finish_reason: str | None) -> int:
-    """1 when the engine stopped on an end token: vLLM counts the EOS (or stop_token_ids) token that
-    ended generation in ``completion_tokens`` though it adds no text, so the text's re-encoding is one
-    short. Approximate when the request used stop strings (those tokens are counted, their text cut)."""
-    return 1 if finish_reason == "stop" else 0
+def end_tokens(finish_reason: str | None, engine: str = "unknown") -> int:
+    """1 when the engine stopped on an end token it counts: vLLM counts the EOS (or stop_token_ids)
+    token that ended generation in ``completion_tokens`` though it adds no text, so the text's
+    re-encoding is one short. llama.cpp servers do not count it (llama-cpp-python's usage of a stopped
+    answer equals its logprob entries, one per text token). Approximate when the request used stop
+    strings (those tokens are counted, their text cut)."""
+    return 1 if finish_reason == "stop" and engine != "llamacpp" else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,12 +168,14 @@ def count_completion_tokens(
     tokenizer: TokenEncoder | None = None,
     reported: int | None = None,
     complete: bool = True,
+    engine: str = "unknown",
 ) -> TokenCount:
     """The completion tokens of one response and their source (see the module docstring).
 
     ``reported``: the engine's own count from outside the usage object (llama.cpp's
     ``timings.predicted_n``). ``complete``: the response ended normally, so an empty output is 0
-    tokens (an interrupted one with nothing counted stays None).
+    tokens (an interrupted one with nothing counted stays None). ``engine``: who answered, which
+    decides whether an end token is counted (:func:`end_tokens`).
     """
     evidence.observe(arm, tap)
     if tap.usage_tokens is not None:
@@ -165,7 +190,7 @@ def count_completion_tokens(
         ended = complete and (tap.done or tap.finish_reason is not None)
         return TokenCount(0, "text_estimate") if ended else TokenCount(None, None)
     if tokenizer is not None:
-        return TokenCount(tokenizer.count(text) + end_tokens(tap.finish_reason), "tokenizer")
+        return TokenCount(tokenizer.count(text) + end_tokens(tap.finish_reason, engine), "tokenizer")
     counted = evidence.count(arm, tap)
     if counted is not None:
         return TokenCount(counted, "chunks")

@@ -1,6 +1,6 @@
 """Token counts and acceptance estimates against the simulator's truth; direct vs proxied responses.
 
-    PYTHONPATH=. .venv/bin/python tests/bench/bench_tokens.py                 # ~2-4 min on 2 cores
+    PYTHONPATH=. .venv/bin/python tests/bench/bench_tokens.py                 # ~30 s on 2 busy cores
     PYTHONPATH=. .venv/bin/python tests/bench/bench_tokens.py --requests 48 --max-tokens 128
 
 Prints three tables:
@@ -8,7 +8,7 @@ Prints three tables:
 (1) completion_tokens against the simulator's own count, per speculative method, three ways: the
     backend's usage (what a span records when the engine sends it), the model's tokenizer on the
     streamed text (what it records without usage when a tokenizer.json is given; the simulator's
-    word-level tokenizer, written as a tokenizer.json), and the documented text estimate (without
+    word-level tokenizer, engines/sim/tokenizer.py), and the documented text estimate (without
     either). Exact share, mean and worst error.
 (1b) with llama-cpp-python installed and ``SPECPROXY_TEST_GGUF`` naming a GGUF model: the text estimate
     against that model's own tokenizer on 150-word windows of this repository's Markdown and Python.
@@ -35,11 +35,11 @@ from typing import Any, cast
 
 import aiohttp
 import openai
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import RunningSim, running_sim
+from specproxy.engines.sim.tokenizer import write_tokenizer_json
 from specproxy.proxy.upstream.calls import UpstreamState, call_arm, new_record
 from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR, end_tokens, estimate_tokens, load_tokenizer
 from specproxy.proxy.upstream.wire import UpstreamClient
@@ -66,16 +66,6 @@ PROMPTS = [
     "What is a good plan for a small team that wants to ship a new feature next month?",
     "Extract every name and city: Ana lives in Lisbon, Ben in Boston, and Chen moved to Chengdu.",
 ]
-
-
-def sim_tokenizer(directory: Path) -> Path:
-    """The simulator's word-level tokenizer (engines/sim/text.py: a word or one punctuation mark, with
-    the whitespace before it) as a tokenizer.json: one id per piece is all a count needs."""
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s*(?:\w+|[^\w\s])|\s+$"), behavior="isolated")
-    path = directory / "sim-tokenizer.json"
-    tok.save(str(path))
-    return path
 
 
 async def _truth(session: aiohttp.ClientSession, sim: RunningSim, request_id: str) -> dict[str, Any]:
@@ -140,7 +130,10 @@ def token_table(rows: dict[str, list[dict[str, Any]]], tokenizer_path: Path) -> 
                 f"{max(errors):>7.1%}"
             )
         used = {r["record"].tokens_source for r in items}
-        print(f"  {'':<12} (spans recorded tokens_source = {', '.join(sorted(str(u) for u in used))})")
+        stopped = sum(r["record"].finish_reason == "stop" for r in items)
+        recorded = ", ".join(sorted(str(u) for u in used))
+        print(f"  {'':<12} (spans recorded tokens_source = {recorded}; {stopped} of {len(items)} ended on")
+        print(f"  {'':<12}  the end token, finish_reason stop, which the tokenizer path counts as +1)")
     print(f"  stated error of the text estimate: {TEXT_ESTIMATE_ERROR:.0%}")
 
 
@@ -252,7 +245,7 @@ async def main() -> None:
     for (method, _), items in results.items():
         by_method.setdefault(method, []).extend(items)
     with tempfile.TemporaryDirectory() as tmp:
-        token_table(by_method, sim_tokenizer(Path(tmp)))
+        token_table(by_method, write_tokenizer_json(Path(tmp) / "sim-tokenizer.json"))
     real_tokenizer_table()
     shape_table(results)
     same, total = await transparency_count()
