@@ -380,7 +380,11 @@ def _tokenizer_path(r: _Reader, where: str) -> str | None:
     if not path.is_file():
         raise r.fail("tokenizer", f"{value!r} is not a file (a tokenizer.json or a .gguf, read offline)")
     if path.suffix.lower() == ".gguf" and importlib.util.find_spec("llama_cpp") is None:
-        raise r.fail("tokenizer", f"{value!r} is a GGUF model: reading its tokenizer needs llama-cpp-python")
+        raise r.fail(
+            "tokenizer",
+            f"{value!r} is a GGUF model: reading its tokenizer needs llama-cpp-python "
+            "(pip install 'specproxy[llamacpp]')",
+        )
     return str(path)
 
 
