@@ -376,7 +376,8 @@ def _comparisons(
         if c is not None and b is not None:
             kind = _block_kind(run, arm, level, settings)
             out[(arm, level)] = comparison.unpaired(c, b, kind, boot(arm, level))
-    return out
+    # The arms at a level share its rounds (or time blocks): their between-block terms are pooled.
+    return comparison.pooled(out, lambda key: key[1])
 
 
 def _wall_point(
@@ -596,29 +597,37 @@ def _category_rows(
         rng = rng_for(settings.bootstrap_seed, run.run_id, arm, level, category)
         return Bootstrap(settings.bootstrap_iterations, confidence[arm], rng)
 
-    figures: list[tuple[LevelRow, CategoryFigures]] = []
+    comps: dict[tuple[str, str, str], Comparison] = {}
+    counts: dict[
+        tuple[str, str, str], tuple[LevelRow, int, int, float | None, float | None, IdentityCounts]
+    ] = {}
     for g in run.pairs:
         row = by_key.get((g.arm, g.level))
         if g.category is None or row is None or not row.paired or g.kind == "repeat":
             continue
-        comp = comparison.paired(g, None, None, row.blocks, boot(g.arm, g.level, g.category))
-        figures.append(
-            (row, CategoryFigures(g.category, comp, g.n_decode, g.n_decode, g.c_med, g.b_med, g.identity))
-        )
+        key = (g.arm, g.level, g.category)
+        comps[key] = comparison.paired(g, None, None, row.blocks, boot(*key))
+        counts[key] = (row, g.n_decode, g.n_decode, g.c_med, g.b_med, g.identity)
     for (arm, level, cat), c in run.calls.items():
         row = by_key.get((arm, level))
         b = run.calls.get((run.baseline, level, cat))
         if cat is None or row is None or row.paired is not False or b is None or arm == run.baseline:
             continue
-        comp = comparison.unpaired(c, b, row.blocks, boot(arm, level, cat))
-        figures.append(
-            (
-                row,
-                CategoryFigures(
-                    cat, comp, c.n_decode, b.n_decode, c.p50_decode, b.p50_decode, IdentityCounts()
-                ),
-            )
+        comps[(arm, level, cat)] = comparison.unpaired(c, b, row.blocks, boot(arm, level, cat))
+        counts[(arm, level, cat)] = (
+            row,
+            c.n_decode,
+            b.n_decode,
+            c.p50_decode,
+            b.p50_decode,
+            IdentityCounts(),
         )
+    # The arms' categories at a level share its blocks: their between-block terms are pooled.
+    widened = comparison.pooled(comps, lambda key: key[1:])
+    figures = [
+        (row, CategoryFigures(key[2], widened[key], calls, base_calls, p50, base_p50, identity))
+        for key, (row, calls, base_calls, p50, base_p50, identity) in counts.items()
+    ]
     out = [_category_row(row, fig, margins[row.level], settings.thresholds) for row, fig in figures]
     return sorted(out, key=lambda c: (c.arm, c.category, level_sort_key(c.level)))
 

@@ -492,6 +492,7 @@ def parse_args() -> argparse.Namespace:
         "--stability-runs", type=int, default=3, help="consecutive lab --quick runs (0: none)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (printed)")
+    parser.add_argument("--work", type=Path, help="the work folder (default: a new temporary one)")
     parser.add_argument(
         "--from", dest="from_dir", type=Path, help="analyse a kept folder again; measure nothing"
     )
@@ -540,7 +541,8 @@ def main() -> None:
         )
         stability(0, opts.from_dir, measure=False)
         return
-    work = Path(tempfile.mkdtemp(prefix="specproxy-bench-verdicts-"))
+    work = opts.work or Path(tempfile.mkdtemp(prefix="specproxy-bench-verdicts-"))
+    work.mkdir(parents=True, exist_ok=True)
     if opts.keep:
         print(f"work folder (kept): {work}")
     print(
