@@ -1,24 +1,33 @@
 """Benchmark: can a verdict be trusted? A/A false alarms, power, interval coverage, stability and cost.
 
-    python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32] [--rounds 3] [--per-round 6]
-                                         [--stability-runs 3] [--time-scale 1] [--keep]
+    python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32,64] [--rounds 3] [--per-round 6]
+                                         [--time-scale 1:0.5,8:0.25,32:0.1,64:0.05]
+                                         [--stability-runs 3] [--keep] [--work DIR]
     python tests/bench/bench_verdicts.py --from DIR    # the figures again from a --keep folder's stores
 
 Starts four simulators on 127.0.0.1 (``specproxy sim`` subprocesses, stopped at the end whatever
 happens): a plain baseline, a plain ``replica`` (role replica), a plain arm labelled EAGLE3 in the
 experiment file (``eagle3-null``: a null arm that looks like a candidate) and a real EAGLE3 simulator
-(``eagle3``). Then ``--runs`` times: a paired replay (replay's own runner, in this process) of a small
+(``eagle3``), at the time scale of the levels they serve: levels with different ``--time-scale`` are
+replayed by separate simulator sets (a two-core machine keeps up with c=1 at half speed and c=64 at a
+twentieth), each level group ``--runs`` times into its own store (``run-NN-gK.duckdb``, a deploy
+verdict per group). Then ``--runs`` times: a paired replay (replay's own runner, in this process) of a small
 mixed workload over the levels, ``--rounds`` rounds each of max(c, ``--per-round``) items, so every arm
 gets the same items, into a fresh span store, and ``specproxy analyze --format json`` on it (a
 subprocess). It prints:
 
+Each target is printed with ``met`` / ``NOT met`` and a Wilson interval on the share, then one
+``TARGETS`` line:
+
 - A/A: the share of the null arms' deploy verdicts and per-level verdicts that are WIN or LOSS (target
   ≤ 5 %); an UNRELIABLE level counts as neither;
 - power: the share of runs in which EAGLE3's true ≥ 1.5x decode effect at c=1 is a WIN (≥ 95 %);
-- coverage: per level, the share of runs whose decode and throughput intervals contain the true ratio
-  (≥ 90 %): 1 for the null arms (they are the baseline's configuration), and for EAGLE3 the ratio on the
-  simulator's lag-free timeline: the same items through the simulator's engine on a virtual clock
-  (:mod:`specproxy.engines.sim.virtual`'s way), at the same concurrency, with a warm prefix cache;
+- coverage: per level and arm, the share of runs whose decode and throughput intervals contain the
+  true ratio (≥ 90 %; the target counts every run, UNRELIABLE ones too; the runs where the level was
+  judged are shown below it): 1 for the null arms (they are the baseline's configuration), and for
+  EAGLE3 the ratio on the simulator's lag-free timeline: the same items through the simulator's
+  engine on a virtual clock (:mod:`specproxy.engines.sim.virtual`'s way), at the same concurrency,
+  with a warm prefix cache;
 - health: the share of level-rounds over a health limit (table ``health``), which the analysis may
   hold back as UNRELIABLE;
 - stability: ``--stability-runs`` consecutive ``specproxy lab --quick`` runs, each arm's deploy verdict
