@@ -28,6 +28,7 @@ from specproxy.analysis.stats import (
     throughput_ratio,
     unpaired_median_ratio,
     widen_pooled,
+    with_bias_bound,
 )
 
 # A block with fewer units than this says little about drift and is left out of the spread.
@@ -313,3 +314,15 @@ def _widen(
     iv: Interval | None, own: BlockSpread | None, spreads: list[BlockSpread], confidence: float
 ) -> Interval | None:
     return None if iv is None else widen_pooled(iv, own, spreads, confidence)
+
+
+def lag_bounded(comp: Comparison, lag: float) -> Comparison:
+    """The intervals moved out by ``lag``: how far behind their own clocks the two arms' simulators fell
+    at the level (the sum of the two). A simulator that lags by x % serves x % slower than its profile,
+    so a ratio measured there can be off by that much whatever the sampling error; a level lagging
+    beyond the validity gate's limit is UNRELIABLE anyway, one below it carries the bound."""
+    if lag <= 0.0:
+        return comp
+    decode = None if comp.decode is None else with_bias_bound(comp.decode, lag)
+    throughput = None if comp.throughput is None else with_bias_bound(comp.throughput, lag)
+    return replace(comp, decode=decode, throughput=throughput)

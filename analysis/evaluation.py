@@ -29,6 +29,7 @@ from specproxy.analysis.figures import (
     PairGroup,
     RoundFigures,
     call_groups,
+    engine_lags,
     failed_arms,
     level_sort_key,
     level_summaries,
@@ -151,6 +152,7 @@ class RunFigures:
     pairs: list[PairGroup]
     calls: dict[tuple[str, str, str | None], CallGroup]
     loads: dict[tuple[str, str], matched.LoadBands]
+    lags: dict[tuple[str, str], float]  # (arm, level) → its simulator's largest clock lag there
 
     def summary(self, arm: str, level: str) -> LevelSummary | None:
         return next((s for s in self.summaries if s.arm == arm and s.level == level), None)
@@ -261,7 +263,9 @@ def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, not
         max_sample=settings.bootstrap_max_sample,
         seed=settings.bootstrap_seed,
     )
-    return RunFigures(run_id, baseline, summaries, rounds, level_health(store, run_id), pairs, calls, loads)
+    health = level_health(store, run_id)
+    lags = engine_lags(store, run_id)
+    return RunFigures(run_id, baseline, summaries, rounds, health, pairs, calls, loads, lags)
 
 
 def _block_keys(
@@ -377,7 +381,13 @@ def _comparisons(
             kind = _block_kind(run, arm, level, settings)
             out[(arm, level)] = comparison.unpaired(c, b, kind, boot(arm, level))
     # The arms at a level share its rounds (or time blocks): their between-block terms are pooled.
-    return comparison.pooled(out, lambda key: key[1])
+    pooled = comparison.pooled(out, lambda key: key[1])
+    return {key: comparison.lag_bounded(c, _lag(run, *key)) for key, c in pooled.items()}
+
+
+def _lag(run: RunFigures, arm: str, level: str) -> float:
+    """How far behind their clocks the arm's and the baseline's simulators fell at the level."""
+    return run.lags.get((arm, level), 0.0) + run.lags.get((run.baseline, level), 0.0)
 
 
 def _wall_point(
@@ -623,7 +633,8 @@ def _category_rows(
             IdentityCounts(),
         )
     # The arms' categories at a level share its blocks: their between-block terms are pooled.
-    widened = comparison.pooled(comps, lambda key: key[1:])
+    pooled = comparison.pooled(comps, lambda key: key[1:])
+    widened = {key: comparison.lag_bounded(c, _lag(run, *key[:2])) for key, c in pooled.items()}
     figures = [
         (row, CategoryFigures(key[2], widened[key], calls, base_calls, p50, base_p50, identity))
         for key, (row, calls, base_calls, p50, base_p50, identity) in counts.items()

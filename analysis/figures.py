@@ -450,3 +450,18 @@ def call_groups(
             sample=ordered(g["sample"], 4),
         )
     return out
+
+
+def engine_lags(store: SpanStore, run_id: str) -> dict[tuple[str, str], float]:
+    """(arm, level) → the largest share of a round that the arm's simulator fell behind its own clock
+    (the health table's ``engine_clock_lag``; absent for engines that have no such clock)."""
+    rows = store.query(
+        """
+        SELECT arm, coalesce(CAST(concurrency_level AS VARCHAR), 'live') AS level, max(value) AS lag
+        FROM health
+        WHERE run_id = ? AND check_name = 'engine_clock_lag' AND arm IS NOT NULL AND value IS NOT NULL
+        GROUP BY ALL
+        """,
+        [run_id],
+    )
+    return {(r["arm"], r["level"]): max(0.0, float(r["lag"])) for r in rows}

@@ -359,6 +359,14 @@ def widen_for_blocks(iv: Interval, blocks: Blocks | None, confidence: float) -> 
     return widen_pooled(iv, own, [own] if own else [], confidence)
 
 
+def with_bias_bound(iv: Interval, bound: float) -> Interval:
+    """``iv`` with each bound moved out by a known limit on a systematic error of the ratio (a share:
+    0.01 moves the lower bound to low / 1.01 and the upper to high · 1.01); the point stays."""
+    if bound <= 0.0 or iv.low is None or iv.high is None:
+        return iv
+    return Interval(iv.point, iv.low / (1.0 + bound), iv.high * (1.0 + bound))
+
+
 def percentile_interval(log_point: float, deviations: FloatArray, confidence: float) -> Interval:
     """The interval of a log estimate from its bootstrap deviations (already centred on zero)."""
     lo, hi = _percentiles(log_point + deviations, confidence)

@@ -24,6 +24,7 @@ from specproxy.analysis.stats import (
     widen_for_blocks,
     widen_pooled,
     wilson_interval,
+    with_bias_bound,
 )
 from specproxy.analysis.verdict import (
     LOSS,
@@ -483,6 +484,18 @@ def test_pooled_widens_the_arms_of_a_level_together() -> None:
         iv.low is not None and b.low < iv.low and a.low <= b.low
     )  # the calm arm at c=8 carries the level's drift too
     assert all(x.spread is None for x in out.values())
+
+
+def test_a_bias_bound_moves_both_bounds_out_and_keeps_the_point() -> None:
+    iv = Interval(1.2, 1.1, 1.3)
+    assert with_bias_bound(iv, 0.0) == iv
+    moved = with_bias_bound(iv, 0.02)
+    assert (
+        moved.point == 1.2
+        and moved.low == pytest.approx(1.1 / 1.02)
+        and moved.high == pytest.approx(1.3 * 1.02)
+    )
+    assert with_bias_bound(Interval(1.2, None, None), 0.02) == Interval(1.2, None, None)
 
 
 def test_chart_axes_cover_the_data() -> None:
