@@ -60,6 +60,8 @@ _MAX_DF = 400
 # Two blocks give one degree of freedom: a t interval on them is 6.5 times the normal one at 95 %, and
 # says nothing. A level needs this many usable blocks for its spread to count.
 MIN_BLOCKS = 3
+# A log-ratio variance this small (sd 1e-6) is zero for every purpose here.
+_VAR_FLOOR = 1e-12
 
 
 @dataclass(frozen=True)
@@ -296,14 +298,15 @@ def pooled_excess(spreads: Sequence[BlockSpread]) -> tuple[float, float]:
     Each arm's estimate between_a − factor_a · within_a has variance 2 sigma_a^4 / df_a, sigma_a^2 =
     factor_a · within_a + tau^2: an arm whose requests scatter widely (a real speculative arm's decode
     rates) says little about tau^2, a replica whose pairs agree says much. The weights are the inverse
-    of those variances, found by iterating from tau^2 = 0 (Paule and Mandel's fixed point, two steps).
+    of those variances, found by iterating from tau^2 = 0 (Paule and Mandel's fixed point, three steps).
     """
     usable = [s for s in spreads if s.blocks >= 2 and s.factor * s.within + s.between > 0]
     if not usable:
         return 0.0, 0.0
     tau2 = 0.0
     for _ in range(3):
-        raw = [(s.blocks - 1) / (s.factor * s.within + max(tau2, 0.0)) ** 2 for s in usable]
+        # the floor keeps an arm whose pairs agree exactly (within 0, no excess yet) finite
+        raw = [(s.blocks - 1) / max(s.factor * s.within + max(tau2, 0.0), _VAR_FLOOR) ** 2 for s in usable]
         weights = [w / sum(raw) for w in raw]
         tau2 = sum(w * s.excess for w, s in zip(weights, usable, strict=True))
     random_sq = sum((w * s.between) ** 2 / (s.blocks - 1) for w, s in zip(weights, usable, strict=True))

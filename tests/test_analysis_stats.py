@@ -467,6 +467,17 @@ def test_an_arm_that_drifts_more_than_the_pool_is_judged_on_its_own_blocks() -> 
     assert widen_pooled(iv, spreads[2], [sp for sp in spreads if sp], 0.95) == own
 
 
+def test_arms_whose_pairs_agree_exactly_pool_without_failing() -> None:
+    # identical arms: every pair's ratio is 1 and the interval has no width, yet the rounds differ
+    exact = Interval(1.0, 1.0, 1.0)
+    same = block_spread(exact, Blocks((0.0, 0.01, -0.01), (3.0, 3.0, 3.0)), 0.95)
+    iv = Interval(1.1, 1.05, 1.15)
+    other = block_spread(iv, Blocks((0.09, 0.1, 0.11), (3.0, 3.0, 3.0)), 0.95)
+    assert same is not None and other is not None
+    wide = widen_pooled(exact, same, [same, other], 0.95)
+    assert wide.low is not None and wide.high is not None and wide.low < 1.0 < wide.high
+
+
 def test_pooled_widens_the_arms_of_a_level_together() -> None:
     """comparison.pooled: a level's arms share one drift estimate; another level is left alone."""
     iv = Interval(1.0, math.exp(-0.002), math.exp(0.002))
