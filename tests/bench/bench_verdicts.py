@@ -1,7 +1,7 @@
 """Benchmark: can a verdict be trusted? A/A false alarms, power, interval coverage, stability and cost.
 
     python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32,64] [--rounds 3] [--per-round 6]
-                                         [--time-scale 1:0.5,8:0.25,32:0.1,64:0.05]
+                                         [--time-scale 1:0.25,8:0.25,32:0.1,64:0.05]
                                          [--stability-runs 3] [--keep] [--work DIR]
     python tests/bench/bench_verdicts.py --from DIR    # the figures again from a --keep folder's stores
 
@@ -9,9 +9,10 @@ Starts four simulators on 127.0.0.1 (``specproxy sim`` subprocesses, stopped at 
 happens): a plain baseline, a plain ``replica`` (role replica), a plain arm labelled EAGLE3 in the
 experiment file (``eagle3-null``: a null arm that looks like a candidate) and a real EAGLE3 simulator
 (``eagle3``), at the time scale of the levels they serve: levels with different ``--time-scale`` are
-replayed by separate simulator sets (a two-core machine keeps up with c=1 at half speed and c=64 at a
-twentieth), each level group ``--runs`` times into its own store (``run-NN-gK.duckdb``, a deploy
-verdict per group). Then ``--runs`` times: a paired replay (replay's own runner, in this process) of a small
+replayed by separate simulator sets (a busy two-core machine keeps up with c=1 at a quarter of
+full speed and c=64 at a twentieth), each level group ``--runs`` times into its own store
+(``run-NN-gK.duckdb``, a deploy verdict per group). Then ``--runs`` times: a paired replay (replay's
+own runner, in this process) of a small
 mixed workload over the levels, ``--rounds`` rounds each of max(c, ``--per-round``) items, so every arm
 gets the same items, into a fresh span store, and ``specproxy analyze --format json`` on it (a
 subprocess). It prints:
@@ -494,7 +495,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--items", type=int, default=0, help="workload items (default: the top level)")
     parser.add_argument(
         "--time-scale",
-        default="1:0.5,8:0.25,32:0.1,64:0.05",
+        default="1:0.25,8:0.25,32:0.1,64:0.05",
         help='simulators\' time scale: one for all ("0.25") or per level ("1:0.5,64:0.1", others 1)',
     )
     parser.add_argument(
