@@ -1,28 +1,34 @@
 """An arm against the baseline at one level (or category): the speedup intervals, from frozen figures.
 
 Paired levels (every request went to both arms) resample pairs; unpaired levels (split traffic) resample
-each arm's calls. Either way the interval is then widened by the level's blocks (rounds, or time
-blocks: :func:`~specproxy.analysis.stats.widen_for_blocks`). Everything here is pure: figures in,
-a frozen :class:`Comparison` out.
+each arm's calls. That gives :func:`paired` / :func:`unpaired` a comparison with the request bootstrap's
+intervals and each figure's block spread (rounds, or time blocks); :func:`pooled` then widens every arm
+at a level by the between-block variance pooled over the level's arms
+(:func:`~specproxy.analysis.stats.widen_pooled`). Everything here is pure: figures in, frozen
+:class:`Comparison` objects out.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
 from specproxy.analysis.figures import CallGroup, PairGroup, RoundFigures
 from specproxy.analysis.stats import (
     Blocks,
+    BlockSpread,
     FloatArray,
     Interval,
+    block_spread,
     paired_median_ratio,
     throughput_ratio,
     unpaired_median_ratio,
-    widen_for_blocks,
+    widen_pooled,
+    with_bias_bound,
 )
 
 # A block with fewer units than this says little about drift and is left out of the spread.
@@ -37,6 +43,16 @@ class Bootstrap:
 
 
 @dataclass(frozen=True)
+class Spread:
+    """What the between-block term needs of a comparison: each figure's block spread (None: fewer
+    than two usable blocks) and the confidence of its intervals."""
+
+    decode: BlockSpread | None
+    throughput: BlockSpread | None
+    confidence: float
+
+
+@dataclass(frozen=True)
 class Comparison:
     """The figures a verdict is made from. ``blocks`` says what the intervals' drift term came from
     ("3 rounds", "4 time blocks"); ``throughput_basis`` is "wall" (a closed-loop replay level's
@@ -48,6 +64,7 @@ class Comparison:
     throughput: Interval | None
     throughput_basis: str
     blocks: str
+    spread: Spread | None = None  # set while the intervals are the request bootstrap's; None after pooled
 
 
 def _block_logs(
@@ -128,7 +145,7 @@ def paired(
     drift term comes from each round's wall-clock ratio; otherwise from the blocks' Σ tokens / Σ e2e.
     """
     sample = group.sample
-    decode = None
+    decode, d_spread, throughput, t_spread = None, None, None, None
     if group.c_med and group.b_med:
         dec = sample[(sample[:, 0] > 0) & (sample[:, 1] > 0)]
         decode = paired_median_ratio(
@@ -140,10 +157,12 @@ def paired(
             rng=boot.rng,
             confidence=boot.confidence,
         )
-        blocks = _block_logs(dec, 6, _log_median_ratio(0, 1), 1.0)
-        decode = widen_for_blocks(decode, _scaled(blocks, group.n_decode), boot.confidence)
+        d_spread = block_spread(
+            decode,
+            _scaled(_block_logs(dec, 6, _log_median_ratio(0, 1), 1.0), group.n_decode),
+            boot.confidence,
+        )
     point = wall_point if wall_point is not None else group.per_call_ratio
-    throughput = None
     if point is not None:
         thr = sample[
             np.isfinite(sample[:, 2]) & np.isfinite(sample[:, 3]) & (sample[:, 4] > 0) & (sample[:, 5] > 0)
@@ -165,7 +184,7 @@ def paired(
             t_blocks = _scaled(_round_wall_blocks(*rounds), max(group.n_thr, 1))
         else:
             t_blocks = _scaled(_block_logs(thr, 6, _log_rate_ratio, 1.0), max(group.n_thr, 1))
-        throughput = widen_for_blocks(throughput, t_blocks, boot.confidence)
+        t_spread = block_spread(throughput, t_blocks, boot.confidence)
     return Comparison(
         paired=True,
         pairs=group.n_decode,
@@ -173,6 +192,7 @@ def paired(
         throughput=throughput,
         throughput_basis="wall" if wall_point is not None else "per call",
         blocks=block_kind,
+        spread=Spread(d_spread, t_spread, boot.confidence),
     )
 
 
@@ -217,7 +237,7 @@ def unpaired(cand: CallGroup, base: CallGroup, block_kind: str, boot: Bootstrap)
     per-call throughput ratio (the arms got different shares of the traffic, so wall-clock tok/s say
     more about the split than about speed; Σ tokens / Σ e2e is throughput per concurrent call)."""
     cs, bs = cand.sample, base.sample
-    decode = None
+    decode, d_spread, throughput, t_spread = None, None, None, None
     if cand.p50_decode and base.p50_decode:
         decode = unpaired_median_ratio(
             cs[cs[:, 0] > 0, 0],
@@ -230,8 +250,7 @@ def unpaired(cand: CallGroup, base: CallGroup, block_kind: str, boot: Bootstrap)
             confidence=boot.confidence,
         )
         blocks = _unpaired_blocks(cs, bs, _log_median_of, cand.n_decode, base.n_decode)
-        decode = widen_for_blocks(decode, blocks, boot.confidence)
-    throughput = None
+        d_spread = block_spread(decode, blocks, boot.confidence)
     c_rate, b_rate = cand.per_call_rate, base.per_call_rate
     if c_rate and b_rate:
         c_ok = np.isfinite(cs[:, 1]) & (cs[:, 2] > 0)
@@ -250,7 +269,7 @@ def unpaired(cand: CallGroup, base: CallGroup, block_kind: str, boot: Bootstrap)
             confidence=boot.confidence,
         )
         blocks = _unpaired_blocks(cs, bs, _log_rate_of, cand.n_thr, base.n_thr)
-        throughput = widen_for_blocks(throughput, blocks, boot.confidence)
+        t_spread = block_spread(throughput, blocks, boot.confidence)
     return Comparison(
         paired=False,
         pairs=0,
@@ -258,4 +277,52 @@ def unpaired(cand: CallGroup, base: CallGroup, block_kind: str, boot: Bootstrap)
         throughput=throughput,
         throughput_basis="per call",
         blocks=block_kind,
+        spread=Spread(d_spread, t_spread, boot.confidence),
     )
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def pooled(comparisons: Mapping[K, Comparison], group: Callable[[K], Hashable]) -> dict[K, Comparison]:
+    """Every comparison widened by the between-block variance pooled over its group: the arms measured
+    in the same blocks at the same level (``group`` of a key: its level, or level and category) with
+    the same pairing. The arms share the rounds (or time blocks), so a drift the machine puts on them
+    is estimated from all their blocks at once: R − 1 degrees of freedom per arm instead of R − 1 in
+    all (stats.widen_pooled, analysis README)."""
+    members: dict[Hashable, list[BlockSpread]] = {}
+    for key, comp in comparisons.items():
+        if comp.spread is not None:
+            for name, spread in (("decode", comp.spread.decode), ("throughput", comp.spread.throughput)):
+                if spread is not None:
+                    members.setdefault((group(key), comp.blocks, comp.paired, name), []).append(spread)
+
+    def widened(key: K, comp: Comparison) -> Comparison:
+        if comp.spread is None:
+            return comp
+        sp, where = comp.spread, (group(key), comp.blocks, comp.paired)
+        decode = _widen(comp.decode, sp.decode, members.get((*where, "decode"), []), sp.confidence)
+        throughput = _widen(
+            comp.throughput, sp.throughput, members.get((*where, "throughput"), []), sp.confidence
+        )
+        return replace(comp, decode=decode, throughput=throughput, spread=None)
+
+    return {key: widened(key, comp) for key, comp in comparisons.items()}
+
+
+def _widen(
+    iv: Interval | None, own: BlockSpread | None, spreads: list[BlockSpread], confidence: float
+) -> Interval | None:
+    return None if iv is None else widen_pooled(iv, own, spreads, confidence)
+
+
+def lag_bounded(comp: Comparison, lag: float) -> Comparison:
+    """The intervals moved out by ``lag``: how far behind their own clocks the two arms' simulators fell
+    at the level (the sum of the two). A simulator that lags by x % serves x % slower than its profile,
+    so a ratio measured there can be off by that much whatever the sampling error; a level lagging
+    beyond the validity gate's limit is UNRELIABLE anyway, one below it carries the bound."""
+    if lag <= 0.0:
+        return comp
+    decode = None if comp.decode is None else with_bias_bound(comp.decode, lag)
+    throughput = None if comp.throughput is None else with_bias_bound(comp.throughput, lag)
+    return replace(comp, decode=decode, throughput=throughput)

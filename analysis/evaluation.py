@@ -30,6 +30,7 @@ from specproxy.analysis.figures import (
     PairGroup,
     RoundFigures,
     call_groups,
+    engine_lags,
     failed_arms,
     latency_figures,
     level_summaries,
@@ -154,6 +155,7 @@ class RunFigures:
     pairs: list[PairGroup]
     calls: dict[tuple[str, str, str | None], CallGroup]
     loads: dict[tuple[str, str], matched.LoadBands]
+    lags: dict[tuple[str, str], float]  # (arm, level) → its simulator's largest clock lag there
     latency: dict[tuple[str, str], LatencyFigures] = field(default_factory=dict)
 
     def summary(self, arm: str, level: str) -> LevelSummary | None:
@@ -309,6 +311,7 @@ def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, not
         pairs,
         calls,
         loads,
+        engine_lags(store, run_id),
         latency=latency_figures(store, run_id),
     )
 
@@ -425,7 +428,14 @@ def _comparisons(
         if c is not None and b is not None:
             kind = _block_kind(run, arm, level, settings)
             out[(arm, level)] = comparison.unpaired(c, b, kind, boot(arm, level))
-    return out
+    # The arms at a level share its rounds (or time blocks): their between-block terms are pooled.
+    pooled = comparison.pooled(out, lambda key: key[1])
+    return {key: comparison.lag_bounded(c, _lag(run, *key)) for key, c in pooled.items()}
+
+
+def _lag(run: RunFigures, arm: str, level: str) -> float:
+    """How far behind their clocks the arm's and the baseline's simulators fell at the level."""
+    return run.lags.get((arm, level), 0.0) + run.lags.get((run.baseline, level), 0.0)
 
 
 def _wall_point(
@@ -647,29 +657,38 @@ def _category_rows(
         rng = rng_for(settings.bootstrap_seed, run.run_id, arm, level, category)
         return Bootstrap(settings.bootstrap_iterations, confidence[arm], rng)
 
-    figures: list[tuple[LevelRow, CategoryFigures]] = []
+    comps: dict[tuple[str, str, str], Comparison] = {}
+    counts: dict[
+        tuple[str, str, str], tuple[LevelRow, int, int, float | None, float | None, IdentityCounts]
+    ] = {}
     for g in run.pairs:
         row = by_key.get((g.arm, g.level))
         if g.category is None or row is None or not row.paired or g.kind == "repeat":
             continue
-        comp = comparison.paired(g, None, None, row.blocks, boot(g.arm, g.level, g.category))
-        figures.append(
-            (row, CategoryFigures(g.category, comp, g.n_decode, g.n_decode, g.c_med, g.b_med, g.identity))
-        )
+        key = (g.arm, g.level, g.category)
+        comps[key] = comparison.paired(g, None, None, row.blocks, boot(*key))
+        counts[key] = (row, g.n_decode, g.n_decode, g.c_med, g.b_med, g.identity)
     for (arm, level, cat), c in run.calls.items():
         row = by_key.get((arm, level))
         b = run.calls.get((run.baseline, level, cat))
         if cat is None or row is None or row.paired is not False or b is None or arm == run.baseline:
             continue
-        comp = comparison.unpaired(c, b, row.blocks, boot(arm, level, cat))
-        figures.append(
-            (
-                row,
-                CategoryFigures(
-                    cat, comp, c.n_decode, b.n_decode, c.p50_decode, b.p50_decode, IdentityCounts()
-                ),
-            )
+        comps[(arm, level, cat)] = comparison.unpaired(c, b, row.blocks, boot(arm, level, cat))
+        counts[(arm, level, cat)] = (
+            row,
+            c.n_decode,
+            b.n_decode,
+            c.p50_decode,
+            b.p50_decode,
+            IdentityCounts(),
         )
+    # The arms' categories at a level share its blocks: their between-block terms are pooled.
+    pooled = comparison.pooled(comps, lambda key: key[1:])
+    widened = {key: comparison.lag_bounded(c, _lag(run, *key[:2])) for key, c in pooled.items()}
+    figures = [
+        (row, CategoryFigures(key[2], widened[key], calls, base_calls, p50, base_p50, identity))
+        for key, (row, calls, base_calls, p50, base_p50, identity) in counts.items()
+    ]
     out = [_category_row(row, fig, margins[row.level], settings.thresholds) for row, fig in figures]
     return sorted(out, key=lambda c: (c.arm, c.category, level_sort_key(c.level)))
 

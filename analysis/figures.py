@@ -539,3 +539,18 @@ def itl_cdf(store: SpanStore, run_id: str, level: str) -> dict[str, tuple[float,
         {"qs": list(CDF_QUANTILES), "run": run_id, "level": level, "bytes": LATENCY_SAMPLE_BYTES},
     )
     return {r["arm"]: tuple(float(v) for v in r["q"]) for r in rows if r["q"] is not None}
+
+
+def engine_lags(store: SpanStore, run_id: str) -> dict[tuple[str, str], float]:
+    """(arm, level) → the largest share of a round that the arm's simulator fell behind its own clock
+    (the health table's ``engine_clock_lag``; absent for engines that have no such clock)."""
+    rows = store.query(
+        f"""
+        SELECT arm, {LEVEL_SQL} AS level, max(value) AS lag
+        FROM health
+        WHERE run_id = ? AND check_name = 'engine_clock_lag' AND arm IS NOT NULL AND value IS NOT NULL
+        GROUP BY ALL
+        """,
+        [run_id],
+    )
+    return {(r["arm"], r["level"]): max(0.0, float(r["lag"])) for r in rows}

@@ -14,7 +14,7 @@ pairs). Large levels are resampled from a uniform subsample of m ≤ ``max_sampl
 bootstrap), the deviations scaled by sqrt(m / n). This keeps an analysis of millions of spans to a few
 million numbers per level.
 
-Between-round variation (:func:`widen_for_blocks`). A slow moment of one arm's process is shared by
+Between-round variation (:func:`widen_pooled`). A slow moment of one arm's process is shared by
 every request of that arm while it lasts, so requests are not independent across a run and a bootstrap
 over requests alone is too narrow. A level is therefore measured in blocks: replay rounds (the whole
 level replayed, arm order rotated), or, for a level of one round and for live traffic, four consecutive
@@ -22,19 +22,23 @@ time blocks of the level. The interval is the request bootstrap's, widened when 
 more than their within-block noise explains: a one-way random-effects model on the blocks' log ratios
 L_r (Cochran; DerSimonian and Laird's moment estimator),
 
-    tau^2 = max(0, var(L_r) - mean(v_r)),   v_r = v_w * n / n_r,
+    tau^2 = var(L_r) - mean(v_r),   v_r = v_w * n / n_r,
 
 where v_w is the request bootstrap's variance of the pooled log ratio (read off its interval) and n_r
-the block's size. The pooled estimate's variance is v_w + tau^2 / R; each side of the bootstrap
-interval becomes t_df * sqrt((d / z)^2 + tau^2 / R) for its half-width d, with Welch and
-Satterthwaite's degrees of freedom df = (v_w + b)^2 / (b^2 / (R - 1)), b = tau^2 / R (the within part
-is known from many requests; the between part from R - 1). With tau^2 = 0 the interval is the
-bootstrap's (no drift seen); when drift dominates it tends to the classical t interval on the R block
-estimates, whose R - 1 degrees of freedom make it honestly wide for R = 3. This is used instead of a two-stage
-bootstrap (resample rounds, then requests within them) because with 3 rounds that bootstrap sees only
-10 distinct sets of rounds and its spread is (R - 1) / R of the between-round variance: it covers a
-drifting ratio about 75 % of the time for a nominal 95 %. A one-round replay level sees no drift
-between runs at all; its rows say so.
+the block's size. The arms of a level share its blocks, so tau^2 is pooled over them, each arm's
+estimate weighted by the inverse of its variance 2 (v_r + tau^2)^2 / (R - 1) (Paule and Mandel); an
+arm whose blocks scatter beyond the 95 % point of what that pooled model predicts for them uses its own
+blocks alone, and the others pool without it. The pooled estimate's variance is then
+v_w + tau^2 / R; each side of the bootstrap interval becomes t_df * sqrt((d / z)^2 + tau^2 / R) for its
+half-width d, with Satterthwaite's degrees of freedom for that sum, whose random part is the blocks'
+sample variances (R - 1 degrees of freedom each). One arm whose blocks dominate gets the classical t
+interval on its R block estimates (R - 1 degrees of freedom: t = 4.30 for 3 rounds); pooling over a
+replica and a null arm whose pairs agree gives an arm whose requests scatter widely the level's drift
+at more degrees of freedom. With no excess the interval is the bootstrap's. This is used instead of a
+two-stage bootstrap (resample rounds, then requests within them) because with 3 rounds that bootstrap
+sees only 10 distinct sets of rounds and its spread is (R - 1) / R of the between-round variance: it
+covers a drifting ratio about 75 % of the time for a nominal 95 %. A one-round replay level sees no
+drift between runs at all; its rows say so.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ FloatArray = npt.NDArray[np.float64]
 _SLICE = 250
 # Beyond this many degrees of freedom a t quantile is the normal's to three digits.
 _MAX_DF = 400
+# Two blocks give one degree of freedom: a t interval on them is 6.5 times the normal one at 95 %, and
+# says nothing. A level needs this many usable blocks for its spread to count.
+MIN_BLOCKS = 3
+# A log-ratio variance this small (sd 1e-6) is zero for every purpose here.
+_VAR_FLOOR = 1e-12
 
 
 @dataclass(frozen=True)
@@ -252,28 +261,113 @@ class Blocks:
     variance_factors: tuple[float, ...]
 
 
-def widen_for_blocks(iv: Interval, blocks: Blocks | None, confidence: float) -> Interval:
-    """The request bootstrap's interval widened by the blocks' excess spread (module docstring)."""
-    if iv.low is None or iv.high is None or blocks is None or len(blocks.log_ratios) < 2:
-        return iv
+@dataclass(frozen=True)
+class BlockSpread:
+    """One figure of one arm at a level, as the between-block term sees it: the request bootstrap's
+    variance of the pooled log ratio (``within``), the sample variance of the blocks' log ratios
+    (``between``, on ``blocks`` − 1 degrees of freedom) and a block's mean variance factor."""
+
+    within: float
+    between: float
+    factor: float
+    blocks: int
+
+    @property
+    def excess(self) -> float:
+        """The unbiased (possibly negative) estimate of tau^2: between-block variance beyond noise."""
+        return self.between - self.factor * self.within
+
+
+def block_spread(iv: Interval, blocks: Blocks | None, confidence: float) -> BlockSpread | None:
+    """The spread of ``blocks`` around the request bootstrap's interval ``iv`` (None: nothing to add)."""
+    if iv.low is None or iv.high is None or blocks is None or len(blocks.log_ratios) < MIN_BLOCKS:
+        return None
     logs = np.asarray(blocks.log_ratios, dtype=np.float64)
     factors = np.asarray(blocks.variance_factors, dtype=np.float64)
-    if not np.all(np.isfinite(logs)) or np.any(factors <= 0):
+    if not np.all(np.isfinite(logs)) or np.any(factors <= 0) or iv.low <= 0:
+        return None
+    z = normal_quantile(1 - (1 - confidence) / 2)
+    within = ((math.log(iv.high) - math.log(iv.low)) / (2 * z)) ** 2
+    return BlockSpread(within, float(np.var(logs, ddof=1)), float(factors.mean()), len(logs))
+
+
+def pooled_excess(spreads: Sequence[BlockSpread]) -> tuple[float, float]:
+    """tau^2 pooled over ``spreads``, and the Satterthwaite sum Σ (w_a · between_a)^2 / df_a of the
+    random part of that estimate.
+
+    Each arm's estimate between_a − factor_a · within_a has variance 2 sigma_a^4 / df_a, sigma_a^2 =
+    factor_a · within_a + tau^2: an arm whose requests scatter widely (a real speculative arm's decode
+    rates) says little about tau^2, a replica whose pairs agree says much. The weights are the inverse
+    of those variances, found by iterating from tau^2 = 0 (Paule and Mandel's fixed point, three steps).
+    """
+    usable = [s for s in spreads if s.blocks >= 2 and s.factor * s.within + s.between > 0]
+    if not usable:
+        return 0.0, 0.0
+    tau2 = 0.0
+    for _ in range(3):
+        # the floor keeps an arm whose pairs agree exactly (within 0, no excess yet) finite
+        raw = [(s.blocks - 1) / max(s.factor * s.within + max(tau2, 0.0), _VAR_FLOOR) ** 2 for s in usable]
+        weights = [w / sum(raw) for w in raw]
+        tau2 = sum(w * s.excess for w, s in zip(weights, usable, strict=True))
+    random_sq = sum((w * s.between) ** 2 / (s.blocks - 1) for w, s in zip(weights, usable, strict=True))
+    return tau2, random_sq
+
+
+def _drifted_apart(own: BlockSpread, tau2: float) -> bool:
+    """Whether an arm's blocks scatter beyond the 95 % point of what the level's pooled model predicts
+    for them (between ~ (factor · within + tau^2) · chi^2_{R-1} / (R - 1); Wilson and Hilferty's
+    approximation of the quantile): then the others do not vouch for it and its own blocks decide."""
+    df = own.blocks - 1
+    a = 2 / (9 * df)
+    quantile = (1 - a + normal_quantile(0.95) * math.sqrt(a)) ** 3
+    return own.between > (own.factor * own.within + max(tau2, 0.0)) * quantile
+
+
+def widen_pooled(
+    iv: Interval, own: BlockSpread | None, spreads: Sequence[BlockSpread], confidence: float
+) -> Interval:
+    """``iv`` widened by the between-block variance tau^2: the one pooled over ``spreads`` (the level's
+    arms, ``own`` among them), or ``own``'s alone when its blocks scatter beyond what the pool predicts
+    (an arm that drifted apart from the others is not vouched for by them, nor counted in their pool).
+
+    The pooled estimate's variance is within + tau^2 / R; its random part is (1/R) Σ w_a between_a, so
+    Satterthwaite's degrees of freedom are (within + tau^2 / R)^2 / (Σ (w_a between_a)^2 / df_a / R^2):
+    R − 1 for one arm whose blocks dominate (the classical t interval on the block estimates), more
+    when arms share the estimate or the request bootstrap's part dominates. No excess seen: ``iv``.
+    """
+    if own is None or iv.low is None or iv.high is None:
+        return iv
+    first = pooled_excess(spreads)[0]
+    apart = [s for s in spreads if _drifted_apart(s, first)]
+    pool = [own] if own in apart else [s for s in spreads if s not in apart]
+    tau2, random_sq = pooled_excess(pool)
+    if tau2 <= 0.0 or random_sq <= 0.0:
         return iv
     z = normal_quantile(1 - (1 - confidence) / 2)
-    v_w = ((math.log(iv.high) - math.log(iv.low)) / (2 * z)) ** 2
-    v_r = v_w * factors
-    tau2 = max(0.0, float(np.var(logs, ddof=1)) - float(v_r.mean()))
-    if tau2 == 0.0:
-        return iv
-    r = len(logs)
-    b = tau2 / r
-    df = min(_MAX_DF, max(1, math.floor((v_w + b) ** 2 / (b * b / (r - 1)))))
+    b = tau2 / own.blocks
+    # Satterthwaite's df, at least the fewest blocks' R - 1 (the known −factor · within terms can pull
+    # the formula just below it)
+    fewest = min(s.blocks for s in pool) - 1
+    df = min(_MAX_DF, max(fewest, round((own.within + b) ** 2 / (random_sq / own.blocks**2))))
     t = t_quantile(1 - (1 - confidence) / 2, df)
     log_point = math.log(iv.point)
     down = t * math.sqrt(((log_point - math.log(iv.low)) / z) ** 2 + b)
     up = t * math.sqrt(((math.log(iv.high) - log_point) / z) ** 2 + b)
     return Interval(iv.point, math.exp(log_point - down), math.exp(log_point + up))
+
+
+def widen_for_blocks(iv: Interval, blocks: Blocks | None, confidence: float) -> Interval:
+    """The request bootstrap's interval widened by its own blocks' excess spread (module docstring)."""
+    own = block_spread(iv, blocks, confidence)
+    return widen_pooled(iv, own, [own] if own else [], confidence)
+
+
+def with_bias_bound(iv: Interval, bound: float) -> Interval:
+    """``iv`` with each bound moved out by a known limit on a systematic error of the ratio (a share:
+    0.01 moves the lower bound to low / 1.01 and the upper to high · 1.01); the point stays."""
+    if bound <= 0.0 or iv.low is None or iv.high is None:
+        return iv
+    return Interval(iv.point, iv.low / (1.0 + bound), iv.high * (1.0 + bound))
 
 
 def percentile_interval(log_point: float, deviations: FloatArray, confidence: float) -> Interval:

@@ -9,9 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from specproxy.analysis.comparison import Comparison, Spread, pooled
 from specproxy.analysis.stats import (
     Blocks,
+    BlockSpread,
     Interval,
+    block_spread,
     paired_median_ratio,
     percentile,
     rng_for,
@@ -19,7 +22,9 @@ from specproxy.analysis.stats import (
     throughput_ratio,
     unpaired_median_ratio,
     widen_for_blocks,
+    widen_pooled,
     wilson_interval,
+    with_bias_bound,
 )
 from specproxy.analysis.verdict import (
     LOSS,
@@ -400,6 +405,108 @@ def test_blocks_that_agree_leave_the_interval_alone() -> None:
     assert widen_for_blocks(iv, None, 0.95) == iv
     wide = widen_for_blocks(iv, Blocks((0.0, 0.2, 0.4), (3.0, 3.0, 3.0)), 0.95)
     assert wide.low is not None and wide.high is not None and wide.low < 1.0 and wide.high > 1.5
+
+
+def test_blocks_that_dominate_give_the_t_interval_on_the_blocks() -> None:
+    # within noise negligible: the interval is the classical one on the 3 round estimates, with 2
+    # degrees of freedom (t = 4.30), not a normal quantile
+    iv = Interval(math.exp(0.02), math.exp(0.02 - 1e-4), math.exp(0.02 + 1e-4))
+    wide = widen_for_blocks(iv, Blocks((0.0, 0.02, 0.04), (3.0, 3.0, 3.0)), 0.95)
+    assert wide.low is not None and wide.high is not None
+    half = math.log(wide.high) - 0.02
+    assert half == pytest.approx(t_quantile(0.975, 2) * math.sqrt(0.0004 / 3), rel=0.01)
+
+
+def _level(gen: np.random.Generator, within: tuple[float, ...], tau: float) -> list[tuple[Interval, Blocks]]:
+    """Arms of one level, 3 blocks each: block r of arm a has log ratio N(0, 3 within_a) plus a drift
+    N(0, tau); the arm's estimate is their mean, its request interval mean ± 1.96 sqrt(within_a)."""
+    out = []
+    for v in within:
+        logs = gen.normal(0, math.sqrt(3 * v), 3) + gen.normal(0, tau, 3)
+        z = 1.959964 * math.sqrt(v)
+        iv = Interval(math.exp(logs.mean()), math.exp(logs.mean() - z), math.exp(logs.mean() + z))
+        out.append((iv, Blocks(tuple(float(x) for x in logs), (3.0, 3.0, 3.0))))
+    return out
+
+
+def _pooled_coverage(
+    within: tuple[float, ...], tau: float, reps: int, seed: int
+) -> tuple[list[float], list[float]]:
+    """Per arm: the share of pooled intervals that contain the true ratio 1, and their mean log width."""
+    gen = np.random.default_rng(seed)
+    hits, widths = np.zeros(len(within)), np.zeros(len(within))
+    for _ in range(reps):
+        arms = _level(gen, within, tau)
+        spreads = [block_spread(iv, b, 0.95) for iv, b in arms]
+        usable = [sp for sp in spreads if sp is not None]
+        for i, ((iv, _), own) in enumerate(zip(arms, spreads, strict=True)):
+            w = widen_pooled(iv, own, usable, 0.95)
+            assert w.low is not None and w.high is not None
+            hits[i] += w.low <= 1.0 <= w.high
+            widths[i] += math.log(w.high / w.low)
+    return list(hits / reps), list(widths / reps)
+
+
+def test_pooled_blocks_cover_drift_at_every_arm() -> None:
+    # two quiet arms (a replica, a null arm) and one whose requests scatter widely (a real speculative
+    # arm); a drift of 1 % sd per block. Each arm on its own blocks: 93 % for the quiet arms (measured,
+    # 2000 repetitions); pooled: 97-98 %, and the scattered arm keeps its nominal 95 %+
+    cover, _ = _pooled_coverage((1e-5, 1e-5, 5e-3), 0.01, 400, seed=41)
+    assert min(cover) >= 0.94, cover
+    # no drift: the quiet arms' intervals stay narrow (the request bootstrap's width is 0.012)
+    cover, width = _pooled_coverage((1e-5, 1e-5, 5e-3), 0.0, 400, seed=42)
+    assert min(cover) >= 0.93 and width[0] < 0.05, (cover, width)
+
+
+def test_an_arm_that_drifts_more_than_the_pool_is_judged_on_its_own_blocks() -> None:
+    quiet = Blocks((0.0, 0.001, -0.001), (3.0, 3.0, 3.0))
+    drifting = Blocks((0.0, 0.1, 0.2), (3.0, 3.0, 3.0))
+    iv = Interval(math.exp(0.1), math.exp(0.1 - 0.01), math.exp(0.1 + 0.01))
+    own = widen_for_blocks(iv, drifting, 0.95)
+    spreads = [block_spread(iv, b, 0.95) for b in (quiet, quiet, drifting)]
+    assert widen_pooled(iv, spreads[2], [sp for sp in spreads if sp], 0.95) == own
+
+
+def test_arms_whose_pairs_agree_exactly_pool_without_failing() -> None:
+    # identical arms: every pair's ratio is 1 and the interval has no width, yet the rounds differ
+    exact = Interval(1.0, 1.0, 1.0)
+    same = block_spread(exact, Blocks((0.0, 0.01, -0.01), (3.0, 3.0, 3.0)), 0.95)
+    iv = Interval(1.1, 1.05, 1.15)
+    other = block_spread(iv, Blocks((0.09, 0.1, 0.11), (3.0, 3.0, 3.0)), 0.95)
+    assert same is not None and other is not None
+    wide = widen_pooled(exact, same, [same, other], 0.95)
+    assert wide.low is not None and wide.high is not None and wide.low < 1.0 < wide.high
+
+
+def test_pooled_widens_the_arms_of_a_level_together() -> None:
+    """comparison.pooled: a level's arms share one drift estimate; another level is left alone."""
+    iv = Interval(1.0, math.exp(-0.002), math.exp(0.002))
+    drift = block_spread(iv, Blocks((-0.03, 0.0, 0.03), (3.0, 3.0, 3.0)), 0.95)
+    calm = block_spread(iv, Blocks((0.0, 0.0005, -0.0005), (3.0, 3.0, 3.0)), 0.95)
+
+    def comp(spread: BlockSpread | None) -> Comparison:
+        return Comparison(True, 18, iv, iv, "wall", "3 rounds", Spread(spread, spread, 0.95))
+
+    out = pooled({("a", "8"): comp(drift), ("b", "8"): comp(calm), ("c", "1"): comp(calm)}, lambda k: k[1])
+    a, b, c = out[("a", "8")].decode, out[("b", "8")].decode, out[("c", "1")].decode
+    assert a is not None and b is not None and c is not None and b.low is not None and a.low is not None
+    assert c == iv  # its level saw no drift
+    assert (
+        iv.low is not None and b.low < iv.low and a.low <= b.low
+    )  # the calm arm at c=8 carries the level's drift too
+    assert all(x.spread is None for x in out.values())
+
+
+def test_a_bias_bound_moves_both_bounds_out_and_keeps_the_point() -> None:
+    iv = Interval(1.2, 1.1, 1.3)
+    assert with_bias_bound(iv, 0.0) == iv
+    moved = with_bias_bound(iv, 0.02)
+    assert (
+        moved.point == 1.2
+        and moved.low == pytest.approx(1.1 / 1.02)
+        and moved.high == pytest.approx(1.3 * 1.02)
+    )
+    assert with_bias_bound(Interval(1.2, None, None), 0.02) == Interval(1.2, None, None)
 
 
 def test_chart_axes_cover_the_data() -> None:

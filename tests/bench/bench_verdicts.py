@@ -1,24 +1,34 @@
 """Benchmark: can a verdict be trusted? A/A false alarms, power, interval coverage, stability and cost.
 
-    python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32] [--rounds 3] [--per-round 6]
-                                         [--stability-runs 3] [--time-scale 1] [--keep]
+    python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32,64] [--rounds 3] [--per-round 6]
+                                         [--time-scale 1:0.25,8:0.25,32:0.1,64:0.05]
+                                         [--stability-runs 3] [--keep] [--work DIR]
     python tests/bench/bench_verdicts.py --from DIR    # the figures again from a --keep folder's stores
 
 Starts four simulators on 127.0.0.1 (``specproxy sim`` subprocesses, stopped at the end whatever
 happens): a plain baseline, a plain ``replica`` (role replica), a plain arm labelled EAGLE3 in the
 experiment file (``eagle3-null``: a null arm that looks like a candidate) and a real EAGLE3 simulator
-(``eagle3``). Then ``--runs`` times: a paired replay (replay's own runner, in this process) of a small
+(``eagle3``), at the time scale of the levels they serve: levels with different ``--time-scale`` are
+replayed by separate simulator sets (a busy two-core machine keeps up with c=1 at a quarter of
+full speed and c=64 at a twentieth), each level group ``--runs`` times into its own store
+(``run-NN-gK.duckdb``, a deploy verdict per group). Then ``--runs`` times: a paired replay (replay's
+own runner, in this process) of a small
 mixed workload over the levels, ``--rounds`` rounds each of max(c, ``--per-round``) items, so every arm
 gets the same items, into a fresh span store, and ``specproxy analyze --format json`` on it (a
 subprocess). It prints:
 
+Each target is printed with ``met`` / ``NOT met`` and a Wilson interval on the share, then one
+``TARGETS`` line:
+
 - A/A: the share of the null arms' deploy verdicts and per-level verdicts that are WIN or LOSS (target
   ≤ 5 %); an UNRELIABLE level counts as neither;
 - power: the share of runs in which EAGLE3's true ≥ 1.5x decode effect at c=1 is a WIN (≥ 95 %);
-- coverage: per level, the share of runs whose decode and throughput intervals contain the true ratio
-  (≥ 90 %): 1 for the null arms (they are the baseline's configuration), and for EAGLE3 the ratio on the
-  simulator's lag-free timeline: the same items through the simulator's engine on a virtual clock
-  (:mod:`specproxy.engines.sim.virtual`'s way), at the same concurrency, with a warm prefix cache;
+- coverage: per level and arm, the share of runs whose decode and throughput intervals contain the
+  true ratio (≥ 90 %; the target counts every run, UNRELIABLE ones too; the runs where the level was
+  judged are shown below it): 1 for the null arms (they are the baseline's configuration), and for
+  EAGLE3 the ratio on the simulator's lag-free timeline: the same items through the simulator's
+  engine on a virtual clock (:mod:`specproxy.engines.sim.virtual`'s way), at the same concurrency,
+  with a warm prefix cache;
 - health: the share of level-rounds over a health limit (table ``health``), which the analysis may
   hold back as UNRELIABLE;
 - stability: ``--stability-runs`` consecutive ``specproxy lab --quick`` runs, each arm's deploy verdict
@@ -54,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import duckdb
 
+from specproxy.analysis.stats import wilson_interval
 from specproxy.commandline import run_async
 from specproxy.config import load_experiment
 from specproxy.engines.profiles import load_profile
@@ -284,27 +295,60 @@ def level_items(items: Sequence[ReplayItem], level: int, minimum: int) -> list[R
 
 
 def replay_once(
-    i: int, work: Path, exp_path: Path, items: list[ReplayItem], opts: argparse.Namespace
+    name: str,
+    work: Path,
+    exp_path: Path,
+    items: list[ReplayItem],
+    levels: Sequence[int],
+    opts: argparse.Namespace,
 ) -> RunVerdicts:
-    db = work / f"run-{i:02d}.duckdb"
+    db = work / f"{name}.duckdb"
     exp = load_experiment(exp_path)
     plan = LoadPlan(
         kind="closed",
-        levels=tuple(int(x) for x in opts.levels.split(",")),
+        levels=tuple(levels),
         items_per_level=functools.partial(per_round, opts.per_round),
         rounds=opts.rounds,
     )
     settings = ReplaySettings(
         arms=exp.arms,
         db_path=db,
-        run_name=f"bench-{i}",
+        run_name=f"bench-{name}",
         load=plan,
-        seed=i,
+        seed=int(name.split("-")[1]),
         experiment=exp,
         show_progress=False,
     )
     run_async(run_replay(settings, items))
     return verdicts_of(db)
+
+
+def level_scales(text: str, levels: Sequence[int]) -> dict[int, float]:
+    """``--time-scale``: one scale for every level ("0.25"), or one per level ("1:0.5,64:0.1"; a level
+    not named runs at 1)."""
+    if ":" not in text:
+        return {c: float(text) for c in levels}
+    given = {int(k): float(v) for k, v in (part.split(":") for part in text.split(","))}
+    return {c: given.get(c, 1.0) for c in levels}
+
+
+def scale_groups(scales: dict[int, float]) -> list[tuple[float, list[int]]]:
+    """Levels that share a time scale, replayed together by one set of simulators (fastest first)."""
+    groups: dict[float, list[int]] = {}
+    for c, scale in sorted(scales.items()):
+        groups.setdefault(scale, []).append(c)
+    return sorted(groups.items(), reverse=True)
+
+
+def merged(parts: Sequence[RunVerdicts]) -> RunVerdicts:
+    """One run's verdicts over its scale groups: every level's row; a deploy verdict per group."""
+    out = RunVerdicts()
+    for g, part in enumerate(parts):
+        out.level.update(part.level)
+        out.deploy.update({f"{arm}#{g}": v for arm, v in part.deploy.items()})
+        out.health_over += part.health_over
+        out.health_total += part.health_total
+    return out
 
 
 def contains(interval: dict[str, Any] | None, truth: float) -> bool | None:
@@ -314,14 +358,32 @@ def contains(interval: dict[str, Any] | None, truth: float) -> bool | None:
 
 
 def share(hits: Sequence[bool]) -> str:
-    return f"{sum(hits)}/{len(hits)} ({100 * sum(hits) / len(hits):.0f} %)" if hits else "—"
+    if not hits:
+        return "—"
+    ci = wilson_interval(sum(hits), len(hits), 0.95)
+    spread = f" [{100 * ci.low:.0f}–{100 * ci.high:.0f} %]" if ci and ci.low is not None and ci.high else ""
+    return f"{sum(hits)}/{len(hits)} ({100 * sum(hits) / len(hits):.0f} %{spread})"
+
+
+def target(name: str, hits: Sequence[bool], goal: float, at_most: bool) -> bool:
+    """Print one target's line; met when the observed share is on the right side of ``goal``."""
+    rate = sum(hits) / len(hits) if hits else float("nan")
+    met = bool(hits) and (rate <= goal if at_most else rate >= goal)
+    bound = f"{'≤' if at_most else '≥'} {goal:.0%}"
+    print(f"{'met    ' if met else 'NOT met'}  {name}: {share(hits)}   (target {bound})")
+    return met
 
 
 # -- report --------------------------------------------------------------------------------------
 
 
-def report_replays(runs: list[RunVerdicts], levels: list[int], truth: dict[int, tuple[float, float]]) -> None:
-    null_deploy = [run.deploy.get(arm, "—") for run in runs for arm in NULL_ARMS]
+def deploy_of(run: RunVerdicts, arm: str) -> list[str]:
+    """The arm's deploy verdicts in one run (one per scale group: "arm#0", "arm#1", ...)."""
+    return [v for k, v in run.deploy.items() if k.split("#")[0] == arm]
+
+
+def report_null(runs: list[RunVerdicts], levels: list[int]) -> list[bool]:
+    null_deploy = [v for run in runs for arm in NULL_ARMS for v in deploy_of(run, arm)]
     null_level = [
         run.level[(arm, c)]["verdict"]
         for run in runs
@@ -329,42 +391,72 @@ def report_replays(runs: list[RunVerdicts], levels: list[int], truth: dict[int, 
         for c in levels
         if (arm, c) in run.level
     ]
-    print(f"A/A deploy verdicts WIN or LOSS: {share([v in DECISIVE for v in null_deploy])}   (target ≤ 5 %)")
-    print(f"    counts: {dict(sorted((v, null_deploy.count(v)) for v in set(null_deploy)))}")
-    print(
-        f"A/A per-level verdicts WIN or LOSS: {share([v in DECISIVE for v in null_level])}   (target ≤ 5 %)"
+    met = [target("A/A deploy verdicts WIN or LOSS", [v in DECISIVE for v in null_deploy], 0.05, True)]
+    print(f"           counts: {dict(sorted((v, null_deploy.count(v)) for v in set(null_deploy)))}")
+    met.append(target("A/A per-level verdicts WIN or LOSS", [v in DECISIVE for v in null_level], 0.05, True))
+    print(f"           counts: {dict(sorted((v, null_level.count(v)) for v in set(null_level)))}")
+    return met
+
+
+def report_power(runs: list[RunVerdicts], low: int, truth: dict[int, tuple[float, float]]) -> bool:
+    rows = [run.level.get((REAL_ARM, low), {}) for run in runs]
+    met = target(
+        f"power: eagle3 WIN at c={low} (true decode {truth[low][0]:.2f}x)",
+        [r.get("verdict") == "WIN" for r in rows],
+        0.95,
+        False,
     )
-    print(f"    counts: {dict(sorted((v, null_level.count(v)) for v in set(null_level)))}")
-    low = min(levels)
-    power = [run.level.get((REAL_ARM, low), {}).get("verdict") == "WIN" for run in runs]
-    judged = [run.level.get((REAL_ARM, low), {}).get("verdict") != "UNRELIABLE" for run in runs]
-    print(
-        f"power: eagle3 WIN at c={low} (true decode ratio {truth[low][0]:.2f}x): {share(power)}"
-        f"   (target ≥ 95 %); c={low} judged (not UNRELIABLE) in {share(judged)}"
-    )
-    print(
-        "coverage (interval contains the true ratio; target ≥ 90 % at every level; all runs | reliable ones):"
-    )
-    print(
-        f"    {'level':>6}  {'arm':<12} {'true decode':>11} {'decode':>24} {'true thr':>9} {'throughput':>24}"
-    )
+    seen = [str(r.get("verdict")) for r in rows]
+    print(f"           verdicts: {dict(sorted((v, seen.count(v)) for v in set(seen)))}")
+    for r in rows:
+        if r.get("verdict") not in ("WIN", None):
+            print(f"           not WIN: {r.get('verdict')}: {r.get('reason', '')[:160]}")
+    return met
+
+
+def coverage_hits(
+    runs: list[RunVerdicts], arm: str, c: int, key: str, truth: float, reliable_only: bool
+) -> list[bool]:
+    out = []
+    for run in runs:
+        row = run.level.get((arm, c))
+        if row is None:
+            continue
+        hit = contains(row.get(key), truth)
+        if hit is not None and (not reliable_only or row["verdict"] != "UNRELIABLE"):
+            out.append(hit)
+    return out
+
+
+def report_coverage(
+    runs: list[RunVerdicts], levels: list[int], truth: dict[int, tuple[float, float]]
+) -> list[bool]:
+    """Per level: every arm's decode and throughput intervals against the truth, over all runs (the
+    target) and over the runs where the level was judged (not UNRELIABLE)."""
+    met = []
     for c in levels:
         for arm in (*NULL_ARMS, REAL_ARM):
-            t_dec, t_thr = (1.0, 1.0) if arm in NULL_ARMS else truth[c]
-            rows = [run.level[(arm, c)] for run in runs if (arm, c) in run.level]
-            cells = []
-            for key, truth_ in (("decode_speedup", t_dec), ("throughput_speedup", t_thr)):
-                hits = [(contains(r.get(key), truth_), r["verdict"] != "UNRELIABLE") for r in rows]
-                every = [h for h, _ in hits if h is not None]
-                reliable = [h for h, ok in hits if h is not None and ok]
-                cells.append(f"{share(every)} | {share(reliable)}")
-            print(
-                f"    {'c=' + str(c):>6}  {arm:<12} {t_dec:>10.3f}x {cells[0]:>24} "
-                f"{t_thr:>8.3f}x {cells[1]:>24}"
-            )
+            truths = (1.0, 1.0) if arm in NULL_ARMS else truth[c]
+            for key, t in zip(("decode_speedup", "throughput_speedup"), truths, strict=True):
+                name = f"coverage c={c:<3} {arm:<12} {key.split('_')[0]:<10} (true {t:.3f}x)"
+                met.append(target(name, coverage_hits(runs, arm, c, key, t, False), 0.90, False))
+                print(f"           reliable runs only: {share(coverage_hits(runs, arm, c, key, t, True))}")
+    return met
+
+
+def report_replays(runs: list[RunVerdicts], levels: list[int], truth: dict[int, tuple[float, float]]) -> None:
+    null = report_null(runs, levels)
+    power = report_power(runs, min(levels), truth)
+    coverage = report_coverage(runs, levels, truth)
     over = sum(r.health_over for r in runs)
     total = sum(r.health_total for r in runs)
     print(f"health: level-rounds over a limit: {over}/{total}")
+    print(
+        f"TARGETS  null deploy {'met' if null[0] else 'NOT met'}; "
+        f"null per-level {'met' if null[1] else 'NOT met'}; "
+        f"power {'met' if power else 'NOT met'}; coverage c={min(levels)}..{max(levels)} "
+        f"{'met' if all(coverage) else f'NOT met ({coverage.count(False)} of {len(coverage)} cells)'}"
+    )
 
 
 def stability(n: int, work: Path, measure: bool) -> None:
@@ -390,36 +482,77 @@ def stability(n: int, work: Path, measure: bool) -> None:
         print(f"cost: lab --quick wall time {', '.join(f'{w:.0f}' for w in walls)} s   (target ≤ 180 s)")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--runs", type=int, default=20, help="repeated replays (A/A, power, coverage)")
-    parser.add_argument("--levels", default="1,8,32", help="concurrency levels of each replay")
+    parser.add_argument("--levels", default="1,8,32,64", help="concurrency levels of each replay")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per level")
     parser.add_argument(
         "--per-round", type=int, default=6, help="items per round at least (and one per slot)"
     )
     parser.add_argument("--items", type=int, default=0, help="workload items (default: the top level)")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="simulators' time scale")
+    parser.add_argument(
+        "--time-scale",
+        default="1:0.25,8:0.25,32:0.1,64:0.05",
+        help='simulators\' time scale: one for all ("0.25") or per level ("1:0.5,64:0.1", others 1)',
+    )
     parser.add_argument(
         "--stability-runs", type=int, default=3, help="consecutive lab --quick runs (0: none)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (printed)")
+    parser.add_argument("--work", type=Path, help="the work folder (default: a new temporary one)")
     parser.add_argument(
         "--from", dest="from_dir", type=Path, help="analyse a kept folder again; measure nothing"
     )
-    opts = parser.parse_args()
+    return parser.parse_args()
+
+
+def kept_runs(folder: Path) -> list[RunVerdicts]:
+    """A kept folder's runs: run-NN-gK.duckdb (one per scale group) merged per NN."""
+    by_run: dict[str, list[Path]] = {}
+    for db in sorted(folder.glob("run-*.duckdb")):
+        by_run.setdefault(db.stem.split("-")[1], []).append(db)
+    return [merged([verdicts_of(db) for db in dbs]) for _, dbs in sorted(by_run.items())]
+
+
+def measure_group(
+    g: int, scale: float, levels: list[int], work: Path, items: list[ReplayItem], opts: argparse.Namespace
+) -> list[RunVerdicts]:
+    """``opts.runs`` replays of ``levels`` against simulators at ``scale``."""
+    out = []
+    with running_sims(bench_arms(), work, scale) as sims:
+        exp = work / f"exp-g{g}.toml"
+        write_experiment(exp, sims)
+        for i in range(opts.runs):
+            t0 = time.monotonic()
+            out.append(replay_once(f"run-{i:02d}-g{g}", work, exp, items, levels, opts))
+            r = out[-1]
+            print(
+                f"  scale {scale:g} c={','.join(map(str, levels))} replay #{i + 1}: "
+                f"{time.monotonic() - t0:.0f} s; "
+                f"deploy {r.deploy}; health over limit {r.health_over}/{r.health_total}; "
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+    return out
+
+
+def main() -> None:
+    opts = parse_args()
     levels = [int(x) for x in opts.levels.split(",")]
     # SIGTERM ends the run like Ctrl-C: the simulators are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    items = mixed_workload(opts.items or max(levels), seed=0, max_tokens_scale=0.5)
     if opts.from_dir is not None:
-        items = mixed_workload(opts.items or max(levels), seed=0, max_tokens_scale=0.5)
-        kept = [verdicts_of(db) for db in sorted(opts.from_dir.glob("run-*.duckdb"))]
-        report_replays(kept, levels, true_ratios(items, levels, opts.per_round, opts.rounds))
+        report_replays(
+            kept_runs(opts.from_dir), levels, true_ratios(items, levels, opts.per_round, opts.rounds)
+        )
         stability(0, opts.from_dir, measure=False)
         return
-    work = Path(tempfile.mkdtemp(prefix="specproxy-bench-verdicts-"))
+    work = opts.work or Path(tempfile.mkdtemp(prefix="specproxy-bench-verdicts-"))
+    work.mkdir(parents=True, exist_ok=True)
     if opts.keep:
         print(f"work folder (kept): {work}")
     print(
@@ -427,29 +560,21 @@ def main() -> None:
         f"on {os.cpu_count()} cores",
     )
     try:
-        items = mixed_workload(opts.items or max(levels), seed=0, max_tokens_scale=0.5)
-        workload, exp = work / "workload.jsonl", work / "exp.toml"
-        write_workload(workload, items)  # for specproxy replay by hand, and a record of what was sent
+        write_workload(
+            work / "workload.jsonl", items
+        )  # for specproxy replay by hand, and a record of what was sent
         t0 = time.monotonic()
         truth = true_ratios(items, levels, opts.per_round, opts.rounds)
         print(
             f"lag-free true eagle3/baseline ratios (decode, throughput), {time.monotonic() - t0:.0f} s: "
             + ", ".join(f"c={c} {d:.3f}x {t:.3f}x" for c, (d, t) in truth.items())
         )
-        runs: list[RunVerdicts] = []
-        with running_sims(bench_arms(), work, opts.time_scale) as sims:
-            write_experiment(exp, sims)
-            for i in range(opts.runs):
-                t0 = time.monotonic()
-                runs.append(replay_once(i, work, exp, items, opts))
-                r = runs[-1]
-                print(
-                    f"  replay #{i + 1}: {time.monotonic() - t0:.0f} s; deploy {r.deploy}; "
-                    f"health over limit {r.health_over}/{r.health_total}",
-                    flush=True,
-                )
+        groups = scale_groups(level_scales(opts.time_scale, levels))
+        parts = [measure_group(g, scale, lv, work, items, opts) for g, (scale, lv) in enumerate(groups)]
+        runs = [merged(run_parts) for run_parts in zip(*parts, strict=True)]
         if runs:
             report_replays(runs, levels, truth)
+        print("load average at the end (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
         stability(opts.stability_runs, work, measure=True)
     finally:
         if opts.keep:
