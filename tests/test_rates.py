@@ -316,3 +316,76 @@ async def test_a_rate_sweep_through_the_proxy_labels_its_spans_with_each_rate(tm
         assert all(header not in h for h in base.stats.headers)  # the proxy's own, never passed on
     labelled = sorted((r["offered_rate"], r["concurrency_level"]) for r in spans(p.db))
     assert labelled == [(50.0, None)] * 4 + [(100.0, None)] * 4
+
+
+def slo_of(db: Path, *args: str) -> dict[str, Any]:
+    res = cli("analyze", str(db), "--format", "json", *args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    section: dict[str, Any] = json.loads(res.stdout)["runs"][0]["slo"]
+    return section
+
+
+def test_a_rate_sweep_at_an_slo_has_its_capacity_in_requests_per_second(tmp_path: Path) -> None:
+    out = tmp_path / "lab"
+    res = cli(
+        "lab",
+        "--no-progress",
+        "--quick",
+        "--rates",
+        "1,2",
+        "--items",
+        "4",
+        "--rounds",
+        "2",
+        "--time-scale",
+        "2",
+        "--no-replica",
+        "--slo",
+        "e2e_p95=120s",
+        "--peak-rate",
+        "2",
+        "--gpu-hour-usd",
+        "2",
+        "--out",
+        str(out),
+        timeout=LAB_DEADLINE_S,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    db = out / "specproxy.duckdb"
+    slo = slo_of(db)
+    assert slo["axis"] == "rate" and slo["source"] == "experiment file"
+    assert slo["peak"] == {"load": 2.0, "axis": "rate", "source": "experiment file"}
+    arms = {a["arm"]: a for a in slo["arms"]}
+    assert set(arms) == {"baseline", "ngram", "draft_model", "eagle3"}
+    # a busy machine may leave a rate level unreliable: the capacity is over the reliable ones
+    reliable: dict[str, list[float]] = {name: [] for name in arms}
+    for lv in slo["levels"]:
+        if lv["reliable"]:
+            reliable[lv["arm"]].append(lv["load"])
+    for name, arm in arms.items():
+        if not reliable[name]:
+            assert arm["capacity"] is None and "no reliable level" in arm["headline"]
+            continue
+        # every arm holds a 120 s E2E target at every reliable rate: capacity ≥ the top one, in req/s
+        capacity = arm["capacity"]
+        assert capacity["loads"] == sorted(reliable[name])
+        assert capacity["crossing"]["state"] == "every"
+        assert capacity["crossing"]["load"] == max(reliable[name])
+        assert f"capacity ≥ {max(reliable[name]):g} req/s" in arm["headline"], arm["headline"]
+        assert f"capacity ≥ {max(reliable[name]):g} req/s" in res.stdout
+    # the fleet is sized for the peak rate, each arm on one GPU at $2 an hour
+    fleet = {f["arm"]: f for f in slo["fleet"]}
+    assert set(fleet) == set(arms)
+    for name, row in fleet.items():
+        assert row["gpus_per_replica"] == 1
+        if reliable[name]:
+            assert row["replicas"] >= 1 and row["cost_per_hour"] == 2.0 * row["gpus"]
+    assert "fleet at peak 2 req/s (experiment file), $2.00 per GPU-hour:" in res.stdout
+    # the same store at an SLO no call meets: capacity below the lowest rate, in req/s
+    strict = slo_of(db, "--slo", "e2e_p95=1ms")
+    assert strict["source"] != "experiment file"
+    for arm in strict["arms"]:
+        if arm["capacity"] is not None:
+            assert arm["capacity"]["crossing"]["state"] == "none"
+            assert arm["capacity"]["crossing"]["load"] is None
+            assert "capacity < 1 req/s" in arm["headline"], arm["headline"]
