@@ -194,6 +194,8 @@ def test_an_itl_slo_on_spans_without_itl_is_not_checked(tmp_path: Path) -> None:
     text = _cli("analyze", str(db), "--slo", "ttft_p95=500ms,itl_p99=80ms", "--bootstrap-iterations", "200")
     assert "itl not recorded for 40 of 40 ok calls; could not be checked, not counted as met" in text.stdout
     assert "not checked" in text.stdout
+    # each note names its level as the tables do
+    assert "eagle3 c=8: itl not recorded" in text.stdout
 
 
 def test_fleet_at_the_peak_from_the_experiment_file(tmp_path: Path) -> None:
