@@ -126,10 +126,10 @@ def main() -> None:
     print_left_out("dense", dense)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     checked = [v for v in verdicts if v != "—"]
-    met = bool(checked) and all(v == "yes" for v in checked)
+    outcome = "not measured" if not checked else "met" if all(v == "yes" for v in checked) else "NOT met"
     print(
-        f"target (dense capacity within the coarse interval): {'met' if met else 'NOT met'}, "
-        f"{checked.count('yes')} of {len(checked)} arms that cross between coarse levels "
+        f"target (dense capacity within the coarse interval): {outcome}, {checked.count('yes')} of "
+        f"{len(checked)} arms with a crossing between levels in both sweeps "
         f"({len(verdicts) - len(checked)} not checkable)"
     )
     if opts.keep:
