@@ -22,7 +22,7 @@ from specproxy.cli import main
 from specproxy.config import Arm
 from specproxy.lab import QUICK, default_rates, estimated_capacity
 from specproxy.proxy.replay.formats import ReplayItem
-from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.replay.runner import WARMUP_MAX_TOKENS, LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.replay.workload import mixed_workload
 from specproxy.schema import level_sql, rate_label
 from tests.backends import BackendConfig, running_backend
@@ -389,3 +389,46 @@ def test_a_rate_sweep_at_an_slo_has_its_capacity_in_requests_per_second(tmp_path
             assert arm["capacity"]["crossing"]["state"] == "none"
             assert arm["capacity"]["crossing"]["load"] is None
             assert "capacity < 1 req/s" in arm["headline"], arm["headline"]
+
+
+@pytest.mark.parametrize("warm_fresh", [True, False])
+async def test_a_lab_plan_warms_each_prompt_once_before_it_is_measured(
+    tmp_path: Path, warm_fresh: bool
+) -> None:
+    """An engine's prefix cache would serve a prompt cold only in the first round that sends it; the
+    lab's plan sends every prompt once, unrecorded, before the level that first measures it."""
+    async with (
+        running_backend(BackendConfig(tokens=3)) as base,
+        running_backend(BackendConfig(tokens=3)) as cand,
+    ):
+        items = [
+            ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"q {i}"}]})
+            for i in range(4)
+        ]
+        arms = (Arm(name="base", url=base.url, role="baseline"), Arm(name="cand", url=cand.url))
+        plan = LoadPlan(
+            kind="rate",
+            rates=(100.0, 200.0),
+            items_per_rate=lambda rate: 2 if rate < 150 else 4,
+            rounds=2,
+            warmup=0,
+            warm_fresh_prompts=warm_fresh,
+        )
+        settings = ReplaySettings(arms=arms, db_path=tmp_path / "r.duckdb", show_progress=False, load=plan)
+        result = await run_replay(settings, items)
+        assert result.per_arm["cand"].ok == 2 * 2 + 2 * 4
+    for backend in (base, cand):
+        sent = [
+            (b["messages"][0]["content"], b.get("max_tokens") == WARMUP_MAX_TOKENS)
+            for b in backend.stats.bodies
+        ]
+        warm = [prompt for prompt, is_warm in sent if is_warm]
+        if not warm_fresh:
+            assert warm == []
+            continue
+        # q0 and q1 before the first rate, q2 and q3 (new at the second) before it; each prompt's first
+        # call is its warm-up
+        assert warm == ["q 0", "q 1", "q 2", "q 3"]
+        first = {prompt: is_warm for prompt, is_warm in reversed(sent)}
+        assert all(first.values())
+        assert sent[:2] == [("q 0", True), ("q 1", True)]
