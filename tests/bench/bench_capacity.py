@@ -2,7 +2,7 @@
 
     python tests/bench/bench_capacity.py [--coarse 4,16,64 | --rates 1,4,16,30] [--points 5]
                                          [--slo ttft_p95=250ms] [--time-scale 0.125] [--items 64]
-                                         [--keep]
+                                         [--keep] [--coarse-from KEPT/coarse]
 
 Runs `specproxy lab --quick` (no replica: it plays no part in a capacity) on the coarse levels with the
 SLO, reads each arm's capacity and its interval, then runs the lab again on ``--points`` levels evenly
@@ -12,7 +12,7 @@ rates instead of concurrency (capacity in req/s). Target: for every arm whose SL
 between two reliable coarse levels, the dense sweep's capacity lies within the coarse interval. Both
 labs run at the same ``--time-scale`` (the lab's probe could otherwise pick different ones, and an SLO
 is in measured time). Levels the validity gates mark UNRELIABLE are left out of a capacity; the bench
-prints them.
+prints them. ``--coarse-from`` analyses a kept coarse lab at another ``--slo`` instead of running it.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ def lab(out: Path, levels: list[float], opts: argparse.Namespace) -> dict[str, A
         sweep.append(",".join(str(int(x)) for x in levels))
     args = ["lab", "--quick", "--no-progress", "--no-replica", "--out", str(out), *sweep]
     args += ["--slo", opts.slo, "--time-scale", str(opts.time_scale), "--items", str(opts.items)]
-    subprocess.run([*exe, *args], check=True, capture_output=True, text=True)
+    if not (out / "specproxy.duckdb").exists():
+        subprocess.run([*exe, *args], check=True, capture_output=True, text=True)
     analysis = subprocess.run(
-        [*exe, "analyze", str(out / "specproxy.duckdb"), "--format", "json"],
+        [*exe, "analyze", str(out / "specproxy.duckdb"), "--format", "json", "--slo", opts.slo],
         check=True,
         capture_output=True,
         text=True,
@@ -99,8 +100,13 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=0.125, help="simulators' time scale (both labs)")
     parser.add_argument("--items", type=int, default=64, help="requests per arm and level (all rounds)")
     parser.add_argument("--keep", action="store_true", help="keep the labs' folders (printed)")
+    parser.add_argument(
+        "--coarse-from", type=Path, help="a kept coarse lab folder to analyse at --slo instead of a new lab"
+    )
     opts = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="specproxy-capacity-"))
+    if opts.coarse_from:
+        shutil.copytree(opts.coarse_from, work / "coarse")
     coarse_levels = [float(x) for x in (opts.rates or opts.coarse).split(",")]
     axis = "rates (req/s)" if opts.rates else "concurrency"
     print(f"load average before: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} cores); SLO {opts.slo}")
