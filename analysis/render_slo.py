@@ -14,6 +14,11 @@ from specproxy.analysis.stats import Interval
 DASH = "—"
 
 
+def _level_name(r: SloLevelRow) -> str:
+    """A level as the verdict table names it: c=4, r=2."""
+    return f"c={r.level}" if r.level.isdigit() else r.level
+
+
 def fmt_band(iv: Interval | None, digits: int, scale: float = 1.0) -> str:
     if iv is None:
         return DASH
@@ -51,10 +56,9 @@ def level_table(s: SloEvaluation) -> tuple[list[str], list[list[str]]]:
     ]
     rows = []
     for r in s.levels:
-        level = f"c={r.level}" if r.level.isdigit() else r.level
         rows.append(
             [
-                level,
+                _level_name(r),
                 r.arm,
                 f"{r.met}/{r.calls}",
                 fmt_band(r.share, 1, 100.0),
@@ -129,7 +133,7 @@ def capacity_lines(s: SloEvaluation) -> list[str]:
     lines += [
         f"fleet {f.arm}: held the SLO at every tested level, so ≤ replicas" for f in s.fleet if f.at_most
     ]
-    lines += [f"{r.arm} {r.level}: {r.note}" for r in s.levels if r.note]
+    lines += [f"{r.arm} {_level_name(r)}: {r.note}" for r in s.levels if r.note]
     return lines + s.notes
 
 

@@ -237,11 +237,20 @@ def _capacity_replicates(points: _ArmPoints, thresholds: Sequence[float]) -> Flo
 
 
 def _ratio_text(ratio: cap.CapacityRatio, unit: str, baseline: str) -> str:
-    """ "serves 1.30x [1.20, 1.40] more concurrent users than baseline"."""
+    """ "serves 1.30x [1.20, 1.40] more concurrent users than baseline"; more or fewer only where the
+    interval says so (an interval across 1 is no clear difference)."""
     assert ratio.point is not None
     band = f" [{ratio.low:.2f}, {ratio.high:.2f}]" if ratio.low is not None and ratio.high is not None else ""
     figure = f"{ratio.bound}{ratio.point:.2f}x{band}"
-    more = f"more {unit} than {baseline}" if ratio.point >= 1 else f"the {unit} of {baseline} (fewer)"
+    low, high = (
+        (ratio.low, ratio.high) if ratio.low is not None and ratio.high is not None else (ratio.point,) * 2
+    )
+    if low > 1 or (not band and ratio.point >= 1):
+        more = f"more {unit} than {baseline}"
+    elif high < 1:
+        more = f"the {unit} of {baseline} (fewer)"
+    else:
+        more = f"the {unit} of {baseline} (no clear difference)"
     note = f" ({ratio.note})" if ratio.note else ""
     return f"serves {figure} {more}{note}"
 

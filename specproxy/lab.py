@@ -388,9 +388,19 @@ def default_rates(capacity: float, shares: Sequence[float]) -> tuple[float, ...]
 def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None) -> LoadPlan:
     if rates is None:
         return LoadPlan(
-            kind="closed", levels=plan.levels, items_per_level=plan.items_per_round, rounds=plan.rounds
+            kind="closed",
+            levels=plan.levels,
+            items_per_level=plan.items_per_round,
+            rounds=plan.rounds,
+            warm_fresh_prompts=True,
         )
-    return LoadPlan(kind="rate", rates=rates, items_per_rate=plan.arrivals_per_round, rounds=plan.rounds)
+    return LoadPlan(
+        kind="rate",
+        rates=rates,
+        items_per_rate=plan.arrivals_per_round,
+        rounds=plan.rounds,
+        warm_fresh_prompts=True,
+    )
 
 
 def _sweep_sentence(plan: LabPlan, rates: tuple[float, ...] | None) -> str:

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from specproxy.analysis import evaluate, open_store
-from specproxy.analysis.capacity import BETWEEN, EVERY, NONE, crossing, slo_crossing
+from specproxy.analysis.capacity import BETWEEN, EVERY, NONE, CapacityRatio, crossing, slo_crossing
 from specproxy.analysis.evaluation import Settings
 from specproxy.analysis.fleet import Peak, arm_fleet, gpu_saving, interpolate, replicas_needed
+from specproxy.analysis.slo import _ratio_text
 from specproxy.config import ConfigError, experiment_json, parse_experiment
 from specproxy.record import SpanRecord
 from specproxy.slo import SloError, parse_slo
@@ -193,6 +194,8 @@ def test_an_itl_slo_on_spans_without_itl_is_not_checked(tmp_path: Path) -> None:
     text = _cli("analyze", str(db), "--slo", "ttft_p95=500ms,itl_p99=80ms", "--bootstrap-iterations", "200")
     assert "itl not recorded for 40 of 40 ok calls; could not be checked, not counted as met" in text.stdout
     assert "not checked" in text.stdout
+    # each note names its level as the tables do
+    assert "eagle3 c=8: itl not recorded" in text.stdout
 
 
 def test_fleet_at_the_peak_from_the_experiment_file(tmp_path: Path) -> None:
@@ -352,3 +355,27 @@ def test_the_capacity_interval_covers_the_true_crossing(tmp_path: Path) -> None:
             covered.append(low <= truth <= high)
     print(f"capacity intervals containing the true crossing c≈{truth:.1f}: {sum(covered)}/{len(covered)}")
     assert sum(covered) >= 0.85 * len(covered)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "words"),
+    [
+        (CapacityRatio(1.3, 1.2, 1.4, ""), "1.30x [1.20, 1.40] more concurrent users than baseline"),
+        (CapacityRatio(0.6, 0.5, 0.8, ""), "0.60x [0.50, 0.80] the concurrent users of baseline (fewer)"),
+        # an interval across 1 says neither more nor fewer, whichever side the point is on
+        (
+            CapacityRatio(0.72, 0.39, 1.82, "≤"),
+            "≤0.72x [0.39, 1.82] the concurrent users of baseline (no clear difference)",
+        ),
+        (
+            CapacityRatio(1.56, 0.82, 3.15, "≥"),
+            "≥1.56x [0.82, 3.15] the concurrent users of baseline (no clear difference)",
+        ),
+        (CapacityRatio(1.1, None, None, ""), "1.10x more concurrent users than baseline"),
+        (CapacityRatio(0.9, None, None, ""), "0.90x the concurrent users of baseline (fewer)"),
+    ],
+)
+def test_a_capacity_ratio_says_more_or_fewer_only_when_its_interval_does(
+    ratio: CapacityRatio, words: str
+) -> None:
+    assert _ratio_text(ratio, "concurrent users", "baseline") == f"serves {words}"

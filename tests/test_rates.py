@@ -22,7 +22,7 @@ from specproxy.cli import main
 from specproxy.config import Arm
 from specproxy.lab import QUICK, default_rates, estimated_capacity
 from specproxy.proxy.replay.formats import ReplayItem
-from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.replay.runner import WARMUP_MAX_TOKENS, LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.replay.workload import mixed_workload
 from specproxy.schema import level_sql, rate_label
 from tests.backends import BackendConfig, running_backend
@@ -317,3 +317,119 @@ async def test_a_rate_sweep_through_the_proxy_labels_its_spans_with_each_rate(tm
         assert all(header not in h for h in base.stats.headers)  # the proxy's own, never passed on
     labelled = sorted((r["offered_rate"], r["concurrency_level"]) for r in spans(p.db))
     assert labelled == [(50.0, None)] * 4 + [(100.0, None)] * 4
+
+
+def slo_of(db: Path, *args: str) -> dict[str, Any]:
+    res = cli("analyze", str(db), "--format", "json", *args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    section: dict[str, Any] = json.loads(res.stdout)["runs"][0]["slo"]
+    return section
+
+
+def test_a_rate_sweep_at_an_slo_has_its_capacity_in_requests_per_second(tmp_path: Path) -> None:
+    out = tmp_path / "lab"
+    res = cli(
+        "lab",
+        "--no-progress",
+        "--quick",
+        "--rates",
+        "1,2",
+        "--items",
+        "4",
+        "--rounds",
+        "2",
+        "--time-scale",
+        "2",
+        "--no-replica",
+        "--slo",
+        "e2e_p95=120s",
+        "--peak-rate",
+        "2",
+        "--gpu-hour-usd",
+        "2",
+        "--out",
+        str(out),
+        timeout=LAB_DEADLINE_S,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    db = out / "specproxy.duckdb"
+    slo = slo_of(db)
+    assert slo["axis"] == "rate" and slo["source"] == "experiment file"
+    assert slo["peak"] == {"load": 2.0, "axis": "rate", "source": "experiment file"}
+    arms = {a["arm"]: a for a in slo["arms"]}
+    assert set(arms) == {"baseline", "ngram", "draft_model", "eagle3"}
+    # a busy machine may leave a rate level unreliable: the capacity is over the reliable ones
+    reliable: dict[str, list[float]] = {name: [] for name in arms}
+    for lv in slo["levels"]:
+        if lv["reliable"]:
+            reliable[lv["arm"]].append(lv["load"])
+    for name, arm in arms.items():
+        if not reliable[name]:
+            assert arm["capacity"] is None and "no reliable level" in arm["headline"]
+            continue
+        # every arm holds a 120 s E2E target at every reliable rate: capacity ≥ the top one, in req/s
+        capacity = arm["capacity"]
+        assert capacity["loads"] == sorted(reliable[name])
+        assert capacity["crossing"]["state"] == "every"
+        assert capacity["crossing"]["load"] == max(reliable[name])
+        assert f"capacity ≥ {max(reliable[name]):g} req/s" in arm["headline"], arm["headline"]
+        assert f"capacity ≥ {max(reliable[name]):g} req/s" in res.stdout
+    # the fleet is sized for the peak rate, each arm on one GPU at $2 an hour
+    fleet = {f["arm"]: f for f in slo["fleet"]}
+    assert set(fleet) == set(arms)
+    for name, row in fleet.items():
+        assert row["gpus_per_replica"] == 1
+        if reliable[name]:
+            assert row["replicas"] >= 1 and row["cost_per_hour"] == 2.0 * row["gpus"]
+    assert "fleet at peak 2 req/s (experiment file), $2.00 per GPU-hour:" in res.stdout
+    # the same store at an SLO no call meets: capacity below the lowest rate, in req/s
+    strict = slo_of(db, "--slo", "e2e_p95=1ms")
+    assert strict["source"] != "experiment file"
+    for arm in strict["arms"]:
+        if arm["capacity"] is not None:
+            assert arm["capacity"]["crossing"]["state"] == "none"
+            assert arm["capacity"]["crossing"]["load"] is None
+            assert "capacity < 1 req/s" in arm["headline"], arm["headline"]
+
+
+@pytest.mark.parametrize("warm_fresh", [True, False])
+async def test_a_lab_plan_warms_each_prompt_once_before_it_is_measured(
+    tmp_path: Path, warm_fresh: bool
+) -> None:
+    """An engine's prefix cache would serve a prompt cold only in the first round that sends it; the
+    lab's plan sends every prompt once, unrecorded, before the level that first measures it."""
+    async with (
+        running_backend(BackendConfig(tokens=3)) as base,
+        running_backend(BackendConfig(tokens=3)) as cand,
+    ):
+        items = [
+            ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"q {i}"}]})
+            for i in range(4)
+        ]
+        arms = (Arm(name="base", url=base.url, role="baseline"), Arm(name="cand", url=cand.url))
+        plan = LoadPlan(
+            kind="rate",
+            rates=(100.0, 200.0),
+            items_per_rate=lambda rate: 2 if rate < 150 else 4,
+            rounds=2,
+            warmup=0,
+            warm_fresh_prompts=warm_fresh,
+        )
+        settings = ReplaySettings(arms=arms, db_path=tmp_path / "r.duckdb", show_progress=False, load=plan)
+        result = await run_replay(settings, items)
+        assert result.per_arm["cand"].ok == 2 * 2 + 2 * 4
+    for backend in (base, cand):
+        sent = [
+            (b["messages"][0]["content"], b.get("max_tokens") == WARMUP_MAX_TOKENS)
+            for b in backend.stats.bodies
+        ]
+        warm = [prompt for prompt, is_warm in sent if is_warm]
+        if not warm_fresh:
+            assert warm == []
+            continue
+        # q0 and q1 before the first rate, q2 and q3 (new at the second) before it; each prompt's first
+        # call is its warm-up
+        assert warm == ["q 0", "q 1", "q 2", "q 3"]
+        first = {prompt: is_warm for prompt, is_warm in reversed(sent)}
+        assert all(first.values())
+        assert sent[:2] == [("q 0", True), ("q 1", True)]

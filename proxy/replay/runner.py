@@ -77,6 +77,8 @@ from specproxy.schema import rate_label
 
 ReplayMode = Literal["paired", "split"]
 WARMUP_MAX_TOKENS = 16
+# Calls in flight while a level's prompts the arms have not seen yet are warmed.
+FRESH_WARMUP_SLOTS = 16
 # While a phase runs, each arm's running/waiting gauges are read from its /metrics this often (the first
 # time half as soon), so that every call's span carries the engine's load from a recent scrape. Calls
 # before the first have none: the scrape before the phase saw the engine idle, which says nothing about
@@ -103,6 +105,9 @@ class LoadPlan:
     # Calls per arm before each level that are not recorded; None = one per slot (closed loop), one
     # (rates).
     warmup: int | None = None
+    # Also warm each of a level's prompts the arms have not been sent yet (one short call each), so
+    # that an engine's prefix cache serves every round alike: without it round 1 alone sees them cold.
+    warm_fresh_prompts: bool = False
     # Closed loop: how many items each round of a level sends (cycling the list); None = every item once.
     items_per_level: Callable[[int], int] | None = None
     # Rates: how many arrivals each round of a rate level sends (cycling the list), instead of a duration.
@@ -324,6 +329,7 @@ class ReplayRunner:
         self._sink: SpanSink | None = None
         self._recording = True
         self._warmups = 0
+        self._warmed: set[int] = set()  # ids of the items every arm has been sent at least once
         self._queue_s: list[float] = []  # this phase's calls: handed over → upstream request sent
         self._decode_s: list[float] = []  # this phase's calls: first → last token
         self._level_notes: Mapping[str, float] = {}
@@ -590,10 +596,19 @@ class ReplayRunner:
         return [self.items[i % len(self.items)] for i in range(n)]
 
     async def _warm_level(self, items: Sequence[ReplayItem], n_warm: int, slots: int) -> None:
-        """``n_warm`` unrecorded calls per arm, ``slots`` at a time, before a level is measured."""
-        if n_warm <= 0:
+        """``n_warm`` unrecorded calls per arm, ``slots`` at a time, before a level is measured; with
+        ``warm_fresh_prompts`` also each of the level's prompts the arms have not been sent yet (an
+        engine's prefix cache would otherwise serve those cold in the level's first round only, a
+        TTFT tail its later rounds do not have)."""
+        warm_items = [items[i % len(items)] for i in range(n_warm)] if n_warm > 0 and items else []
+        if self.s.load.warm_fresh_prompts:
+            seen = self._warmed | {id(it) for it in warm_items}
+            fresh = list({id(it): it for it in items if id(it) not in seen}.values())
+            warm_items += fresh
+            slots = max(slots, min(len(fresh), FRESH_WARMUP_SLOTS))
+        self._warmed.update(id(it) for it in warm_items)
+        if not warm_items:
             return
-        warm_items = [items[i % len(items)] for i in range(n_warm)]
         await asyncio.gather(
             *(
                 closed_loop(warm_items, slots, functools.partial(self._warm, arm), stop=self.stop)
