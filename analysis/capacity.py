@@ -10,7 +10,10 @@ lowest of theirs. It can also hold at every tested load (the capacity is at leas
 none (below the lowest).
 
 The interval comes from replicates of every level's percentiles (:mod:`.goodput`: calls resampled
-within rounds, plus the rounds' spread): the crossing of each replicate, and its percentiles.
+within rounds, plus the rounds' spread): the crossing of each replicate, and its percentiles; then it
+is widened to the two tested loads around the crossing. The straight line between them is a guess at
+the percentile's shape there (a curve that bends crosses elsewhere, and nothing measured says where),
+so the capacity is only known to lie between them: test loads closer together to narrow it.
 """
 
 from __future__ import annotations
@@ -126,6 +129,8 @@ def capacity(
         return Capacity(point, None, None, False, tuple(loads))
     alpha = (1 - confidence) / 2
     lo, hi = (float(x) for x in np.quantile(replicates, [alpha, 1 - alpha], method="inverted_cdf"))
+    if point.state == BETWEEN and point.holds_at is not None and point.fails_at is not None:
+        lo, hi = min(lo, point.holds_at), max(hi, point.fails_at)
     return Capacity(point, lo if lo > 0 else None, hi if hi > 0 else None, hi >= max(loads), tuple(loads))
 
 
@@ -169,4 +174,9 @@ def capacity_ratio(
     ratios = cand_reps[valid] / base_reps[valid]
     alpha = (1 - confidence) / 2
     lo, hi = (float(x) for x in np.quantile(ratios, [alpha, 1 - alpha]))
+    # Each capacity may lie anywhere between its tested loads around the crossing: so may the ratio.
+    if cand.low is not None and base.high is not None:
+        lo = min(lo, cand.low / base.high)
+    if cand.high is not None and base.low is not None:
+        hi = max(hi, cand.high / base.low)
     return CapacityRatio(c.load / b.load, lo, hi, bound)
