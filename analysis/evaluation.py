@@ -235,12 +235,12 @@ def _at_slo(
         return None
     inputs = SloInputs(
         slo=slo,
-        source="command line" if settings.slo else "experiment file",
+        source="command line" if settings.slo else "run's experiment",
         peak_concurrency=int(point.peak) if point.peak is not None and point.unit == "c" else None,
         peak_rate=settings.peak_rate or recorded["peak_rate"],
         peak_sources=(
-            "command line" if settings.peak_concurrency else "experiment file",
-            "command line" if settings.peak_rate else "experiment file",
+            "command line" if settings.peak_concurrency else "run's experiment",
+            "command line" if settings.peak_rate else "run's experiment",
         ),
         gpu_hour_usd=settings.gpu_hour_usd or recorded["gpu_hour_usd"],
         gpus=recorded["gpus"],

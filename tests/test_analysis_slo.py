@@ -221,7 +221,7 @@ def test_fleet_at_the_peak_from_the_experiment_file(tmp_path: Path) -> None:
         }
     )
     doc = _analyze(_store(tmp_path, experiment=json.loads(experiment_json(exp))))
-    assert doc["source"] == "experiment file" and doc["peak"]["load"] == 12
+    assert doc["source"] == "run's experiment" and doc["peak"]["load"] == 12
     fleet = {f["arm"]: f for f in doc["fleet"]}
     base_cap, cand_cap = _expected_capacity("baseline", 0.5), _expected_capacity("eagle3", 0.5)
     # capacities c≈3.45 and c≈4.31: 4 replicas of one GPU against 3 of two

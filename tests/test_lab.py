@@ -86,7 +86,7 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
         assert f"eagle3 at your SLO (e2e_p95 ≤ 120 s): capacity ≥ {top}" in res.stdout
     else:
         assert "eagle3: no capacity at your SLO (e2e_p95 ≤ 120 s): no reliable level" in res.stdout
-    assert "fleet at peak c=4 (experiment file), $2.50 per GPU-hour:" in res.stdout
+    assert "fleet at peak c=4 (run's experiment), $2.50 per GPU-hour:" in res.stdout
     assert 'aria-label="eagle3: capacity at the SLO"' in (out / "report.html").read_text()
     db = out / "specproxy.duckdb"
     with duckdb.connect(str(db), read_only=True) as conn:
