@@ -114,25 +114,13 @@ def slo_level_figures(
     sample_cols = ", ".join(
         ["CAST(met AS DOUBLE)", "CASE WHEN met THEN tokens ELSE 0 END"] + [f"v{i}" for i in range(k)]
     )
-    # Each level's sampling share from the first pass's counts: a join with this small table costs far
-    # less than a window count over every call.
-    counts: dict[tuple[str, str], int] = {}
-    for r in by_block:
-        counts[(r["arm"], r["level"])] = counts.get((r["arm"], r["level"]), 0) + int(r["calls"])
     levels = store.query(
-        f"""{head}, shares AS (
-            SELECT unnest($arms) AS arm, unnest($levels) AS level, unnest($shares) AS share
-        )
+        f"""{head}, s AS (SELECT *, count(*) OVER (PARTITION BY arm, level) AS n FROM c)
         SELECT arm, level, {agg},
                list([{sample_cols}, block])
-                   FILTER (WHERE h % {_HASH_MOD} < share * {_HASH_MOD}) AS sample
-        FROM c JOIN shares USING (arm, level) GROUP BY ALL""",
-        {
-            **params,
-            "arms": [arm for arm, _ in counts],
-            "levels": [level for _, level in counts],
-            "shares": [min(1.0, max_sample / n) for n in counts.values()],
-        },
+                   FILTER (WHERE h % {_HASH_MOD} < least(1.0, $max / n) * {_HASH_MOD}) AS sample
+        FROM s GROUP BY ALL""",
+        {**params, "max": max_sample},
     )
     blocks: dict[tuple[str, str], list[BlockFigures]] = {}
     for r in by_block:
