@@ -354,8 +354,8 @@ def test_a_rate_sweep_at_an_slo_has_its_capacity_in_requests_per_second(tmp_path
     assert res.returncode == 0, res.stdout + res.stderr
     db = out / "specproxy.duckdb"
     slo = slo_of(db)
-    assert slo["axis"] == "rate" and slo["source"] == "experiment file"
-    assert slo["peak"] == {"load": 2.0, "axis": "rate", "source": "experiment file"}
+    assert slo["axis"] == "rate" and slo["source"] == "run's experiment"
+    assert slo["peak"] == {"load": 2.0, "axis": "rate", "source": "run's experiment"}
     arms = {a["arm"]: a for a in slo["arms"]}
     assert set(arms) == {"baseline", "ngram", "draft_model", "eagle3"}
     # a busy machine may leave a rate level unreliable: the capacity is over the reliable ones
@@ -381,10 +381,10 @@ def test_a_rate_sweep_at_an_slo_has_its_capacity_in_requests_per_second(tmp_path
         assert row["gpus_per_replica"] == 1
         if reliable[name]:
             assert row["replicas"] >= 1 and row["cost_per_hour"] == 2.0 * row["gpus"]
-    assert "fleet at peak 2 req/s (experiment file), $2.00 per GPU-hour:" in res.stdout
+    assert "fleet at peak 2 req/s (run's experiment), $2.00 per GPU-hour:" in res.stdout
     # the same store at an SLO no call meets: capacity below the lowest rate, in req/s
     strict = slo_of(db, "--slo", "e2e_p95=1ms")
-    assert strict["source"] != "experiment file"
+    assert strict["source"] != "run's experiment"
     for arm in strict["arms"]:
         if arm["capacity"] is not None:
             assert arm["capacity"]["crossing"]["state"] == "none"
