@@ -301,18 +301,16 @@ GROUP BY run_id, arm, level
 # contributes its increase in each window, Prometheus-style: a drop means the counter restarted from
 # zero, so the new value is the increase. Then windows and series are summed per level (over rounds,
 # `engine` and any other label).
-ACCEPTANCE_VIEW = """
+ACCEPTANCE_VIEW_TEMPLATE = """
 CREATE OR REPLACE VIEW acceptance AS
 WITH samples AS (
-    SELECT run_id, arm, scraped_at, name, labels_json, value,
+    SELECT run_id, arm, scraped_at, {name_column}labels_json, value,
            CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
                 THEN regexp_replace(phase, ':(before|after)$', '')
                 ELSE coalesce(phase, 'periodic') END AS win,
            json_extract_string(labels_json, '$.position') AS position
     FROM backend_metrics
-    WHERE name IN ('vllm:spec_decode_num_drafts_total', 'vllm:spec_decode_num_draft_tokens_total',
-                   'vllm:spec_decode_num_accepted_tokens_total',
-                   'vllm:spec_decode_num_accepted_tokens_per_pos_total')
+    WHERE name IN ({names})
 ), steps AS (
     SELECT *, regexp_replace(win, ' r[0-9]+/[0-9]+$', '') AS phase,
            lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
@@ -326,9 +324,9 @@ WITH samples AS (
     GROUP BY run_id, arm, phase, win, name, labels_json, position
 ), totals AS (
     SELECT run_id, arm, phase,
-           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_drafts_total') AS drafts,
-           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_draft_tokens_total') AS draft_tokens,
-           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_accepted_tokens_total') AS accepted_tokens
+           sum(increase) FILTER (WHERE name = '{p}spec_decode_num_drafts_total') AS drafts,
+           sum(increase) FILTER (WHERE name = '{p}spec_decode_num_draft_tokens_total') AS draft_tokens,
+           sum(increase) FILTER (WHERE name = '{p}spec_decode_num_accepted_tokens_total') AS accepted_tokens
     FROM series
     GROUP BY run_id, arm, phase
 ), positions AS (
@@ -337,7 +335,7 @@ WITH samples AS (
                AS acceptance_per_position
     FROM (SELECT run_id, arm, phase, position, sum(increase) AS increase
           FROM series
-          WHERE name = 'vllm:spec_decode_num_accepted_tokens_per_pos_total'
+          WHERE name = '{p}spec_decode_num_accepted_tokens_per_pos_total'
           GROUP BY run_id, arm, phase, position) s
     JOIN totals t USING (run_id, arm, phase)
     GROUP BY s.run_id, s.arm, s.phase
@@ -354,65 +352,32 @@ FROM totals t
 LEFT JOIN positions p USING (run_id, arm, phase)
 """
 
+
+def _acceptance_view(*prefixes: str) -> str:
+    """The acceptance view over the spec_decode_* counters of the engines with these metric prefixes:
+    with one, the names are read whole; with several, the prefix is dropped and the rest summed alike."""
+
+    def names(prefix: str) -> str:
+        drafts, tokens, accepted, per_pos = (
+            f"'{prefix}:spec_decode_num_{counter}_total'"
+            for counter in ("drafts", "draft_tokens", "accepted_tokens", "accepted_tokens_per_pos")
+        )
+        return f"{drafts}, {tokens},\n                   {accepted},\n                   {per_pos}"
+
+    if len(prefixes) == 1:
+        name_column, p = "name, ", f"{prefixes[0]}:"
+    else:
+        name_column, p = f"regexp_replace(name, '^({'|'.join(prefixes)}):', '') AS name,\n           ", ""
+    joined = ",\n                   ".join(names(prefix) for prefix in prefixes)
+    return ACCEPTANCE_VIEW_TEMPLATE.format(name_column=name_column, names=joined, p=p)
+
+
+ACCEPTANCE_VIEW = _acceptance_view("vllm")
+
 # The acceptance view from migration 12: llama.cpp's llama-server counters too. It exports vLLM's
 # spec_decode_* names under its own prefix (llamacpp:), with the same meaning (drafting steps, draft
 # tokens, accepted tokens, accepted per draft position); the prefix is dropped and the rest is as above.
-ACCEPTANCE_VIEW_ENGINES = """
-CREATE OR REPLACE VIEW acceptance AS
-WITH samples AS (
-    SELECT run_id, arm, scraped_at, regexp_replace(name, '^(vllm|llamacpp):', '') AS name,
-           labels_json, value,
-           CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
-                THEN regexp_replace(phase, ':(before|after)$', '')
-                ELSE coalesce(phase, 'periodic') END AS win,
-           json_extract_string(labels_json, '$.position') AS position
-    FROM backend_metrics
-    WHERE name IN ('vllm:spec_decode_num_drafts_total', 'vllm:spec_decode_num_draft_tokens_total',
-                   'vllm:spec_decode_num_accepted_tokens_total',
-                   'vllm:spec_decode_num_accepted_tokens_per_pos_total',
-                   'llamacpp:spec_decode_num_drafts_total', 'llamacpp:spec_decode_num_draft_tokens_total',
-                   'llamacpp:spec_decode_num_accepted_tokens_total',
-                   'llamacpp:spec_decode_num_accepted_tokens_per_pos_total')
-), steps AS (
-    SELECT *, regexp_replace(win, ' r[0-9]+/[0-9]+$', '') AS phase,
-           lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
-    FROM samples
-), series AS (
-    SELECT run_id, arm, phase, name, position,
-           sum(CASE WHEN previous IS NULL THEN 0
-                    WHEN value >= previous THEN value - previous
-                    ELSE value END) AS increase
-    FROM steps
-    GROUP BY run_id, arm, phase, win, name, labels_json, position
-), totals AS (
-    SELECT run_id, arm, phase,
-           sum(increase) FILTER (WHERE name = 'spec_decode_num_drafts_total') AS drafts,
-           sum(increase) FILTER (WHERE name = 'spec_decode_num_draft_tokens_total') AS draft_tokens,
-           sum(increase) FILTER (WHERE name = 'spec_decode_num_accepted_tokens_total') AS accepted_tokens
-    FROM series
-    GROUP BY run_id, arm, phase
-), positions AS (
-    SELECT s.run_id, s.arm, s.phase,
-           list(s.increase / nullif(t.drafts, 0) ORDER BY TRY_CAST(s.position AS INTEGER))
-               AS acceptance_per_position
-    FROM (SELECT run_id, arm, phase, position, sum(increase) AS increase
-          FROM series
-          WHERE name = 'spec_decode_num_accepted_tokens_per_pos_total'
-          GROUP BY run_id, arm, phase, position) s
-    JOIN totals t USING (run_id, arm, phase)
-    GROUP BY s.run_id, s.arm, s.phase
-)
-SELECT t.run_id, t.arm, t.phase,
-       CASE WHEN t.phase LIKE 'c=%' THEN substr(t.phase, 3)
-            WHEN t.phase = 'periodic' THEN 'live'
-            ELSE t.phase END AS level,
-       t.drafts, t.draft_tokens, t.accepted_tokens,
-       t.accepted_tokens / nullif(t.draft_tokens, 0) AS acceptance_rate,
-       1 + t.accepted_tokens / nullif(t.drafts, 0) AS acceptance_length,
-       p.acceptance_per_position
-FROM totals t
-LEFT JOIN positions p USING (run_id, arm, phase)
-"""
+ACCEPTANCE_VIEW_ENGINES = _acceptance_view("vllm", "llamacpp")
 
 # The acceptance view of migrations 2-7 (one window per level), kept as those migrations ran it.
 ACCEPTANCE_VIEW_V2 = """
