@@ -213,8 +213,6 @@ def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str)
         assert res.returncode == 0, res.stderr
     finally:
         out = stop(serve)
-        if serve.stdout is not None:
-            serve.stdout.close()
     assert serve.returncode == 0, out
     with duckdb.connect(str(client_db), read_only=True) as conn:
         client_ids = {r for (r,) in conn.execute("SELECT request_id FROM requests").fetchall()}
@@ -274,8 +272,6 @@ def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
         assert res.returncode == 0, res.stderr
     finally:
         out = stop(serve)
-        if serve.stdout is not None:
-            serve.stdout.close()
     assert serve.returncode == 0, out
     with duckdb.connect(str(proxy_db), read_only=True) as conn:
         phases = conn.execute(
