@@ -129,9 +129,12 @@ def capacity(
         return Capacity(point, None, None, False, tuple(loads))
     alpha = (1 - confidence) / 2
     lo, hi = (float(x) for x in np.quantile(replicates, [alpha, 1 - alpha], method="inverted_cdf"))
+    # Open above only when the replicates held at the top load: widening to a top load where the SLO
+    # failed bounds the capacity there.
+    high_open = hi >= max(loads)
     if point.state == BETWEEN and point.holds_at is not None and point.fails_at is not None:
         lo, hi = min(lo, point.holds_at), max(hi, point.fails_at)
-    return Capacity(point, lo if lo > 0 else None, hi if hi > 0 else None, hi >= max(loads), tuple(loads))
+    return Capacity(point, lo if lo > 0 else None, hi if hi > 0 else None, high_open, tuple(loads))
 
 
 @dataclass(frozen=True)

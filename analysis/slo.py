@@ -316,7 +316,7 @@ def evaluate_slo(
         _arm_capacity(arm, kind, caps, creps, points[arm].left_out, baseline, inputs.confidence, (slo, axis))
         for arm, kind in kinds.items()
     ]
-    peak, fleet, notes = _fleet(inputs, axis, rows, caps, creps, baseline, on_axis)
+    peak, fleet, notes = _fleet(inputs, axis, rows, caps, baseline, on_axis)
     return SloEvaluation(slo, inputs.source, axis, rows, arms, peak, fleet, inputs.gpu_hour_usd, notes)
 
 
@@ -363,7 +363,6 @@ def _fleet(
     axis: str,
     rows: Sequence[SloLevelRow],
     caps: Mapping[str, cap.Capacity | None],
-    creps: Mapping[str, FloatArray | None],
     baseline: str,
     on_axis: set[tuple[str, str]],
 ) -> tuple[Peak | None, list[ArmFleet], list[str]]:
@@ -381,17 +380,10 @@ def _fleet(
             and r.tokens_per_s
             and (arm, r.level) in on_axis
         ]
-        load = c.crossing.load if c is not None else None
-        at_most = c is not None and c.crossing.state == cap.EVERY
         gpus = inputs.gpus.get(arm, (1, "default: 1, not in the experiment file"))
-        fleets[arm] = arm_fleet(arm, peak, load, at_most, goodput, gpus, inputs.gpu_hour_usd)
+        fleets[arm] = arm_fleet(arm, peak, c, goodput, gpus, inputs.gpu_hour_usd)
     base = fleets.get(baseline)
-    out = [
-        f
-        if arm == baseline or base is None
-        else candidate_fleet(f, base, peak.load, (creps.get(arm), creps.get(baseline)), inputs.confidence)
-        for arm, f in fleets.items()
-    ]
+    out = [f if arm == baseline or base is None else candidate_fleet(f, base) for arm, f in fleets.items()]
     return peak, out, []
 
 
