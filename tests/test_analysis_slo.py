@@ -4,12 +4,15 @@ subprocess where the output a user reads is checked."""
 
 from __future__ import annotations
 
+import csv as csv_module
+import io
 import json
 import math
 import statistics
 import subprocess
 import sys
 from datetime import timedelta
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from specproxy.analysis.capacity import (
     Capacity,
     CapacityRatio,
     Crossing,
+    capacity_ratio,
     crossing,
     slo_crossing,
 )
@@ -37,7 +41,7 @@ from specproxy.analysis.fleet import (
     replicas_needed,
 )
 from specproxy.analysis.render_slo import fleet_cells
-from specproxy.analysis.slo import _ratio_text
+from specproxy.analysis.slo import _headline, _ratio_text
 from specproxy.config import ConfigError, experiment_json, parse_experiment
 from specproxy.record import SpanRecord
 from specproxy.slo import SloError, parse_slo
@@ -166,16 +170,113 @@ def test_goodput_and_capacity_have_the_known_answers(tmp_path: Path) -> None:
     assert "at your SLO (ttft_p95 ≤ 500 ms)" in cand["headline"]
 
 
+def _report(db: Path, *args: str) -> str:
+    out = db.parent / "report.html"
+    result = _cli("report", str(db), "-o", str(out), "--bootstrap-iterations", "200", *args)
+    assert result.returncode == 0, result.stderr
+    return out.read_text()
+
+
 def test_an_slo_no_arm_meets(tmp_path: Path) -> None:
     db = _store(tmp_path)
     doc = _analyze(db, "--slo", "ttft_p95=10ms", "--peak-concurrency", "16")
     for name in ("baseline", "eagle3"):
-        assert _arm(doc, name)["capacity"]["crossing"]["state"] == NONE
-    assert _arm(doc, "eagle3")["ratio"]["point"] is None
+        c = _arm(doc, name)["capacity"]
+        assert c["crossing"]["state"] == NONE and c["crossing"]["load"] is None
+        assert _arm(doc, name)["text"] == "none measured: fails at every tested level (lowest c=1)"
+    ratio = _arm(doc, "eagle3")["ratio"]
+    assert (ratio["point"], ratio["low"], ratio["high"]) == (None, None, None)
+    assert ratio["note"] == "both fail the SLO at every tested load"
     assert all(r["met"] == 0 and r["holds"] is False for r in doc["levels"])
     assert all(f["replicas"] is None for f in doc["fleet"])
-    text = _cli("analyze", str(db), "--slo", "ttft_p95=10ms", "--bootstrap-iterations", "200").stdout
-    assert "capacity < c=1" in text and "the baseline does not hold the SLO at the lowest load" in text
+    args = ("--slo", "ttft_p95=10ms", "--bootstrap-iterations", "200")
+    text = _cli("analyze", str(db), *args).stdout
+    fails = "fails your SLO (ttft_p95 ≤ 10 ms) at every tested level (lowest c=1): no capacity measured"
+    assert f"baseline {fails}\n" in text
+    assert f"eagle3 {fails}; nor for baseline, which fails it at every tested level too" in text
+    assert "0.00x" not in text and "serves" not in text
+    csv = _cli("analyze", str(db), *args, "--format", "csv").stdout
+    level_rows = [r for r in csv_module.DictReader(io.StringIO(csv)) if not r["category"]]
+    assert len(level_rows) == 2 * len(LEVELS)
+    for row in level_rows:
+        assert row["capacity_state"] == NONE and row["capacity_at_slo"] == row["capacity_ratio"] == ""
+    assert f"eagle3 {fails}" in _report(db, *args[:2])
+
+
+def test_an_slo_only_the_candidate_meets(tmp_path: Path) -> None:
+    # a baseline whose p95 at c=1 is 0.435 s, far above 200 ms; the candidate's 0.145 s
+    scales = {"baseline": 0.300, "eagle3": 0.100}
+    db = _store(tmp_path, scales=scales)
+    doc = _analyze(db, "--slo", "ttft_p95=200ms", "--peak-concurrency", "16")
+    base, cand = _arm(doc, "baseline"), _arm(doc, "eagle3")
+    assert base["capacity"]["crossing"]["state"] == NONE and base["capacity"]["high"] is None
+    assert cand["capacity"]["crossing"]["load"] == pytest.approx(_expected_capacity("eagle3", 0.2, scales))
+    # the candidate's capacity is at least its interval's low end (c=1, where it holds); the
+    # baseline's below c=1: the ratio is above 1 / 1, and nothing bounds it above
+    ratio = cand["ratio"]
+    assert (ratio["point"], ratio["bound"], ratio["high"]) == (None, ">", None)
+    assert cand["capacity"]["low"] == 1 and ratio["low"] == pytest.approx(1.0)
+    assert cand["headline"].startswith(
+        "eagle3 serves > 1.00x more concurrent users than baseline at your SLO"
+    )
+    assert cand["headline"].endswith("; baseline fails it at every tested level")
+    assert base["headline"].startswith("baseline fails your SLO (ttft_p95 ≤ 200 ms) at every tested level")
+    fleet = {f["arm"]: f for f in doc["fleet"]}
+    assert fleet["baseline"]["replicas"] is None and fleet["eagle3"]["saving"] is None
+    text = _cli("analyze", str(db), "--slo", "ttft_p95=200ms", "--bootstrap-iterations", "200").stdout
+    assert cand["headline"] in text and "0.00x" not in text
+    assert escape(cand["headline"]) in _report(db, "--slo", "ttft_p95=200ms")
+
+
+def test_an_slo_only_the_baseline_meets(tmp_path: Path) -> None:
+    # a candidate with a slower first token: its p95 at c=1 is 0.435 s, the baseline's 0.145 s
+    scales = {"baseline": 0.100, "eagle3": 0.300}
+    db = _store(tmp_path, scales=scales)
+    doc = _analyze(db, "--slo", "ttft_p95=200ms")
+    base, cand = _arm(doc, "baseline"), _arm(doc, "eagle3")
+    assert base["capacity"]["crossing"]["state"] == BETWEEN
+    assert base["capacity"]["crossing"]["load"] == pytest.approx(_expected_capacity("baseline", 0.2, scales))
+    assert cand["capacity"]["crossing"]["state"] == NONE
+    # below c=1 against at least c=1: under 1x, and nothing measured bounds it below
+    ratio = cand["ratio"]
+    assert (ratio["point"], ratio["bound"], ratio["low"]) == (None, "<", None)
+    assert base["capacity"]["low"] == 1 and ratio["high"] == pytest.approx(1.0)
+    fails = (
+        "eagle3 fails your SLO (ttft_p95 ≤ 200 ms) at every tested level (lowest c=1): no capacity measured"
+    )
+    assert cand["headline"] == f"{fails}; it serves < 1.00x the concurrent users of baseline (fewer)"
+    text = _cli("analyze", str(db), "--slo", "ttft_p95=200ms", "--bootstrap-iterations", "200").stdout
+    assert cand["headline"] in text and "0.00x" not in text
+    assert escape(cand["headline"]) in _report(db, "--slo", "ttft_p95=200ms")
+
+
+def test_a_ratio_bound_needs_the_other_arms_interval_measured() -> None:
+    """An arm that failed everywhere against one whose interval reaches below its lowest level: no
+    bound on the ratio, and the sentence says only what is known."""
+    loads = (1.0, 2.0, 4.0)
+    failing = Capacity(Crossing(NONE, None, None, 1.0), None, None, False, loads)
+    vague = Capacity(Crossing(BETWEEN, 1.5, 1.0, 2.0), None, 2.0, False, loads)
+    low = capacity_ratio(failing, vague, None, None, 0.95)
+    assert (low.point, low.low, low.high, low.bound) == (None, None, None, "<")
+    high = capacity_ratio(vague, failing, None, None, 0.95)
+    assert (high.point, high.low, high.high, high.bound) == (None, None, None, ">")
+    ctx = ("ttft_p95 ≤ 1 s", "concurrency", "baseline")
+    assert _headline("eagle3", "candidate", failing, low, ctx) == (
+        "eagle3 fails your SLO (ttft_p95 ≤ 1 s) at every tested level (lowest c=1): no capacity measured"
+    )
+    assert _headline("eagle3", "candidate", vague, high, ctx).endswith(
+        "baseline fails it at every tested level, so no ratio"
+    )
+    # some replicates held at the lowest level: the interval's top is a bound
+    reaching = Capacity(Crossing(NONE, None, None, 1.0), None, 1.5, False, loads)
+    measured = Capacity(Crossing(BETWEEN, 3.0, 2.0, 4.0), 2.0, 4.0, False, loads)
+    assert capacity_ratio(reaching, measured, None, None, 0.95).high == pytest.approx(1.5 / 2.0)
+    assert _headline(
+        "eagle3", "candidate", reaching, capacity_ratio(reaching, measured, None, None, 0.95), ctx
+    ) == (
+        "eagle3 fails your SLO (ttft_p95 ≤ 1 s) at every tested level (lowest c=1): no capacity measured "
+        "(95% interval up to c≈1.5); it serves < 0.75x the concurrent users of baseline (fewer)"
+    )
 
 
 def test_an_slo_every_arm_meets(tmp_path: Path) -> None:
@@ -186,18 +287,6 @@ def test_an_slo_every_arm_meets(tmp_path: Path) -> None:
     ratio = _arm(doc, "eagle3")["ratio"]
     assert ratio["point"] is None and "both hold the SLO at every tested load" in ratio["note"]
     assert "≥ c=8" in _arm(doc, "eagle3")["text"]
-
-
-def test_an_slo_only_the_baseline_meets(tmp_path: Path) -> None:
-    # a candidate with a slower first token: its p95 at c=1 is 0.2175 s, the baseline's 0.145 s
-    scales = {"baseline": 0.100, "eagle3": 0.150}
-    doc = _analyze(_store(tmp_path, scales=scales), "--slo", "ttft_p95=200ms")
-    base, cand = _arm(doc, "baseline"), _arm(doc, "eagle3")
-    assert base["capacity"]["crossing"]["state"] == BETWEEN
-    assert base["capacity"]["crossing"]["load"] == pytest.approx(_expected_capacity("baseline", 0.2, scales))
-    assert cand["capacity"]["crossing"]["state"] == NONE
-    assert cand["ratio"]["point"] == 0.0
-    assert "does not hold the SLO at the lowest load" in cand["headline"]
 
 
 def test_unreliable_levels_are_left_out_of_capacity(tmp_path: Path) -> None:
