@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
-from tests.support import free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
+from tests.support import free_port, metric_sum, serving, start_cli, stop, wait_http, wait_until_sync
 
 
 @pytest.fixture
@@ -58,10 +58,7 @@ name = "ngram"
 url = "{sims["ngram"]}"
 speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
 """)
-    port = free_port()
-    proxy = start_cli(["serve", "--config", str(config), "--port", str(port)])
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=proxy)
+    with serving(config) as proxy:
         # Streams are read to the end of the HTTP body (urllib), not just to [DONE]: the openai client
         # closes the connection at [DONE], and the proxy then sometimes records the primary as
         # client_cancelled (reported to the serve owner); that race is not what this test is about.
@@ -80,7 +77,7 @@ speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
                 ],
             }
             request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
+                f"{proxy.url}/v1/chat/completions",
                 data=json.dumps(body).encode(),
                 headers={"Content-Type": "application/json"},
             )
@@ -88,10 +85,9 @@ speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
                 assert b"data: [DONE]" in resp.read()
         # The shadow copies end after their clients' calls; the proxy scrapes the arms once more when
         # it stops, after them.
-        calls = f"http://127.0.0.1:{port}/metrics"
+        calls = f"{proxy.url}/metrics"
         wait_until_sync(lambda: metric_sum(calls, "specproxy_requests_total") >= 16, "16 finished calls")
-    finally:
-        stop(proxy)
+    assert proxy.returncode == 0, proxy.output
 
     result = CliRunner().invoke(main, ["analyze", str(db), "--format", "json"])
     assert result.exit_code == 0, result.output
