@@ -8,10 +8,13 @@ compare their outputs and take acceptance from the periodic window, equal to the
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import duckdb
 import pytest
 from click.testing import CliRunner
 
@@ -38,10 +41,8 @@ def sims() -> Iterator[dict[str, str]]:
             stop(proc)
 
 
-def test_shadow_traffic_is_analysed_as_one_live_level(sims: dict[str, str], tmp_path: Path) -> None:
-    db = tmp_path / "shadow.duckdb"
-    config = tmp_path / "shadow.toml"
-    config.write_text(f"""
+def _shadow_config(path: Path, db: Path, sims: dict[str, str]) -> Path:
+    path.write_text(f"""
 [experiment]
 name = "ngram-shadow"
 mode = "shadow"
@@ -58,6 +59,12 @@ name = "ngram"
 url = "{sims["ngram"]}"
 speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
 """)
+    return path
+
+
+def test_shadow_traffic_is_analysed_as_one_live_level(sims: dict[str, str], tmp_path: Path) -> None:
+    db = tmp_path / "shadow.duckdb"
+    config = _shadow_config(tmp_path / "shadow.toml", db, sims)
     with serving(config) as proxy:
         # Streams are read to the end of the HTTP body (urllib), not just to [DONE]: the openai client
         # closes the connection at [DONE], and the proxy then sometimes records the primary as
@@ -128,3 +135,73 @@ def _statuses(db: Path) -> list[tuple[object, ...]]:
         ],
     )
     return [tuple(line.split(",")) for line in result.stdout.splitlines()]
+
+
+def test_replay_through_serve_has_acceptance_per_level(sims: dict[str, str], tmp_path: Path) -> None:
+    """replay --target a served proxy: the proxy scrapes the engines at each level's start and end (on
+    replay's request), so the engines' counters come out per level, each level's equal to the
+    simulator's truth for the calls of that level."""
+    db = tmp_path / "proxy.duckdb"
+    config = _shadow_config(tmp_path / "shadow.toml", db, sims)
+    log = tmp_path / "question.jsonl"
+    log.write_text(
+        "".join(json.dumps({"question_id": i, "turns": [f"Summarize item {i}"]}) + "\n" for i in range(4))
+    )
+    with serving(config) as proxy:
+        replay = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "specproxy",
+                "replay",
+                str(log),
+                "--target",
+                proxy.url,
+                "--concurrency",
+                "1,2",
+            ]
+            + [
+                "--rounds",
+                "2",
+                "--max-tokens",
+                "32",
+                "--db",
+                str(tmp_path / "client.duckdb"),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert replay.returncode == 0, replay.stderr
+        assert "did not scrape" not in replay.stderr, replay.stderr
+    assert proxy.returncode == 0, proxy.output
+    with urllib.request.urlopen(f"{sims['ngram']}/sim/requests?limit=1000", timeout=10) as resp:
+        truths = {t["request_id"]: t for t in json.load(resp)["requests"]}
+    with duckdb.connect(str(db), read_only=True) as conn:
+        levels = dict(
+            conn.execute(
+                "SELECT concurrency_level, list(request_id) FROM requests WHERE arm = 'ngram' GROUP BY ALL"
+            ).fetchall()
+        )
+        acceptance = {
+            level: (drafts, draft_tokens, accepted)
+            for level, drafts, draft_tokens, accepted in conn.execute(
+                "SELECT level, drafts, draft_tokens, accepted_tokens FROM acceptance WHERE arm = 'ngram'"
+            ).fetchall()
+        }
+    assert sorted(levels) == [1, 2] and all(len(ids) == 8 for ids in levels.values())  # 4 items × 2 rounds
+    for level, ids in levels.items():
+        mine = [truths[_truth_id(truths, rid)] for rid in ids]
+        expected = tuple(
+            float(sum(t[k] for t in mine)) for k in ("num_drafts", "draft_tokens", "accepted_tokens")
+        )
+        assert expected[2] > 0
+        assert acceptance[str(level)] == expected, (level, acceptance)
+
+
+def _truth_id(truths: dict[str, object], request_id: str) -> str:
+    """The simulator's id for a call: the request id the proxy sent, perhaps with an API prefix."""
+    (found,) = [t for t in truths if t.endswith(request_id)]
+    return found

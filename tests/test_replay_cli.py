@@ -274,3 +274,21 @@ def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
         ("proxy_queue_p99_s", "base", True, True, 0.05),
         ("proxy_queue_p99_s", "cand", True, True, 0.05),
     ]
+
+
+def test_replay_through_a_proxy_that_does_not_scrape_says_so(tmp_path: Path, backend_url: str) -> None:
+    """The levels' boundary scrapes are the proxy's to do: one started with --no-scrape refuses, and
+    replay says what that costs (once), the spans written all the same."""
+    cfg = tmp_path / "exp.toml"
+    arm = f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{backend_url}"\n'
+    cfg.write_text(f'[experiment]\nmode = "shadow"\n\n{arm}')
+    log = write_custom(tmp_path / "log.jsonl", 2)
+    with serving(cfg, "--db", str(tmp_path / "proxy.duckdb"), "--no-scrape") as served:
+        res = run_cli(
+            "replay", str(log), "--target", served.url, "--concurrency", "1,2",
+            "--db", str(tmp_path / "c.duckdb"), "--no-progress",
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    note = f"the proxy at {served.url} did not scrape its arms at the levels' boundaries (HTTP 409: "
+    assert res.stderr.count(note) == 1, res.stderr
+    assert "engines' counters are not split by level" in res.stderr and "4 spans" in res.stderr
