@@ -33,7 +33,7 @@ from specproxy.proxy.upstream.scrape import (
 )
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy
-from tests.support import free_port, wait_for_count
+from tests.support import free_port, wait_for_count, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -400,6 +400,7 @@ async def test_a_client_asks_the_proxy_to_scrape_under_a_phase(tmp_path: Path) -
                 "run_id": p.state.run_id,
                 "phase": "c=4 r1/2:before",
                 "arms": {"base": {"ok": True, "error": None}},
+                "copies_running": 0,
             }
         for bad in ({"phase": "periodic"}, {"phase": 4}, ["c=4:before"]):
             async with s.post(url, json=bad) as r:
@@ -428,3 +429,50 @@ async def test_a_client_asks_the_proxy_to_scrape_under_a_phase(tmp_path: Path) -
         assert (await r.json())["error"]["message"] == (
             "this proxy does not scrape its arms' /metrics (it was started with --no-scrape)"
         )
+
+
+async def test_a_level_end_scrape_waits_for_the_shadow_copies(tmp_path: Path) -> None:
+    """The client's calls of a level have ended but a shadow copy still runs: the scrape at the level's
+    end waits for it, so its tokens count in this level's window, not the next one's."""
+    release = asyncio.Event()
+    async with (
+        running_backend(BackendConfig(tokens=3)) as base,
+        running_backend(BackendConfig(tokens=3, gate=release)) as cand,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
+            scrape_interval_s=60,
+        ) as p,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.post(f"{p.url}/v1/completions", json={"model": "m", "prompt": "p"}) as r:
+            assert r.status == 200  # the baseline answered; the copy to cand waits on the gate
+        await wait_until(lambda: cand.stats.active == 1, "the shadow copy in flight")
+        dispatcher = p.state.dispatcher
+        assert dispatcher is not None
+        settling = asyncio.Event()
+        settle = dispatcher.settle
+
+        async def observed(timeout_s: float) -> int:
+            settling.set()
+            return await settle(timeout_s)
+
+        dispatcher.settle = observed  # type: ignore[method-assign]
+
+        async def scrape_at_the_end() -> int:
+            async with s.post(f"{p.url}/specproxy/scrape", json={"phase": "c=1:after"}) as r:
+                assert r.status == 200
+                running: int = (await r.json())["copies_running"]
+                return running
+
+        scrape = asyncio.ensure_future(scrape_at_the_end())
+        await wait_until(settling.is_set, "the scrape to wait for the copies")
+        assert not scrape.done() and cand.stats.active == 1
+        release.set()
+        assert await scrape == 0
+    with duckdb.connect(str(p.db), read_only=True) as con:
+        running = con.execute(
+            "SELECT value FROM backend_metrics WHERE phase = 'c=1:after' AND arm = 'cand' "
+            "AND name = 'vllm:num_requests_running'"
+        ).fetchall()
+    assert running == [(0.0,)]  # the copy had ended when the engine was scraped

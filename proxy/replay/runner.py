@@ -574,8 +574,9 @@ class ReplayRunner:
             return
         proxy = self.s.arms[0].url
         try:
+            # (at a level's end the proxy first waits up to a minute for its shadow copies)
             async with self.session.post(
-                f"{proxy}/specproxy/scrape", json={"phase": phase}, timeout=aiohttp.ClientTimeout(total=30)
+                f"{proxy}/specproxy/scrape", json={"phase": phase}, timeout=aiohttp.ClientTimeout(total=120)
             ) as resp:
                 if resp.status != 200:
                     problem = f"HTTP {resp.status}: {(await resp.text(errors='replace'))[:200]}"
@@ -584,6 +585,11 @@ class ReplayRunner:
                     for arm, got in answer.get("arms", {}).items():
                         if not got.get("ok"):
                             self._note(f"the proxy could not scrape arm {arm}'s /metrics: {got.get('error')}")
+                    if answer.get("copies_running"):
+                        self._note(
+                            f"{answer['copies_running']} shadow copies were still running when the proxy "
+                            f"scraped at {phase}: their engine counters fall in the next level's window"
+                        )
                     return
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             problem = f"{exc.__class__.__name__} {exc}".strip()

@@ -395,11 +395,16 @@ async def metrics(request: web.Request) -> web.Response:
 # A phase a client may name: a replay level's label (c=16, r=4, with a round: c=16 r2/3; timed x10)
 # and which end of it, as replay names its own scrapes (the acceptance view pairs them up).
 _PHASE = re.compile(r"[A-Za-z0-9=.,/ x_-]{1,80}:(before|after)")
+# At a level's end its shadow copies may still be running after the client's calls have ended: the
+# scrape waits this long for them, so that their tokens count in the level they belong to.
+SETTLE_BEFORE_SCRAPE_S = 60.0
 
 
 async def scrape_phase(request: web.Request) -> web.Response:
     """Scrape every arm's /metrics now, recorded under the phase the client names: the counters at a
-    level's start and end, which periodic scrapes cannot place (they see every level at once)."""
+    level's start and end, which periodic scrapes cannot place (they see every level at once). At an
+    end (``:after``) the copies still running are waited for first (``copies_running``: those that
+    outlasted the wait, whose tokens fall in the next window)."""
     st = request.app[STATE]
     try:
         body = await request.json()
@@ -415,9 +420,12 @@ async def scrape_phase(request: web.Request) -> web.Response:
         return openai_error(
             409, "this proxy does not scrape its arms' /metrics (it was started with --no-scrape)"
         )
+    running = 0
+    if phase.endswith(":after") and st.dispatcher is not None:
+        running = await st.dispatcher.settle(SETTLE_BEFORE_SCRAPE_S)
     snapshots = await st.scraper.scrape_once(phase)
     arms = {name: {"ok": snap.ok, "error": snap.error} for name, snap in snapshots.items()}
-    return web.json_response({"run_id": st.run_id, "phase": phase, "arms": arms})
+    return web.json_response({"run_id": st.run_id, "phase": phase, "arms": arms, "copies_running": running})
 
 
 def _auth_middleware(api_key: str) -> Any:
