@@ -199,6 +199,16 @@ def test_replay_through_serve_has_acceptance_per_level(sims: dict[str, str], tmp
         )
         assert expected[2] > 0
         assert acceptance[str(level)] == expected, (level, acceptance)
+    # and the analysis reads them per level, as for a replay that scraped the arms itself
+    result = CliRunner().invoke(
+        main, ["analyze", str(db), "--format", "json", "--bootstrap-iterations", "200"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["level"]: r for r in json.loads(result.stdout)["runs"][0]["rows"] if r["arm"] == "ngram"}
+    assert set(rows) == {"1", "2"}
+    for level, (_, draft_tokens, accepted) in acceptance.items():
+        if level in rows:
+            assert rows[level]["acceptance_rate"] == pytest.approx(accepted / draft_tokens, rel=1e-12)
 
 
 def _truth_id(truths: dict[str, object], request_id: str) -> str:
