@@ -453,6 +453,11 @@ def test_the_report_shows_the_capacity_chart_and_fleet(tmp_path: Path) -> None:
         assert f'aria-label="{arm}: capacity at the SLO"' in html
     assert f"capacity ≈ {_expected_capacity('baseline', 0.5):.3g}" in html
     assert "ttft_p95 (ms)" in html and "Fleet and cost at the peak" in html and "GPUs saved [95% CI]" in html
+    # the fleet's cells as the JSON has them: replicas at the capacity interval's ends
+    doc = _analyze(db, "--slo", "ttft_p95=500ms", "--peak-concurrency", "12", "--gpu-hour-usd", "2")
+    for fleet in doc["fleet"]:
+        span = fleet["replicas_range"]
+        assert f'<td class="">{fleet["replicas"]} [{span["low"]}, {span["high"]}]</td>' in html
 
 
 @pytest.mark.parametrize(
