@@ -129,21 +129,49 @@ def capacity(
         return Capacity(point, None, None, False, tuple(loads))
     alpha = (1 - confidence) / 2
     lo, hi = (float(x) for x in np.quantile(replicates, [alpha, 1 - alpha], method="inverted_cdf"))
+    # Open above only when the replicates held at the top load: widening to a top load where the SLO
+    # failed bounds the capacity there.
+    high_open = hi >= max(loads)
     if point.state == BETWEEN and point.holds_at is not None and point.fails_at is not None:
         lo, hi = min(lo, point.holds_at), max(hi, point.fails_at)
-    return Capacity(point, lo if lo > 0 else None, hi if hi > 0 else None, hi >= max(loads), tuple(loads))
+    return Capacity(point, lo if lo > 0 else None, hi if hi > 0 else None, high_open, tuple(loads))
 
 
 @dataclass(frozen=True)
 class CapacityRatio:
     """Candidate capacity / baseline capacity. ``bound``: "" (both crossed within the tested loads),
-    "≥" (the candidate held at every load: the ratio is at least this), "≤" (the baseline did)."""
+    "≥" (the candidate held at every load: the ratio is at least this), "≤" (the baseline did).
+
+    When an arm fails the SLO at every tested load no capacity was measured and ``point`` is None; the
+    ratio may still be bounded by the other arm's interval: ``bound`` "<" with ``high`` (the candidate
+    failed everywhere: below its lowest load, or its interval's top, over the baseline's interval's
+    bottom) or ">" with ``low`` (the baseline failed everywhere), None where that end is itself below
+    the lowest tested load (nothing measured bounds the ratio)."""
 
     point: float | None
     low: float | None
     high: float | None
     bound: str
     note: str = ""
+
+
+def _top_when_failing(c: Capacity) -> float | None:
+    """Where the capacity of an arm that failed at every tested load lies below: its interval's top, or
+    its lowest tested load."""
+    return c.high if c.high is not None else (min(c.loads) if c.loads else None)
+
+
+def _ratio_when_failing(cand: Capacity, base: Capacity) -> CapacityRatio:
+    c, b = cand.crossing, base.crossing
+    if c.load is None and b.load is None:
+        return CapacityRatio(None, None, None, "", "both fail the SLO at every tested load")
+    if b.load is None:
+        top = _top_when_failing(base)
+        above = cand.low / top if cand.low is not None and top else None
+        return CapacityRatio(None, above, None, ">", "the baseline fails the SLO at every tested load")
+    top = _top_when_failing(cand)
+    below = top / base.low if top is not None and base.low is not None else None
+    return CapacityRatio(None, None, below, "<", "the candidate fails the SLO at every tested load")
 
 
 def capacity_ratio(
@@ -155,10 +183,8 @@ def capacity_ratio(
 ) -> CapacityRatio:
     """The ratio of two capacities, with an interval from their replicates (independent draws)."""
     c, b = cand.crossing, base.crossing
-    if b.load is None:
-        return CapacityRatio(None, None, None, "", "the baseline does not hold the SLO at the lowest load")
-    if c.load is None:
-        return CapacityRatio(0.0, None, None, "", "the candidate does not hold the SLO at the lowest load")
+    if c.load is None or b.load is None:
+        return _ratio_when_failing(cand, base)
     bound = (
         "≥" if c.state == EVERY and b.state != EVERY else "≤" if b.state == EVERY and c.state != EVERY else ""
     )

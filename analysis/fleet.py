@@ -6,7 +6,13 @@ its GPUs (its capacity at the SLO per replica, :mod:`.capacity`). The output tok
 at the peak are its replicas times the arm's goodput tokens/s at the per-replica load, linear between
 the tested loads (through zero below the lowest); cost per million output tokens is the fleet's cost
 per hour over them. The saving is 1 − candidate GPUs / baseline GPUs (the same as the cost saving at
-one price per GPU-hour), with an interval from the capacity replicates.
+one price per GPU-hour).
+
+The intervals follow from the capacity's reported interval, so the fleet says no more than the
+capacity does: its high end gives the fewest replicas, its low end the most. Where the capacity's
+interval is open (it reaches the top tested load, or below the lowest), so is the matching end of the
+replicas: the fleet may be smaller (larger) still. The saving's ends pair the candidate's most with
+the baseline's fewest and the reverse.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specproxy.analysis.stats import FloatArray, Interval
+from specproxy.analysis import capacity as cap
+from specproxy.analysis.stats import Interval
 
 
 @dataclass(frozen=True)
@@ -34,9 +41,27 @@ class Peak:
 
 
 @dataclass(frozen=True)
+class CountRange:
+    """How many replicas (or GPUs) the capacity's interval allows, ``low`` to ``high``. ``low_open``:
+    the capacity may lie above the top tested load, so fewer may do; ``high_open``: it may lie below
+    the lowest, so more may be needed."""
+
+    low: int
+    high: int
+    low_open: bool
+    high_open: bool
+
+    def times(self, k: int) -> CountRange:
+        return dataclasses.replace(self, low=self.low * k, high=self.high * k)
+
+
+@dataclass(frozen=True)
 class ArmFleet:
     """One arm at the peak. ``replicas`` None: the arm holds the SLO at no tested load; ``at_most``:
-    it held at every tested load, so its capacity (and the replica count) is a bound."""
+    it held at every tested load, so its capacity (and the replica count) is a bound. The ranges: what
+    the capacity's interval allows (None without one). ``saving``: the share of the baseline's GPUs
+    (and cost) saved, None for the baseline; where ``saving_open`` says so, its low (high) end is a
+    bound the saving may lie below (above)."""
 
     arm: str
     gpus_per_replica: int
@@ -47,7 +72,10 @@ class ArmFleet:
     cost_per_hour: float | None
     tokens_per_s: float | None
     cost_per_million_tokens: float | None
-    saving: Interval | None = None  # share of the baseline's GPUs (and cost) saved; None for the baseline
+    replicas_range: CountRange | None = None
+    gpus_range: CountRange | None = None
+    saving: Interval | None = None
+    saving_open: tuple[bool, bool] = (False, False)
     note: str = ""
 
 
@@ -60,6 +88,21 @@ def replicas_needed(peak: float, capacity: float) -> int:
     return max(1, math.ceil(peak / capacity - 1e-9))
 
 
+def replica_range(peak: float, c: cap.Capacity, point: int) -> CountRange | None:
+    """The replicas at the ends of the capacity's interval: its high end needs the fewest, its low end
+    the most (a low end below the lowest tested load: at least what the lowest needs, open).
+
+    >>> c = cap.Capacity(cap.Crossing(cap.BETWEEN, 30.0, 16.0, 64.0), 16.0, 64.0, False, (1, 16, 64))
+    >>> replica_range(200, c, 7)
+    CountRange(low=4, high=13, low_open=False, high_open=False)
+    """
+    if c.high is None or not c.loads:
+        return None
+    low_end = c.low if c.low is not None else min(c.loads)
+    fewest, most = replicas_needed(peak, c.high), replicas_needed(peak, low_end)
+    return CountRange(min(fewest, point), max(most, point), c.high_open, c.low is None)
+
+
 def interpolate(points: Sequence[tuple[float, float]], load: float) -> float:
     """Linear between the points, through (0, 0) below the lowest, flat above the highest."""
     pts = [(0.0, 0.0), *sorted(points)]
@@ -70,15 +113,15 @@ def interpolate(points: Sequence[tuple[float, float]], load: float) -> float:
 def arm_fleet(
     arm: str,
     peak: Peak,
-    capacity: float | None,
-    at_most: bool,
+    capacity: cap.Capacity | None,
     goodput_tokens: Sequence[tuple[float, float]],
     gpus: tuple[int, str],
     gpu_hour_usd: float | None,
 ) -> ArmFleet:
     """One arm's fleet at the peak (the baseline's; a candidate's saving is :func:`candidate_fleet`)."""
     per_replica, source = gpus
-    if capacity is None or capacity <= 0:
+    load = capacity.crossing.load if capacity is not None else None
+    if capacity is None or load is None or load <= 0:
         return ArmFleet(
             arm,
             per_replica,
@@ -91,44 +134,36 @@ def arm_fleet(
             None,
             note="holds the SLO at no tested load",
         )
-    n = replicas_needed(peak.load, capacity)
+    n = replicas_needed(peak.load, load)
     tokens = n * interpolate(goodput_tokens, peak.load / n)
     cost = n * per_replica * gpu_hour_usd if gpu_hour_usd is not None else None
     per_million = cost / (tokens * 3600 / 1e6) if cost is not None and tokens > 0 else None
-    return ArmFleet(arm, per_replica, source, n, at_most, n * per_replica, cost, tokens, per_million)
+    at_most = capacity.crossing.state == cap.EVERY
+    span = replica_range(peak.load, capacity, n)
+    return ArmFleet(
+        arm,
+        per_replica,
+        source,
+        n,
+        at_most,
+        n * per_replica,
+        cost,
+        tokens,
+        per_million,
+        replicas_range=span,
+        gpus_range=span.times(per_replica) if span is not None else None,
+    )
 
 
-def candidate_fleet(
-    own: ArmFleet,
-    base: ArmFleet,
-    peak: float,
-    reps: tuple[FloatArray | None, FloatArray | None],
-    confidence: float,
-) -> ArmFleet:
-    """A candidate's fleet with its saving against the baseline's."""
-    return dataclasses.replace(own, saving=gpu_saving(peak, own, base, *reps, confidence))
-
-
-def gpu_saving(
-    peak: float,
-    cand: ArmFleet,
-    base: ArmFleet,
-    cand_reps: FloatArray | None,
-    base_reps: FloatArray | None,
-    confidence: float,
-) -> Interval | None:
-    """1 − candidate GPUs / baseline GPUs at the peak, with an interval from the capacity replicates
-    (a replicate that holds at no load needs no finite fleet: left out)."""
-    if cand.gpus is None or base.gpus is None:
-        return None
-    point = 1.0 - cand.gpus / base.gpus
-    if cand_reps is None or base_reps is None:
-        return Interval(point, None, None)
-    ok = (cand_reps > 0) & (base_reps > 0)
-    if ok.mean() < 0.9:
-        return Interval(point, None, None)
-    c = np.maximum(1, np.ceil(peak / cand_reps[ok] - 1e-9)) * cand.gpus_per_replica
-    b = np.maximum(1, np.ceil(peak / base_reps[ok] - 1e-9)) * base.gpus_per_replica
-    alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(1.0 - c / b, [alpha, 1 - alpha])
-    return Interval(point, float(lo), float(hi))
+def candidate_fleet(own: ArmFleet, base: ArmFleet) -> ArmFleet:
+    """A candidate's fleet with its saving against the baseline's: 1 − its GPUs / the baseline's, the
+    low end from its most GPUs over the baseline's fewest, the high end the reverse."""
+    if own.gpus is None or base.gpus is None:
+        return own
+    point = 1.0 - own.gpus / base.gpus
+    c, b = own.gpus_range, base.gpus_range
+    if c is None or b is None:
+        return dataclasses.replace(own, saving=Interval(point, None, None))
+    saving = Interval(point, 1.0 - c.high / b.low, 1.0 - c.low / b.high)
+    open_ends = (c.high_open or b.low_open, c.low_open or b.high_open)
+    return dataclasses.replace(own, saving=saving, saving_open=open_ends)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specproxy.analysis.fleet import ArmFleet
+from specproxy.analysis.fleet import ArmFleet, CountRange
 from specproxy.analysis.goodput import FAILED_FACTOR
 from specproxy.analysis.rows import LevelRow, RunEvaluation
 from specproxy.analysis.slo import SloEvaluation, SloLevelRow, TargetFigure
@@ -79,8 +79,8 @@ def fleet_table(s: SloEvaluation) -> tuple[list[str], list[list[str]]]:
     headers = [
         "arm",
         "GPUs per replica",
-        "replicas",
-        "GPUs",
+        "replicas [95% CI]",
+        "GPUs [95% CI]",
         "$ per hour",
         "goodput tok/s at peak",
         "$ per M output tokens",
@@ -89,26 +89,40 @@ def fleet_table(s: SloEvaluation) -> tuple[list[str], list[list[str]]]:
     return headers, [fleet_cells(f) for f in s.fleet]
 
 
+def fmt_count(point: int | None, at_most: bool, span: CountRange | None) -> str:
+    """ "5 [≤4, 13]": the count at the capacity, and the counts at its interval's ends (≤ where the
+    capacity may lie above the top tested load, ≥ where it may lie below the lowest)."""
+    if point is None:
+        return DASH
+    text = f"{'≤' if at_most else ''}{point}"
+    if span is None:
+        return text
+    low = f"{'≤' if span.low_open else ''}{span.low}"
+    high = f"{'≥' if span.high_open else ''}{span.high}"
+    return f"{text} [{low}, {high}]"
+
+
 def fleet_cells(f: ArmFleet) -> list[str]:
-    bound = "≤" if f.at_most else ""
     return [
         f.arm,
         str(f.gpus_per_replica),
-        DASH if f.replicas is None else f"{bound}{f.replicas}",
-        DASH if f.gpus is None else f"{bound}{f.gpus}",
+        fmt_count(f.replicas, f.at_most, f.replicas_range),
+        fmt_count(f.gpus, f.at_most, f.gpus_range),
         fmt_money(f.cost_per_hour),
         DASH if f.tokens_per_s is None else f"{f.tokens_per_s:.1f}",
         fmt_money(f.cost_per_million_tokens, 3),
-        fmt_percent(f.saving),
+        fmt_percent(f.saving, f.saving_open),
     ]
 
 
-def fmt_percent(iv: Interval | None) -> str:
+def fmt_percent(iv: Interval | None, open_ends: tuple[bool, bool] = (False, False)) -> str:
+    """ "20% [≤-75%, 69%]": ≤ (≥) where the saving may lie below (above) that end."""
     if iv is None:
         return DASH
     if iv.low is None or iv.high is None:
         return f"{iv.point:.0%}"
-    return f"{iv.point:.0%} [{iv.low:.0%}, {iv.high:.0%}]"
+    low, high = f"{'≤' if open_ends[0] else ''}{iv.low:.0%}", f"{'≥' if open_ends[1] else ''}{iv.high:.0%}"
+    return f"{iv.point:.0%} [{low}, {high}]"
 
 
 def title(s: SloEvaluation) -> str:

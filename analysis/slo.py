@@ -169,16 +169,24 @@ def fmt_approx(load: float, axis: str) -> str:
     return f"c≈{load:.3g}" if axis == "concurrency" else f"≈{load:.3g} req/s"
 
 
+def fails_everywhere(c: cap.Capacity, axis: str) -> str:
+    """ "fails at every tested level (lowest c=1)"."""
+    return f"fails at every tested level (lowest {describe_load(min(c.loads), axis)})"
+
+
 def describe_capacity(c: cap.Capacity, axis: str) -> str:
-    """ "c≈83 [70, 95]", "≥ c=256 (held at every tested level)", "< c=1 (not held at the lowest)"."""
+    """ "c≈83 [70, 95]", "≥ c=256 (held at every tested level)", or for an arm that held it nowhere
+    "none measured: fails at every tested level (lowest c=1)" (with the top of its interval when some
+    replicates held at the lowest)."""
     x = c.crossing
+    if x.state == cap.NONE or x.load is None:
+        reach = f"; 95% interval up to {fmt_approx(c.high, axis)}" if c.high is not None else ""
+        return f"none measured: {fails_everywhere(c, axis)}{reach}"
     lo = "<" + describe_load(min(c.loads), axis) if c.low is None else f"{c.low:.3g}"
     hi = "" if c.high is None else (f"≥{c.high:.3g}" if c.high_open else f"{c.high:.3g}")
     band = f" [{lo}, {hi}]" if hi and hi.lstrip("≥") != lo else ""
     if x.state == cap.EVERY:
         return f"≥ {describe_load(x.load, axis)}{band} (held at every tested level)"
-    if x.state == cap.NONE or x.load is None:
-        return f"< {describe_load(min(c.loads), axis)}{band} (not held at the lowest tested level)"
     where = f"holds at {describe_load(x.holds_at, axis)}, not at {describe_load(x.fails_at, axis)}"
     return f"{fmt_approx(x.load, axis)}{band} ({where})"
 
@@ -255,6 +263,19 @@ def _ratio_text(ratio: cap.CapacityRatio, unit: str, baseline: str) -> str:
     return f"serves {figure} {more}{note}"
 
 
+def _bound_text(ratio: cap.CapacityRatio, unit: str, baseline: str) -> str:
+    """A ratio known only on one side, because one arm failed everywhere: "serves < 0.50x the
+    concurrent users of baseline (fewer)" ("" where nothing measured bounds it)."""
+    if ratio.bound == "<" and ratio.high is not None:
+        fewer = " (fewer)" if ratio.high <= 1 else ""
+        return f"serves < {ratio.high:.2f}x the {unit} of {baseline}{fewer}"
+    if ratio.bound == ">" and ratio.low is not None:
+        if ratio.low >= 1:
+            return f"serves > {ratio.low:.2f}x more {unit} than {baseline}"
+        return f"serves > {ratio.low:.2f}x the {unit} of {baseline}"
+    return ""
+
+
 def _headline(
     arm: str, kind: str, c: cap.Capacity | None, ratio: cap.CapacityRatio | None, ctx: tuple[str, str, str]
 ) -> str:
@@ -263,11 +284,37 @@ def _headline(
     unit = "concurrent users" if axis == "concurrency" else "requests/s"
     if c is None:
         return f"{arm}: no capacity at your SLO ({slo_text}): no reliable level with every target checked"
+    if c.crossing.load is None:
+        return _failing_headline(arm, c, ratio, ctx)
     own = f"capacity {describe_capacity(c, axis)}"
     if ratio is not None and ratio.point is not None:
         return f"{arm} {_ratio_text(ratio, unit, baseline)} at your SLO ({slo_text}): {own}"
+    if ratio is not None and ratio.bound == ">":
+        bounded = _bound_text(ratio, unit, baseline)
+        failing = f"{baseline} fails it at every tested level"
+        if bounded:
+            return f"{arm} {bounded} at your SLO ({slo_text}): {own}; {failing}"
+        return f"{arm} at your SLO ({slo_text}): {own}; {failing}, so no ratio"
     why = f"; no ratio to {baseline}: {ratio.note}" if ratio is not None else ""
     return f"{arm} at your SLO ({slo_text}): {own}{why}"
+
+
+def _failing_headline(
+    arm: str, c: cap.Capacity, ratio: cap.CapacityRatio | None, ctx: tuple[str, str, str]
+) -> str:
+    """An arm that failed the SLO at every tested level: nothing measured, and what that bounds."""
+    slo_text, axis, baseline = ctx
+    unit = "concurrent users" if axis == "concurrency" else "requests/s"
+    reach = f" (95% interval up to {fmt_approx(c.high, axis)})" if c.high is not None else ""
+    lowest = describe_load(min(c.loads), axis)
+    text = f"{arm} fails your SLO ({slo_text}) at every tested level (lowest {lowest}): no capacity measured"
+    text += reach
+    if ratio is None:
+        return text
+    if ratio.bound != "<":
+        return f"{text}; nor for {baseline}, which fails it at every tested level too"
+    bounded = _bound_text(ratio, unit, baseline)
+    return f"{text}; it {bounded}" if bounded else text
 
 
 def _axis(figs: Sequence[SloLevelFigures]) -> str:
@@ -316,7 +363,7 @@ def evaluate_slo(
         _arm_capacity(arm, kind, caps, creps, points[arm].left_out, baseline, inputs.confidence, (slo, axis))
         for arm, kind in kinds.items()
     ]
-    peak, fleet, notes = _fleet(inputs, axis, rows, caps, creps, baseline, on_axis)
+    peak, fleet, notes = _fleet(inputs, axis, rows, caps, baseline, on_axis)
     return SloEvaluation(slo, inputs.source, axis, rows, arms, peak, fleet, inputs.gpu_hour_usd, notes)
 
 
@@ -363,7 +410,6 @@ def _fleet(
     axis: str,
     rows: Sequence[SloLevelRow],
     caps: Mapping[str, cap.Capacity | None],
-    creps: Mapping[str, FloatArray | None],
     baseline: str,
     on_axis: set[tuple[str, str]],
 ) -> tuple[Peak | None, list[ArmFleet], list[str]]:
@@ -381,17 +427,10 @@ def _fleet(
             and r.tokens_per_s
             and (arm, r.level) in on_axis
         ]
-        load = c.crossing.load if c is not None else None
-        at_most = c is not None and c.crossing.state == cap.EVERY
         gpus = inputs.gpus.get(arm, (1, "default: 1, not in the experiment file"))
-        fleets[arm] = arm_fleet(arm, peak, load, at_most, goodput, gpus, inputs.gpu_hour_usd)
+        fleets[arm] = arm_fleet(arm, peak, c, goodput, gpus, inputs.gpu_hour_usd)
     base = fleets.get(baseline)
-    out = [
-        f
-        if arm == baseline or base is None
-        else candidate_fleet(f, base, peak.load, (creps.get(arm), creps.get(baseline)), inputs.confidence)
-        for arm, f in fleets.items()
-    ]
+    out = [f if arm == baseline or base is None else candidate_fleet(f, base) for arm, f in fleets.items()]
     return peak, out, []
 
 

@@ -39,7 +39,9 @@ async def running_proxy(
 ) -> AsyncIterator[RunningProxy]:
     """The proxy on a free port; keyword arguments are [experiment] fields or ProxySettings fields."""
     settings_kw = {
-        k: experiment.pop(k) for k in ("capture", "capture_responses", "api_key") if k in experiment
+        k: experiment.pop(k)
+        for k in ("capture", "capture_responses", "api_key", "scrape_metrics")
+        if k in experiment
     }
     exp = parse_experiment({"experiment": {"name": "t", **experiment}, "arms": arms})
     tmp_path.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -146,3 +147,38 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> str:
     # Close the pipe: an unclosed one is a ResourceWarning, and warnings fail tests here.
     with proc.stdout:
         return proc.stdout.read().decode(errors="replace")
+
+
+@dataclass
+class Served:
+    """A running `specproxy serve`: its base URL and process; ``output`` holds what it printed once it
+    has been stopped."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    output: str = ""
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+
+@contextmanager
+def serving(config: Path, *args: str, wait_s: float = WAIT_S, stop_s: float = 15.0) -> Iterator[Served]:
+    """`specproxy serve --config CONFIG --port P ARGS...` as a subprocess, ready (its /health answers);
+    stopped with SIGTERM when the block ends, its output then in ``served.output``.
+
+    ::
+
+        with serving(cfg, "--db", str(db)) as served:
+            ...  # talk to served.url
+        assert served.returncode == 0, served.output
+    """
+    port = free_port()
+    proc = start_cli(["serve", "--config", str(config), "--port", str(port), *args])
+    served = Served(f"http://127.0.0.1:{port}", proc)
+    try:
+        wait_http(f"{served.url}/health", timeout=wait_s, proc=proc)
+        yield served
+    finally:
+        served.output = stop(proc, timeout=stop_s)

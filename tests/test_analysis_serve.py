@@ -8,15 +8,18 @@ compare their outputs and take acceptance from the periodic window, equal to the
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import duckdb
 import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
-from tests.support import free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
+from tests.support import free_port, metric_sum, serving, start_cli, stop, wait_http, wait_until_sync
 
 
 @pytest.fixture
@@ -38,10 +41,8 @@ def sims() -> Iterator[dict[str, str]]:
             stop(proc)
 
 
-def test_shadow_traffic_is_analysed_as_one_live_level(sims: dict[str, str], tmp_path: Path) -> None:
-    db = tmp_path / "shadow.duckdb"
-    config = tmp_path / "shadow.toml"
-    config.write_text(f"""
+def _shadow_config(path: Path, db: Path, sims: dict[str, str]) -> Path:
+    path.write_text(f"""
 [experiment]
 name = "ngram-shadow"
 mode = "shadow"
@@ -58,10 +59,13 @@ name = "ngram"
 url = "{sims["ngram"]}"
 speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
 """)
-    port = free_port()
-    proxy = start_cli(["serve", "--config", str(config), "--port", str(port)])
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=proxy)
+    return path
+
+
+def test_shadow_traffic_is_analysed_as_one_live_level(sims: dict[str, str], tmp_path: Path) -> None:
+    db = tmp_path / "shadow.duckdb"
+    config = _shadow_config(tmp_path / "shadow.toml", db, sims)
+    with serving(config) as proxy:
         # Streams are read to the end of the HTTP body (urllib), not just to [DONE]: the openai client
         # closes the connection at [DONE], and the proxy then sometimes records the primary as
         # client_cancelled (reported to the serve owner); that race is not what this test is about.
@@ -80,7 +84,7 @@ speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
                 ],
             }
             request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
+                f"{proxy.url}/v1/chat/completions",
                 data=json.dumps(body).encode(),
                 headers={"Content-Type": "application/json"},
             )
@@ -88,10 +92,9 @@ speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
                 assert b"data: [DONE]" in resp.read()
         # The shadow copies end after their clients' calls; the proxy scrapes the arms once more when
         # it stops, after them.
-        calls = f"http://127.0.0.1:{port}/metrics"
+        calls = f"{proxy.url}/metrics"
         wait_until_sync(lambda: metric_sum(calls, "specproxy_requests_total") >= 16, "16 finished calls")
-    finally:
-        stop(proxy)
+    assert proxy.returncode == 0, proxy.output
 
     result = CliRunner().invoke(main, ["analyze", str(db), "--format", "json"])
     assert result.exit_code == 0, result.output
@@ -132,3 +135,83 @@ def _statuses(db: Path) -> list[tuple[object, ...]]:
         ],
     )
     return [tuple(line.split(",")) for line in result.stdout.splitlines()]
+
+
+def test_replay_through_serve_has_acceptance_per_level(sims: dict[str, str], tmp_path: Path) -> None:
+    """replay --target a served proxy: the proxy scrapes the engines at each level's start and end (on
+    replay's request), so the engines' counters come out per level, each level's equal to the
+    simulator's truth for the calls of that level."""
+    db = tmp_path / "proxy.duckdb"
+    config = _shadow_config(tmp_path / "shadow.toml", db, sims)
+    log = tmp_path / "question.jsonl"
+    log.write_text(
+        "".join(json.dumps({"question_id": i, "turns": [f"Summarize item {i}"]}) + "\n" for i in range(4))
+    )
+    with serving(config) as proxy:
+        replay = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "specproxy",
+                "replay",
+                str(log),
+                "--target",
+                proxy.url,
+                "--concurrency",
+                "1,2",
+            ]
+            + [
+                "--rounds",
+                "2",
+                "--max-tokens",
+                "32",
+                "--db",
+                str(tmp_path / "client.duckdb"),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert replay.returncode == 0, replay.stderr
+        assert "did not scrape" not in replay.stderr, replay.stderr
+    assert proxy.returncode == 0, proxy.output
+    with urllib.request.urlopen(f"{sims['ngram']}/sim/requests?limit=1000", timeout=10) as resp:
+        truths = {t["request_id"]: t for t in json.load(resp)["requests"]}
+    with duckdb.connect(str(db), read_only=True) as conn:
+        levels = dict(
+            conn.execute(
+                "SELECT concurrency_level, list(request_id) FROM requests WHERE arm = 'ngram' GROUP BY ALL"
+            ).fetchall()
+        )
+        acceptance = {
+            level: (drafts, draft_tokens, accepted)
+            for level, drafts, draft_tokens, accepted in conn.execute(
+                "SELECT level, drafts, draft_tokens, accepted_tokens FROM acceptance WHERE arm = 'ngram'"
+            ).fetchall()
+        }
+    assert sorted(levels) == [1, 2] and all(len(ids) == 8 for ids in levels.values())  # 4 items × 2 rounds
+    for level, ids in levels.items():
+        mine = [truths[_truth_id(truths, rid)] for rid in ids]
+        expected = tuple(
+            float(sum(t[k] for t in mine)) for k in ("num_drafts", "draft_tokens", "accepted_tokens")
+        )
+        assert expected[2] > 0
+        assert acceptance[str(level)] == expected, (level, acceptance)
+    # and the analysis reads them per level, as for a replay that scraped the arms itself
+    result = CliRunner().invoke(
+        main, ["analyze", str(db), "--format", "json", "--bootstrap-iterations", "200"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["level"]: r for r in json.loads(result.stdout)["runs"][0]["rows"] if r["arm"] == "ngram"}
+    assert set(rows) == {"1", "2"}
+    for level, (_, draft_tokens, accepted) in acceptance.items():
+        if level in rows:
+            assert rows[level]["acceptance_rate"] == pytest.approx(accepted / draft_tokens, rel=1e-12)
+
+
+def _truth_id(truths: dict[str, object], request_id: str) -> str:
+    """The simulator's id for a call: the request id the proxy sent, perhaps with an API prefix."""
+    (found,) = [t for t in truths if t.endswith(request_id)]
+    return found

@@ -4,12 +4,15 @@ subprocess where the output a user reads is checked."""
 
 from __future__ import annotations
 
+import csv as csv_module
+import io
 import json
 import math
 import statistics
 import subprocess
 import sys
 from datetime import timedelta
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +20,28 @@ import numpy as np
 import pytest
 
 from specproxy.analysis import evaluate, open_store
-from specproxy.analysis.capacity import BETWEEN, EVERY, NONE, CapacityRatio, crossing, slo_crossing
+from specproxy.analysis.capacity import (
+    BETWEEN,
+    EVERY,
+    NONE,
+    Capacity,
+    CapacityRatio,
+    Crossing,
+    capacity_ratio,
+    crossing,
+    slo_crossing,
+)
 from specproxy.analysis.evaluation import Settings
-from specproxy.analysis.fleet import Peak, arm_fleet, gpu_saving, interpolate, replicas_needed
-from specproxy.analysis.slo import _ratio_text
+from specproxy.analysis.fleet import (
+    CountRange,
+    Peak,
+    arm_fleet,
+    candidate_fleet,
+    interpolate,
+    replicas_needed,
+)
+from specproxy.analysis.render_slo import fleet_cells
+from specproxy.analysis.slo import _headline, _ratio_text
 from specproxy.config import ConfigError, experiment_json, parse_experiment
 from specproxy.record import SpanRecord
 from specproxy.slo import SloError, parse_slo
@@ -136,6 +157,9 @@ def test_goodput_and_capacity_have_the_known_answers(tmp_path: Path) -> None:
         # the straight line between the tested levels is a guess: the interval spans both of them
         holds, fails = c["crossing"]["holds_at"], c["crossing"]["fails_at"]
         assert c["low"] <= holds < c["crossing"]["load"] < fails <= c["high"]
+    # eagle3 fails at the top level, c=8: its capacity is bounded there, not open above
+    assert cand["capacity"]["crossing"]["fails_at"] == 8 and not cand["capacity"]["high_open"]
+    assert "≥" not in cand["text"]
     ratio = cand["ratio"]
     expected = _expected_capacity("eagle3", 0.5) / _expected_capacity("baseline", 0.5)
     assert ratio["point"] == pytest.approx(expected) and ratio["low"] <= expected <= ratio["high"]
@@ -146,16 +170,113 @@ def test_goodput_and_capacity_have_the_known_answers(tmp_path: Path) -> None:
     assert "at your SLO (ttft_p95 ≤ 500 ms)" in cand["headline"]
 
 
+def _report(db: Path, *args: str) -> str:
+    out = db.parent / "report.html"
+    result = _cli("report", str(db), "-o", str(out), "--bootstrap-iterations", "200", *args)
+    assert result.returncode == 0, result.stderr
+    return out.read_text()
+
+
 def test_an_slo_no_arm_meets(tmp_path: Path) -> None:
     db = _store(tmp_path)
     doc = _analyze(db, "--slo", "ttft_p95=10ms", "--peak-concurrency", "16")
     for name in ("baseline", "eagle3"):
-        assert _arm(doc, name)["capacity"]["crossing"]["state"] == NONE
-    assert _arm(doc, "eagle3")["ratio"]["point"] is None
+        c = _arm(doc, name)["capacity"]
+        assert c["crossing"]["state"] == NONE and c["crossing"]["load"] is None
+        assert _arm(doc, name)["text"] == "none measured: fails at every tested level (lowest c=1)"
+    ratio = _arm(doc, "eagle3")["ratio"]
+    assert (ratio["point"], ratio["low"], ratio["high"]) == (None, None, None)
+    assert ratio["note"] == "both fail the SLO at every tested load"
     assert all(r["met"] == 0 and r["holds"] is False for r in doc["levels"])
     assert all(f["replicas"] is None for f in doc["fleet"])
-    text = _cli("analyze", str(db), "--slo", "ttft_p95=10ms", "--bootstrap-iterations", "200").stdout
-    assert "capacity < c=1" in text and "the baseline does not hold the SLO at the lowest load" in text
+    args = ("--slo", "ttft_p95=10ms", "--bootstrap-iterations", "200")
+    text = _cli("analyze", str(db), *args).stdout
+    fails = "fails your SLO (ttft_p95 ≤ 10 ms) at every tested level (lowest c=1): no capacity measured"
+    assert f"baseline {fails}\n" in text
+    assert f"eagle3 {fails}; nor for baseline, which fails it at every tested level too" in text
+    assert "0.00x" not in text and "serves" not in text
+    csv = _cli("analyze", str(db), *args, "--format", "csv").stdout
+    level_rows = [r for r in csv_module.DictReader(io.StringIO(csv)) if not r["category"]]
+    assert len(level_rows) == 2 * len(LEVELS)
+    for row in level_rows:
+        assert row["capacity_state"] == NONE and row["capacity_at_slo"] == row["capacity_ratio"] == ""
+    assert f"eagle3 {fails}" in _report(db, *args[:2])
+
+
+def test_an_slo_only_the_candidate_meets(tmp_path: Path) -> None:
+    # a baseline whose p95 at c=1 is 0.435 s, far above 200 ms; the candidate's 0.145 s
+    scales = {"baseline": 0.300, "eagle3": 0.100}
+    db = _store(tmp_path, scales=scales)
+    doc = _analyze(db, "--slo", "ttft_p95=200ms", "--peak-concurrency", "16")
+    base, cand = _arm(doc, "baseline"), _arm(doc, "eagle3")
+    assert base["capacity"]["crossing"]["state"] == NONE and base["capacity"]["high"] is None
+    assert cand["capacity"]["crossing"]["load"] == pytest.approx(_expected_capacity("eagle3", 0.2, scales))
+    # the candidate's capacity is at least its interval's low end (c=1, where it holds); the
+    # baseline's below c=1: the ratio is above 1 / 1, and nothing bounds it above
+    ratio = cand["ratio"]
+    assert (ratio["point"], ratio["bound"], ratio["high"]) == (None, ">", None)
+    assert cand["capacity"]["low"] == 1 and ratio["low"] == pytest.approx(1.0)
+    assert cand["headline"].startswith(
+        "eagle3 serves > 1.00x more concurrent users than baseline at your SLO"
+    )
+    assert cand["headline"].endswith("; baseline fails it at every tested level")
+    assert base["headline"].startswith("baseline fails your SLO (ttft_p95 ≤ 200 ms) at every tested level")
+    fleet = {f["arm"]: f for f in doc["fleet"]}
+    assert fleet["baseline"]["replicas"] is None and fleet["eagle3"]["saving"] is None
+    text = _cli("analyze", str(db), "--slo", "ttft_p95=200ms", "--bootstrap-iterations", "200").stdout
+    assert cand["headline"] in text and "0.00x" not in text
+    assert escape(cand["headline"]) in _report(db, "--slo", "ttft_p95=200ms")
+
+
+def test_an_slo_only_the_baseline_meets(tmp_path: Path) -> None:
+    # a candidate with a slower first token: its p95 at c=1 is 0.435 s, the baseline's 0.145 s
+    scales = {"baseline": 0.100, "eagle3": 0.300}
+    db = _store(tmp_path, scales=scales)
+    doc = _analyze(db, "--slo", "ttft_p95=200ms")
+    base, cand = _arm(doc, "baseline"), _arm(doc, "eagle3")
+    assert base["capacity"]["crossing"]["state"] == BETWEEN
+    assert base["capacity"]["crossing"]["load"] == pytest.approx(_expected_capacity("baseline", 0.2, scales))
+    assert cand["capacity"]["crossing"]["state"] == NONE
+    # below c=1 against at least c=1: under 1x, and nothing measured bounds it below
+    ratio = cand["ratio"]
+    assert (ratio["point"], ratio["bound"], ratio["low"]) == (None, "<", None)
+    assert base["capacity"]["low"] == 1 and ratio["high"] == pytest.approx(1.0)
+    fails = (
+        "eagle3 fails your SLO (ttft_p95 ≤ 200 ms) at every tested level (lowest c=1): no capacity measured"
+    )
+    assert cand["headline"] == f"{fails}; it serves < 1.00x the concurrent users of baseline (fewer)"
+    text = _cli("analyze", str(db), "--slo", "ttft_p95=200ms", "--bootstrap-iterations", "200").stdout
+    assert cand["headline"] in text and "0.00x" not in text
+    assert escape(cand["headline"]) in _report(db, "--slo", "ttft_p95=200ms")
+
+
+def test_a_ratio_bound_needs_the_other_arms_interval_measured() -> None:
+    """An arm that failed everywhere against one whose interval reaches below its lowest level: no
+    bound on the ratio, and the sentence says only what is known."""
+    loads = (1.0, 2.0, 4.0)
+    failing = Capacity(Crossing(NONE, None, None, 1.0), None, None, False, loads)
+    vague = Capacity(Crossing(BETWEEN, 1.5, 1.0, 2.0), None, 2.0, False, loads)
+    low = capacity_ratio(failing, vague, None, None, 0.95)
+    assert (low.point, low.low, low.high, low.bound) == (None, None, None, "<")
+    high = capacity_ratio(vague, failing, None, None, 0.95)
+    assert (high.point, high.low, high.high, high.bound) == (None, None, None, ">")
+    ctx = ("ttft_p95 ≤ 1 s", "concurrency", "baseline")
+    assert _headline("eagle3", "candidate", failing, low, ctx) == (
+        "eagle3 fails your SLO (ttft_p95 ≤ 1 s) at every tested level (lowest c=1): no capacity measured"
+    )
+    assert _headline("eagle3", "candidate", vague, high, ctx).endswith(
+        "baseline fails it at every tested level, so no ratio"
+    )
+    # some replicates held at the lowest level: the interval's top is a bound
+    reaching = Capacity(Crossing(NONE, None, None, 1.0), None, 1.5, False, loads)
+    measured = Capacity(Crossing(BETWEEN, 3.0, 2.0, 4.0), 2.0, 4.0, False, loads)
+    assert capacity_ratio(reaching, measured, None, None, 0.95).high == pytest.approx(1.5 / 2.0)
+    assert _headline(
+        "eagle3", "candidate", reaching, capacity_ratio(reaching, measured, None, None, 0.95), ctx
+    ) == (
+        "eagle3 fails your SLO (ttft_p95 ≤ 1 s) at every tested level (lowest c=1): no capacity measured "
+        "(95% interval up to c≈1.5); it serves < 0.75x the concurrent users of baseline (fewer)"
+    )
 
 
 def test_an_slo_every_arm_meets(tmp_path: Path) -> None:
@@ -166,18 +287,6 @@ def test_an_slo_every_arm_meets(tmp_path: Path) -> None:
     ratio = _arm(doc, "eagle3")["ratio"]
     assert ratio["point"] is None and "both hold the SLO at every tested load" in ratio["note"]
     assert "≥ c=8" in _arm(doc, "eagle3")["text"]
-
-
-def test_an_slo_only_the_baseline_meets(tmp_path: Path) -> None:
-    # a candidate with a slower first token: its p95 at c=1 is 0.2175 s, the baseline's 0.145 s
-    scales = {"baseline": 0.100, "eagle3": 0.150}
-    doc = _analyze(_store(tmp_path, scales=scales), "--slo", "ttft_p95=200ms")
-    base, cand = _arm(doc, "baseline"), _arm(doc, "eagle3")
-    assert base["capacity"]["crossing"]["state"] == BETWEEN
-    assert base["capacity"]["crossing"]["load"] == pytest.approx(_expected_capacity("baseline", 0.2, scales))
-    assert cand["capacity"]["crossing"]["state"] == NONE
-    assert cand["ratio"]["point"] == 0.0
-    assert "does not hold the SLO at the lowest load" in cand["headline"]
 
 
 def test_unreliable_levels_are_left_out_of_capacity(tmp_path: Path) -> None:
@@ -232,11 +341,29 @@ def test_fleet_at_the_peak_from_the_experiment_file(tmp_path: Path) -> None:
     assert fleet["baseline"]["cost_per_hour"] == pytest.approx(4 * 2.0)
     assert fleet["eagle3"]["cost_per_hour"] == pytest.approx(6 * 2.0)
     assert fleet["eagle3"]["saving"]["point"] == pytest.approx(1 - 6 / 4)
+    # the replicas at the ends of the capacity's reported interval, and the saving from those
+    for name, gpus in (("baseline", 1), ("eagle3", 2)):
+        c = _arm(doc, name)["capacity"]
+        span = {"low": math.ceil(12 / c["high"]), "high": math.ceil(12 / c["low"]), "low_open": False}
+        assert fleet[name]["replicas_range"] == span | {"high_open": False}
+        assert fleet[name]["gpus_range"]["high"] == span["high"] * gpus
+    b, e = fleet["baseline"]["gpus_range"], fleet["eagle3"]["gpus_range"]
+    saving = fleet["eagle3"]["saving"]
+    assert saving["low"] == pytest.approx(1 - e["high"] / b["low"])
+    assert saving["high"] == pytest.approx(1 - e["low"] / b["high"])
+    text = _cli("analyze", str(tmp_path / "slo.duckdb"), "--bootstrap-iterations", "200").stdout
+    row = next(line.split() for line in text.splitlines() if line.startswith("eagle3 ") and "$" in line)
+    assert " ".join(row[2:8]) == f"3 [{e['low'] // 2}, {e['high'] // 2}] 6 [{e['low']}, {e['high']}]"
     # each of the baseline's 4 replicas runs at c=3, between c=2 and c=4: its goodput tok/s there
     per_level = {int(r["level"]): r["tokens_per_s"]["point"] for r in doc["levels"] if r["arm"] == "baseline"}
     expected_tokens = 4 * (per_level[2] + (per_level[4] - per_level[2]) / 2)
     assert fleet["baseline"]["tokens_per_s"] == pytest.approx(expected_tokens)
     assert fleet["baseline"]["cost_per_million_tokens"] == pytest.approx(8.0 / (expected_tokens * 3600 / 1e6))
+
+
+def _between(load: float, low: float | None, high: float | None, *, high_open: bool = False) -> Capacity:
+    """A capacity crossed between c=4 and c=8 of the tested 1, 2, 4, 8, with the given interval."""
+    return Capacity(Crossing(BETWEEN, load, 4.0, 8.0), low, high, high_open, (1.0, 2.0, 4.0, 8.0))
 
 
 def test_fleet_arithmetic() -> None:
@@ -246,17 +373,56 @@ def test_fleet_arithmetic() -> None:
     assert interpolate([(4.0, 400.0), (8.0, 600.0)], 2.0) == 200.0  # through zero below the lowest
     peak = Peak(12.0, "concurrency", "command line")
     goodput = [(4.0, 400.0), (8.0, 600.0)]
-    base = arm_fleet("baseline", peak, 5.0, False, goodput, (1, "default"), 3.0)
+    base = arm_fleet("baseline", peak, _between(5.0, 4.0, 8.0), goodput, (1, "default"), 3.0)
     # 3 replicas at c=4 each: 3 × 400 tok/s; $9 per hour over 4.32 M tokens per hour
     assert (base.replicas, base.gpus, base.cost_per_hour, base.tokens_per_s) == (3, 3, 9.0, 1200.0)
     assert base.cost_per_million_tokens == pytest.approx(9.0 / (1200.0 * 3600 / 1e6))
-    cand = arm_fleet("eagle3", peak, 12.0, False, goodput, (2, "engine"), 3.0)
-    assert (cand.replicas, cand.gpus) == (1, 2)
-    reps = np.full(100, 12.0), np.full(100, 5.0)
-    saving = gpu_saving(12.0, cand, base, *reps, 0.95)
-    assert saving is not None and saving.point == pytest.approx(1 / 3) and saving.low == pytest.approx(1 / 3)
-    none = arm_fleet("x", peak, None, False, goodput, (1, "default"), 3.0)
+    # capacity [4, 8]: 12 / 8 → 2 replicas at its high end, 12 / 4 → 3 at its low end
+    assert base.replicas_range == CountRange(2, 3, False, False)
+    every = Capacity(Crossing(EVERY, 8.0, 8.0, None), 6.0, 8.0, True, (1.0, 2.0, 4.0, 8.0))
+    cand = arm_fleet("eagle3", peak, every, goodput, (2, "engine"), 3.0)
+    # held at every level: ≤ 2 replicas of 2 GPUs, at most 12 / 6 → 2 at the interval's low end
+    assert (cand.replicas, cand.gpus, cand.at_most) == (2, 4, True)
+    assert cand.gpus_range == CountRange(4, 4, True, False)
+    saved = candidate_fleet(cand, base)
+    assert saved.saving is not None and saved.saving.point == pytest.approx(1 - 4 / 3)
+    # its most GPUs (4) over the baseline's fewest (2); its fewest (4, or fewer) over the most (3)
+    assert saved.saving.low == pytest.approx(1 - 4 / 2) and saved.saving.high == pytest.approx(1 - 4 / 3)
+    assert saved.saving_open == (False, True)
+    assert fleet_cells(saved)[2:4] == ["≤2 [≤2, 2]", "≤4 [≤4, 4]"]
+    assert fleet_cells(saved)[-1] == "-33% [-100%, ≥-33%]"
+    none = arm_fleet(
+        "x",
+        peak,
+        Capacity(Crossing(NONE, None, None, 1.0), None, None, False, (1.0,)),
+        goodput,
+        (1, "default"),
+        3.0,
+    )
     assert none.replicas is None and none.note == "holds the SLO at no tested load"
+    assert candidate_fleet(none, base).saving is None
+
+
+def test_the_fleet_interval_is_the_capacity_interval() -> None:
+    """Replicas at each end of the capacity's interval; one that reaches below the lowest tested load
+    leaves the fleet open above, and the saving open below."""
+    peak = Peak(100.0, "concurrency", "command line")
+    goodput = [(1.0, 50.0), (8.0, 300.0)]
+    base = arm_fleet("baseline", peak, _between(6.0, 4.0, 8.0), goodput, (1, "default"), None)
+    # 100 / 6 → 17; 100 / 8 → 13; 100 / 4 → 25
+    assert (base.replicas, base.replicas_range) == (17, CountRange(13, 25, False, False))
+    wide = arm_fleet("eagle3", peak, _between(7.0, None, 8.0), goodput, (2, "engine"), None)
+    # below the lowest (c=1): at least 100 replicas at that end, maybe more
+    assert (wide.replicas, wide.replicas_range) == (15, CountRange(13, 100, False, True))
+    assert wide.gpus_range == CountRange(26, 200, False, True)
+    saved = candidate_fleet(wide, base)
+    assert saved.saving is not None and saved.saving.point == pytest.approx(1 - 30 / 17)
+    assert saved.saving.low == pytest.approx(1 - 200 / 13) and saved.saving.high == pytest.approx(1 - 26 / 25)
+    assert saved.saving_open == (True, False)
+    assert fleet_cells(saved)[2:4] == ["15 [13, ≥100]", "30 [26, ≥200]"]
+    # no interval for the capacity (no replicates): the counts alone
+    bare = arm_fleet("x", peak, _between(6.0, None, None), goodput, (1, "default"), None)
+    assert bare.replicas == 17 and bare.replicas_range is None and fleet_cells(bare)[2] == "17"
 
 
 def test_crossing_is_agnostic_of_the_load_axis() -> None:
@@ -287,6 +453,11 @@ def test_the_report_shows_the_capacity_chart_and_fleet(tmp_path: Path) -> None:
         assert f'aria-label="{arm}: capacity at the SLO"' in html
     assert f"capacity ≈ {_expected_capacity('baseline', 0.5):.3g}" in html
     assert "ttft_p95 (ms)" in html and "Fleet and cost at the peak" in html and "GPUs saved [95% CI]" in html
+    # the fleet's cells as the JSON has them: replicas at the capacity interval's ends
+    doc = _analyze(db, "--slo", "ttft_p95=500ms", "--peak-concurrency", "12", "--gpu-hour-usd", "2")
+    for fleet in doc["fleet"]:
+        span = fleet["replicas_range"]
+        assert f'<td class="">{fleet["replicas"]} [{span["low"]}, {span["high"]}]</td>' in html
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import openai
 
 from specproxy.config import load_experiment
 from specproxy.engine_state import read_state
-from tests.support import free_port, start_cli, stop, wait_http
+from tests.support import free_port, serving, wait_http
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 EAGLE3_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
@@ -26,17 +26,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> str:
-    try:
-        return stop(proc)
-    finally:
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
 def test_up_sim_serve_requests_down(tmp_path: Path) -> None:
     ports = [free_port() for _ in range(3)]
-    proxy_port = free_port()
     path = tmp_path / "exp.toml"
     path.write_text(f"""
 [experiment]
@@ -60,7 +51,6 @@ name = "eagle3"
 url = "http://127.0.0.1:{ports[2]}"
 speculative = {{ method = "eagle3", model = "{EAGLE3_HEAD}", num_speculative_tokens = 3 }}
 """)
-    proxy = None
     try:
         up = _cli(
             "engines", "up", str(path), "--engine", "sim", "--sim-time-scale", "20", "--health-timeout", "60"
@@ -85,32 +75,19 @@ speculative = {{ method = "eagle3", model = "{EAGLE3_HEAD}", num_speculative_tok
         assert status.returncode == 0
         assert [a["arm"] for a in json.loads(status.stdout)["arms"]] == ["baseline", "ngram", "eagle3"]
 
-        proxy = start_cli(
-            [
-                "serve",
-                "--config",
-                str(path),
-                "--port",
-                str(proxy_port),
-                "--db",
-                str(tmp_path / "spans.duckdb"),
-            ]
-        )
-        wait_http(f"http://127.0.0.1:{proxy_port}/health", proc=proxy)
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key="none") as client:
-            for i in range(4):
-                stream = client.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": f"Summarise request number {i}."}],
-                    max_tokens=24,
-                    temperature=0,
-                    stream=True,
-                )
-                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-                assert text
-        output = _stop(proxy)
-        proxy = None
-        assert "spans written" in output, output
+        with serving(path, "--db", str(tmp_path / "spans.duckdb")) as proxy:
+            with openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none") as client:
+                for i in range(4):
+                    stream = client.chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": f"Summarise request number {i}."}],
+                        max_tokens=24,
+                        temperature=0,
+                        stream=True,
+                    )
+                    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                    assert text
+        assert "spans written" in proxy.output, proxy.output
 
         db = duckdb.connect(str(tmp_path / "spans.duckdb"), read_only=True)
         try:
@@ -127,8 +104,6 @@ speculative = {{ method = "eagle3", model = "{EAGLE3_HEAD}", num_speculative_tok
         assert engine_stack["engine"] == "sim" and engine_stack["server_version"] == "0.33.0"
         assert "--speculative-config" in engine_stack["argv"]
     finally:
-        if proxy is not None:
-            _stop(proxy)
         down = _cli("engines", "down", str(path))
     assert down.returncode == 0 and down.stdout.count("stopped") == 3, down.stdout
     assert read_state(load_experiment(path)) is None

@@ -36,7 +36,7 @@ import pytest
 from specproxy.proxy.upstream.calls import prompt_sha256
 from specproxy.proxy.upstream.scrape import Snapshot, parse_metrics, spec_decode_summary
 from tests.proxies import spans
-from tests.support import free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
+from tests.support import free_port, metric_sum, serving, stop, wait_http, wait_until_sync
 from tests.test_llama_server_shapes import PATHS, masked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -176,12 +176,10 @@ async def test_specproxy_in_front_of_a_plain_and_a_draft_model_llama_server(
                 direct[(name, endpoint, prompt, stream)] = _answer(raw, endpoint, stream)
 
     before = _scrape(servers["draft"])
-    port, capture = free_port(), tmp_path / "capture.jsonl"
-    argv = ["serve", "--config", str(_experiment(tmp_path, servers)), "--port", str(port)]
-    serve = start_cli([*argv, "--capture", str(capture)])
-    proxy = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(proxy + "/health", timeout=60, proc=serve)
+    capture = tmp_path / "capture.jsonl"
+    config = _experiment(tmp_path, servers)
+    with serving(config, "--capture", str(capture), wait_s=60, stop_s=60) as served:
+        proxy = served.url
         async with _session() as session:
             for i, (endpoint, prompt, stream) in enumerate(cases):
                 got = await _post(session, proxy, _body(endpoint, prompt, stream), rid=f"case-{i}")
@@ -197,8 +195,7 @@ async def test_specproxy_in_front_of_a_plain_and_a_draft_model_llama_server(
         )
         assert replay.returncode == 0, replay.stdout.decode() + replay.stderr.decode()
         _until_idle(proxy)
-    finally:
-        log = stop(serve, timeout=60)
+    log = served.output
     after = _scrape(servers["draft"])
 
     rows = spans(tmp_path / "spans.duckdb")

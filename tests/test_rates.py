@@ -382,14 +382,16 @@ def test_a_rate_sweep_at_an_slo_has_its_capacity_in_requests_per_second(tmp_path
         if reliable[name]:
             assert row["replicas"] >= 1 and row["cost_per_hour"] == 2.0 * row["gpus"]
     assert "fleet at peak 2 req/s (run's experiment), $2.00 per GPU-hour:" in res.stdout
-    # the same store at an SLO no call meets: capacity below the lowest rate, in req/s
+    # the same store at an SLO no call meets: no capacity measured, the lowest rate named in req/s
     strict = slo_of(db, "--slo", "e2e_p95=1ms")
     assert strict["source"] != "run's experiment"
     for arm in strict["arms"]:
         if arm["capacity"] is not None:
             assert arm["capacity"]["crossing"]["state"] == "none"
             assert arm["capacity"]["crossing"]["load"] is None
-            assert "capacity < 1 req/s" in arm["headline"], arm["headline"]
+            lowest = f"at every tested level (lowest {min(arm['capacity']['loads']):g} req/s)"
+            assert f"{lowest}: no capacity measured" in arm["headline"], arm["headline"]
+            assert arm["ratio"] is None or arm["ratio"]["point"] is None
 
 
 @pytest.mark.parametrize("warm_fresh", [True, False])

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from specproxy.cli import main
-from tests.support import backend_process, free_port, metric_sum, start_cli, stop, wait_http, wait_until_sync
+from tests.support import backend_process, free_port, metric_sum, serving, start_cli, stop, wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,8 +139,6 @@ def test_ctrl_c_stops_cleanly_and_keeps_spans(tmp_path: Path, backend_url: str) 
         proc.wait(30)
     finally:
         out = stop(proc)
-        if proc.stdout is not None:
-            proc.stdout.close()
     assert proc.returncode == 130, out
     assert "interrupted: the spans measured so far are kept" in out and "Traceback" not in out
     with duckdb.connect(str(db), read_only=True) as conn:
@@ -183,14 +181,9 @@ def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str)
         f'[experiment]\nmode = "shadow"\n\n[[arms]]\nname = "base"\nrole = "baseline"\n'
         f'url = "{backend_url}"\n\n[[arms]]\nname = "cand"\nurl = "{backend_url}"\n'
     )
-    port = free_port()
     proxy_db, client_db = tmp_path / "proxy.duckdb", tmp_path / "client.duckdb"
     capture = tmp_path / "cap.jsonl"
-    serve = start_cli(
-        ["serve", "--config", str(cfg), "--port", str(port), "--db", str(proxy_db), "--capture", str(capture)]
-    )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=serve)
+    with serving(cfg, "--db", str(proxy_db), "--capture", str(capture)) as served:
         log = tmp_path / "question.jsonl"
         log.write_text(
             "".join(
@@ -201,7 +194,7 @@ def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str)
             "replay",
             str(log),
             "--target",
-            f"http://127.0.0.1:{port}",
+            served.url,
             "--concurrency",
             "2",
             "--max-tokens",
@@ -211,9 +204,7 @@ def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str)
             "--no-progress",
         )
         assert res.returncode == 0, res.stderr
-    finally:
-        out = stop(serve)
-    assert serve.returncode == 0, out
+    assert served.returncode == 0, served.output
     with duckdb.connect(str(client_db), read_only=True) as conn:
         client_ids = {r for (r,) in conn.execute("SELECT request_id FROM requests").fetchall()}
     with duckdb.connect(str(proxy_db), read_only=True) as conn:
@@ -249,18 +240,15 @@ def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
         f'[experiment]\nmode = "shadow"\n\n[[arms]]\nname = "base"\nrole = "baseline"\n'
         f'url = "{backend_url}"\n\n[[arms]]\nname = "cand"\nurl = "{backend_url}"\n'
     )
-    port = free_port()
     proxy_db = tmp_path / "proxy.duckdb"
-    serve = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--db", str(proxy_db)])
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=serve)
+    with serving(cfg, "--db", str(proxy_db)) as served:
         log = tmp_path / "question.jsonl"
         log.write_text("".join(json.dumps({"question_id": i, "turns": [f"q {i}"]}) + "\n" for i in range(4)))
         res = run_cli(
             "replay",
             str(log),
             "--target",
-            f"http://127.0.0.1:{port}",
+            served.url,
             "--concurrency",
             "1,2",
             "--rounds",
@@ -270,9 +258,7 @@ def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
             "--no-progress",
         )
         assert res.returncode == 0, res.stderr
-    finally:
-        out = stop(serve)
-    assert serve.returncode == 0, out
+    assert served.returncode == 0, served.output
     with duckdb.connect(str(proxy_db), read_only=True) as conn:
         phases = conn.execute(
             "SELECT arm, concurrency_level, round, count(*) FROM requests GROUP BY ALL ORDER BY ALL"
@@ -288,3 +274,21 @@ def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
         ("proxy_queue_p99_s", "base", True, True, 0.05),
         ("proxy_queue_p99_s", "cand", True, True, 0.05),
     ]
+
+
+def test_replay_through_a_proxy_that_does_not_scrape_says_so(tmp_path: Path, backend_url: str) -> None:
+    """The levels' boundary scrapes are the proxy's to do: one started with --no-scrape refuses, and
+    replay says what that costs (once), the spans written all the same."""
+    cfg = tmp_path / "exp.toml"
+    arm = f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{backend_url}"\n'
+    cfg.write_text(f'[experiment]\nmode = "shadow"\n\n{arm}')
+    log = write_custom(tmp_path / "log.jsonl", 2)
+    with serving(cfg, "--db", str(tmp_path / "proxy.duckdb"), "--no-scrape") as served:
+        res = run_cli(
+            "replay", str(log), "--target", served.url, "--concurrency", "1,2",
+            "--db", str(tmp_path / "c.duckdb"), "--no-progress",
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    note = f"the proxy at {served.url} did not scrape its arms at the levels' boundaries (HTTP 409: "
+    assert res.stderr.count(note) == 1, res.stderr
+    assert "engines' counters are not split by level" in res.stderr and "4 spans" in res.stderr

@@ -31,7 +31,9 @@ from specproxy.proxy.upstream.scrape import (
     parse_metrics,
     spec_decode_summary,
 )
-from tests.support import free_port, wait_for_count
+from tests.backends import BackendConfig, running_backend
+from tests.proxies import running_proxy
+from tests.support import free_port, wait_for_count, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -376,3 +378,101 @@ def test_the_engine_load_line_scan_agrees_with_the_full_parse() -> None:
         == EngineLoad(*engine_load(parse_metrics("a", llamacpp)))
         == (2.0, 1.0)
     )
+
+
+async def test_a_client_asks_the_proxy_to_scrape_under_a_phase(tmp_path: Path) -> None:
+    """POST /specproxy/scrape: every arm's /metrics now, in backend_metrics under the phase the client
+    names (replay --target brackets each level so); a bad phase, a missing key or --no-scrape is a
+    sentence."""
+    async with (
+        running_backend(BackendConfig(tokens=3)) as base,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url}],
+            api_key="k",
+            scrape_interval_s=60,
+        ) as p,
+        aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as s,
+    ):
+        url = f"{p.url}/specproxy/scrape"
+        async with s.post(url, json={"phase": "c=4 r1/2:before"}) as r:
+            assert r.status == 200 and await r.json() == {
+                "run_id": p.state.run_id,
+                "phase": "c=4 r1/2:before",
+                "arms": {"base": {"ok": True, "error": None}},
+                "copies_running": 0,
+            }
+        for bad in ({"phase": "periodic"}, {"phase": 4}, ["c=4:before"]):
+            async with s.post(url, json=bad) as r:
+                message = (await r.json())["error"]["message"]
+                assert r.status == 400 and message.startswith(
+                    "phase must be a level's label and :before or :after"
+                )
+        async with s.post(url, data=b"{") as r:
+            assert r.status == 400 and "expected a JSON body" in (await r.json())["error"]["message"]
+        async with (
+            aiohttp.ClientSession() as anonymous,
+            anonymous.post(url, json={"phase": "c=4:after"}) as r,
+        ):
+            assert r.status == 401
+    with duckdb.connect(str(p.db), read_only=True) as con:
+        phases = con.execute("SELECT DISTINCT phase FROM backend_metrics ORDER BY phase").fetchall()
+    assert phases == [("c=4 r1/2:before",), ("periodic",)]  # and the periodic scrapes at start and end
+    # (no backend behind it: a proxy that does not scrape answers without asking one)
+    arms = [{"name": "base", "role": "baseline", "url": f"http://127.0.0.1:{free_port()}"}]
+    async with (
+        running_proxy(tmp_path / "off", arms, scrape_metrics=False) as p,
+        aiohttp.ClientSession() as s,
+        s.post(f"{p.url}/specproxy/scrape", json={"phase": "c=4:before"}) as r,
+    ):
+        assert r.status == 409
+        assert (await r.json())["error"]["message"] == (
+            "this proxy does not scrape its arms' /metrics (it was started with --no-scrape)"
+        )
+
+
+async def test_a_level_end_scrape_waits_for_the_shadow_copies(tmp_path: Path) -> None:
+    """The client's calls of a level have ended but a shadow copy still runs: the scrape at the level's
+    end waits for it, so its tokens count in this level's window, not the next one's."""
+    release = asyncio.Event()
+    async with (
+        running_backend(BackendConfig(tokens=3)) as base,
+        running_backend(BackendConfig(tokens=3, gate=release)) as cand,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
+            scrape_interval_s=60,
+        ) as p,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.post(f"{p.url}/v1/completions", json={"model": "m", "prompt": "p"}) as r:
+            assert r.status == 200  # the baseline answered; the copy to cand waits on the gate
+        await wait_until(lambda: cand.stats.active == 1, "the shadow copy in flight")
+        dispatcher = p.state.dispatcher
+        assert dispatcher is not None
+        settling = asyncio.Event()
+        settle = dispatcher.settle
+
+        async def observed(timeout_s: float) -> int:
+            settling.set()
+            return await settle(timeout_s)
+
+        dispatcher.settle = observed  # type: ignore[method-assign]
+
+        async def scrape_at_the_end() -> int:
+            async with s.post(f"{p.url}/specproxy/scrape", json={"phase": "c=1:after"}) as r:
+                assert r.status == 200
+                running: int = (await r.json())["copies_running"]
+                return running
+
+        scrape = asyncio.ensure_future(scrape_at_the_end())
+        await wait_until(settling.is_set, "the scrape to wait for the copies")
+        assert not scrape.done() and cand.stats.active == 1
+        release.set()
+        assert await scrape == 0
+    with duckdb.connect(str(p.db), read_only=True) as con:
+        running = con.execute(
+            "SELECT value FROM backend_metrics WHERE phase = 'c=1:after' AND arm = 'cand' "
+            "AND name = 'vllm:num_requests_running'"
+        ).fetchall()
+    assert running == [(0.0,)]  # the copy had ended when the engine was scraped

@@ -223,6 +223,7 @@ def replay(
         experiment=experiment,
         capture_output=capture_output,
         show_progress=not no_progress,
+        through_proxy=target is not None,
     )
     console.print(
         f"replaying {len(items.items)} {items.format} items from {logs} against "

@@ -160,6 +160,9 @@ class ReplaySettings:
     capture_output: bool = False
     show_progress: bool = True
     pacer: LevelPacer | None = None
+    # The one arm is a `specproxy serve` (replay --target): the engines behind it are scraped by it, at
+    # each phase's start and end on replay's request, into its own span store.
+    through_proxy: bool = False
 
 
 @dataclass(slots=True)
@@ -182,6 +185,7 @@ class ReplayResult:
     interrupted: bool = False
     lag_p99_s: float | None = None  # open loops: the calls' start lag behind schedule, over all rounds
     health: list[HealthRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the user should know about the figures
 
 
 # -- stack and reachability ----------------------------------------------------------------------
@@ -521,7 +525,7 @@ class ReplayRunner:
         """Run one measured round: scrape and read the clocks, send every call as ``drive`` schedules
         it (paired: to the arms in this round's order), scrape and read again, record the health."""
         label = phase.label
-        await self.scraper.scrape_once(f"{label}:before")
+        await self._scrape_boundary(f"{label}:before")
         self.scraper.engine_load.clear()
         clocks_before = await read_sim_clocks(self.session, self.s.arms)
         self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
@@ -557,10 +561,46 @@ class ReplayRunner:
             scraping.cancel()
             await asyncio.gather(scraping, return_exceptions=True)
             self.progress.end_phase()
-            await self.scraper.scrape_once(f"{label}:after")
+            await self._scrape_boundary(f"{label}:after")
             clocks_after = await read_sim_clocks(self.session, self.s.arms)
             await self._record_health(phase, clock_lag(clocks_before, clocks_after), stats, loop_lag.lags_s)
         return stats
+
+    async def _scrape_boundary(self, phase: str) -> None:
+        """The engines' counters at a phase's start or end: scraped here, or through a proxy by the
+        proxy (POST /specproxy/scrape), which records them in its store under the same phase."""
+        if not self.s.through_proxy:
+            await self.scraper.scrape_once(phase)
+            return
+        proxy = self.s.arms[0].url
+        try:
+            # (at a level's end the proxy first waits up to a minute for its shadow copies)
+            async with self.session.post(
+                f"{proxy}/specproxy/scrape", json={"phase": phase}, timeout=aiohttp.ClientTimeout(total=120)
+            ) as resp:
+                if resp.status != 200:
+                    problem = f"HTTP {resp.status}: {(await resp.text(errors='replace'))[:200]}"
+                else:
+                    answer = await resp.json()
+                    for arm, got in answer.get("arms", {}).items():
+                        if not got.get("ok"):
+                            self._note(f"the proxy could not scrape arm {arm}'s /metrics: {got.get('error')}")
+                    if answer.get("copies_running"):
+                        self._note(
+                            f"{answer['copies_running']} shadow copies were still running when the proxy "
+                            f"scraped at {phase}: their engine counters fall in the next level's window"
+                        )
+                    return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            problem = f"{exc.__class__.__name__} {exc}".strip()
+        self._note(
+            f"the proxy at {proxy} did not scrape its arms at the levels' boundaries ({problem}): the "
+            "engines' counters are not split by level (the spans' own acceptance figures remain)"
+        )
+
+    def _note(self, text: str) -> None:
+        if text not in self.result.notes:
+            self.result.notes.append(text)
 
     async def _scrape_during(self) -> None:
         await asyncio.sleep(SCRAPE_DURING_PHASE_S / 2)

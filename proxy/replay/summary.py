@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 from specproxy.proxy.replay.formats import ItemSet
 from specproxy.proxy.replay.health import ACHIEVED_RATE, RATE_SHORTFALL, over_threshold
@@ -41,6 +42,8 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
             "stretched[/yellow]",
             highlight=False,
         )
+    for note in result.notes:
+        console.print(f"[yellow]{escape(note)}[/yellow]", highlight=False)
     dropped = (
         f" ({result.spans_dropped} dropped: the writer fell behind or failed, see the log)"
         if result.spans_dropped

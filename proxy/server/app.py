@@ -8,6 +8,10 @@ Endpoints::
     GET  /v1/models                              the baseline's
     GET  /health                                 the proxy's own liveness
     GET  /metrics                                the proxy's Prometheus metrics (server.metrics)
+    POST /specproxy/scrape                       scrape every arm's /metrics now, under the phase
+                                                 given ({"phase": "c=16 r1/3:before"}): how
+                                                 ``replay --target`` brackets each level, so the
+                                                 engines' counters come out per level
 
 Long-lived resources are made and closed in ``cleanup_ctx`` (in this order, closed in reverse): the
 span sink (DuckDB writer thread; the run's row with each arm's stack), the upstream clients
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -113,6 +118,7 @@ class ProxyState:
     shutdown_started: float | None = None
     # arm name → its running/waiting gauges at the latest /metrics scrape (kept by the scraper)
     engine_load: dict[str, EngineLoad] = field(default_factory=dict)
+    scraper: MetricsScraper | None = None  # None: --no-scrape
 
     def finish(self, record: SpanRecord, parent: TraceParent | None = None) -> None:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
@@ -386,12 +392,48 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
+# A phase a client may name: a replay level's label (c=16, r=4, with a round: c=16 r2/3; timed x10)
+# and which end of it, as replay names its own scrapes (the acceptance view pairs them up).
+_PHASE = re.compile(r"[A-Za-z0-9=.,/ x_-]{1,80}:(before|after)")
+# At a level's end its shadow copies may still be running after the client's calls have ended: the
+# scrape waits this long for them, so that their tokens count in the level they belong to.
+SETTLE_BEFORE_SCRAPE_S = 60.0
+
+
+async def scrape_phase(request: web.Request) -> web.Response:
+    """Scrape every arm's /metrics now, recorded under the phase the client names: the counters at a
+    level's start and end, which periodic scrapes cannot place (they see every level at once). At an
+    end (``:after``) the copies still running are waited for first (``copies_running``: those that
+    outlasted the wait, whose tokens fall in the next window)."""
+    st = request.app[STATE]
+    try:
+        body = await request.json()
+    except ValueError:
+        return openai_error(400, 'expected a JSON body {"phase": "c=16:before"}')
+    phase = body.get("phase") if isinstance(body, dict) else None
+    if not isinstance(phase, str) or not _PHASE.fullmatch(phase):
+        return openai_error(
+            400,
+            f"phase must be a level's label and :before or :after (e.g. 'c=16 r1/3:before'), got {phase!r}",
+        )
+    if st.scraper is None:
+        return openai_error(
+            409, "this proxy does not scrape its arms' /metrics (it was started with --no-scrape)"
+        )
+    running = 0
+    if phase.endswith(":after") and st.dispatcher is not None:
+        running = await st.dispatcher.settle(SETTLE_BEFORE_SCRAPE_S)
+    snapshots = await st.scraper.scrape_once(phase)
+    arms = {name: {"ok": snap.ok, "error": snap.error} for name, snap in snapshots.items()}
+    return web.json_response({"run_id": st.run_id, "phase": phase, "arms": arms, "copies_running": running})
+
+
 def _auth_middleware(api_key: str) -> Any:
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith(("/v1/", "/specproxy/")):
             # The header's bytes as they came (aiohttp keeps undecodable ones as surrogates): a key
             # that is not UTF-8 is a wrong key, not an error.
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
@@ -440,6 +482,7 @@ def create_app(settings: ProxySettings) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/specproxy/scrape", scrape_phase)
     app.cleanup_ctx.append(_span_store)
     app.cleanup_ctx.append(_health)
     app.cleanup_ctx.append(_sessions)
@@ -533,12 +576,15 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _scraper(app: web.Application) -> AsyncIterator[None]:
-    """Each arm's /metrics into backend_metrics every scrape_interval_s, and once more at shutdown."""
+    """Each arm's /metrics into backend_metrics every scrape_interval_s, and once more at shutdown; and
+    whenever a client asks (POST /specproxy/scrape). Of several workers only the first scrapes
+    periodically (they would all scrape the same arms); each answers a client's request."""
     st = app[STATE]
     if not st.settings.scrape_metrics:
         yield
         return
     exp = st.settings.experiment
+    periodic = st.settings.worker_index in (None, 0)
     async with aiohttp.ClientSession() as session:
         scraper = MetricsScraper(
             exp.arms,
@@ -548,13 +594,16 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
             interval_s=exp.scrape_interval_s,
             engine_load=st.engine_load,
         )
-        task = asyncio.create_task(scraper.run())
+        st.scraper = scraper
+        task = asyncio.create_task(scraper.run()) if periodic else None
         try:
             yield
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await scraper.scrape_once("periodic")  # the run's last counters, for deltas over the run
+            st.scraper = None
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await scraper.scrape_once("periodic")  # the run's last counters, for deltas over the run
 
 
 async def _capture(app: web.Application) -> AsyncIterator[None]:

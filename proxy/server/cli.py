@@ -340,7 +340,7 @@ def _run_workers(
             argv += ["--capture", worker_path(capture, i)]
             if capture_responses:
                 argv.append("--capture-responses")
-        if no_scrape or i > 0:  # one scraper is enough: every worker would scrape the same arms
+        if no_scrape:  # (of the workers that scrape, only the first does so periodically)
             argv.append("--no-scrape")
         procs.append(subprocess.Popen(argv))
     stopping = False

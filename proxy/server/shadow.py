@@ -172,6 +172,13 @@ class ShadowDispatcher:
     def pending(self) -> int:
         return len(self._tasks)
 
+    async def settle(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the copies running now to end; returns how many still run."""
+        if not self._tasks:
+            return 0
+        _, still = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        return len(still)
+
     async def close(self, grace_s: float) -> None:
         """Stop sending copies, give running ones ``grace_s`` to finish, then cancel the rest."""
         self._closing = True
