@@ -331,3 +331,28 @@ async def test_tools_and_response_format_answer_as_vllm_does(client: openai.Asyn
                 model=MODEL, messages=QUESTION, temperature=0, extra_body=extra
             )
         assert message in err.value.body["message"]  # type: ignore[index]
+
+
+async def test_each_step_is_sent_before_the_next_is_planned() -> None:
+    # So fast a clock that the engine never sleeps between steps: each step's chunk still goes out
+    # on its own, written before the engine plans the next step, not merged with the steps after it.
+    async with (
+        running_sim(SimConfig(speculative=EAGLE3, time_scale=1e6)) as sim,
+        openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x") as client,
+    ):
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=60,
+            stream=True,
+            extra_headers={"X-Request-Id": "fast"},
+        )
+        content = [c async for c in stream if c.choices and c.choices[0].delta.content]
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{sim.url}/sim/requests/fast?timeline=1") as r,
+        ):
+            truth = await r.json()
+    assert len(truth["emit_s"]) > 10
+    assert len(truth["sent_s"]) == len(truth["emit_s"]) == len(content)

@@ -632,6 +632,10 @@ class SimEngine:
             for seq in touched:
                 if seq.listener is not None:
                     seq.listener()
+            # Let the woken handlers write their chunks before the next step is planned: a server's
+            # delivery does not wait on its scheduler (vLLM's engine core runs in its own process), and
+            # planning a large batch takes long enough to delay every stream's chunk by a varying amount.
+            await asyncio.sleep(0)
 
     def stats(self) -> dict[str, Any]:
         core = self.core
