@@ -21,6 +21,13 @@ simulator's clock lag at the level and the load average: the machine keeps up wh
 1 % and the load average at most the number of cores (a busy machine delays the proxy's and the
 simulator's socket work, which shows first in the per-request tails, P95 to max).
 
+The error against the steps has two parts, printed apart: the proxy's measurement (its figures vs
+the same figures from when the simulator handed each chunk to its socket, the timeline's ``sent_s``)
+and the simulator's own delivery (sent vs the steps: waking each stream's handler and formatting its
+chunk behind the other streams of the step). Then, gap by gap, the differences proxy - sent and
+sent - step in milliseconds: a per-request P99 or largest gap is one gap, and carries its noise whole.
+``--save FILE`` writes the joined spans and truths as JSON.
+
 ``--time-scale`` < 1 slows the simulated engine (its steps take longer in real time) so that a busy
 machine's scheduling jitter, a fraction of a millisecond, is small beside a step.
 """
@@ -167,6 +174,30 @@ def print_level(
     print_errors([(span_figures(span), sent_figures(truth)) for span, truth in rows])
     print("  sent vs the steps (the simulator's own delivery)")
     print_errors([(sent_figures(truth), truth_figures(truth)) for _, truth in rows])
+    print_gap_noise(rows)
+
+
+def print_gap_noise(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    """Gap by gap, how far the proxy's gaps are from the sent chunks' and those from the steps' (ms):
+    the noise that a per-request P99 or largest gap, a single gap, carries whole."""
+    proxy_sent: list[float] = []
+    sent_step: list[float] = []
+    for span, truth in rows:
+        steps, sent = truth["emit_s"], truth.get("sent_s") or []
+        if span["chunk_gaps_us"] is None or not span["chunks"] == len(sent) == len(steps):
+            continue
+        proxy_gaps = [int(g) / 1e6 for g in span["chunk_gaps_us"].split(",")]
+        for i, gap in enumerate(proxy_gaps):
+            sent_gap, step_gap = sent[i + 1] - sent[i], steps[i + 1] - steps[i]
+            proxy_sent.append((gap - sent_gap) * 1000)
+            sent_step.append((sent_gap - step_gap) * 1000)
+    for name, diffs in (("proxy - sent", proxy_sent), ("sent - step", sent_step)):
+        if diffs:
+            diffs.sort()
+            print(
+                f"   gap {name:<12} ms: p1 {quantile(diffs, 0.01):+6.2f}  p50 {quantile(diffs, 0.5):+6.2f}  "
+                f"p99 {quantile(diffs, 0.99):+6.2f}  sd {statistics.pstdev(diffs):5.2f}  ({len(diffs)} gaps)"
+            )
 
 
 def print_errors(pairs: list[tuple[dict[str, float] | None, dict[str, float] | None]]) -> None:
