@@ -46,8 +46,12 @@ async def test_chat_non_streaming_shape(client: openai.AsyncOpenAI, sim: Running
     assert resp.usage is not None and resp.usage.completion_tokens == 40
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 40
     spec = (resp.model_extra or {})["metrics"]["speculative_decoding"]
-    async with aiohttp.ClientSession() as session, session.get(f"{sim.url}/sim/requests/req-1") as r:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{sim.url}/sim/requests/req-1?timeline=1") as r,
+    ):
         truth = await r.json()
+    assert truth["sent_s"] == [] and sum(truth["emit_tokens"]) == 40  # a whole body: no chunks sent
     assert spec["num_draft_tokens"] == truth["draft_tokens"] == 3 * truth["num_drafts"]
     assert spec["num_accepted_draft_tokens"] == truth["accepted_tokens"]
     assert spec["num_spec_steps"] == truth["num_drafts"] and spec["num_spec_tokens"] == 3
@@ -89,8 +93,13 @@ async def _stream_checks(client: openai.AsyncOpenAI, sim: RunningSim) -> None:
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 60
     spec = (last.model_extra or {})["metrics"]["speculative_decoding"]
-    async with aiohttp.ClientSession() as session, session.get(f"{sim.url}/sim/requests/req-stream") as r:
+    url = f"{sim.url}/sim/requests/req-stream?timeline=1"
+    async with aiohttp.ClientSession() as session, session.get(url) as r:
         truth = await r.json()
+    # The timeline: one sending per chunk with tokens, each after the step that completed it.
+    assert len(truth["sent_s"]) == len(content) and truth["sent_s"] == sorted(truth["sent_s"])
+    assert len(truth["emit_s"]) >= len(content) and truth["emit_s"][0] == 0
+    assert all(sent >= step for sent, step in zip(truth["sent_s"], truth["emit_s"], strict=False))
     # One chunk per engine step (the prefill step's first token, then accepted drafts + the bonus token
     # per decode step); a handler that falls behind merges whole steps, as vLLM's does. So every chunk
     # ends exactly where some step ended.
@@ -259,7 +268,7 @@ async def test_malformed_fields_are_400_not_500(sim: RunningSim) -> None:
                 assert payload["error"]["type"] == "BadRequestError" and payload["error"]["message"]
 
 
-async def test_stream_interval_batches_tokens(client: openai.AsyncOpenAI) -> None:
+async def test_stream_interval_batches_tokens(client: openai.AsyncOpenAI, sim: RunningSim) -> None:
     stream = await client.chat.completions.create(
         model=MODEL,
         messages=QUESTION,
@@ -267,6 +276,7 @@ async def test_stream_interval_batches_tokens(client: openai.AsyncOpenAI) -> Non
         max_tokens=41,
         stream=True,
         extra_body={"stream_interval": 10, "return_token_ids": True},
+        extra_headers={"X-Request-Id": "batched"},
     )
     sizes = [
         len((c.choices[0].model_extra or {})["token_ids"])
@@ -275,6 +285,13 @@ async def test_stream_interval_batches_tokens(client: openai.AsyncOpenAI) -> Non
     ]
     assert sum(sizes) == 41 and len(sizes) <= 5
     assert all(size >= 10 for size in sizes[1:-1])
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{sim.url}/sim/requests/batched?timeline=1") as r,
+    ):
+        truth = await r.json()
+    # Steps that stream_interval held back go out in one chunk: fewer sendings than steps.
+    assert len(truth["sent_s"]) == len(sizes) < len(truth["emit_s"])
 
 
 TOOL: ChatCompletionFunctionToolParam = {
@@ -314,3 +331,28 @@ async def test_tools_and_response_format_answer_as_vllm_does(client: openai.Asyn
                 model=MODEL, messages=QUESTION, temperature=0, extra_body=extra
             )
         assert message in err.value.body["message"]  # type: ignore[index]
+
+
+async def test_each_step_is_sent_before_the_next_is_planned() -> None:
+    # So fast a clock that the engine never sleeps between steps: each step's chunk still goes out
+    # on its own, written before the engine plans the next step, not merged with the steps after it.
+    async with (
+        running_sim(SimConfig(speculative=EAGLE3, time_scale=1e6)) as sim,
+        openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x") as client,
+    ):
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=60,
+            stream=True,
+            extra_headers={"X-Request-Id": "fast"},
+        )
+        content = [c async for c in stream if c.choices and c.choices[0].delta.content]
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{sim.url}/sim/requests/fast?timeline=1") as r,
+        ):
+            truth = await r.json()
+    assert len(truth["emit_s"]) > 10
+    assert len(truth["sent_s"]) == len(truth["emit_s"]) == len(content)

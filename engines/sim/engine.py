@@ -86,12 +86,21 @@ class SeqTruth:
     # chunks would show with no network at all.
     emit_times: list[float] = field(default_factory=list)
     emit_tokens: list[int] = field(default_factory=list)
+    # When each streamed chunk that carried new tokens was handed to the socket (same clock): the
+    # step's landing plus the server's own delivery (waking the stream's handler, formatting, the
+    # handlers of the other streams that landed in the same step before it).
+    sent_times: list[float] = field(default_factory=list)
 
     def timeline(self) -> dict[str, Any]:
         """The step timeline (``/sim/requests?timeline=1``): ``emit_s``, each step's landing in seconds
-        since the first token's, and ``emit_tokens``, the tokens it gave."""
+        since the first token's, ``emit_tokens``, the tokens it gave, and ``sent_s``, when each
+        streamed chunk with new tokens was written (same origin; empty for a non-streamed request)."""
         first = self.emit_times[0] if self.emit_times else 0.0
-        return {"emit_s": [t - first for t in self.emit_times], "emit_tokens": list(self.emit_tokens)}
+        return {
+            "emit_s": [t - first for t in self.emit_times],
+            "emit_tokens": list(self.emit_tokens),
+            "sent_s": [t - first for t in self.sent_times],
+        }
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -623,6 +632,10 @@ class SimEngine:
             for seq in touched:
                 if seq.listener is not None:
                     seq.listener()
+            # Let the woken handlers write their chunks before the next step is planned: a server's
+            # delivery does not wait on its scheduler (vLLM's engine core runs in its own process), and
+            # planning a large batch takes long enough to delay every stream's chunk by a varying amount.
+            await asyncio.sleep(0)
 
     def stats(self) -> dict[str, Any]:
         core = self.core

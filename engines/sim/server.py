@@ -10,7 +10,8 @@ Beyond vLLM's routes the simulator adds ground truth: `GET /sim/requests/{reques
 drafts, draft tokens, accepted tokens of one request), `GET /sim/requests`, `GET /sim/stats` (engine
 clock and lag), and `POST /sim/time_scale` (the clock's speed from the next step on). ``?timeline=1``
 on either request route adds each request's step timeline: ``emit_s`` (when each step that gave it
-tokens landed, seconds since the first token's step) and ``emit_tokens``.
+tokens landed, seconds since the first token's step), ``emit_tokens``, and for a stream ``sent_s`` (when
+each chunk with new tokens was handed to the socket, same origin).
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ async def _stream(
         while True:
             await waiter.wait()
             data = b""
+            fresh: list[SeqTruth] = []
             for i, seq in enumerate(seqs):
                 end = seq.n_out
                 if done[i] or (end <= sent[i] and not seq.finished):
@@ -182,10 +184,15 @@ async def _stream(
                     data += shaper.first_chunk(i)
                 # A finished sequence with nothing new (aborted, stop string) still gets its finish chunk.
                 data += shaper.delta_chunk(i, sent[i], end)
+                if end > sent[i]:
+                    fresh.append(seq.truth)
                 sent[i] = end
                 done[i] = seq.finished
             if not data:
                 continue
+            handed = time.monotonic()
+            for truth in fresh:
+                truth.sent_times.append(handed)
             chunks += 1
             finished = all(done)
             tail = b""

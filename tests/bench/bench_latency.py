@@ -21,6 +21,13 @@ simulator's clock lag at the level and the load average: the machine keeps up wh
 1 % and the load average at most the number of cores (a busy machine delays the proxy's and the
 simulator's socket work, which shows first in the per-request tails, P95 to max).
 
+The error against the steps has two parts, printed apart: the proxy's measurement (its figures vs
+the same figures from when the simulator handed each chunk to its socket, the timeline's ``sent_s``)
+and the simulator's own delivery (sent vs the steps: waking each stream's handler and formatting its
+chunk behind the other streams of the step). Then, gap by gap, the differences proxy - sent and
+sent - step in milliseconds: a per-request P99 or largest gap is one gap, and carries its noise whole.
+``--save FILE`` writes the joined spans and truths as JSON.
+
 ``--time-scale`` < 1 slows the simulated engine (its steps take longer in real time) so that a busy
 machine's scheduling jitter, a fraction of a millisecond, is small beside a step.
 """
@@ -104,20 +111,29 @@ async def closed_loop(url: str, level: int, n: int, max_tokens: int) -> int:
     return failures
 
 
-def truth_figures(truth: dict[str, Any]) -> dict[str, float] | None:
-    """The request's ITL and TPOT figures from the simulator's step timeline."""
-    times = truth.get("emit_s") or []
-    if len(times) < 2 or truth["completion_tokens"] < 2:
+def timeline_figures(times: list[float], completion_tokens: int) -> dict[str, float] | None:
+    """ITL and TPOT figures from one request's times (the steps' landings, or the chunks' sending)."""
+    if len(times) < 2 or completion_tokens < 2:
         return None
     gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
     return {
-        "tpot": (times[-1] - times[0]) / (truth["completion_tokens"] - 1),
+        "tpot": (times[-1] - times[0]) / (completion_tokens - 1),
         "itl mean": (times[-1] - times[0]) / len(gaps),
         "itl p50": quantile(gaps, 0.5),
         "itl p95": quantile(gaps, 0.95),
         "itl p99": quantile(gaps, 0.99),
         "itl max": gaps[-1],
     }
+
+
+def truth_figures(truth: dict[str, Any]) -> dict[str, float] | None:
+    """The request's ITL and TPOT figures from the simulator's step timeline."""
+    return timeline_figures(truth.get("emit_s") or [], truth["completion_tokens"])
+
+
+def sent_figures(truth: dict[str, Any]) -> dict[str, float] | None:
+    """The same figures from when the simulator handed each chunk to its socket."""
+    return timeline_figures(truth.get("sent_s") or [], truth["completion_tokens"])
 
 
 def span_figures(span: dict[str, Any]) -> dict[str, float] | None:
@@ -152,7 +168,41 @@ def print_level(
         f"equal to the steps' in {sizes_ok} of {sized} with counts; sim clock lag {lag:.2%}; load {load:.2f} "
         f"on {cores} cores; the machine keeps up (lag <= 1 %, load <= cores): {keeps_up}"
     )
-    pairs = [(span_figures(span), truth_figures(truth)) for span, truth in rows]
+    print("  proxy vs the steps (the target)")
+    print_errors([(span_figures(span), truth_figures(truth)) for span, truth in rows])
+    print("  proxy vs the chunks as the simulator sent them (the proxy's measurement)")
+    print_errors([(span_figures(span), sent_figures(truth)) for span, truth in rows])
+    print("  sent vs the steps (the simulator's own delivery)")
+    print_errors([(sent_figures(truth), truth_figures(truth)) for _, truth in rows])
+    print_gap_noise(rows)
+
+
+def print_gap_noise(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    """Gap by gap, how far the proxy's gaps are from the sent chunks' and those from the steps' (ms):
+    the noise that a per-request P99 or largest gap, a single gap, carries whole."""
+    proxy_sent: list[float] = []
+    sent_step: list[float] = []
+    for span, truth in rows:
+        steps, sent = truth["emit_s"], truth.get("sent_s") or []
+        if span["chunk_gaps_us"] is None or not span["chunks"] == len(sent) == len(steps):
+            continue
+        proxy_gaps = [int(g) / 1e6 for g in span["chunk_gaps_us"].split(",")]
+        for i, gap in enumerate(proxy_gaps):
+            sent_gap, step_gap = sent[i + 1] - sent[i], steps[i + 1] - steps[i]
+            proxy_sent.append((gap - sent_gap) * 1000)
+            sent_step.append((sent_gap - step_gap) * 1000)
+    for name, diffs in (("proxy - sent", proxy_sent), ("sent - step", sent_step)):
+        if diffs:
+            diffs.sort()
+            print(
+                f"   gap {name:<12} ms: p1 {quantile(diffs, 0.01):+6.2f}  p50 {quantile(diffs, 0.5):+6.2f}  "
+                f"p99 {quantile(diffs, 0.99):+6.2f}  sd {statistics.pstdev(diffs):5.2f}  ({len(diffs)} gaps)"
+            )
+
+
+def print_errors(pairs: list[tuple[dict[str, float] | None, dict[str, float] | None]]) -> None:
+    """Per metric: the median, 90th percentile and largest |error| over the requests, and the share
+    within the target."""
     usable = [(p, t) for p, t in pairs if p is not None and t is not None]
     for metric in METRICS:
         errors = sorted(abs(p[metric] / t[metric] - 1) for p, t in usable if t[metric] > 0)
@@ -162,7 +212,7 @@ def print_level(
         print(
             f"   {metric:<9} |error| median {statistics.median(errors):7.3%}  "
             f"p90 {quantile(errors, 0.9):7.3%}  max {errors[-1]:7.3%}  within 2 %: {within:6.1%}   "
-            f"truth median {statistics.median(t[metric] for _, t in usable) * 1000:7.2f} ms"
+            f"reference median {statistics.median(t[metric] for _, t in usable) * 1000:7.2f} ms"
         )
 
 
@@ -172,6 +222,7 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=0.25, help="the simulator's --time-scale")
     ap.add_argument("--requests-per-level", type=int, default=2, help="requests per level, times c (min 16)")
     ap.add_argument("--max-tokens", type=int, default=96, help="max_tokens of each request")
+    ap.add_argument("--save", type=Path, help="write each level's spans and truths here (JSON)")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench-latency-"))
@@ -219,6 +270,7 @@ def main() -> None:
         names = [d[0] for d in rel.description]
         spans = [dict(zip(names, row, strict=True)) for row in rel.fetchall()]
     print()
+    saved: dict[int, list[dict[str, Any]]] = {}
     for level in levels:
         rows = [
             (s, truths[upstream_request_id(s["request_id"])])
@@ -226,6 +278,9 @@ def main() -> None:
             if s["concurrency_level"] == level and upstream_request_id(s["request_id"]) in truths
         ]
         print_level(level, rows, lags[level], loads[level])
+        saved[level] = [{"span": span, "truth": truth} for span, truth in rows]
+    if args.save is not None:
+        args.save.write_text(json.dumps(saved, default=str))
 
 
 if __name__ == "__main__":
