@@ -105,7 +105,8 @@ def _cores() -> int:
 
 
 def _resample_medians(values: FloatArray, idx: npt.NDArray[np.int64]) -> FloatArray:
-    return np.median(values[idx], axis=1)
+    # the gathered matrix is this call's own: the median may reorder it in place (no copy)
+    return np.median(values[idx], axis=1, overwrite_input=True)
 
 
 def _percentiles(log_ratios: FloatArray, confidence: float) -> tuple[float, float]:
@@ -132,6 +133,8 @@ def paired_median_ratio(
     m = len(cand)
     if m < 2 or point <= 0 or not math.isfinite(point):
         return Interval(point, None, None)
+    # columns of a sample matrix: gathering from contiguous copies is several times faster
+    cand, base = np.ascontiguousarray(cand), np.ascontiguousarray(base)
     scale = math.sqrt(m / n_total)
     out = np.empty(iterations)
     for start in range(0, iterations, _SLICE):
@@ -191,6 +194,9 @@ def throughput_ratio(
     """
     if min(len(cand_tokens), len(base_tokens)) < 2 or point <= 0 or not math.isfinite(point):
         return Interval(point, None, None)
+    cand_tokens, cand_e2e, base_tokens, base_e2e = (
+        np.ascontiguousarray(a) for a in (cand_tokens, cand_e2e, base_tokens, base_e2e)
+    )
 
     def rate(tokens: FloatArray, e2e: FloatArray, idx: npt.NDArray[np.int64]) -> FloatArray:
         out: FloatArray = np.log(tokens[idx].sum(axis=1) / e2e[idx].sum(axis=1))
