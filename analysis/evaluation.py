@@ -15,9 +15,10 @@ Rows are frozen and built once, with their verdict.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from specproxy.analysis import comparison, matched
 from specproxy.analysis.comparison import Bootstrap, Comparison
@@ -41,7 +42,7 @@ from specproxy.analysis.levels import level_name, level_sort_key, level_unit, lo
 from specproxy.analysis.provenance import estimate_note
 from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
 from specproxy.analysis.slo import SloEvaluation, SloInputs, evaluate_slo, parse_config, slo_inputs_from_run
-from specproxy.analysis.stats import Interval, rng_for
+from specproxy.analysis.stats import Interval, parallel_map, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.validity import LevelHealth, level_health
 from specproxy.analysis.verdict import (
@@ -81,6 +82,7 @@ ONE_ROUND = "1 round: cannot see between-run drift"
 # A level's wall-clock throughput compares arms only when they served the same work: a shadow sampled
 # at 0.2 (even one driven by replay through the proxy, which carries the replay's level) served a fifth.
 SAME_WORK_SHARE = 0.9
+_Key = TypeVar("_Key", tuple[str, str], tuple[str, str, str])
 
 
 def list_runs(store: SpanStore) -> list[dict[str, Any]]:
@@ -413,6 +415,7 @@ def _comparisons(
         rng = rng_for(settings.bootstrap_seed, run.run_id, arm, *keys)
         return Bootstrap(settings.bootstrap_iterations, confidence[arm], rng)
 
+    jobs: dict[tuple[str, str], Callable[[], Comparison]] = {}
     unpaired = _unpaired_levels(run.summaries, run.pairs, run.baseline)
     for g in run.pairs:
         if g.category is not None or g.kind == "repeat" or (g.arm, g.level) in unpaired:
@@ -422,15 +425,21 @@ def _comparisons(
             continue
         wall, rounds = _wall_point(run, cand, base)
         kind = _block_kind(run, g.arm, g.level, settings)
-        out[(g.arm, g.level)] = comparison.paired(g, wall, rounds, kind, boot(g.arm, g.level))
+        jobs[(g.arm, g.level)] = partial(comparison.paired, g, wall, rounds, kind, boot(g.arm, g.level))
     for arm, level in sorted(unpaired):
         c, b = run.calls.get((arm, level, None)), run.calls.get((run.baseline, level, None))
         if c is not None and b is not None:
             kind = _block_kind(run, arm, level, settings)
-            out[(arm, level)] = comparison.unpaired(c, b, kind, boot(arm, level))
+            jobs[(arm, level)] = partial(comparison.unpaired, c, b, kind, boot(arm, level))
+    out = _bootstrapped(jobs)
     # The arms at a level share its rounds (or time blocks): their between-block terms are pooled.
     pooled = comparison.pooled(out, lambda key: key[1])
     return {key: comparison.lag_bounded(c, _lag(run, *key)) for key, c in pooled.items()}
+
+
+def _bootstrapped(jobs: Mapping[_Key, Callable[[], Comparison]]) -> dict[_Key, Comparison]:
+    """Each comparison's bootstrap, on a thread per core (each draws from its own generator)."""
+    return dict(zip(jobs, parallel_map(lambda job: job(), list(jobs.values())), strict=True))
 
 
 def _lag(run: RunFigures, arm: str, level: str) -> float:
@@ -657,7 +666,7 @@ def _category_rows(
         rng = rng_for(settings.bootstrap_seed, run.run_id, arm, level, category)
         return Bootstrap(settings.bootstrap_iterations, confidence[arm], rng)
 
-    comps: dict[tuple[str, str, str], Comparison] = {}
+    jobs: dict[tuple[str, str, str], Callable[[], Comparison]] = {}
     counts: dict[
         tuple[str, str, str], tuple[LevelRow, int, int, float | None, float | None, IdentityCounts]
     ] = {}
@@ -666,14 +675,14 @@ def _category_rows(
         if g.category is None or row is None or not row.paired or g.kind == "repeat":
             continue
         key = (g.arm, g.level, g.category)
-        comps[key] = comparison.paired(g, None, None, row.blocks, boot(*key))
+        jobs[key] = partial(comparison.paired, g, None, None, row.blocks, boot(*key))
         counts[key] = (row, g.n_decode, g.n_decode, g.c_med, g.b_med, g.identity)
     for (arm, level, cat), c in run.calls.items():
         row = by_key.get((arm, level))
         b = run.calls.get((run.baseline, level, cat))
         if cat is None or row is None or row.paired is not False or b is None or arm == run.baseline:
             continue
-        comps[(arm, level, cat)] = comparison.unpaired(c, b, row.blocks, boot(arm, level, cat))
+        jobs[(arm, level, cat)] = partial(comparison.unpaired, c, b, row.blocks, boot(arm, level, cat))
         counts[(arm, level, cat)] = (
             row,
             c.n_decode,
@@ -683,7 +692,7 @@ def _category_rows(
             IdentityCounts(),
         )
     # The arms' categories at a level share its blocks: their between-block terms are pooled.
-    pooled = comparison.pooled(comps, lambda key: key[1:])
+    pooled = comparison.pooled(_bootstrapped(jobs), lambda key: key[1:])
     widened = {key: comparison.lag_bounded(c, _lag(run, *key[:2])) for key, c in pooled.items()}
     figures = [
         (row, CategoryFigures(key[2], widened[key], calls, base_calls, p50, base_p50, identity))

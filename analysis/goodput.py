@@ -74,18 +74,20 @@ class SloLevelFigures:
 
 
 def _call_columns(slo: Slo) -> str:
+    """Each call of the run with its level's call count ``n`` (from ``$sizes``), block, hash and each
+    target's value ``v<i>``, and whether it met the SLO."""
     values = ", ".join(
         f"CASE WHEN ok THEN {t.column} ELSE {t.threshold_s * FAILED_FACTOR!r} END AS v{i}"
         for i, t in enumerate(slo.targets)
     )
     met = " AND ".join(f"v{i} <= {t.threshold_s!r}" for i, t in enumerate(slo.targets))
     return f"""
-        WITH raw AS (
+        WITH sizes AS (SELECT unnest($sizes, recursive := true)), raw AS (
             SELECT arm, level, load, load_axis AS axis, coalesce(round, 0) AS block, ok, start_s, e2e_s,
                    completion_tokens AS tokens, hash(request_id, span_id, $seed) AS h,
                    {values}
             FROM slo_calls WHERE run_id = $run
-        ), c AS (SELECT *, coalesce(ok AND {met}, false) AS met FROM raw)
+        ), c AS (SELECT raw.*, n, coalesce(ok AND {met}, false) AS met FROM raw JOIN sizes USING (arm, level))
     """
 
 
@@ -102,28 +104,57 @@ def _aggregates(slo: Slo) -> str:
     return ", ".join(parts)
 
 
+def _level_sizes(store: SpanStore, run_id: str) -> dict[tuple[str, str], dict[int, int]]:
+    """Calls per arm, level and block (round; 0 without one)."""
+    rows = store.query(
+        "SELECT arm, level, coalesce(round, 0) AS block, count(*) AS n FROM slo_calls WHERE run_id = $run "
+        "GROUP BY ALL",
+        {"run": run_id},
+    )
+    sizes: dict[tuple[str, str], dict[int, int]] = {}
+    for r in rows:
+        sizes.setdefault((r["arm"], r["level"]), {})[int(r["block"])] = int(r["n"])
+    return sizes
+
+
 def slo_level_figures(
     store: SpanStore, run_id: str, slo: Slo, *, seed: int, max_sample: int
 ) -> list[SloLevelFigures]:
-    """Every arm and level of the run, levels in order (two passes: per round, and per level with the
-    bootstrap sample)."""
-    params = {"run": run_id, "seed": seed}
-    head, agg = _call_columns(slo), _aggregates(slo)
+    """Every arm and level of the run, levels in order.
+
+    A count of calls per level first (it sets the level's sample share), then one pass over the calls
+    that aggregates per round and, where a level has several rounds, per level too (a level of one
+    round is that round: its figures are computed once)."""
+    sizes = _level_sizes(store, run_id)
+    if not sizes:
+        return []
     k = len(slo.targets)
-    by_block = store.query(f"{head} SELECT arm, level, block, {agg} FROM c GROUP BY ALL", params)
+    several = any(len(blocks) > 1 for blocks in sizes.values())
+    grouping = "GROUPING SETS ((arm, level, block), (arm, level))" if several else "arm, level, block"
     sample_cols = ", ".join(
         ["CAST(met AS DOUBLE)", "CASE WHEN met THEN tokens ELSE 0 END"] + [f"v{i}" for i in range(k)]
     )
-    levels = store.query(
-        f"""{head}, s AS (SELECT *, count(*) OVER (PARTITION BY arm, level) AS n FROM c)
-        SELECT arm, level, {agg},
+    rows = store.query(
+        f"""{_call_columns(slo)}
+        SELECT arm, level, block, grouping(block) AS whole_level, {_aggregates(slo)},
                list([{sample_cols}, block])
                    FILTER (WHERE h % {_HASH_MOD} < least(1.0, $max / n) * {_HASH_MOD}) AS sample
-        FROM s GROUP BY ALL""",
-        {**params, "max": max_sample},
+        FROM c GROUP BY {grouping}""",
+        {
+            "run": run_id,
+            "seed": seed,
+            "max": max_sample,
+            "sizes": [
+                {"arm": arm, "level": level, "n": sum(blocks.values())}
+                for (arm, level), blocks in sizes.items()
+            ],
+        },
     )
     blocks: dict[tuple[str, str], list[BlockFigures]] = {}
-    for r in by_block:
+    levels = [r for r in rows if r["whole_level"] or not several]
+    for r in rows:
+        if r["whole_level"]:
+            continue
         blocks.setdefault((r["arm"], r["level"]), []).append(
             BlockFigures(
                 int(r["block"]),
@@ -181,6 +212,13 @@ def _resample_index(blocks: FloatArray, iterations: int, rng: np.random.Generato
     return np.concatenate(parts, axis=1)
 
 
+def _resampled(sample: FloatArray, column: int, idx: np.ndarray[Any, Any]) -> FloatArray:
+    """The column's values at the resampled rows (gathered from a contiguous copy of the column: a
+    strided gather from the sample matrix is several times slower)."""
+    out: FloatArray = np.ascontiguousarray(sample[:, column])[idx]
+    return out
+
+
 def between_blocks(
     within: FloatArray, block_points: Sequence[float], factors: Sequence[float], rng: np.random.Generator
 ) -> FloatArray:
@@ -218,15 +256,19 @@ def level_replicates(
         out: FloatArray = point + within + between_blocks(within, block_points, factors, rng)
         return out
 
-    met_sum = s[idx, 0].sum(axis=1) * (n / m)
-    tok_sum = s[idx, 1].sum(axis=1) * (n / m)
+    met_sum = _resampled(s, 0, idx).sum(axis=1) * (n / m)
+    tok_sum = _resampled(s, 1, idx).sum(axis=1) * (n / m)
     logs: list[FloatArray | None] = []
     for i, (point, target) in enumerate(zip(fig.percentiles, slo.targets, strict=True)):
         if point is None or point <= 0:
             logs.append(None)
             continue
+        # the resampled matrix is this call's own: the quantile may reorder it in place (no copy)
+        quantiles = np.quantile(
+            _resampled(s, 2 + i, idx), target.percentile / 100, axis=1, overwrite_input=True
+        )
         # a latency of exactly zero (a clock's resolution) must not become log(0)
-        reps = np.log(np.maximum(np.quantile(s[idx, 2 + i], target.percentile / 100, axis=1), 1e-9))
+        reps = np.log(np.maximum(quantiles, 1e-9))
         block_values = [b.percentiles[i] for b in fig.blocks]
         block_logs = [math.log(v) for v in block_values if v is not None and v > 0]
         logs.append(replicate(math.log(point), reps, block_logs))

@@ -26,7 +26,7 @@ from specproxy.analysis.goodput import (
     level_replicates,
     slo_level_figures,
 )
-from specproxy.analysis.stats import FloatArray, Interval, rng_for
+from specproxy.analysis.stats import FloatArray, Interval, parallel_map, rng_for
 from specproxy.analysis.store import SpanStore
 from specproxy.slo import Slo
 
@@ -323,6 +323,18 @@ def _axis(figs: Sequence[SloLevelFigures]) -> str:
     return max(sorted(set(axes)), key=axes.count) if axes else ""
 
 
+def _replicates(
+    figs: Sequence[SloLevelFigures], inputs: SloInputs, run_id: str
+) -> dict[tuple[str, str], LevelReplicates | None]:
+    """Each arm and level's bootstrap replicates (the levels on parallel threads)."""
+
+    def one(f: SloLevelFigures) -> LevelReplicates | None:
+        rng = rng_for(inputs.seed, run_id, f.arm, f.level, "slo")
+        return level_replicates(f, inputs.slo, iterations=inputs.iterations, rng=rng)
+
+    return dict(zip([(f.arm, f.level) for f in figs], parallel_map(one, figs), strict=True))
+
+
 def evaluate_slo(
     store: SpanStore,
     run_id: str,
@@ -335,12 +347,7 @@ def evaluate_slo(
     slo = inputs.slo
     figs = slo_level_figures(store, run_id, slo, seed=inputs.seed, max_sample=inputs.max_sample)
     axis = _axis(figs)
-    reps = {
-        (f.arm, f.level): level_replicates(
-            f, slo, iterations=inputs.iterations, rng=rng_for(inputs.seed, run_id, f.arm, f.level, "slo")
-        )
-        for f in figs
-    }
+    reps = _replicates(figs, inputs, run_id)
     rows = [
         level_row(f, reps[(f.arm, f.level)], slo, f.level not in unreliable, inputs.confidence) for f in figs
     ]
