@@ -12,10 +12,14 @@ own figures, against a margin:
 - FAILED: every call of the arm at the level failed: nothing to judge (an arm that failed at every
   level has the deploy verdict FAILED, with its first error).
 
-The margin is per level and per figure: the larger of ``min_margin`` (3 %) and the noise floor
-measured there by the replica arms (a plain copy of the baseline): the farthest of a replica's interval
-bounds from 1. The rule is symmetric, so an arm identical to the baseline comes out NO CLEAR GAIN
-unless its intervals leave the margin, which the intervals' confidence makes rare; the intervals are
+The margin is per level and per figure (:func:`noise_floor`): the largest of ``min_margin`` (3 %), the
+median of the replica arms' (plain copies of the baseline) deviations from 1x over the run's reliable
+levels, and how far a replica's interval at the level lies from 1x. The first is the smallest
+difference worth a verdict; the second what two identical deployments differ by, pooled over the
+levels so that one noisy level does not move it; the third keeps a replica itself at NO CLEAR GAIN.
+Sampling noise is the intervals' business, not the margin's: the candidate's own interval carries it.
+The rule is symmetric, so an arm identical to the baseline comes out NO CLEAR GAIN unless its
+intervals leave the margin, which the intervals' confidence makes rare; the intervals are
 simultaneous over an arm's levels (Bonferroni, in :mod:`.evaluation`), so more levels do not mean more
 false WINs or LOSSes.
 
@@ -40,6 +44,8 @@ and the deploy verdict read them the same way and name them ``c=16`` or ``r=2``.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +77,82 @@ class Margin:
     @staticmethod
     def default(thresholds: Thresholds) -> Margin:
         return Margin(thresholds.min_margin, thresholds.min_margin, f"default {thresholds.min_margin:.0%}")
+
+
+@dataclass(frozen=True)
+class ReplicaLevel:
+    """A replica arm at one reliable level, as the noise floor sees it."""
+
+    level: str
+    decode: Interval | None
+    throughput: Interval | None
+
+
+def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: float) -> tuple[float, str]:
+    """One figure's margin at ``level`` from the replicas' (level, interval) pairs, and what set it."""
+    deviations = sorted(abs(iv.point - 1.0) for _, iv in figures if math.isfinite(iv.point))
+    gap = max(
+        (
+            max(iv.low - 1.0, 1.0 - iv.high)
+            for lv, iv in figures
+            if lv == level and iv.low is not None and iv.high is not None
+        ),
+        default=0.0,
+    )
+    median = statistics.median(deviations) if deviations else 0.0
+    if gap > max(minimum, median):
+        return gap, "a replica's interval here lies this far from 1x"
+    if median > minimum:
+        n = len(deviations)
+        return median, f"median of the replicas' |ratio − 1| over {n} reliable level{'s' * (n != 1)}"
+    return minimum, "default"
+
+
+def noise_floor(replicas: Sequence[ReplicaLevel], level: str, thresholds: Thresholds) -> Margin:
+    """The margin at ``level``, per figure, from the run's replica arms at its reliable levels (module
+    docstring): the largest of the default, the median of the replicas' deviations |ratio − 1| over the
+    levels, and how far a replica's interval at ``level`` lies from 1x.
+
+    The median of the points counts each level's sampling error once, in its point, where the farthest
+    interval bound counted it 2.5-6 times (a t quantile times the standard error) and swung with one
+    level's rounds; a systematic difference between two identical deployments shows in every level's
+    point, and the median keeps it, while one level whose rounds were noisy, or whose replica missed 1x
+    by far, does not move every level's margin (that level gets its own, from the third term). The
+    points' sampling variance is not subtracted: after the rounds' t widening an interval no longer
+    says what it is (read back with the normal quantile it is overstated up to six times at 2 degrees
+    of freedom, and the difference would be zero nearly always), so the floor errs on the side of a
+    larger margin.
+
+    >>> replicas = [ReplicaLevel("1", Interval(1.01, 0.99, 1.03), Interval(0.93, 0.92, 0.94)),
+    ...             ReplicaLevel("4", Interval(1.0, 0.98, 1.02), Interval(0.96, 0.90, 1.02))]
+    >>> m = noise_floor(replicas, "4", Thresholds())
+    >>> round(m.decode, 3), round(m.throughput, 3)
+    (0.03, 0.055)
+    >>> round(noise_floor(replicas, "1", Thresholds()).throughput, 3)
+    0.06
+    """
+    minimum = thresholds.min_margin
+    decodes = [(r.level, r.decode) for r in replicas if r.decode is not None]
+    throughputs = [(r.level, r.throughput) for r in replicas if r.throughput is not None]
+    if not decodes and not throughputs:
+        why = "no replica" if not replicas else "no replica ratio at a reliable level"
+        return Margin(minimum, minimum, f"default {minimum:.0%}, {why}")
+    d, d_why = _figure_floor(decodes, level, minimum)
+    t, t_why = _figure_floor(throughputs, level, minimum)
+    if d_why == t_why == "default":
+        n = len({r.level for r in replicas})
+        measured = ", ".join(
+            f"{name} {statistics.median(abs(iv.point - 1.0) for _, iv in figs):.1%}"
+            for name, figs in (("decode", decodes), ("throughput", throughputs))
+            if figs
+        )
+        return Margin(
+            minimum,
+            minimum,
+            f"default {minimum:.0%}, above the replica noise floor (median of the replicas' |ratio − 1| "
+            f"over {n} reliable level{'s' * (n != 1)}: {measured})",
+        )
+    return Margin(d, t, f"replica noise floor: decode {d:.1%} ({d_why}), throughput {t:.1%} ({t_why})")
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,13 @@ from specproxy.analysis.verdict import (
     LevelJudgement,
     Margin,
     OperatingPoint,
+    ReplicaLevel,
     Thresholds,
     check_identity,
     crossover,
     deploy_verdict,
     level_verdict,
+    noise_floor,
     verdict_runs,
 )
 
@@ -193,6 +195,69 @@ def test_verdict_rules(
     decode: Interval, throughput: Interval | None, identical: int, compared: int, margin: Margin, verdict: str
 ) -> None:
     assert level_verdict(decode, throughput, _id(identical, compared), margin)[0] == verdict
+
+
+FLAT = Interval(1.0, 0.99, 1.01)
+
+
+def _replicas(*figures: tuple[Interval, Interval]) -> list[ReplicaLevel]:
+    """A replica at levels 1, 4, 16, 64 (in that order)."""
+    return [ReplicaLevel(str(4**i), d, t) for i, (d, t) in enumerate(figures)]
+
+
+NOISY_64 = (Interval(1.02, 0.88, 1.16), Interval(1.028, 0.94, 1.12))
+OFF_64 = (Interval(1.2, 1.15, 1.25), FLAT)
+
+
+# The noise floor as a table: a replica's intervals at the run's reliable levels in, a level's margin out.
+@pytest.mark.parametrize(
+    ("replicas", "level", "decode", "throughput", "source"),
+    [
+        ([], "1", 0.03, 0.03, "default 3%, no replica"),
+        (_replicas((FLAT, FLAT), (FLAT, FLAT)), "1", 0.03, 0.03, "default 3%, above the replica noise floor"),
+        # one noisy level (wide rounds at c=64) moves no margin, its own neither: its interval's edge is
+        # sampling noise the candidate's own interval carries; its point counts, among the levels' points
+        (
+            _replicas((FLAT, FLAT), (FLAT, FLAT), (FLAT, FLAT), NOISY_64),
+            "64",
+            0.03,
+            0.03,
+            "default 3%, above the replica noise floor (median of the replicas' |ratio − 1| over 4 reliable "
+            "levels: decode 0.0%, throughput 0.0%)",
+        ),
+        # two identical deployments 5 % apart in throughput at every level: that is the floor everywhere
+        (
+            _replicas(*[(FLAT, Interval(0.95, 0.91, 0.99))] * 3),
+            "4",
+            0.03,
+            0.05,
+            "replica noise floor: decode 3.0% (default), throughput 5.0% (median of the replicas' "
+            "|ratio − 1| over 3 reliable levels)",
+        ),
+        # a replica that misses 1x by far at one level: that level's margin keeps the replica NO CLEAR
+        # GAIN there, and the other levels' margins do not move
+        (
+            _replicas((FLAT, FLAT), (FLAT, FLAT), (FLAT, FLAT), OFF_64),
+            "64",
+            0.15,
+            0.03,
+            "replica noise floor: decode 15.0% (a replica's interval here lies this far from 1x), "
+            "throughput 3.0% (default)",
+        ),
+        (_replicas((FLAT, FLAT), (FLAT, FLAT), (FLAT, FLAT), OFF_64), "16", 0.03, 0.03, "default 3%"),
+    ],
+)
+def test_noise_floor(
+    replicas: list[ReplicaLevel], level: str, decode: float, throughput: float, source: str
+) -> None:
+    margin = noise_floor(replicas, level, T)
+    assert margin.decode == pytest.approx(decode) and margin.throughput == pytest.approx(throughput)
+    assert margin.source.startswith(source)
+    # an arm identical to the baseline comes out NO CLEAR GAIN: every replica level at its own margin
+    for r in replicas:
+        assert level_verdict(r.decode, r.throughput, _id(100, 100), noise_floor(replicas, r.level, T))[0] == (
+            NO_CLEAR_GAIN
+        )
 
 
 def test_estimated_token_counts_give_no_win_or_loss_but_identity_still_fails() -> None:
