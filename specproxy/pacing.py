@@ -4,10 +4,11 @@ Before each level of the sweep (in place of its warm-up), :class:`SimPacer` send
 full-length calls at that level and reads how the machine kept up: each simulator's clock lag and the
 client loop's lag as a share of the wave's median decode time. While either is over half its health
 limit, the simulators are slowed to half their speed (``POST /sim/time_scale``: same processes, same
-ports) and the wave is sent again, down to ``slowest``. A level is then measured at the scale its last
-wave ran at; the next level starts from there, since load only grows along the sweep, and from half
-of it when a measured round of the level still failed a health check (a wave is one sample of a
-machine whose load can change from one minute to the next).
+ports) and the wave is sent again, down to ``slowest`` (``slowest_for_client`` when the simulators
+keep up and only the client's loop lags: 5 arms × 256 streams in one Python process). A level is then
+measured at the scale its last wave ran at; the next level starts from there, since load only grows
+along the sweep, and from half of it when a measured round of the level still failed a health check
+(a wave is one sample of a machine whose load can change from one minute to the next).
 
 Half the limit, because a wave predicts a round only roughly: the rounds that follow vary, and a level
 measured at the edge of its limit comes out UNRELIABLE as often as not. Each level's scale is recorded
@@ -84,12 +85,26 @@ async def set_time_scale(session: aiohttp.ClientSession, arms: Sequence[Arm], sc
 class SimPacer:
     """A :class:`~specproxy.proxy.replay.runner.LevelPacer` for simulated arms (see the module docstring)."""
 
-    def __init__(self, arms: Sequence[Arm], start: float, slowest: float, console: Console) -> None:
+    def __init__(
+        self,
+        arms: Sequence[Arm],
+        start: float,
+        slowest: float,
+        console: Console,
+        slowest_for_client: float | None = None,
+    ) -> None:
         self.arms = tuple(arms)
         self.scale = start
         self.slowest = slowest
+        # A wave whose only excess is the client's loop lag may go slower still: each halving halves the
+        # client's chunks per second and doubles the decode time its lag is a share of.
+        self.slowest_for_client = min(slowest, slowest_for_client or slowest)
         self.console = console
         self.paces: list[LevelPace] = []
+
+    def _floor(self, seen: LevelTrial) -> float:
+        """The slowest scale a wave that saw ``seen`` may be slowed to."""
+        return self.slowest_for_client if seen.worst_engine_lag <= CLOCK_LIMIT else self.slowest
 
     async def settle(self, level: int, trial: Callable[[], Awaitable[LevelTrial]]) -> Mapping[str, float]:
         scale = self.scale
@@ -99,7 +114,7 @@ class SimPacer:
                 await set_time_scale(session, self.arms, scale)
                 seen = await trial()
                 trials.append((scale, seen))
-                if kept_up(seen) or scale / 2 < self.slowest:
+                if kept_up(seen) or scale / 2 < self._floor(seen):
                     break
                 said = f"c={level}: a wave at time scale {scale:g} saw {describe(seen)}"
                 self.console.print(f"{said}; slowing to {scale / 2:g}", highlight=False)
