@@ -230,7 +230,7 @@ def pace_note(pacer: SimPacer | None, time_scale: float, *, given: bool = True) 
     return (
         f"time scale paced per level from {time_scale:g} down to {time_scale * SLOWEST_PACED_SCALE:g}: "
         f"halved while a wave at the level saw a simulator over {CLOCK_LIMIT:.0%} behind its clock or "
-        f"the client's loop lag over {LOOP_LIMIT:.1%} of decode (down to "
+        f"the client's loop lag over {LOOP_LIMIT:.2%} of decode (down to "
         f"{time_scale * SLOWEST_CLIENT_PACED_SCALE:g} for the loop lag alone; health check sim_time_scale)"
     )
 

@@ -124,6 +124,9 @@ class LevelTrial:
 
     engine_lag: Mapping[str, float]
     loop_lag_share: float | None
+    # CPU time of the event loop's thread over the wave's wall time: how close the client came to
+    # saturating its loop, past which the lag does not grow gently but piles up behind it
+    loop_busy_share: float | None = None
 
     @property
     def worst_engine_lag(self) -> float:
@@ -480,6 +483,7 @@ class ReplayRunner:
         stop = self.stop
         # The engines are scraped as during a measured round: that is part of the load the wave predicts.
         scraping = asyncio.ensure_future(self._scrape_during())
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
         try:
             async with LoopLagSampler() as loop_lag:
                 await asyncio.gather(
@@ -493,8 +497,9 @@ class ReplayRunner:
         finally:
             scraping.cancel()
             await asyncio.gather(scraping, return_exceptions=True)
+        busy = (time.thread_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
         after = await read_sim_clocks(self.session, self.s.arms)
-        return LevelTrial(clock_lag(before, after), loop_lag_share(loop_lag.lags_s, decode_s))
+        return LevelTrial(clock_lag(before, after), loop_lag_share(loop_lag.lags_s, decode_s), busy)
 
     def _emit(self, record: SpanRecord) -> None:
         assert self._sink is not None
