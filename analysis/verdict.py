@@ -3,11 +3,13 @@
 Per arm and level (a concurrency, or an offered rate in an open-loop sweep), each level judged on its
 own figures, against a margin:
 
-- WIN: the decode speedup's lower bound is above 1 + margin, nothing is lower beyond the margin
-  (throughput's upper bound ≥ 1 − margin) and identity does not fail;
+- WIN: the decode speedup's lower bound is above 1 + margin, throughput is surely not lower beyond the
+  margin (its lower bound ≥ 1 − margin) and identity does not fail;
 - LOSS: a bound beyond the margin on the losing side: the decode speedup's or the throughput ratio's
   upper bound below 1 − margin, or identity fails;
-- NO CLEAR GAIN otherwise (including when an interval cannot be estimated);
+- NO CLEAR GAIN otherwise (including when an interval cannot be estimated). WIN and LOSS each need
+  evidence: a throughput interval that reaches across 1 − margin gives neither, so a true ratio near
+  the margin gives NO CLEAR GAIN and one of the two, never WIN in one run and LOSS in the next;
 - UNRELIABLE: the level failed a health check of the measurement (:mod:`.validity`): no verdict;
 - FAILED: every call of the arm at the level failed: nothing to judge (an arm that failed at every
   level has the deploy verdict FAILED, with its first error).
@@ -31,9 +33,10 @@ Identity fails when Wilson's interval on the mismatch rate lies wholly above ``1
 mismatches in 149 is no evidence of a rate above 1 %, 9 in 149 is.
 
 The deploy verdict answers at the user's operating point and peak (:class:`OperatingPoint`): WIN
-when the arm wins at the operating point, its throughput at the peak is not lower beyond the margin,
-it loses at no level between the two and identity holds; LOSS when it loses at the operating point,
-peak throughput is lower beyond the margin, or identity fails; NO CLEAR GAIN otherwise. A point between
+when the arm wins at the operating point, its throughput at the peak is surely not lower beyond the
+margin (the interval's lower bound), it loses at no level between the two and identity holds; LOSS
+when it loses at the operating point, peak throughput is surely lower beyond the margin (the upper
+bound), or identity fails; NO CLEAR GAIN otherwise. A point between
 tested levels is judged at the two levels around it (the less favourable verdict); outside the tested
 range, at the nearest tested level; unreliable levels are never used. A level whose token counts are
 estimated gives no WIN there and no LOSS on its throughput.
@@ -214,12 +217,18 @@ def level_verdict(
         return NO_CLEAR_GAIN, (
             f"decode speedup CI lower {decode.low:.3f} ≤ {1 + margin.decode:.3f} (margin {margin.source})"
         )
-    if throughput is None or throughput.high is None:
+    if throughput is None or throughput.low is None:
         return NO_CLEAR_GAIN, "no throughput interval"
+    if throughput.low < floor_t:
+        return NO_CLEAR_GAIN, (
+            f"decode speedup CI lower {decode.low:.3f} > {1 + margin.decode:.3f}, but throughput CI "
+            f"lower {throughput.low:.3f} < {floor_t:.3f}: it may be lower beyond the margin (margin "
+            f"{margin.source})"
+        )
     note = f" ({identity.text})" if identity.mismatch is None else ""
     return WIN, (
-        f"decode speedup CI lower {decode.low:.3f} > {1 + margin.decode:.3f}, throughput CI upper "
-        f"{throughput.high:.3f} ≥ {floor_t:.3f} (margin {margin.source})" + note
+        f"decode speedup CI lower {decode.low:.3f} > {1 + margin.decode:.3f}, throughput CI lower "
+        f"{throughput.low:.3f} ≥ {floor_t:.3f} (margin {margin.source})" + note
     )
 
 
@@ -401,8 +410,14 @@ def deploy_verdict(
     if at_verdict == WIN and losing:
         where = ", ".join(load_name(lv, unit) for lv in losing)
         return verdict(NO_CLEAR_GAIN, f"it wins at the operating point but loses at {where}, up to the peak")
-    if at_verdict == WIN and thr is not None and thr.high is not None:
-        return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")
+    if at_verdict == WIN and thr is not None and thr.low is not None:
+        if thr.low >= 1.0 - peak_j.throughput_margin:
+            return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")
+        return verdict(
+            NO_CLEAR_GAIN,
+            "it wins at the operating point; peak throughput may be lower beyond the margin (its interval "
+            "reaches below it)",
+        )
     if any(j.estimated for j in at_levels):
         return verdict(NO_CLEAR_GAIN, "token counts at the operating point are estimated: no WIN or LOSS")
     if at_verdict == WIN and peak_j.estimated:
