@@ -93,7 +93,7 @@ class ReplicaLevel:
 
 def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: float) -> tuple[float, str]:
     """One figure's margin at ``level`` from the replicas' (level, interval) pairs, and what set it."""
-    deviations = sorted(abs(iv.point - 1.0) for _, iv in figures if math.isfinite(iv.point))
+    deviations = [abs(iv.point - 1.0) for _, iv in figures if math.isfinite(iv.point)]
     gap = max(
         (
             max(iv.low - 1.0, 1.0 - iv.high)
@@ -106,7 +106,7 @@ def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: 
     if gap > max(minimum, median):
         return gap, "a replica's interval here lies this far from 1x"
     if median > minimum:
-        n = len(deviations)
+        n = len({lv for lv, _ in figures})  # several replica arms: their points at a level all count
         return median, f"median of the replicas' |ratio − 1| over {n} reliable level{'s' * (n != 1)}"
     return minimum, "default"
 
