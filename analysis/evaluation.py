@@ -6,8 +6,8 @@
    the level's rounds (or time blocks), simultaneous over the arm's levels (Bonferroni: each interval
    at 1 − (1 − confidence) / L for an arm with L reliable levels), at matched engine load for live and
    split traffic;
-3. verdicts (:mod:`.verdict`): the margin per level from the replica arms, each row's verdict, the
-   crossover and the deploy verdict at the operating point.
+3. verdicts (:mod:`.verdict`): the margin per level from the replica arms' noise floor over the run's
+   reliable levels, each row's verdict, the crossover and the deploy verdict at the operating point.
 
 Rows are frozen and built once, with their verdict.
 """
@@ -55,11 +55,13 @@ from specproxy.analysis.verdict import (
     LevelJudgement,
     Margin,
     OperatingPoint,
+    ReplicaLevel,
     Thresholds,
     check_identity,
     crossover,
     deploy_verdict,
     level_verdict,
+    noise_floor,
 )
 
 __all__ = [
@@ -466,35 +468,14 @@ def _wall_point(
 def _margins(
     run: RunFigures, comparisons: dict[tuple[str, str], Comparison], thresholds: Thresholds
 ) -> dict[str, Margin]:
-    """Per level: the default margin, raised to the replicas' noise floor there (the farthest of a
-    replica's interval bounds from 1, per figure)."""
-    out = {}
-    for level in {s.level for s in run.summaries}:
-        replicas = [
-            comparisons[(s.arm, level)]
-            for s in run.summaries
-            if s.level == level and _kind(run, s.arm) == "replica" and (s.arm, level) in comparisons
-        ]
-
-        def noise(ivs: list[Interval | None]) -> float:
-            bounds = [
-                max(iv.high - 1, 1 - iv.low)
-                for iv in ivs
-                if iv and iv.low is not None and iv.high is not None
-            ]
-            return max(bounds, default=0.0)
-
-        d = noise([c.decode for c in replicas])
-        t = noise([c.throughput for c in replicas])
-        m = thresholds.min_margin
-        if max(d, t) > m:
-            source = f"replica noise floor: decode {max(d, m):.1%}, throughput {max(t, m):.1%}"
-        elif replicas:
-            source = f"default {m:.0%}, above the replica noise floor"
-        else:
-            source = f"default {m:.0%}, no replica"
-        out[level] = Margin(max(d, m), max(t, m), source)
-    return out
+    """Per level: the default margin, raised to the replica arms' noise floor
+    (:func:`~specproxy.analysis.verdict.noise_floor`, from their ratios at the run's reliable levels)."""
+    replicas = [
+        ReplicaLevel(s.level, comparisons[(s.arm, s.level)].decode, comparisons[(s.arm, s.level)].throughput)
+        for s in run.summaries
+        if _kind(run, s.arm) == "replica" and (s.arm, s.level) in comparisons and run.reliable(s.level)
+    ]
+    return {level: noise_floor(replicas, level, thresholds) for level in {s.level for s in run.summaries}}
 
 
 def _identity_counts(run: RunFigures) -> dict[tuple[str, str], IdentityCounts]:

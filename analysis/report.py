@@ -625,20 +625,21 @@ def build_report(
 </section>""")
     t = settings.thresholds
     rules = (
-        f"Per arm and level: WIN when the decode speedup's lower bound is above 1 + margin, no figure is "
-        f"lower beyond the margin and identity holds; LOSS when the decode speedup's or the throughput "
-        f"ratio's upper bound is below 1 − margin, or the mismatch rate is surely above "
-        f"{1 - t.identity_min:.0%} (Wilson interval); NO CLEAR GAIN otherwise; UNRELIABLE when the "
-        f"level failed the measurement's health checks (no verdict, left out of crossovers and deploy "
-        f"verdicts). A level whose token counts (the arm's or the baseline's) were estimated from the "
-        f"text gets no WIN or LOSS on its speeds (marked ~); FAILED when every call of the arm failed "
-        f"(its first error is listed). The margin is "
-        f"{t.min_margin:.0%}, or a replica arm's measured noise floor at that "
-        f"level when larger. The deploy verdict answers at the operating point, with aggregate "
-        f"throughput at the peak not lower beyond the margin. Intervals: {settings.confidence:.0%} "
-        f"jointly over each arm's levels (Bonferroni), bootstrap ({settings.bootstrap_iterations} "
-        f"resamples, seed {settings.bootstrap_seed}) widened by the spread between replay rounds (or "
-        f"time blocks of a one-round level)."
+        f"Per arm and level: WIN when the decode speedup's lower bound is above 1 + margin, the "
+        f"throughput ratio's lower bound is not below 1 − margin and identity holds; LOSS when the "
+        f"decode speedup's or the throughput ratio's upper bound is below 1 − margin, or the mismatch "
+        f"rate is surely above {1 - t.identity_min:.0%} (Wilson interval); NO CLEAR GAIN otherwise; "
+        f"UNRELIABLE when the level failed the measurement's health checks (no verdict, left out of "
+        f"crossovers and deploy verdicts). A level whose token counts (the arm's or the baseline's) were "
+        f"estimated from the text gets no WIN or LOSS on its speeds (marked ~); FAILED when every call "
+        f"of the arm failed (its first error is listed). The margin is {t.min_margin:.0%}, or when "
+        f"larger the replica arms' measured noise floor: the median of their deviations from 1x over the "
+        f"run's reliable levels, or how far a replica's interval at the level lies from 1x. The deploy "
+        f"verdict answers at the operating point, with aggregate throughput at the peak surely not lower "
+        f"beyond the margin (WIN) or surely lower (LOSS). Intervals: {settings.confidence:.0%} jointly "
+        f"over each arm's levels (Bonferroni), bootstrap ({settings.bootstrap_iterations} resamples, "
+        f"seed {settings.bootstrap_seed}) widened by the spread between replay rounds (or time blocks of "
+        f"a one-round level)."
     )
     files = ", ".join(escape(str(p)) for p in store.paths)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

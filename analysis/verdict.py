@@ -3,19 +3,25 @@
 Per arm and level (a concurrency, or an offered rate in an open-loop sweep), each level judged on its
 own figures, against a margin:
 
-- WIN: the decode speedup's lower bound is above 1 + margin, nothing is lower beyond the margin
-  (throughput's upper bound ≥ 1 − margin) and identity does not fail;
+- WIN: the decode speedup's lower bound is above 1 + margin, throughput is surely not lower beyond the
+  margin (its lower bound ≥ 1 − margin) and identity does not fail;
 - LOSS: a bound beyond the margin on the losing side: the decode speedup's or the throughput ratio's
   upper bound below 1 − margin, or identity fails;
-- NO CLEAR GAIN otherwise (including when an interval cannot be estimated);
+- NO CLEAR GAIN otherwise (including when an interval cannot be estimated). WIN and LOSS each need
+  evidence: a throughput interval that reaches across 1 − margin gives neither, so a true ratio near
+  the margin gives NO CLEAR GAIN and one of the two, never WIN in one run and LOSS in the next;
 - UNRELIABLE: the level failed a health check of the measurement (:mod:`.validity`): no verdict;
 - FAILED: every call of the arm at the level failed: nothing to judge (an arm that failed at every
   level has the deploy verdict FAILED, with its first error).
 
-The margin is per level and per figure: the larger of ``min_margin`` (3 %) and the noise floor
-measured there by the replica arms (a plain copy of the baseline): the farthest of a replica's interval
-bounds from 1. The rule is symmetric, so an arm identical to the baseline comes out NO CLEAR GAIN
-unless its intervals leave the margin, which the intervals' confidence makes rare; the intervals are
+The margin is per level and per figure (:func:`noise_floor`): the largest of ``min_margin`` (3 %), the
+median of the replica arms' (plain copies of the baseline) deviations from 1x over the run's reliable
+levels, and how far a replica's interval at the level lies from 1x. The first is the smallest
+difference worth a verdict; the second what two identical deployments differ by, pooled over the
+levels so that one noisy level does not move it; the third keeps a replica itself at NO CLEAR GAIN.
+Sampling noise is the intervals' business, not the margin's: the candidate's own interval carries it.
+The rule is symmetric, so an arm identical to the baseline comes out NO CLEAR GAIN unless its
+intervals leave the margin, which the intervals' confidence makes rare; the intervals are
 simultaneous over an arm's levels (Bonferroni, in :mod:`.evaluation`), so more levels do not mean more
 false WINs or LOSSes.
 
@@ -27,9 +33,10 @@ Identity fails when Wilson's interval on the mismatch rate lies wholly above ``1
 mismatches in 149 is no evidence of a rate above 1 %, 9 in 149 is.
 
 The deploy verdict answers at the user's operating point and peak (:class:`OperatingPoint`): WIN
-when the arm wins at the operating point, its throughput at the peak is not lower beyond the margin,
-it loses at no level between the two and identity holds; LOSS when it loses at the operating point,
-peak throughput is lower beyond the margin, or identity fails; NO CLEAR GAIN otherwise. A point between
+when the arm wins at the operating point, its throughput at the peak is surely not lower beyond the
+margin (the interval's lower bound), it loses at no level between the two and identity holds; LOSS
+when it loses at the operating point, peak throughput is surely lower beyond the margin (the upper
+bound), or identity fails; NO CLEAR GAIN otherwise. A point between
 tested levels is judged at the two levels around it (the less favourable verdict); outside the tested
 range, at the nearest tested level; unreliable levels are never used. A level whose token counts are
 estimated gives no WIN there and no LOSS on its throughput.
@@ -40,6 +47,8 @@ and the deploy verdict read them the same way and name them ``c=16`` or ``r=2``.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +80,82 @@ class Margin:
     @staticmethod
     def default(thresholds: Thresholds) -> Margin:
         return Margin(thresholds.min_margin, thresholds.min_margin, f"default {thresholds.min_margin:.0%}")
+
+
+@dataclass(frozen=True)
+class ReplicaLevel:
+    """A replica arm at one reliable level, as the noise floor sees it."""
+
+    level: str
+    decode: Interval | None
+    throughput: Interval | None
+
+
+def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: float) -> tuple[float, str]:
+    """One figure's margin at ``level`` from the replicas' (level, interval) pairs, and what set it."""
+    deviations = [abs(iv.point - 1.0) for _, iv in figures if math.isfinite(iv.point)]
+    gap = max(
+        (
+            max(iv.low - 1.0, 1.0 - iv.high)
+            for lv, iv in figures
+            if lv == level and iv.low is not None and iv.high is not None
+        ),
+        default=0.0,
+    )
+    median = statistics.median(deviations) if deviations else 0.0
+    if gap > max(minimum, median):
+        return gap, "a replica's interval here lies this far from 1x"
+    if median > minimum:
+        n = len({lv for lv, _ in figures})  # several replica arms: their points at a level all count
+        return median, f"median of the replicas' |ratio − 1| over {n} reliable level{'s' * (n != 1)}"
+    return minimum, "default"
+
+
+def noise_floor(replicas: Sequence[ReplicaLevel], level: str, thresholds: Thresholds) -> Margin:
+    """The margin at ``level``, per figure, from the run's replica arms at its reliable levels (module
+    docstring): the largest of the default, the median of the replicas' deviations |ratio − 1| over the
+    levels, and how far a replica's interval at ``level`` lies from 1x.
+
+    The median of the points counts each level's sampling error once, in its point, where the farthest
+    interval bound counted it 2.5-6 times (a t quantile times the standard error) and swung with one
+    level's rounds; a systematic difference between two identical deployments shows in every level's
+    point, and the median keeps it, while one level whose rounds were noisy, or whose replica missed 1x
+    by far, does not move every level's margin (that level gets its own, from the third term). The
+    points' sampling variance is not subtracted: after the rounds' t widening an interval no longer
+    says what it is (read back with the normal quantile it is overstated up to six times at 2 degrees
+    of freedom, and the difference would be zero nearly always), so the floor errs on the side of a
+    larger margin.
+
+    >>> replicas = [ReplicaLevel("1", Interval(1.01, 0.99, 1.03), Interval(0.93, 0.92, 0.94)),
+    ...             ReplicaLevel("4", Interval(1.0, 0.98, 1.02), Interval(0.96, 0.90, 1.02))]
+    >>> m = noise_floor(replicas, "4", Thresholds())
+    >>> round(m.decode, 3), round(m.throughput, 3)
+    (0.03, 0.055)
+    >>> round(noise_floor(replicas, "1", Thresholds()).throughput, 3)
+    0.06
+    """
+    minimum = thresholds.min_margin
+    decodes = [(r.level, r.decode) for r in replicas if r.decode is not None]
+    throughputs = [(r.level, r.throughput) for r in replicas if r.throughput is not None]
+    if not decodes and not throughputs:
+        why = "no replica" if not replicas else "no replica ratio at a reliable level"
+        return Margin(minimum, minimum, f"default {minimum:.0%}, {why}")
+    d, d_why = _figure_floor(decodes, level, minimum)
+    t, t_why = _figure_floor(throughputs, level, minimum)
+    if d_why == t_why == "default":
+        n = len({r.level for r in replicas})
+        measured = ", ".join(
+            f"{name} {statistics.median(abs(iv.point - 1.0) for _, iv in figs):.1%}"
+            for name, figs in (("decode", decodes), ("throughput", throughputs))
+            if figs
+        )
+        return Margin(
+            minimum,
+            minimum,
+            f"default {minimum:.0%}, above the replica noise floor (median of the replicas' |ratio − 1| "
+            f"over {n} reliable level{'s' * (n != 1)}: {measured})",
+        )
+    return Margin(d, t, f"replica noise floor: decode {d:.1%} ({d_why}), throughput {t:.1%} ({t_why})")
 
 
 @dataclass(frozen=True)
@@ -132,12 +217,18 @@ def level_verdict(
         return NO_CLEAR_GAIN, (
             f"decode speedup CI lower {decode.low:.3f} ≤ {1 + margin.decode:.3f} (margin {margin.source})"
         )
-    if throughput is None or throughput.high is None:
+    if throughput is None or throughput.low is None:
         return NO_CLEAR_GAIN, "no throughput interval"
+    if throughput.low < floor_t:
+        return NO_CLEAR_GAIN, (
+            f"decode speedup CI lower {decode.low:.3f} > {1 + margin.decode:.3f}, but throughput CI "
+            f"lower {throughput.low:.3f} < {floor_t:.3f}: it may be lower beyond the margin (margin "
+            f"{margin.source})"
+        )
     note = f" ({identity.text})" if identity.mismatch is None else ""
     return WIN, (
-        f"decode speedup CI lower {decode.low:.3f} > {1 + margin.decode:.3f}, throughput CI upper "
-        f"{throughput.high:.3f} ≥ {floor_t:.3f} (margin {margin.source})" + note
+        f"decode speedup CI lower {decode.low:.3f} > {1 + margin.decode:.3f}, throughput CI lower "
+        f"{throughput.low:.3f} ≥ {floor_t:.3f} (margin {margin.source})" + note
     )
 
 
@@ -319,8 +410,14 @@ def deploy_verdict(
     if at_verdict == WIN and losing:
         where = ", ".join(load_name(lv, unit) for lv in losing)
         return verdict(NO_CLEAR_GAIN, f"it wins at the operating point but loses at {where}, up to the peak")
-    if at_verdict == WIN and thr is not None and thr.high is not None:
-        return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")
+    if at_verdict == WIN and thr is not None and thr.low is not None:
+        if thr.low >= 1.0 - peak_j.throughput_margin:
+            return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")
+        return verdict(
+            NO_CLEAR_GAIN,
+            "it wins at the operating point; peak throughput may be lower beyond the margin (its interval "
+            "reaches below it)",
+        )
     if any(j.estimated for j in at_levels):
         return verdict(NO_CLEAR_GAIN, "token counts at the operating point are estimated: no WIN or LOSS")
     if at_verdict == WIN and peak_j.estimated:

@@ -35,9 +35,9 @@ while absolute tok/s are multiplied by X and times divided by it (the lab says s
 A simulator that cannot keep its clock (too many streams for the cores it gets) stretches every time
 it reports, and the level's health says so. Without ``--time-scale`` the lab paces each level
 (:mod:`specproxy.pacing`): one unrecorded wave at the level first, and while the machine does not keep
-up with it the simulators are slowed to half speed (down to 1/4) and the wave is sent again. It prints
-what each level ran at and why, records the scale with each level's health, and the run's experiment
-description says how the scale was chosen.
+up with it the simulators are slowed to half speed (down to 1/4, or 1/8 when only the client's event
+loop lags) and the wave is sent again. It prints what each level ran at and why, records the scale
+with each level's health, and the run's experiment description says how the scale was chosen.
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ DEFAULT_PROFILE = "h100-llama3.1-8b"
 MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02
 # Pacing never slows the simulators below this share of their starting speed (the lab's time budget).
 SLOWEST_PACED_SCALE = 1 / 4
+# ... and, when only the client's event loop lags (the simulators keep up), one halving further: at
+# c=256 the lab's one client process reads 5 × 256 streams.
+SLOWEST_CLIENT_PACED_SCALE = 1 / 8
 REPLICA = "replica"
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
@@ -227,7 +230,8 @@ def pace_note(pacer: SimPacer | None, time_scale: float, *, given: bool = True) 
     return (
         f"time scale paced per level from {time_scale:g} down to {time_scale * SLOWEST_PACED_SCALE:g}: "
         f"halved while a wave at the level saw a simulator over {CLOCK_LIMIT:.0%} behind its clock or "
-        f"the client's loop lag over {LOOP_LIMIT:.1%} of decode (health check sim_time_scale)"
+        f"the client's loop lag over {LOOP_LIMIT:.2%} of decode (down to "
+        f"{time_scale * SLOWEST_CLIENT_PACED_SCALE:g} for the loop lag alone; health check sim_time_scale)"
     )
 
 
@@ -509,8 +513,8 @@ def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> E
     type=click.FloatRange(min=0, min_open=True),
     default=None,
     help="Simulated arms run this many times faster than the profile's clock (default: paced per level, "
-    "from 1 down to 1/4, halved while a wave at the level shows the machine not keeping up); ratios "
-    "between arms are kept, absolute tok/s are multiplied by it.",
+    "from 1 down to 1/4, 1/8 when only the client lags, halved while a wave at the level shows the "
+    "machine not keeping up); ratios between arms are kept, absolute tok/s are multiplied by it.",
 )
 @click.option("--no-replica", is_flag=True, help="Do not start the baseline's replica (the noise floor).")
 @click.option(
@@ -595,7 +599,13 @@ def lab(
             # A rate level's load is relative to the engines' speed, so a rate sweep keeps one time scale.
             if time_scale is None and rates is None:
                 slowest = plan.time_scale * SLOWEST_PACED_SCALE
-                pacer = SimPacer(experiment.arms, plan.time_scale, slowest, console)
+                pacer = SimPacer(
+                    experiment.arms,
+                    plan.time_scale,
+                    slowest,
+                    console,
+                    slowest_for_client=plan.time_scale * SLOWEST_CLIENT_PACED_SCALE,
+                )
             scale_note = pace_note(pacer, plan.time_scale, given=time_scale is not None)
             click.echo(f"lab: {scale_note}")
         if rates == ():

@@ -4,15 +4,16 @@ Before each level of the sweep (in place of its warm-up), :class:`SimPacer` send
 full-length calls at that level and reads how the machine kept up: each simulator's clock lag and the
 client loop's lag as a share of the wave's median decode time. While either is over half its health
 limit, the simulators are slowed to half their speed (``POST /sim/time_scale``: same processes, same
-ports) and the wave is sent again, down to ``slowest``. A level is then measured at the scale its last
-wave ran at; the next level starts from there, since load only grows along the sweep, and from half
-of it when a measured round of the level still failed a health check (a wave is one sample of a
-machine whose load can change from one minute to the next).
+ports) and the wave is sent again, down to ``slowest`` (``slowest_for_client`` when the simulators
+keep up and only the client's loop lags: 5 arms × 256 streams in one Python process). A level is then
+measured at the scale its last wave ran at; the next level starts from there, since load only grows
+along the sweep, and from half of it when a measured round of the level still failed a health check
+(a wave is one sample of a machine whose load can change from one minute to the next).
 
-Half the limit, because a wave predicts a round only roughly: the rounds that follow vary, and a level
-measured at the edge of its limit comes out UNRELIABLE as often as not. Each level's scale is recorded
-with its rounds (health check ``sim_time_scale``, which never gates), and :meth:`SimPacer.sentences`
-says what was tried.
+Half the limit (an eighth for the client's loop lag: :data:`LOOP_TRIAL_MARGIN`), because a wave
+predicts a round only roughly: the rounds that follow vary, and a level measured at the edge of its
+limit comes out UNRELIABLE as often as not. Each level's scale is recorded with its rounds (health
+check ``sim_time_scale``, which never gates), and :meth:`SimPacer.sentences` says what was tried.
 
 Why per level rather than one probe up front: a short probe at the top level does not see the lag a
 whole sweep builds up, and slowing every level for the top one's sake makes the cheap low levels cost
@@ -35,7 +36,12 @@ from specproxy.proxy.spans.sink import HealthRow
 TIME_SCALE_CHECK = "sim_time_scale"
 TRIAL_MARGIN = 0.5
 CLOCK_LIMIT = (THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02) * TRIAL_MARGIN
-LOOP_LIMIT = (THRESHOLDS[EVENT_LOOP_LAG_SHARE] or 0.02) * TRIAL_MARGIN
+# The client's loop lag in a wave predicts a round's far less well than a clock lag does: near its
+# saturation the loop's lag piles up rather than grows, and a round adds the spans' recording to the
+# wave's work. Quick labs at c=256 on two cores: waves at 0.3-0.8 % of decode were followed by rounds
+# at 1.6-11 % (over the 2 % limit in 6 of 9), waves at 0.1-0.3 % at half speed by rounds at 0.2-0.6 %.
+LOOP_TRIAL_MARGIN = 0.125
+LOOP_LIMIT = (THRESHOLDS[EVENT_LOOP_LAG_SHARE] or 0.02) * LOOP_TRIAL_MARGIN
 
 
 def kept_up(trial: LevelTrial) -> bool:
@@ -49,7 +55,8 @@ def describe(trial: LevelTrial) -> str:
     worst = max(trial.engine_lag.items(), key=lambda kv: kv[1], default=None)
     clock = f"clock lag {worst[1]:.1%} ({worst[0]})" if worst is not None else "no simulator clock"
     loop = f"loop lag {trial.loop_lag_share:.1%} of decode" if trial.loop_lag_share is not None else ""
-    return ", ".join(x for x in (clock, loop) if x)
+    busy = f"loop busy {trial.loop_busy_share:.0%}" if trial.loop_busy_share is not None else ""
+    return ", ".join(x for x in (clock, loop, busy) if x)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +91,26 @@ async def set_time_scale(session: aiohttp.ClientSession, arms: Sequence[Arm], sc
 class SimPacer:
     """A :class:`~specproxy.proxy.replay.runner.LevelPacer` for simulated arms (see the module docstring)."""
 
-    def __init__(self, arms: Sequence[Arm], start: float, slowest: float, console: Console) -> None:
+    def __init__(
+        self,
+        arms: Sequence[Arm],
+        start: float,
+        slowest: float,
+        console: Console,
+        slowest_for_client: float | None = None,
+    ) -> None:
         self.arms = tuple(arms)
         self.scale = start
         self.slowest = slowest
+        # A wave whose only excess is the client's loop lag may go slower still: each halving halves the
+        # client's chunks per second and doubles the decode time its lag is a share of.
+        self.slowest_for_client = min(slowest, slowest_for_client or slowest)
         self.console = console
         self.paces: list[LevelPace] = []
+
+    def _floor(self, seen: LevelTrial) -> float:
+        """The slowest scale a wave that saw ``seen`` may be slowed to."""
+        return self.slowest_for_client if seen.worst_engine_lag <= CLOCK_LIMIT else self.slowest
 
     async def settle(self, level: int, trial: Callable[[], Awaitable[LevelTrial]]) -> Mapping[str, float]:
         scale = self.scale
@@ -99,7 +120,7 @@ class SimPacer:
                 await set_time_scale(session, self.arms, scale)
                 seen = await trial()
                 trials.append((scale, seen))
-                if kept_up(seen) or scale / 2 < self.slowest:
+                if kept_up(seen) or scale / 2 < self._floor(seen):
                     break
                 said = f"c={level}: a wave at time scale {scale:g} saw {describe(seen)}"
                 self.console.print(f"{said}; slowing to {scale / 2:g}", highlight=False)

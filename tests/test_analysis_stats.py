@@ -35,11 +35,13 @@ from specproxy.analysis.verdict import (
     LevelJudgement,
     Margin,
     OperatingPoint,
+    ReplicaLevel,
     Thresholds,
     check_identity,
     crossover,
     deploy_verdict,
     level_verdict,
+    noise_floor,
     verdict_runs,
 )
 
@@ -161,14 +163,14 @@ def _id(identical: int, compared: int) -> IdentityCheck:
 @pytest.mark.parametrize(
     ("decode", "throughput", "identical", "compared", "margin", "verdict"),
     [
-        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.95, 1.05), 100, 100, M3, WIN),
-        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.95, 1.05), 0, 0, M3, WIN),  # identity unchecked
-        (Interval(1.06, 1.04, 1.08), Interval(1.0, 0.95, 1.05), 100, 100, M3, WIN),  # lower 1.04 > 1.03
-        (Interval(1.05, 1.02, 1.08), Interval(1.0, 0.95, 1.05), 100, 100, M3, NO_CLEAR_GAIN),  # 1.02 ≤ 1.03
+        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.98, 1.02), 100, 100, M3, WIN),
+        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.98, 1.02), 0, 0, M3, WIN),  # identity unchecked
+        (Interval(1.06, 1.04, 1.08), Interval(1.0, 0.98, 1.02), 100, 100, M3, WIN),  # lower 1.04 > 1.03
+        (Interval(1.05, 1.02, 1.08), Interval(1.0, 0.98, 1.02), 100, 100, M3, NO_CLEAR_GAIN),  # 1.02 ≤ 1.03
         # a measured noise floor of 5 % raises the bar
         (
             Interval(1.06, 1.04, 1.08),
-            Interval(1.0, 0.95, 1.05),
+            Interval(1.0, 0.98, 1.02),
             100,
             100,
             Margin(0.05, 0.05, "r"),
@@ -176,16 +178,19 @@ def _id(identical: int, compared: int) -> IdentityCheck:
         ),
         # symmetric: 0.995 [0.991, 0.998] excludes 1 but not the margin, so it is no LOSS
         (Interval(0.995, 0.991, 0.998), Interval(1.0, 0.99, 1.01), 100, 100, M3, NO_CLEAR_GAIN),
-        (Interval(0.9, 0.85, 0.96), Interval(1.0, 0.95, 1.05), 100, 100, M3, LOSS),  # decode slower
+        (Interval(0.9, 0.85, 0.96), Interval(1.0, 0.98, 1.02), 100, 100, M3, LOSS),  # decode slower
         (Interval(1.5, 1.3, 1.7), Interval(0.9, 0.85, 0.96), 100, 100, M3, LOSS),  # throughput lower
-        (Interval(1.5, 1.3, 1.7), Interval(0.97, 0.95, 0.98), 100, 100, M3, WIN),  # within the margin
+        (Interval(1.5, 1.3, 1.7), Interval(0.985, 0.975, 0.995), 100, 100, M3, WIN),  # within the margin
+        # a throughput interval across 1 − margin: neither surely lower nor surely not, so neither WIN
+        # nor LOSS (a true ratio there would otherwise flip between the two from run to run)
+        (Interval(1.5, 1.3, 1.7), Interval(0.97, 0.95, 0.98), 100, 100, M3, NO_CLEAR_GAIN),
         # an identical arm: intervals around 1 → no clear gain
         (Interval(1.0, 0.97, 1.03), Interval(1.0, 0.96, 1.04), 100, 100, M3, NO_CLEAR_GAIN),
         # identity: Wilson's interval on the mismatch rate must lie above 1 %
-        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.95, 1.05), 147, 149, M3, WIN),  # 2/149: no evidence
-        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.95, 1.05), 98, 100, M3, WIN),  # 2/100: no evidence
-        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.95, 1.05), 90, 100, M3, LOSS),  # 10/100: surely > 1 %
-        (Interval(1.5, None, None), Interval(1.0, 0.95, 1.05), 100, 100, M3, NO_CLEAR_GAIN),
+        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.98, 1.02), 147, 149, M3, WIN),  # 2/149: no evidence
+        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.98, 1.02), 98, 100, M3, WIN),  # 2/100: no evidence
+        (Interval(1.5, 1.3, 1.7), Interval(1.0, 0.98, 1.02), 90, 100, M3, LOSS),  # 10/100: surely > 1 %
+        (Interval(1.5, None, None), Interval(1.0, 0.98, 1.02), 100, 100, M3, NO_CLEAR_GAIN),
         (Interval(1.5, 1.3, 1.7), None, 100, 100, M3, NO_CLEAR_GAIN),
     ],
 )
@@ -195,9 +200,72 @@ def test_verdict_rules(
     assert level_verdict(decode, throughput, _id(identical, compared), margin)[0] == verdict
 
 
+FLAT = Interval(1.0, 0.99, 1.01)
+
+
+def _replicas(*figures: tuple[Interval, Interval]) -> list[ReplicaLevel]:
+    """A replica at levels 1, 4, 16, 64 (in that order)."""
+    return [ReplicaLevel(str(4**i), d, t) for i, (d, t) in enumerate(figures)]
+
+
+NOISY_64 = (Interval(1.02, 0.88, 1.16), Interval(1.028, 0.94, 1.12))
+OFF_64 = (Interval(1.2, 1.15, 1.25), FLAT)
+
+
+# The noise floor as a table: a replica's intervals at the run's reliable levels in, a level's margin out.
+@pytest.mark.parametrize(
+    ("replicas", "level", "decode", "throughput", "source"),
+    [
+        ([], "1", 0.03, 0.03, "default 3%, no replica"),
+        (_replicas((FLAT, FLAT), (FLAT, FLAT)), "1", 0.03, 0.03, "default 3%, above the replica noise floor"),
+        # one noisy level (wide rounds at c=64) moves no margin, its own neither: its interval's edge is
+        # sampling noise the candidate's own interval carries; its point counts, among the levels' points
+        (
+            _replicas((FLAT, FLAT), (FLAT, FLAT), (FLAT, FLAT), NOISY_64),
+            "64",
+            0.03,
+            0.03,
+            "default 3%, above the replica noise floor (median of the replicas' |ratio − 1| over 4 reliable "
+            "levels: decode 0.0%, throughput 0.0%)",
+        ),
+        # two identical deployments 5 % apart in throughput at every level: that is the floor everywhere
+        (
+            _replicas(*[(FLAT, Interval(0.95, 0.91, 0.99))] * 3),
+            "4",
+            0.03,
+            0.05,
+            "replica noise floor: decode 3.0% (default), throughput 5.0% (median of the replicas' "
+            "|ratio − 1| over 3 reliable levels)",
+        ),
+        # a replica that misses 1x by far at one level: that level's margin keeps the replica NO CLEAR
+        # GAIN there, and the other levels' margins do not move
+        (
+            _replicas((FLAT, FLAT), (FLAT, FLAT), (FLAT, FLAT), OFF_64),
+            "64",
+            0.15,
+            0.03,
+            "replica noise floor: decode 15.0% (a replica's interval here lies this far from 1x), "
+            "throughput 3.0% (default)",
+        ),
+        (_replicas((FLAT, FLAT), (FLAT, FLAT), (FLAT, FLAT), OFF_64), "16", 0.03, 0.03, "default 3%"),
+    ],
+)
+def test_noise_floor(
+    replicas: list[ReplicaLevel], level: str, decode: float, throughput: float, source: str
+) -> None:
+    margin = noise_floor(replicas, level, T)
+    assert margin.decode == pytest.approx(decode) and margin.throughput == pytest.approx(throughput)
+    assert margin.source.startswith(source)
+    # an arm identical to the baseline comes out NO CLEAR GAIN: every replica level at its own margin
+    for r in replicas:
+        assert level_verdict(r.decode, r.throughput, _id(100, 100), noise_floor(replicas, r.level, T))[0] == (
+            NO_CLEAR_GAIN
+        )
+
+
 def test_estimated_token_counts_give_no_win_or_loss_but_identity_still_fails() -> None:
     note = "token counts estimated from the text"
-    win, loss, flat = Interval(2.0, 1.8, 2.2), Interval(0.5, 0.4, 0.6), Interval(1.0, 0.95, 1.05)
+    win, loss, flat = Interval(2.0, 1.8, 2.2), Interval(0.5, 0.4, 0.6), Interval(1.0, 0.98, 1.02)
     cases = ((win, flat), (loss, flat), (win, loss))
     assert [level_verdict(d, t, _id(100, 100), M3)[0] for d, t in cases] == [WIN, LOSS, LOSS]
     for decode, thr in cases:
@@ -207,7 +275,7 @@ def test_estimated_token_counts_give_no_win_or_loss_but_identity_still_fails() -
 
 
 def test_configurable_thresholds() -> None:
-    decode, thr = Interval(1.2, 1.1, 1.3), Interval(1.0, 0.95, 1.05)
+    decode, thr = Interval(1.2, 1.1, 1.3), Interval(1.0, 0.98, 1.02)
     assert (
         level_verdict(decode, thr, _id(100, 100), Margin.default(Thresholds(min_margin=0.15)))[0]
         == NO_CLEAR_GAIN
@@ -265,6 +333,14 @@ LOWER = Interval(0.86, 0.8, 0.92)
             100,
             WIN,
             "enable",
+        ),
+        # peak throughput 0.96x [0.94, 0.98]: neither surely lower beyond the margin nor surely not
+        (
+            _levels((1, WIN, FLAT), (64, NO_CLEAR_GAIN, Interval(0.96, 0.94, 0.98))),
+            OperatingPoint(1, 64),
+            100,
+            NO_CLEAR_GAIN,
+            "peak throughput may be lower beyond the margin",
         ),
         # the user runs at c=16 where it is no clear gain, though it wins at c=1
         (

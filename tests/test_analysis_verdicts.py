@@ -43,8 +43,12 @@ def _json(*args: str) -> dict[str, Any]:
 
 def test_null_runs_give_no_win_or_loss(tmp_path: Path) -> None:
     """Eight A/A runs, three rounds each, with drift between rounds that every request of a round
-    shares (an arm's slow moment): neither null arm may come out WIN or LOSS, per level or deployed."""
+    shares (an arm's slow moment): no null arm comes out WIN or LOSS deployed, the replica at no level
+    (its own noise floor holds it), and the null arm labelled eagle3 at no more than 5 % of its levels,
+    which is what the intervals' joint 95 % allows: the margin is the replicas' typical deviation, not
+    a replica's farthest interval bound (here 13-22 %, which hid real differences of that size)."""
     per_level: Counter[str] = Counter()
+    replica: Counter[str] = Counter()
     deploy: Counter[str] = Counter()
     for seed in range(8):
         run = make_run(
@@ -59,11 +63,13 @@ def test_null_runs_give_no_win_or_loss(tmp_path: Path) -> None:
         path = write_db(tmp_path / f"aa{seed}.duckdb", [run])
         with open_store([path]) as store:
             (ev,) = evaluate(store, settings=Settings(bootstrap_iterations=400))
-        per_level.update(r.verdict or "—" for r in ev.rows if r.arm != "baseline")
+        per_level.update(r.verdict or "—" for r in ev.rows if r.arm == "null_eagle3")
+        replica.update(r.verdict or "—" for r in ev.rows if r.arm == "replica")
         deploy.update(a.deploy.verdict for a in ev.arms if a.deploy is not None)
         assert {r.rounds for r in ev.rows} == {3} and not any(r.drift_note for r in ev.rows)
     print(f"null per-level verdicts {dict(per_level)}, deploy verdicts {dict(deploy)}")
-    assert per_level == Counter({"NO CLEAR GAIN": 8 * 3 * 2})
+    assert replica == Counter({"NO CLEAR GAIN": 8 * 3})
+    assert per_level["WIN"] + per_level["LOSS"] <= 0.05 * 8 * 3
     assert deploy == Counter({"NO CLEAR GAIN": 8 * 2})
 
 

@@ -21,7 +21,7 @@ from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim
 from specproxy.pacing import TIME_SCALE_CHECK, SimPacer, kept_up
 from specproxy.proxy.replay.formats import ReplayItem
-from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.replay.runner import LevelTrial, LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.spans.sink import HealthRow
 from tests.support import free_port, start_cli, stop, wait_http
 
@@ -139,3 +139,22 @@ def test_a_level_whose_rounds_failed_a_check_slows_the_next_level() -> None:
     for _ in range(3):  # never below the slowest scale
         pacer.measured(256, [failed])
     assert pacer.scale == 0.25
+
+
+@pytest.mark.parametrize(
+    ("trial", "scales"),
+    [
+        # the simulators keep up, only the client's loop lags: one halving below the slowest scale
+        (LevelTrial({"base": 0.001}, 0.05), [1.0, 0.5, 0.25, 0.125]),
+        # a simulator behind its clock: never below the slowest scale
+        (LevelTrial({"base": 0.05}, 0.05), [1.0, 0.5, 0.25]),
+    ],
+)
+async def test_a_lagging_client_alone_may_be_slowed_further(trial: LevelTrial, scales: list[float]) -> None:
+    pacer = SimPacer((), 1.0, 0.25, Console(file=io.StringIO(), width=200), slowest_for_client=0.125)
+
+    async def wave() -> LevelTrial:
+        return trial
+
+    await pacer.settle(256, wave)
+    assert [scale for scale, _ in pacer.paces[0].trials] == scales

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import json
 import random
 import re
@@ -123,6 +124,9 @@ class LevelTrial:
 
     engine_lag: Mapping[str, float]
     loop_lag_share: float | None
+    # CPU time of the event loop's thread over the wave's wall time: how close the client came to
+    # saturating its loop, past which the lag does not grow gently but piles up behind it
+    loop_busy_share: float | None = None
 
     @property
     def worst_engine_lag(self) -> float:
@@ -483,6 +487,7 @@ class ReplayRunner:
         stop = self.stop
         # The engines are scraped as during a measured round: that is part of the load the wave predicts.
         scraping = asyncio.ensure_future(self._scrape_during())
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
         try:
             async with LoopLagSampler() as loop_lag:
                 await asyncio.gather(
@@ -496,8 +501,9 @@ class ReplayRunner:
         finally:
             scraping.cancel()
             await asyncio.gather(scraping, return_exceptions=True)
+        busy = (time.thread_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
         after = await read_sim_clocks(self.session, self.s.arms)
-        return LevelTrial(clock_lag(before, after), loop_lag_share(loop_lag.lags_s, decode_s))
+        return LevelTrial(clock_lag(before, after), loop_lag_share(loop_lag.lags_s, decode_s), busy)
 
     def _emit(self, record: SpanRecord) -> None:
         assert self._sink is not None
@@ -772,7 +778,7 @@ class ReplayRunner:
                 )
                 # Replay scrapes only around phases (scrape_once); the interval bounds each scrape's timeout.
                 self.scraper = MetricsScraper(self.s.arms, sink, session, run_id=self.run_id, interval_s=5.0)
-                with self.progress:
+                with self.progress, _startup_heap_frozen():
                     await self._run_until_stopped()
                 self.result.interrupted = self.stop.is_set()
             finally:
@@ -809,6 +815,20 @@ class ReplayRunner:
         if wanted and (not served or wanted in served):
             return wanted
         return served[0] if served else wanted
+
+
+@contextmanager
+def _startup_heap_frozen() -> Iterator[None]:
+    """While inside, what exists now (imports, the workload, sessions, the span writer) is out of the
+    collector's sight: it lives for the whole replay, and a full collection walking it again and again
+    stalled the client's event loop for up to 270 ms at a time in a lab at c=256, a pause every
+    stream in flight feels. Given back to the collector at the end (replay also runs inside tests)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 async def run_replay(
