@@ -101,15 +101,16 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
             "count(*) FILTER (check_name = 'sim_time_scale' AND value > 0 AND threshold IS NULL) FROM health "
             "GROUP BY ALL ORDER BY ALL"
         ).fetchall()
-    # 3 rounds; 5 items at c=1 (2 a round), 2 waves of 4 at c=4 (4 a round, one wave each); every
-    # non-baseline output identical to the baseline's
+    # 3 rounds at c=1, 5 at the top level (--quick: the peak's interval); 5 items at c=1 (2 a round),
+    # at c=4 a round fills its 4 slots once; every non-baseline output identical to the baseline's
     expected = []
     for arm in ("baseline", "draft_model", "eagle3", "ngram", "replica"):
         cand = arm != "baseline"
-        expected += [(arm, 1, 6, 6, 6 if cand else 0, 3), (arm, 4, 12, 12, 12 if cand else 0, 3)]
+        expected += [(arm, 1, 6, 6, 6 if cand else 0, 3), (arm, 4, 20, 20, 20 if cand else 0, 5)]
     assert rows == expected
+    assert "sweep 1,4 in paired mode, 3 rounds per level (5 at c=4), 26 requests per arm" in res.stderr
     # each level-round's health, with one clock reading per simulator and the time scale it ran at
-    assert health == [(c, k, 5, 1) for c in (1, 4) for k in (1, 2, 3)]
+    assert health == [(1, k, 5, 1) for k in (1, 2, 3)] + [(4, k, 5, 1) for k in range(1, 6)]
     experiment = json.loads(config)
     assert "time scale" in experiment["description"]
     assert (experiment["at_concurrency"], experiment["peak_concurrency"]) == (1, 4)
@@ -122,8 +123,12 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     eagle3 = json.loads(stacks)["eagle3"]
     assert eagle3["speculative"]["method"] == "eagle3"
     assert "--profile" in eagle3["engine"]["argv"] and "--speculative-config" in eagle3["engine"]["argv"]
+    rounds = {1: 3, 4: 5}
     assert {
-        f"c={c} r{k}/3:{when}" for c in (1, 4) for k in (1, 2, 3) for when in ("before", "after")
+        f"c={c} r{k}/{rounds[c]}:{when}"
+        for c in (1, 4)
+        for k in range(1, rounds[c] + 1)
+        for when in ("before", "after")
     } <= phases
     categories = json.loads(analyze_text([db], run=run_id, fmt="json"))["runs"][0]["categories"]
     assert {c["arm"] for c in categories} >= {"ngram", "draft_model", "eagle3"}
@@ -239,6 +244,9 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
             "SELECT arm, list(DISTINCT concurrency_level ORDER BY concurrency_level) FROM requests "
             "GROUP BY arm"
         ).fetchall()
+        per_level_rounds = conn.execute(
+            "SELECT concurrency_level, count(DISTINCT round) FROM requests GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
         same, compared = conn.execute(
             "SELECT count(*) FILTER (identical), count(identical) FROM requests WHERE arm_role <> 'baseline'"
         ).fetchone()  # type: ignore[misc]
@@ -246,6 +254,8 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
     assert sorted(levels) == [
         (arm, [1, 4, 16, 64, 256]) for arm in ("baseline", "draft_model", "eagle3", "ngram", "replica")
     ]
+    # the top level, where the peak throughput is read, in 5 rounds; the others in 3
+    assert per_level_rounds == [(1, 3), (4, 3), (16, 3), (64, 3), (256, 5)]
     lag_line = next(line for line in res.stderr.splitlines() if "simulator clock lag by level" in line)
     # The n-gram simulator's own search costs it about 10 % at c=256; far beyond that, the machine was
     # too busy for the figures to mean anything and the outcome is not checked.

@@ -115,6 +115,12 @@ class LoadPlan:
     items_per_rate: Callable[[float], int] | None = None
     # Each level (or the open loop) is measured this many times, the arms' order rotated each round.
     rounds: int = 1
+    # Closed loop: a level's own number of rounds where it differs from ``rounds`` (a level whose
+    # interval must be narrower, e.g. the one the peak throughput is read at); None = ``rounds`` each.
+    rounds_per_level: Callable[[int], int] | None = None
+
+    def level_rounds(self, level: int) -> int:
+        return self.rounds if self.rounds_per_level is None else self.rounds_per_level(level)
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,8 +324,9 @@ class ReplayRunner:
             raise ReplayError("no arms to replay against")
         if not items:
             raise ReplayError("no items to replay")
-        if settings.load.rounds < 1:
-            raise ReplayError(f"rounds must be ≥ 1, got {settings.load.rounds}")
+        fewest = min([settings.load.rounds, *map(settings.load.level_rounds, settings.load.levels)])
+        if fewest < 1:
+            raise ReplayError(f"rounds must be ≥ 1, got {fewest}")
         self.s = settings
         self.items = list(items)
         self.stop = stop or asyncio.Event()
@@ -361,7 +368,8 @@ class ReplayRunner:
 
     def _calls(self, tag: str, items: Sequence[ReplayItem], phase: _Phase) -> list[_Call]:
         short = self.run_id.removeprefix("replay-")[:6]
-        if self.s.load.rounds > 1:
+        rounds = self.s.load.rounds if phase.level is None else self.s.load.level_rounds(phase.level)
+        if rounds > 1:
             tag = f"{tag}r{phase.round}"
         # Request ids are UUIDs, as some servers require: sent as they are, so a --target proxy stores
         # the same request_id in its spans (the join between its spans and replay's).
@@ -681,10 +689,11 @@ class ReplayRunner:
             ) -> Awaitable[LoadStats]:
                 return closed_loop(seq, level, send, deadline_s=plan.duration_s, stop=self.stop)
 
-            for round_ in range(1, plan.rounds + 1):
+            rounds = plan.level_rounds(level)
+            for round_ in range(1, rounds + 1):
                 if self.stop.is_set():
                     return
-                phase = _Phase(phase_label(f"c={level}", round_, plan.rounds), level, round_)
+                phase = _Phase(phase_label(f"c={level}", round_, rounds), level, round_)
                 calls = self._calls(f"c{level}", self._round_order(items, phase), phase)
                 await self._phase(phase, calls, drive)
             if self.s.pacer is not None:
