@@ -133,6 +133,21 @@ def backend_process(*args: str) -> Iterator[str]:
         proc.wait(10)
 
 
+@contextmanager
+def simulators(**arms: Sequence[str]) -> Iterator[dict[str, str]]:
+    """One ``specproxy sim`` per arm (its extra options), each on its own port, all answering /health;
+    yields {arm: base URL} and stops them after."""
+    ports = {arm: free_port() for arm in arms}
+    procs = [start_cli(["sim", "--port", str(ports[arm]), *opts]) for arm, opts in arms.items()]
+    try:
+        for port, proc in zip(ports.values(), procs, strict=True):
+            wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        yield {arm: f"http://127.0.0.1:{port}" for arm, port in ports.items()}
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
 def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> str:
     """SIGTERM, wait, SIGKILL if needed; returns the process's output."""
     if proc.poll() is None:

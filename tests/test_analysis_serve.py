@@ -19,26 +19,16 @@ import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
-from tests.support import free_port, metric_sum, serving, start_cli, stop, wait_http, wait_until_sync
+from tests.support import metric_sum, serving, simulators, wait_until_sync
 
 
 @pytest.fixture
 def sims() -> Iterator[dict[str, str]]:
-    ports = {"baseline": free_port(), "ngram": free_port()}
     # Time scale 2: a call decodes for about 0.2 s, long enough for the proxy's own loop lag on a busy
     # machine to stay a small share of it (its health check); much faster, and the live level's figures
     # are rightly UNRELIABLE.
-    procs = [
-        start_cli(["sim", "--port", str(ports["baseline"]), "--time-scale", "2"]),
-        start_cli(["sim", "--port", str(ports["ngram"]), "--time-scale", "2", "--method", "ngram"]),
-    ]
-    try:
-        for port, proc in zip(ports.values(), procs, strict=True):
-            wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
-        yield {arm: f"http://127.0.0.1:{port}" for arm, port in ports.items()}
-    finally:
-        for proc in procs:
-            stop(proc)
+    with simulators(baseline=["--time-scale", "2"], ngram=["--time-scale", "2", "--method", "ngram"]) as urls:
+        yield urls
 
 
 def _shadow_config(path: Path, db: Path, sims: dict[str, str]) -> Path:

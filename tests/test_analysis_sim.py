@@ -23,7 +23,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from tests.support import free_port, start_cli, stop, wait_http
+from tests.support import simulators
 
 PROMPTS = [
     "Summarize: the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat",
@@ -35,30 +35,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def sims() -> Iterator[dict[str, str]]:
-    ports = {"baseline": free_port(), "eagle3": free_port()}
-    procs = [
-        start_cli(["sim", "--port", str(ports["baseline"]), "--time-scale", "20"]),
-        start_cli(
-            [
-                "sim",
-                "--port",
-                str(ports["eagle3"]),
-                "--time-scale",
-                "20",
-                "--method",
-                "eagle3",
-                "--per-request-spec-decode-metrics",
-                "summary",
-            ]
-        ),
-    ]
-    try:
-        for port, proc in zip(ports.values(), procs, strict=True):
-            wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
-        yield {arm: f"http://127.0.0.1:{port}" for arm, port in ports.items()}
-    finally:
-        for proc in procs:
-            stop(proc)
+    eagle3 = ["--method", "eagle3", "--per-request-spec-decode-metrics", "summary"]
+    with simulators(baseline=["--time-scale", "20"], eagle3=["--time-scale", "20", *eagle3]) as urls:
+        yield urls
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from specproxy.pacing import TIME_SCALE_CHECK, SimPacer, kept_up
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LevelTrial, LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.spans.sink import HealthRow
-from tests.support import free_port, start_cli, stop, wait_http
+from tests.support import simulators
 
 # Far faster than a simulator's steps can be computed: its clock falls behind whatever the machine.
 TOO_FAST = 2000
@@ -38,18 +38,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture
 def sims() -> Iterator[dict[str, str]]:
     """A simulator at a pace the machine keeps, and one started far too fast."""
-    ports = {"base": free_port(), "fast": free_port()}
-    procs = [
-        start_cli(["sim", "--port", str(ports["base"]), "--time-scale", "5"]),
-        start_cli(["sim", "--port", str(ports["fast"]), "--time-scale", str(TOO_FAST)]),
-    ]
-    try:
-        for port, proc in zip(ports.values(), procs, strict=True):
-            wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
-        yield {arm: f"http://127.0.0.1:{port}" for arm, port in ports.items()}
-    finally:
-        for proc in procs:
-            stop(proc)
+    with simulators(base=["--time-scale", "5"], fast=["--time-scale", str(TOO_FAST)]) as urls:
+        yield urls
 
 
 def test_a_level_a_simulator_cannot_keep_up_with_is_unreliable_and_says_why(
