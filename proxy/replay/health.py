@@ -78,6 +78,10 @@ THRESHOLDS: Mapping[str, float | None] = {
     RATE_SHORTFALL: 0.05,
 }
 
+# A level is judged on the rounds that passed every check when at least this many did (fewer rounds
+# cannot show between-round drift); a round holds every arm, so dropping one favours none.
+MIN_HEALTHY_ROUNDS = 3
+
 
 class SimClock(NamedTuple):
     """A simulator's cumulative clock figures (``/sim/stats``): seconds behind, seconds of ideal busy time."""
