@@ -105,6 +105,19 @@ def metric_sum(metrics_url: str, sample: str) -> float:
     )
 
 
+def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`specproxy ARGS...` in a real subprocess, run to its end: its exit code and its output as text.
+    ``timeout`` is a stuck command's deadline, not a speed target."""
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=cwd,
+    )
+
+
 def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """`specproxy ARGS...` as a subprocess (stdout and stderr merged into stdout)."""
     return subprocess.Popen(

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +29,14 @@ from specproxy.schema import level_sql, rate_label
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans
 from tests.spanfactory import ArmSpec, health_row, make_run, write_db
-from tests.support import free_port, wait_http
+from tests.support import free_port, run_cli, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB_DEADLINE_S = 600  # a stuck lab's deadline, not a speed target
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=timeout
-    )
+# Labs and replays: a stuck run's deadline.
+cli = partial(run_cli, timeout=300)
 
 
 def rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
