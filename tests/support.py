@@ -105,6 +105,16 @@ def metric_sum(metrics_url: str, sample: str) -> float:
     )
 
 
+def metric_totals(text: str) -> dict[str, float]:
+    """Each metric family of a /metrics page, its samples summed (labels ignored)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
 def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`specproxy ARGS...` in a real subprocess, run to its end: its exit code and its output as text.
     ``timeout`` is a stuck command's deadline, not a speed target."""
