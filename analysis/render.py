@@ -81,8 +81,12 @@ def fmt_margin(row: LevelRow) -> str:
 
 
 def fmt_rounds(row: LevelRow) -> str:
+    """Rounds the level is judged on: ``3``, ``1*`` (one round: no drift between runs seen), ``4 of 5``
+    (a round dropped for failing the measurement's health checks)."""
     if row.rounds is None:
         return DASH
+    if row.rounds_dropped:
+        return f"{row.rounds} of {row.rounds_measured}"
     return f"{row.rounds}*" if row.drift_note else str(row.rounds)
 
 
@@ -439,6 +443,9 @@ CSV_FIELDS = (
     "reason",
     "baseline_p50_decode_tok_s",
     "rounds",
+    "rounds_measured",
+    "rounds_used",
+    "rounds_dropped",
     "blocks",
     "drift_note",
     "confidence",
@@ -472,6 +479,10 @@ def render_csv(evals: Sequence[RunEvaluation]) -> str:
         for r in ev.rows:
             d = asdict(r)
             d.update(run_id=ev.run_id, run_name=ev.name)
+            d.update(
+                rounds_used=" ".join(str(n) for n in r.rounds_used) or None,
+                rounds_dropped="; ".join(x.describe() for x in r.rounds_dropped) or None,
+            )
             d.update(render_slo.csv_cells(ev, r))
             d.update(latency_csv(r))
             load = r.load
