@@ -205,7 +205,7 @@ def _evaluate_run(
     point, point_text = _operating_point(settings, info, run_unit(r.level for r in rows))
     failed = {f.arm: f.describe() for f in failed_arms(store, run.run_id)}
     arms = [_arm_outcome(run, arm, rows, point, confidence, settings, failed) for arm in _arm_order(run)]
-    loaded = [r.level for r in rows if r.level_load is not None and r.reliable]
+    loaded = [r.level for r in rows if r.level_load is not None]
     return RunEvaluation(
         run_id=run.run_id,
         name=info["name"],
@@ -809,6 +809,7 @@ def _arm_outcome(
                 r.throughput_speedup,
                 r.throughput_margin or 0.0,
                 r.tokens_estimated,
+                r.health,
             )
             for r in judged
             if r.level_load is not None and level_unit(r.level) == point.unit

@@ -21,7 +21,8 @@ class Settings:
     """Everything `analyze` can be told. ``confidence`` holds for all of an arm's levels at once.
 
     ``at_concurrency`` / ``peak_concurrency``: where the user runs and their peak (else the run's
-    experiment file says, else the analysis assumes the lowest and highest reliable levels);
+    experiment file says, else the analysis assumes the lowest and highest tested levels, whatever
+    their health);
     ``at_rate`` / ``peak_rate`` the same in requests/s, for a run of open-loop rate levels.
     ``time_blocks``: the blocks a level of one round (or live traffic) is cut into to see drift.
     ``slo``: the latency targets of goodput and capacity (else the experiment file's, else none);

@@ -162,6 +162,42 @@ def test_a_check_of_the_whole_level_that_failed_leaves_it_unreliable(tmp_path: P
     assert "loadgen_start_lag_p99_s 200.0 ms > 50.0 ms (client)" in row.health
 
 
+def test_the_deploy_verdict_asks_the_same_question_whatever_the_health(tmp_path: Path) -> None:
+    """The top tested level failed (3 of 5 rounds): with no peak given the deploy verdict is UNRELIABLE
+    and says how to judge at the highest level measured soundly; given that, it answers; and a LOSS at
+    the operating point is a LOSS whatever the peak."""
+    path = write_db(tmp_path / "top.duckdb", [_run(_health({(16, 1): 0.05, (16, 3): 0.094, (16, 4): 0.03}))])
+
+    def deploy(*args: str) -> dict[str, Any]:
+        (run,) = json.loads(_cli(str(path), "--format", "json", *args))["runs"]
+        return next(a for a in run["arms"] if a["arm"] == "eagle3")["deploy"]  # type: ignore[no-any-return]
+
+    assumed = deploy()
+    assert assumed["verdict"] == "UNRELIABLE" and assumed["peak_concurrency"] == 16
+    assert "peak = highest tested level c=16" in assumed["assumed"]
+    assert (
+        "peak c=16 failed its health checks (engine_clock_lag 9.4% > 2.0% (eagle3 round 3);"
+        in assumed["text"]
+    )
+    assert assumed["text"].endswith(
+        "give --peak-concurrency 4 to judge at the highest level measured soundly, or rerun slower"
+    )
+    assert deploy("--peak-concurrency", "4")["verdict"] == "WIN"
+    # a peak between c=4 and c=16 is judged at both: c=16 failed, so it cannot be judged
+    between = deploy("--peak-concurrency", "8")
+    assert (
+        between["verdict"] == "UNRELIABLE"
+        and "peak c=8: tested c=16 failed its health checks" in between["text"]
+    )
+
+    losing = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=0.7)]
+    health = _health({(16, 1): 0.05, (16, 3): 0.094, (16, 4): 0.03})
+    run = make_run(losing, levels=LEVELS, n_per_level=40, seed=7, rounds=ROUNDS, health=health)
+    path = write_db(tmp_path / "loss.duckdb", [run])
+    loss = deploy()
+    assert loss["verdict"] == "LOSS" and "loses at the operating point" in loss["text"]
+
+
 @pytest.mark.parametrize(
     ("failed", "used", "reliable"),
     [
