@@ -313,9 +313,16 @@ def _interval_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
             f"intervals: {settings.confidence:.0%} jointly over each arm's reliable levels (Bonferroni; "
             f"each interval at: {levels}), widened by the spread between rounds (or time blocks)"
         )
+    # The margin is often run-wide (the replicas' median deviation over the levels): said once for the
+    # levels that share it, then for each level whose own replica interval set another.
     margins = {r.level: r.margin_source for r in ev.rows if r.margin_source}
+    shared: dict[str, list[str]] = {}
     for level, source in sorted(margins.items(), key=lambda x: level_sort_key(x[0])):
-        lines.append(f"margin {fmt_level(level)}: {source}")
+        shared.setdefault(source, []).append(level)
+    for source, sharing in shared.items():
+        named = ", ".join(fmt_level(lv) for lv in sharing)
+        where = "every level" if len(sharing) == len(margins) > 1 else named
+        lines.append(f"margin {where}: {source}")
     if any(r.drift_note for r in ev.rows):
         lines.append("rounds: * = 1 round: cannot see between-run drift")
     return lines + _source_notes(ev)

@@ -96,8 +96,18 @@ class ReplicaLevel:
     throughput: Interval | None
 
 
-def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: float) -> tuple[float, str]:
-    """One figure's margin at ``level`` from the replicas' (level, interval) pairs, and what set it."""
+@dataclass(frozen=True)
+class FigureFloor:
+    """One figure's margin at a level, what set it, and the replicas' median deviation |ratio − 1| (over
+    their finite points) that the margin was weighed against."""
+
+    margin: float
+    why: str
+    median: float
+
+
+def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: float) -> FigureFloor:
+    """One figure's margin at ``level`` from the replicas' (level, interval) pairs (module docstring)."""
     deviations = [abs(iv.point - 1.0) for _, iv in figures if math.isfinite(iv.point)]
     gap = max(
         (
@@ -109,11 +119,12 @@ def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: 
     )
     median = statistics.median(deviations) if deviations else 0.0
     if gap > max(minimum, median):
-        return gap, "a replica's interval here lies this far from 1x"
+        return FigureFloor(gap, "a replica's interval here lies this far from 1x", median)
     if median > minimum:
         n = len({lv for lv, _ in figures})  # several replica arms: their points at a level all count
-        return median, f"median of the replicas' |ratio − 1| over {n} reliable level{'s' * (n != 1)}"
-    return minimum, "default"
+        why = f"median of the replicas' |ratio − 1| over {n} reliable level{'s' * (n != 1)}"
+        return FigureFloor(median, why, median)
+    return FigureFloor(minimum, "default", median)
 
 
 def noise_floor(replicas: Sequence[ReplicaLevel], level: str, thresholds: Thresholds) -> Margin:
@@ -145,13 +156,12 @@ def noise_floor(replicas: Sequence[ReplicaLevel], level: str, thresholds: Thresh
     if not decodes and not throughputs:
         why = "no replica" if not replicas else "no replica ratio at a reliable level"
         return Margin(minimum, minimum, f"default {minimum:.0%}, {why}")
-    d, d_why = _figure_floor(decodes, level, minimum)
-    t, t_why = _figure_floor(throughputs, level, minimum)
-    if d_why == t_why == "default":
+    d, t = _figure_floor(decodes, level, minimum), _figure_floor(throughputs, level, minimum)
+    if d.why == t.why == "default":
         n = len({r.level for r in replicas})
         measured = ", ".join(
-            f"{name} {statistics.median(abs(iv.point - 1.0) for _, iv in figs):.1%}"
-            for name, figs in (("decode", decodes), ("throughput", throughputs))
+            f"{name} {floor.median:.1%}"
+            for name, figs, floor in (("decode", decodes, d), ("throughput", throughputs, t))
             if figs
         )
         return Margin(
@@ -160,7 +170,11 @@ def noise_floor(replicas: Sequence[ReplicaLevel], level: str, thresholds: Thresh
             f"default {minimum:.0%}, above the replica noise floor (median of the replicas' |ratio − 1| "
             f"over {n} reliable level{'s' * (n != 1)}: {measured})",
         )
-    return Margin(d, t, f"replica noise floor: decode {d:.1%} ({d_why}), throughput {t:.1%} ({t_why})")
+    return Margin(
+        d.margin,
+        t.margin,
+        f"replica noise floor: decode {d.margin:.1%} ({d.why}), throughput {t.margin:.1%} ({t.why})",
+    )
 
 
 @dataclass(frozen=True)

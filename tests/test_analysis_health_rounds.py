@@ -115,6 +115,9 @@ def test_a_level_is_judged_on_the_rounds_that_passed(tmp_path: Path) -> None:
     assert note in ev.notes
     table = _cli(str(path))
     assert note in table
+    # the replicas' noise floor is run-wide here: its margin is said once, not once per level
+    margins = [line for line in table.splitlines() if line.startswith("  margin ")]
+    assert len(margins) == 1 and margins[0].startswith("  margin every level: replica noise floor")
     line = next(line for line in table.splitlines() if line.startswith("c=16") and " eagle3 " in line)
     assert " 4 of 5 " in line and line.rstrip().endswith("WIN")
     doc = json.loads(_cli(str(path), "--format", "json"))
