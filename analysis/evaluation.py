@@ -809,7 +809,8 @@ def _arm_outcome(
                 r.throughput_speedup,
                 r.throughput_margin or 0.0,
                 r.tokens_estimated,
-                r.health,
+                # the worst failure only: the note under the table lists the rest
+                run.health[r.level].describe(limit=1) if r.level in run.health else "",
             )
             for r in judged
             if r.level_load is not None and level_unit(r.level) == point.unit
