@@ -420,6 +420,15 @@ def _round_count(run: RunFigures, arm: str, level: str) -> int | None:
     return len(r.rounds) if r is not None else 1
 
 
+def _rounds_of(run: RunFigures, s: LevelSummary) -> tuple[int, ...]:
+    """The replay rounds the arm's calls at the level name (after any dropped ones were left out);
+    calls from before rounds were recorded are one round, as :func:`_round_count` counts them."""
+    if s.level_load is None:
+        return ()
+    r = run.rounds.get((s.arm, s.level))
+    return r.rounds if r is not None else (1,)
+
+
 def _block_kind(run: RunFigures, arm: str, level: str, settings: Settings) -> str:
     n = _round_count(run, arm, level)
     return f"{n} rounds" if n is not None and n >= 2 else f"{settings.time_blocks} time blocks"
@@ -585,7 +594,7 @@ def _level_row(
         reason=reason,
         rounds=rounds,
         rounds_measured=len(health.rounds) if health is not None and dropped else rounds,
-        rounds_used=health.used_rounds if health is not None and dropped else (),
+        rounds_used=health.used_rounds if health is not None and dropped else _rounds_of(run, s),
         rounds_dropped=dropped,
         blocks=comp.blocks if comp else "",
         drift_note=ONE_ROUND if rounds == 1 and s.arm != run.baseline else "",

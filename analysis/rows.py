@@ -52,10 +52,10 @@ class Settings:
 class LevelRow:
     """One row of the verdict table: an arm at a level (a concurrency, an offered rate, or live).
 
-    ``rounds``: replay rounds the level is judged on (None: live traffic), ``rounds_measured`` the
-    rounds it had; when a round failed the measurement's health checks and the level is judged without
-    it, ``rounds_used`` lists the rounds kept and ``rounds_dropped`` the others and why (every figure
-    of the row leaves them out); ``blocks``: what the intervals' drift term came from;
+    ``rounds``: replay rounds the level is judged on (None: live traffic), ``rounds_used`` which ones,
+    ``rounds_measured`` how many it had; when a round failed the measurement's health checks and the
+    level is judged without it, ``rounds_dropped`` says which and why (every figure of the row leaves
+    them out); ``blocks``: what the intervals' drift term came from;
     ``confidence``: each interval's own level (simultaneous over the arm's levels);
     ``reliable`` / ``health``: the level's health checks and what failed.
     ``tokens_source``: where this arm's token counts came from (:mod:`.provenance`);
