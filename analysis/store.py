@@ -142,16 +142,16 @@ class SpanStore:
                     SELECT 1 FROM left_out_rounds x
                     WHERE x.run_id = q.run_id AND x.round = q.round AND x.level = {schema.level_sql("q")})
             """
-            # a round's window is its phase pair 'c=16 r2/3:before' / ':after' (level '16', round 2)
+            # a round's window is its phase pair 'c=16 r2/3:before' / ':after' (level '16', round 2),
+            # an extra round's 'c=16 r4 extra:before' / ':after'
+            window = " r([0-9]+)(/[0-9]+| extra):[a-z]+$"
             metrics = f"""
                 SELECT * FROM ({metrics}) m WHERE NOT EXISTS (
                     SELECT 1 FROM left_out_rounds x
                     WHERE x.run_id = m.run_id
-                      AND m.phase LIKE '% r%/%:%'
-                      AND x.round = TRY_CAST(
-                          regexp_extract(m.phase, ' r([0-9]+)/[0-9]+:[a-z]+$', 1) AS INTEGER)
-                      AND x.level = regexp_replace(
-                          regexp_replace(m.phase, ' r[0-9]+/[0-9]+:[a-z]+$', ''), '^c=', ''))
+                      AND m.phase LIKE '% r%:%'
+                      AND x.round = TRY_CAST(regexp_extract(m.phase, '{window}', 1) AS INTEGER)
+                      AND x.level = regexp_replace(regexp_replace(m.phase, '{window}', ''), '^c=', ''))
             """
         self.conn.execute(f"CREATE OR REPLACE VIEW requests AS {requests}")
         self.conn.execute(f"CREATE OR REPLACE VIEW backend_metrics AS {metrics}")

@@ -201,6 +201,30 @@ def test_the_deploy_verdict_asks_the_same_question_whatever_the_health(tmp_path:
     assert loss["verdict"] == "LOSS" and "loses at the operating point" in loss["text"]
 
 
+def test_the_store_leaves_out_the_calls_and_counter_windows_of_the_rounds_named(tmp_path: Path) -> None:
+    """Planned rounds' windows ('c=16 r3/5') and extra rounds' ('c=16 r6 extra') alike; the health
+    table keeps every round (it is what the rounds were judged by)."""
+    run = _run(_health({}))
+    renamed = [
+        (*m[:3], m[3].replace("c=16 r5/5", "c=16 r6 extra"), *m[4:]) if m[3].startswith("c=16 r5/5:") else m
+        for m in run.metrics
+    ]
+    path = write_db(tmp_path / "windows.duckdb", [replace(run, metrics=renamed)])
+    with open_store([path]) as store:
+        before = store.query("SELECT count(*) AS n FROM requests")[0]["n"]
+        store.leave_out_rounds([("run-1", "16", 3), ("run-1", "16", 6), ("run-1", "4", 9)])
+        phases = {r["phase"] for r in store.query("SELECT DISTINCT phase FROM backend_metrics")}
+        calls = store.query("SELECT count(*) AS n FROM requests WHERE concurrency_level = 16 AND round = 3")
+        after = store.query("SELECT count(*) AS n FROM requests")[0]["n"]
+        kept = store.query("SELECT count(*) AS n FROM health WHERE concurrency_level = 16 AND round = 3")
+        store.leave_out_rounds([])
+        again = store.query("SELECT count(*) AS n FROM requests")[0]["n"]
+    gone = {"c=16 r3/5:before", "c=16 r3/5:after", "c=16 r6 extra:before", "c=16 r6 extra:after"}
+    assert not phases & gone and {"c=16 r2/5:before", "c=4 r3/5:after"} <= phases
+    assert calls[0]["n"] == 0 and after == before - 40 * len(ARMS) and again == before
+    assert kept[0]["n"] == len(ARMS)
+
+
 @pytest.mark.parametrize(
     ("failed", "used", "reliable"),
     [
