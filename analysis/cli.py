@@ -45,7 +45,7 @@ def settings_options(func: F) -> F:
             type=click.IntRange(1),
             metavar="N",
             help="The concurrency you run at: the deploy verdict answers there (default: the experiment "
-            "file's at_concurrency, else the lowest reliable level, said so).",
+            "file's at_concurrency, else the lowest tested level, said so).",
         ),
         click.option(
             "--peak-concurrency",
@@ -53,21 +53,22 @@ def settings_options(func: F) -> F:
             metavar="N",
             help="Your peak concurrency: throughput there must not be lower, and the fleet at the SLO "
             "is sized for it (default: the experiment file's peak_concurrency, else the highest "
-            "reliable level, said so).",
+            "tested level, said so; a level that failed its health checks makes the deploy verdict "
+            "UNRELIABLE).",
         ),
         click.option(
             "--at-rate",
             type=FiniteFloat(min=0, min_open=True),
             metavar="R",
             help="For a sweep of request rates (replay --rates): the rate you run at, in requests/s "
-            "(default: the experiment file's at_rate, else the lowest reliable rate, said so).",
+            "(default: the experiment file's at_rate, else the lowest tested rate, said so).",
         ),
         click.option(
             "--peak-rate",
             type=FiniteFloat(min=0, min_open=True),
             metavar="R",
             help="For a sweep of request rates: your peak, in requests/s; the fleet at the SLO is sized "
-            "for it (default: the experiment file's peak_rate, else the highest reliable rate, said so).",
+            "for it (default: the experiment file's peak_rate, else the highest tested rate, said so).",
         ),
         click.option("--slo", type=SloParam(), default=None, help=SLO_HELP),
         click.option(

@@ -1,7 +1,10 @@
 """From the span store to the verdict table: one :class:`RunEvaluation` per run, in pure stages.
 
+0. health (:mod:`.validity`): per level, the checks it failed and the rounds it is judged on; the
+   rounds a level is judged without are left out of the store's views (every arm's calls of them, and
+   their engine counters) before any figure is read;
 1. figures (:mod:`.figures`, SQL): per arm and level the summary, per replay round the wall-clock
-   figures, the pairs (or each arm's calls) with a sample for the bootstrap, the level's health;
+   figures, the pairs (or each arm's calls) with a sample for the bootstrap;
 2. comparisons (:mod:`.comparison`, :mod:`.matched`): speedup intervals per arm and level, widened by
    the level's rounds (or time blocks), simultaneous over the arm's levels (Bonferroni: each interval
    at 1 − (1 − confidence) / L for an arm with L reliable levels), at matched engine load for live and
@@ -44,7 +47,7 @@ from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvalua
 from specproxy.analysis.slo import SloEvaluation, SloInputs, evaluate_slo, parse_config, slo_inputs_from_run
 from specproxy.analysis.stats import Interval, parallel_map, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
-from specproxy.analysis.validity import LevelHealth, level_health
+from specproxy.analysis.validity import LevelHealth, dropped_rounds, level_health
 from specproxy.analysis.verdict import (
     FAILED,
     NO_CLEAR_GAIN,
@@ -133,9 +136,14 @@ def evaluate(
     settings = settings or Settings()
     out: list[RunEvaluation] = []
     errors: list[StoreError] = []
-    for info in select_runs(store, run):
+    runs = select_runs(store, run)
+    health = {info["run_id"]: level_health(store, info["run_id"]) for info in runs}
+    store.leave_out_rounds(
+        (run_id, level, round_) for run_id, h in health.items() for level, round_ in dropped_rounds(h)
+    )
+    for info in runs:
         try:
-            out.append(_evaluate_run(store, info, settings))
+            out.append(_evaluate_run(store, info, settings, health[info["run_id"]]))
         except StoreError as exc:
             if run is not None:
                 raise
@@ -170,9 +178,11 @@ class RunFigures:
         return h is None or h.reliable
 
 
-def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) -> RunEvaluation:
+def _evaluate_run(
+    store: SpanStore, info: dict[str, Any], settings: Settings, health: dict[str, LevelHealth]
+) -> RunEvaluation:
     notes: list[str] = []
-    run = _run_figures(store, info, settings, notes)
+    run = _run_figures(store, info, settings, notes, health)
     confidence = _confidences(run, settings)
     comparisons = _comparisons(run, confidence, settings)
     loads = _matched_loads(run, confidence, settings)
@@ -195,7 +205,7 @@ def _evaluate_run(store: SpanStore, info: dict[str, Any], settings: Settings) ->
     point, point_text = _operating_point(settings, info, run_unit(r.level for r in rows))
     failed = {f.arm: f.describe() for f in failed_arms(store, run.run_id)}
     arms = [_arm_outcome(run, arm, rows, point, confidence, settings, failed) for arm in _arm_order(run)]
-    loaded = [r.level for r in rows if r.level_load is not None and r.reliable]
+    loaded = [r.level for r in rows if r.level_load is not None]
     return RunEvaluation(
         run_id=run.run_id,
         name=info["name"],
@@ -258,7 +268,15 @@ def _at_slo(
     return evaluate_slo(store, run.run_id, inputs, run.baseline, kinds, unreliable)
 
 
-def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, notes: list[str]) -> RunFigures:
+def _run_figures(
+    store: SpanStore,
+    info: dict[str, Any],
+    settings: Settings,
+    notes: list[str],
+    health: dict[str, LevelHealth],
+) -> RunFigures:
+    """Stage 1: the run's figures, read from a store whose views already leave out the rounds each
+    level is judged without (``health``)."""
     run_id = info["run_id"]
     summaries = level_summaries(store, run_id)
     baselines = sorted({s.arm for s in summaries if s.role == "baseline"})
@@ -311,11 +329,11 @@ def _run_figures(store: SpanStore, info: dict[str, Any], settings: Settings, not
         baseline,
         summaries,
         rounds,
-        level_health(store, run_id),
+        health,
         pairs,
         calls,
         loads,
-        engine_lags(store, run_id),
+        engine_lags(store, run_id, dropped_rounds(health)),
         latency=latency_figures(store, run_id),
     )
 
@@ -400,6 +418,15 @@ def _round_count(run: RunFigures, arm: str, level: str) -> int | None:
         return None
     r = run.rounds.get((arm, level))
     return len(r.rounds) if r is not None else 1
+
+
+def _rounds_of(run: RunFigures, s: LevelSummary) -> tuple[int, ...]:
+    """The replay rounds the arm's calls at the level name (after any dropped ones were left out);
+    calls from before rounds were recorded are one round, as :func:`_round_count` counts them."""
+    if s.level_load is None:
+        return ()
+    r = run.rounds.get((s.arm, s.level))
+    return r.rounds if r is not None else (1,)
 
 
 def _block_kind(run: RunFigures, arm: str, level: str, settings: Settings) -> str:
@@ -532,6 +559,7 @@ def _level_row(
     estimated = estimate_note(s.tokens, base.tokens if base is not None else None)
     verdict, reason = _row_verdict(run, s, comp, decode, throughput, check, margin, load, estimated)
     rounds = _round_count(run, s.arm, s.level)
+    dropped = health.dropped if health is not None else ()
     return LevelRow(
         arm=s.arm,
         role=s.role,
@@ -565,6 +593,9 @@ def _level_row(
         verdict=verdict,
         reason=reason,
         rounds=rounds,
+        rounds_measured=len(health.rounds) if health is not None and dropped else rounds,
+        rounds_used=health.used_rounds if health is not None and dropped else _rounds_of(run, s),
+        rounds_dropped=dropped,
         blocks=comp.blocks if comp else "",
         drift_note=ONE_ROUND if rounds == 1 and s.arm != run.baseline else "",
         confidence=confidence[s.arm] if comp else None,
@@ -573,7 +604,7 @@ def _level_row(
         margin_source=margin.source if comp else "",
         identity_mismatch=check.mismatch,
         reliable=health is None or health.reliable,
-        health=health.describe() if health is not None and not health.reliable else "",
+        health=health.describe() if health is not None else "",
         health_checks=health.checks if health is not None else 0,
         load=load.figures if load is not None else None,
         unmatched_decode_speedup=comp.decode if comp and load is not None and load.decode else None,
@@ -787,6 +818,8 @@ def _arm_outcome(
                 r.throughput_speedup,
                 r.throughput_margin or 0.0,
                 r.tokens_estimated,
+                # the worst failure only: the note under the table lists the rest
+                run.health[r.level].describe(limit=1) if r.level in run.health else "",
             )
             for r in judged
             if r.level_load is not None and level_unit(r.level) == point.unit
@@ -822,6 +855,8 @@ def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
         lv = level_name(level)
         if not h.reliable:
             notes.append(f"{lv} UNRELIABLE: {h.describe()}; no verdicts there, left out of crossovers")
+        elif h.dropped:
+            notes.append(h.judged_on(level))
     for r in rows:
         if r.load is not None and r.load.unequal and r.verdict is not None:
             notes.append(

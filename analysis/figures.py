@@ -8,7 +8,7 @@ count) carried as float matrices with the unit's block (round, or time block) in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -541,16 +541,25 @@ def itl_cdf(store: SpanStore, run_id: str, level: str) -> dict[str, tuple[float,
     return {r["arm"]: tuple(float(v) for v in r["q"]) for r in rows if r["q"] is not None}
 
 
-def engine_lags(store: SpanStore, run_id: str) -> dict[tuple[str, str], float]:
+def engine_lags(
+    store: SpanStore, run_id: str, left_out: Collection[tuple[str, int]] = ()
+) -> dict[tuple[str, str], float]:
     """(arm, level) → the largest share of a round that the arm's simulator fell behind its own clock
-    (the health table's ``engine_clock_lag``; absent for engines that have no such clock)."""
+    (the health table's ``engine_clock_lag``; absent for engines that have no such clock), over the
+    rounds the level is judged on (``left_out``: the (level, round) it is judged without)."""
     rows = store.query(
         f"""
-        SELECT arm, {LEVEL_SQL} AS level, max(value) AS lag
+        SELECT arm, {LEVEL_SQL} AS level, round, max(value) AS lag
         FROM health
         WHERE run_id = ? AND check_name = 'engine_clock_lag' AND arm IS NOT NULL AND value IS NOT NULL
         GROUP BY ALL
         """,
         [run_id],
     )
-    return {(r["arm"], r["level"]): max(0.0, float(r["lag"])) for r in rows}
+    out: dict[tuple[str, str], float] = {}
+    for r in rows:
+        if (r["level"], r["round"]) in left_out:
+            continue
+        key = (r["arm"], r["level"])
+        out[key] = max(out.get(key, 0.0), float(r["lag"]))
+    return out

@@ -81,8 +81,12 @@ def fmt_margin(row: LevelRow) -> str:
 
 
 def fmt_rounds(row: LevelRow) -> str:
+    """Rounds the level is judged on: ``3``, ``1*`` (one round: no drift between runs seen), ``4 of 5``
+    (a round dropped for failing the measurement's health checks)."""
     if row.rounds is None:
         return DASH
+    if row.rounds_dropped:
+        return f"{row.rounds} of {row.rounds_measured}"
     return f"{row.rounds}*" if row.drift_note else str(row.rounds)
 
 
@@ -309,9 +313,16 @@ def _interval_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
             f"intervals: {settings.confidence:.0%} jointly over each arm's reliable levels (Bonferroni; "
             f"each interval at: {levels}), widened by the spread between rounds (or time blocks)"
         )
+    # The margin is often run-wide (the replicas' median deviation over the levels): said once for the
+    # levels that share it, then for each level whose own replica interval set another.
     margins = {r.level: r.margin_source for r in ev.rows if r.margin_source}
+    shared: dict[str, list[str]] = {}
     for level, source in sorted(margins.items(), key=lambda x: level_sort_key(x[0])):
-        lines.append(f"margin {fmt_level(level)}: {source}")
+        shared.setdefault(source, []).append(level)
+    for source, sharing in shared.items():
+        named = ", ".join(fmt_level(lv) for lv in sharing)
+        where = "every level" if len(sharing) == len(margins) > 1 else named
+        lines.append(f"margin {where}: {source}")
     if any(r.drift_note for r in ev.rows):
         lines.append("rounds: * = 1 round: cannot see between-run drift")
     return lines + _source_notes(ev)
@@ -441,6 +452,9 @@ CSV_FIELDS = (
     "reason",
     "baseline_p50_decode_tok_s",
     "rounds",
+    "rounds_measured",
+    "rounds_used",
+    "rounds_dropped",
     "blocks",
     "drift_note",
     "confidence",
@@ -474,6 +488,10 @@ def render_csv(evals: Sequence[RunEvaluation]) -> str:
         for r in ev.rows:
             d = asdict(r)
             d.update(run_id=ev.run_id, run_name=ev.name)
+            d.update(
+                rounds_used=" ".join(str(n) for n in r.rounds_used) or None,
+                rounds_dropped="; ".join(x.describe() for x in r.rounds_dropped) or None,
+            )
             d.update(render_slo.csv_cells(ev, r))
             d.update(latency_csv(r))
             load = r.load

@@ -35,6 +35,7 @@ from specproxy.analysis.report_slo import slo_section
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.store import SpanStore
 from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
+from specproxy.analysis.validity import MIN_HEALTHY_ROUNDS
 from specproxy.schema import level_sql
 
 MAX_MISMATCH_ROWS = 100
@@ -213,7 +214,9 @@ def _ttft_charts(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) ->
 
 def operating_level(ev: RunEvaluation) -> tuple[str, str] | None:
     """The level the report's operating-point charts show, and why: the tested level nearest the
-    operating point, else the lowest reliable level (what the deploy verdict assumes), else live."""
+    operating point, else the lowest reliable level (the deploy verdict assumes the lowest tested one,
+    but a chart of a level that failed its health checks would show the machine, not the arms), else
+    live."""
     numeric = sorted({r.concurrency_level for r in ev.rows if r.concurrency_level is not None})
     if ev.at_concurrency is not None and numeric:
         at = ev.at_concurrency
@@ -618,21 +621,23 @@ def build_report(
 </section>""")
     t = settings.thresholds
     rules = (
-        f"Per arm and level: WIN when the decode speedup's lower bound is above 1 + margin, the "
-        f"throughput ratio's lower bound is not below 1 − margin and identity holds; LOSS when the "
-        f"decode speedup's or the throughput ratio's upper bound is below 1 − margin, or the mismatch "
-        f"rate is surely above {1 - t.identity_min:.0%} (Wilson interval); NO CLEAR GAIN otherwise; "
-        f"UNRELIABLE when the level failed the measurement's health checks (no verdict, left out of "
-        f"crossovers and deploy verdicts). A level whose token counts (the arm's or the baseline's) were "
-        f"estimated from the text gets no WIN or LOSS on its speeds (marked ~); FAILED when every call "
-        f"of the arm failed (its first error is listed). The margin is {t.min_margin:.0%}, or when "
-        f"larger the replica arms' measured noise floor: the median of their deviations from 1x over the "
-        f"run's reliable levels, or how far a replica's interval at the level lies from 1x. The deploy "
-        f"verdict answers at the operating point, with aggregate throughput at the peak surely not lower "
-        f"beyond the margin (WIN) or surely lower (LOSS). Intervals: {settings.confidence:.0%} jointly "
-        f"over each arm's levels (Bonferroni), bootstrap ({settings.bootstrap_iterations} resamples, "
-        f"seed {settings.bootstrap_seed}) widened by the spread between replay rounds (or time blocks of "
-        f"a one-round level)."
+        f"Per arm and level: WIN when the decode speedup's lower bound is above 1 + margin, the throughput "
+        f"ratio's lower bound is not below 1 − margin and identity holds; LOSS when the decode speedup's or "
+        f"the throughput ratio's upper bound is below 1 − margin, or the mismatch rate is surely above "
+        f"{1 - t.identity_min:.0%} (Wilson interval); NO CLEAR GAIN otherwise; UNRELIABLE when the level "
+        f"failed the measurement's health checks (no verdict, left out of crossovers; a level with a round "
+        f"that failed is judged on the rounds that passed when at least {MIN_HEALTHY_ROUNDS} did and no "
+        f"check of the whole level failed). A level whose token counts (the arm's or the baseline's) were "
+        f"estimated from the text gets no WIN or LOSS on its speeds (marked ~); FAILED when every call of "
+        f"the arm failed (its first error is listed). The margin is {t.min_margin:.0%}, or when larger the "
+        f"replica arms' measured noise floor: the median of their deviations from 1x over the run's reliable "
+        f"levels, or how far a replica's interval at the level lies from 1x. The deploy verdict answers at "
+        f"the operating point, with aggregate throughput at the peak surely not lower beyond the margin "
+        f"(WIN) or surely lower (LOSS); not given, they are the lowest and the highest tested level, and a "
+        f"point at a level that failed its health checks makes it UNRELIABLE unless the other already gives "
+        f"a LOSS. Intervals: {settings.confidence:.0%} jointly over each arm's levels (Bonferroni), "
+        f"bootstrap ({settings.bootstrap_iterations} resamples, seed {settings.bootstrap_seed}) widened by "
+        f"the spread between replay rounds (or time blocks of a one-round level)."
     )
     files = ", ".join(escape(str(p)) for p in store.paths)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -11,6 +11,7 @@ from specproxy.analysis.levels import level_load
 from specproxy.analysis.matched import LoadFigures
 from specproxy.analysis.slo import SloEvaluation
 from specproxy.analysis.stats import Interval
+from specproxy.analysis.validity import DroppedRound
 from specproxy.analysis.verdict import Crossover, DeployVerdict, Thresholds
 from specproxy.slo import Slo
 
@@ -20,7 +21,8 @@ class Settings:
     """Everything `analyze` can be told. ``confidence`` holds for all of an arm's levels at once.
 
     ``at_concurrency`` / ``peak_concurrency``: where the user runs and their peak (else the run's
-    experiment file says, else the analysis assumes the lowest and highest reliable levels);
+    experiment file says, else the analysis assumes the lowest and highest tested levels, whatever
+    their health);
     ``at_rate`` / ``peak_rate`` the same in requests/s, for a run of open-loop rate levels.
     ``time_blocks``: the blocks a level of one round (or live traffic) is cut into to see drift.
     ``slo``: the latency targets of goodput and capacity (else the experiment file's, else none);
@@ -50,8 +52,11 @@ class Settings:
 class LevelRow:
     """One row of the verdict table: an arm at a level (a concurrency, an offered rate, or live).
 
-    ``rounds``: replay rounds measured (None: live traffic); ``blocks``: what the intervals' drift
-    term came from; ``confidence``: each interval's own level (simultaneous over the arm's levels);
+    ``rounds``: replay rounds the level is judged on (None: live traffic), ``rounds_used`` which ones,
+    ``rounds_measured`` how many it had; when a round failed the measurement's health checks and the
+    level is judged without it, ``rounds_dropped`` says which and why (every figure of the row leaves
+    them out); ``blocks``: what the intervals' drift term came from;
+    ``confidence``: each interval's own level (simultaneous over the arm's levels);
     ``reliable`` / ``health``: the level's health checks and what failed.
     ``tokens_source``: where this arm's token counts came from (:mod:`.provenance`);
     ``tokens_estimated``: this row's speeds (the arm's own, or the baseline's it is compared with) rest
@@ -93,6 +98,9 @@ class LevelRow:
     verdict: str | None = None
     reason: str = ""
     rounds: int | None = None
+    rounds_measured: int | None = None
+    rounds_used: tuple[int, ...] = ()
+    rounds_dropped: tuple[DroppedRound, ...] = ()
     blocks: str = ""
     drift_note: str = ""
     confidence: float | None = None

@@ -18,9 +18,9 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +111,50 @@ def _attach_error(path: Path, exc: duckdb.Error) -> StoreError:
 
 @dataclass
 class SpanStore:
-    """An in-memory DuckDB connection that sees the union of several span store files."""
+    """An in-memory DuckDB connection that sees the union of several span store files.
+
+    ``views``: the SQL of the ``requests`` and ``backend_metrics`` views as the files hold them, which
+    :meth:`leave_out_rounds` narrows.
+    """
 
     conn: duckdb.DuckDBPyConnection
     paths: list[Path]
     spill_dir: Path | None = None
+    views: dict[str, str] = field(default_factory=dict)
+
+    def leave_out_rounds(self, rounds: Iterable[tuple[str, str, int]]) -> None:
+        """From now on the views read no call, and no engine counter window, of these (run_id, level,
+        round): every figure built on them leaves those rounds out (the ``health`` table keeps them).
+        Each call replaces the previous set; an empty one reads everything again.
+
+        The filter is one anti-join under ``requests`` and ``backend_metrics``, made only when a round
+        is left out (it would cost every scan of a large store something).
+        """
+        left_out = sorted(set(rounds))
+        requests, metrics = self.views["requests"], self.views["backend_metrics"]
+        if left_out:
+            self.conn.execute(
+                "CREATE OR REPLACE TEMP TABLE left_out_rounds (run_id VARCHAR, level VARCHAR, round INTEGER)"
+            )
+            self.conn.executemany("INSERT INTO left_out_rounds VALUES (?, ?, ?)", left_out)
+            requests = f"""
+                SELECT * FROM ({requests}) q WHERE NOT EXISTS (
+                    SELECT 1 FROM left_out_rounds x
+                    WHERE x.run_id = q.run_id AND x.round = q.round AND x.level = {schema.level_sql("q")})
+            """
+            # a round's window is its phase pair 'c=16 r2/3:before' / ':after' (level '16', round 2),
+            # an extra round's 'c=16 r4 extra:before' / ':after'
+            window = " r([0-9]+)(/[0-9]+| extra):[a-z]+$"
+            metrics = f"""
+                SELECT * FROM ({metrics}) m WHERE NOT EXISTS (
+                    SELECT 1 FROM left_out_rounds x
+                    WHERE x.run_id = m.run_id
+                      AND m.phase LIKE '% r%:%'
+                      AND x.round = TRY_CAST(regexp_extract(m.phase, '{window}', 1) AS INTEGER)
+                      AND x.level = regexp_replace(regexp_replace(m.phase, '{window}', ''), '^c=', ''))
+            """
+        self.conn.execute(f"CREATE OR REPLACE VIEW requests AS {requests}")
+        self.conn.execute(f"CREATE OR REPLACE VIEW backend_metrics AS {metrics}")
 
     def close(self) -> None:
         self.conn.close()
@@ -248,14 +287,14 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
                 attached.append(_inspect(conn, alias, path))
             except duckdb.Error as exc:
                 raise _attach_error(path, exc) from exc
-        _create_union_views(conn, attached)
+        views = _create_union_views(conn, attached)
         for stmt in schema.ANALYSIS_VIEWS:
             conn.execute(stmt)
         conn.execute(schema.SLO_CALLS_VIEW)
     except BaseException:
         conn.close()
         raise
-    return SpanStore(conn, files, spill)
+    return SpanStore(conn, files, spill, views)
 
 
 def _spill_dir() -> Path:
@@ -369,15 +408,19 @@ def _select_current(table: str, columns: dict[str, str], source: _StoreFile | No
     return f"SELECT {items} FROM {source.alias}.main.{table}"
 
 
-def _create_union_views(conn: duckdb.DuckDBPyConnection, attached: list[_StoreFile]) -> None:
+def _create_union_views(conn: duckdb.DuckDBPyConnection, attached: list[_StoreFile]) -> dict[str, str]:
+    """The union views; returns the SQL of ``requests`` and ``backend_metrics`` (for
+    :meth:`SpanStore.leave_out_rounds`)."""
     current = schema_columns(schema.SCHEMA_VERSION)
+    views: dict[str, str] = {}
     for table, columns in current.items():
         if table in ("schema_version", "backend_metrics"):
             continue
         parts = [_select_current(table, columns, f) for f in attached if table in f.tables]
         # a file too old for the table: an empty one of the current shape keeps every query valid
         parts = parts or [_select_current(table, columns, None)]
-        conn.execute(f"CREATE VIEW {table} AS " + " UNION ALL ".join(parts))
+        views[table] = " UNION ALL ".join(parts)
+        conn.execute(f"CREATE VIEW {table} AS {views[table]}")
     # Every worker of `serve --workers N` may scrape the same backends: counters from two files are the
     # same series seen twice, so each (run, arm) takes its metrics from one file, the one with the most.
     metric_columns = current["backend_metrics"]
@@ -387,8 +430,7 @@ def _create_union_views(conn: duckdb.DuckDBPyConnection, attached: list[_StoreFi
         if "backend_metrics" in f.tables
     ] or [f"SELECT *, 0 AS source_file FROM ({_select_current('backend_metrics', metric_columns, None)})"]
     conn.execute("CREATE VIEW backend_metrics_all AS " + " UNION ALL ".join(metric_parts))
-    conn.execute("""
-        CREATE VIEW backend_metrics AS
+    views["backend_metrics"] = """
         WITH counts AS (
             SELECT run_id, arm, source_file, count(*) AS n FROM backend_metrics_all GROUP BY ALL
         ), chosen AS (
@@ -399,7 +441,9 @@ def _create_union_views(conn: duckdb.DuckDBPyConnection, attached: list[_StoreFi
         FROM backend_metrics_all m
         JOIN chosen c ON m.run_id IS NOT DISTINCT FROM c.run_id AND m.arm = c.arm
                      AND m.source_file = c.source_file
-    """)
+    """
+    conn.execute(f"CREATE VIEW backend_metrics AS {views['backend_metrics']}")
+    return views
 
 
 @contextmanager

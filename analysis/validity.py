@@ -20,15 +20,25 @@ stores written before the share existed held it to 50 ms and say so in their row
 ``sim_time_scale`` per level. A health row's level is named as the spans'
 (:data:`~specproxy.analysis.levels.LEVEL_SQL`): its concurrency, its offered rate ('r=2'), else
 ``live`` (rows of live traffic, written by ``specproxy serve`` every few seconds).
+
+A round holds every arm, so a level can drop a round that failed a check and be judged on the others,
+favouring none: a level is judged on its healthy rounds (those none of whose rows failed) when at
+least :data:`~specproxy.proxy.replay.health.MIN_HEALTHY_ROUNDS` of them passed and no row of the
+whole level (``round`` NULL) failed; otherwise it is UNRELIABLE. Which rounds a level has comes from
+its rows, whatever the plan said: replay may add rounds after the planned ones.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specproxy.analysis.levels import LEVEL_SQL
+from specproxy.analysis.levels import LEVEL_SQL, level_name
 from specproxy.analysis.store import SpanStore
+
+# replay and the lab add rounds until this many pass: one constant for both sides
+from specproxy.proxy.replay.health import MIN_HEALTHY_ROUNDS as MIN_HEALTHY_ROUNDS
 
 DEFAULT_THRESHOLDS: dict[str, float] = {
     "engine_clock_lag": 0.02,
@@ -49,9 +59,11 @@ class HealthFailure:
     value: float
     threshold: float
 
-    def describe(self) -> str:
+    def describe(self, with_round: bool = True) -> str:
         where = " ".join(
-            bit for bit in (self.arm or "client", f"round {self.round}" if self.round else "") if bit
+            bit
+            for bit in (self.arm or "client", f"round {self.round}" if self.round and with_round else "")
+            if bit
         )
         if self.check in SHARE_CHECKS:
             figures = f"{self.value:.1%} > {self.threshold:.1%}"
@@ -62,25 +74,96 @@ class HealthFailure:
         return f"{self.check} {figures} ({where})"
 
 
+def _listed(failures: Sequence[HealthFailure], limit: int, with_round: bool = True) -> str:
+    shown = "; ".join(f.describe(with_round) for f in failures[:limit])
+    more = len(failures) - limit
+    return shown + (f"; and {more} more" if more > 0 else "")
+
+
+@dataclass(frozen=True)
+class DroppedRound:
+    """A round a level was judged without, and the checks it failed (worst first)."""
+
+    round: int
+    failures: tuple[HealthFailure, ...]
+
+    def describe(self, limit: int = 3) -> str:
+        return f"round {self.round} dropped: {_listed(self.failures, limit, with_round=False)}"
+
+
 @dataclass(frozen=True)
 class LevelHealth:
-    """A level's health: the checks it was measured with and the ones it failed (worst first)."""
+    """A level's health: the checks it was measured with, the ones it failed (worst first) and the
+    rounds its rows name (module docstring: which rounds it is judged on)."""
 
     checks: int
     failures: tuple[HealthFailure, ...]
+    rounds: tuple[int, ...] = ()
+
+    @property
+    def level_wide(self) -> tuple[HealthFailure, ...]:
+        """Failures of rows that hold for the whole level (no round)."""
+        return tuple(f for f in self.failures if f.round is None)
+
+    @property
+    def failed_rounds(self) -> tuple[int, ...]:
+        return tuple(sorted({f.round for f in self.failures if f.round is not None}))
+
+    @property
+    def healthy_rounds(self) -> tuple[int, ...]:
+        failed = set(self.failed_rounds)
+        return tuple(r for r in self.rounds if r not in failed)
 
     @property
     def reliable(self) -> bool:
-        return not self.failures
+        if not self.failures:
+            return True
+        return not self.level_wide and len(self.healthy_rounds) >= MIN_HEALTHY_ROUNDS
+
+    @property
+    def dropped(self) -> tuple[DroppedRound, ...]:
+        """The failed rounds a reliable level is judged without (none when it is unreliable: its
+        figures keep every round, and it gets no verdict)."""
+        if not self.reliable:
+            return ()
+        return tuple(
+            DroppedRound(r, tuple(f for f in self.failures if f.round == r)) for r in self.failed_rounds
+        )
+
+    @property
+    def used_rounds(self) -> tuple[int, ...]:
+        """The rounds the level is judged on (all of them when none was dropped)."""
+        return self.healthy_rounds if self.dropped else self.rounds
 
     def describe(self, limit: int = 3) -> str:
-        shown = "; ".join(f.describe() for f in self.failures[:limit])
-        more = len(self.failures) - limit
-        return shown + (f"; and {more} more" if more > 0 else "")
+        """Why the level is unreliable (its failures), or "" when it is not."""
+        if self.reliable:
+            return ""
+        text = _listed(self.failures, limit)
+        if self.level_wide or not self.healthy_rounds:
+            return text
+        return (
+            f"{text}; {len(self.healthy_rounds)} of {len(self.rounds)} rounds passed every check "
+            f"({MIN_HEALTHY_ROUNDS} needed to judge the level on them)"
+        )
+
+    def judged_on(self, level: str, limit: int = 3) -> str:
+        """The note of a level judged without some rounds, or "" when it dropped none.
+
+        >>> f = HealthFailure("engine_clock_lag", "eagle3", 3, 0.094, 0.02)
+        >>> LevelHealth(10, (f,), (1, 2, 3, 4, 5)).judged_on("256")
+        'c=256: judged on rounds 1, 2, 4, 5 of 5; round 3 dropped: engine_clock_lag 9.4% > 2.0% (eagle3)'
+        """
+        if not self.dropped:
+            return ""
+        used = ", ".join(str(r) for r in self.used_rounds)
+        dropped = "; ".join(d.describe(limit) for d in self.dropped)
+        return f"{level_name(level)}: judged on rounds {used} of {len(self.rounds)}; {dropped}"
 
 
 def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
-    """Per level ('1', '8', 'r=2', ..., 'live'): its checks and failures. Levels without rows are absent."""
+    """Per level ('1', '8', 'r=2', ..., 'live'): its checks, failures and rounds. Levels without rows
+    are absent."""
     rows = store.query(
         f"""
         SELECT {LEVEL_SQL} AS level, arm, round, check_name,
@@ -90,9 +173,12 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
         [run_id],
     )
     checks: dict[str, int] = defaultdict(int)
+    rounds: dict[str, set[int]] = defaultdict(set)
     failures: dict[str, list[HealthFailure]] = defaultdict(list)
     for r in rows:
         checks[r["level"]] += 1
+        if r["round"] is not None:
+            rounds[r["level"]].add(int(r["round"]))
         limit = r["threshold"] if r["threshold"] is not None else DEFAULT_THRESHOLDS.get(r["check_name"])
         if limit is not None and r["value"] > limit:
             failures[r["level"]].append(
@@ -107,6 +193,12 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
                     key=lambda f: (-f.value / f.threshold, f.check, f.arm or "", f.round or 0),
                 )
             ),
+            tuple(sorted(rounds[level])),
         )
         for level, n in checks.items()
     }
+
+
+def dropped_rounds(health: Mapping[str, LevelHealth]) -> list[tuple[str, int]]:
+    """(level, round) of every round the levels are judged without."""
+    return [(level, d.round) for level, h in health.items() for d in h.dropped]

@@ -38,8 +38,13 @@ margin (the interval's lower bound), it loses at no level between the two and id
 when it loses at the operating point, peak throughput is surely lower beyond the margin (the upper
 bound), or identity fails; NO CLEAR GAIN otherwise. A point between
 tested levels is judged at the two levels around it (the less favourable verdict); outside the tested
-range, at the nearest tested level; unreliable levels are never used. A level whose token counts are
-estimated gives no WIN there and no LOSS on its throughput.
+range, at the nearest tested level. Not given, the operating point is the lowest tested level and the
+peak the highest, whatever their health, so that the question asked does not change with how well the
+machine kept up. A point judged at an UNRELIABLE level makes the deploy verdict UNRELIABLE (its reason
+names the level and the option that judges at a level measured soundly), unless the other point
+already decides it: a LOSS at the operating point, or peak throughput surely lower, is a LOSS; and a
+WIN needs every level between the two measured soundly (a loss there would not show). A level whose
+token counts are estimated gives no WIN there and no LOSS on its throughput.
 
 Levels are loads on one axis, ``unit`` 'c' (concurrency) or 'r' (offered requests/s): the crossover
 and the deploy verdict read them the same way and name them ``c=16`` or ``r=2``.
@@ -91,8 +96,18 @@ class ReplicaLevel:
     throughput: Interval | None
 
 
-def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: float) -> tuple[float, str]:
-    """One figure's margin at ``level`` from the replicas' (level, interval) pairs, and what set it."""
+@dataclass(frozen=True)
+class FigureFloor:
+    """One figure's margin at a level, what set it, and the replicas' median deviation |ratio − 1| (over
+    their finite points) that the margin was weighed against."""
+
+    margin: float
+    why: str
+    median: float
+
+
+def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: float) -> FigureFloor:
+    """One figure's margin at ``level`` from the replicas' (level, interval) pairs (module docstring)."""
     deviations = [abs(iv.point - 1.0) for _, iv in figures if math.isfinite(iv.point)]
     gap = max(
         (
@@ -104,11 +119,12 @@ def _figure_floor(figures: Sequence[tuple[str, Interval]], level: str, minimum: 
     )
     median = statistics.median(deviations) if deviations else 0.0
     if gap > max(minimum, median):
-        return gap, "a replica's interval here lies this far from 1x"
+        return FigureFloor(gap, "a replica's interval here lies this far from 1x", median)
     if median > minimum:
         n = len({lv for lv, _ in figures})  # several replica arms: their points at a level all count
-        return median, f"median of the replicas' |ratio − 1| over {n} reliable level{'s' * (n != 1)}"
-    return minimum, "default"
+        why = f"median of the replicas' |ratio − 1| over {n} reliable level{'s' * (n != 1)}"
+        return FigureFloor(median, why, median)
+    return FigureFloor(minimum, "default", median)
 
 
 def noise_floor(replicas: Sequence[ReplicaLevel], level: str, thresholds: Thresholds) -> Margin:
@@ -140,13 +156,12 @@ def noise_floor(replicas: Sequence[ReplicaLevel], level: str, thresholds: Thresh
     if not decodes and not throughputs:
         why = "no replica" if not replicas else "no replica ratio at a reliable level"
         return Margin(minimum, minimum, f"default {minimum:.0%}, {why}")
-    d, d_why = _figure_floor(decodes, level, minimum)
-    t, t_why = _figure_floor(throughputs, level, minimum)
-    if d_why == t_why == "default":
+    d, t = _figure_floor(decodes, level, minimum), _figure_floor(throughputs, level, minimum)
+    if d.why == t.why == "default":
         n = len({r.level for r in replicas})
         measured = ", ".join(
-            f"{name} {statistics.median(abs(iv.point - 1.0) for _, iv in figs):.1%}"
-            for name, figs in (("decode", decodes), ("throughput", throughputs))
+            f"{name} {floor.median:.1%}"
+            for name, figs, floor in (("decode", decodes, d), ("throughput", throughputs, t))
             if figs
         )
         return Margin(
@@ -155,7 +170,11 @@ def noise_floor(replicas: Sequence[ReplicaLevel], level: str, thresholds: Thresh
             f"default {minimum:.0%}, above the replica noise floor (median of the replicas' |ratio − 1| "
             f"over {n} reliable level{'s' * (n != 1)}: {measured})",
         )
-    return Margin(d, t, f"replica noise floor: decode {d:.1%} ({d_why}), throughput {t:.1%} ({t_why})")
+    return Margin(
+        d.margin,
+        t.margin,
+        f"replica noise floor: decode {d.margin:.1%} ({d.why}), throughput {t.margin:.1%} ({t.why})",
+    )
 
 
 @dataclass(frozen=True)
@@ -294,8 +313,8 @@ def verdict_runs(verdicts: Sequence[tuple[float, str]], unit: str = "c") -> str:
 @dataclass(frozen=True)
 class OperatingPoint:
     """Where the user runs (``at``) and their peak, as loads in ``unit`` ('c' concurrency, 'r' offered
-    requests/s); None: not given (the deploy verdict assumes the lowest and the highest reliable tested
-    level, and says so)."""
+    requests/s); None: not given (the deploy verdict assumes the lowest and the highest tested level,
+    and says so)."""
 
     at: float | None = None
     peak: float | None = None
@@ -311,6 +330,7 @@ class LevelJudgement:
     throughput: Interval | None
     throughput_margin: float
     estimated: bool = False
+    health: str = ""  # why the level is UNRELIABLE: the checks it failed
 
 
 @dataclass(frozen=True)
@@ -358,10 +378,48 @@ def _worst_throughput(levels: Sequence[LevelJudgement]) -> LevelJudgement:
     return min(levels, key=key)
 
 
+def _sound_choice(target: float, role: str, sound: Sequence[float], unit: str) -> str:
+    """What to give instead of an operating point or peak that failed its health checks: the sound
+    level nearest it on the safe side (below a peak, above an operating point), else the nearest."""
+    if role == "peak":
+        below = [lv for lv in sound if lv <= target]
+        choice = max(below) if below else min(sound)
+        which = "the highest level measured soundly" if choice == max(sound) else "a level measured soundly"
+    else:
+        above = [lv for lv in sound if lv >= target]
+        choice = min(above) if above else max(sound)
+        which = "the lowest level measured soundly" if choice == min(sound) else "a level measured soundly"
+    option = {("c", "peak"): "--peak-concurrency", ("c", "at"): "--at-concurrency"}.get(
+        (unit, role), "--peak-rate" if role == "peak" else "--at-rate"
+    )
+    return f"give {option} {choice:g} to judge at {which}, or rerun slower"
+
+
+def _unsound_point(
+    role: str, target: float, around: Sequence[LevelJudgement], sound: Sequence[float], unit: str
+) -> str:
+    """Why a point the verdict needs cannot be judged: its tested level(s) failed the health checks."""
+    failed = [j for j in around if j.verdict == UNRELIABLE]
+    why = "; ".join(
+        f"{load_name(j.level, unit)} failed its health checks" + (f" ({j.health})" if j.health else "")
+        for j in failed
+    )
+    name = "operating point" if role == "at" else "peak"
+    exact = len(around) == 1 and around[0].level == target
+    where = f"{name} {why}" if exact else f"{name} {load_name(target, unit)}: tested {why}"
+    return f"{where}; {_sound_choice(target, role, sound, unit)}"
+
+
 def deploy_verdict(
     levels: Sequence[LevelJudgement], point: OperatingPoint, identity: IdentityCheck
 ) -> DeployVerdict:
-    """The arm's verdict at the operating point and the peak (module docstring)."""
+    """The arm's verdict at the operating point and the peak (module docstring).
+
+    Without a given point, the operating point is the lowest tested level and the peak the highest,
+    whatever their health: the question does not change with how well the machine kept up. A point
+    whose level failed the health checks makes the verdict UNRELIABLE, unless the other already
+    decides it (a LOSS at the operating point, or peak throughput surely lower, is a LOSS).
+    """
     unit = point.unit
     reliable = [j for j in levels if j.verdict != UNRELIABLE]
     per_level = (
@@ -369,22 +427,31 @@ def deploy_verdict(
     )
     if not reliable:
         return DeployVerdict(UNRELIABLE, f"{per_level}: no level passed the measurement's health checks")
-    tested = sorted(j.level for j in reliable)
+    tested = sorted(j.level for j in levels)
+    sound = sorted(j.level for j in reliable)
     assumed = []
     at = point.at if point.at is not None else tested[0]
     if point.at is None:
-        assumed.append(f"operating point = lowest reliable level {load_name(at, unit)}")
+        assumed.append(f"operating point = lowest tested level {load_name(at, unit)}")
     peak = point.peak if point.peak is not None else tested[-1]
     if point.peak is None:
-        assumed.append(f"peak = highest reliable level {load_name(peak, unit)}")
+        assumed.append(f"peak = highest tested level {load_name(peak, unit)}")
     assumption = f" (assumed: {', '.join(assumed)})" if assumed else ""
-    at_levels, at_text = _around(at, reliable, unit)
-    at_verdict = min((j.verdict for j in at_levels), key=lambda v: _RANK.get(v, 1))
-    peak_levels, peak_text = _around(peak, reliable, unit)
-    peak_j = _worst_throughput(peak_levels)
-    thr = peak_j.throughput
+    at_levels, at_text = _around(at, levels, unit)
+    at_sound = [j for j in at_levels if j.verdict != UNRELIABLE]
+    at_failed = len(at_sound) < len(at_levels)
+    at_verdict = min((j.verdict for j in at_sound), key=lambda v: _RANK.get(v, 1), default=UNRELIABLE)
+    if at_failed and at_verdict != LOSS:
+        at_verdict = UNRELIABLE
+    peak_levels, peak_text = _around(peak, levels, unit)
+    peak_sound = [j for j in peak_levels if j.verdict != UNRELIABLE]
+    peak_failed = len(peak_sound) < len(peak_levels)
+    peak_j = _worst_throughput(peak_sound) if peak_sound else None
+    thr = peak_j.throughput if peak_j is not None else None
     thr_text = "not estimable" if thr is None or thr.high is None else fmt_ratio(thr)
-    if peak_j.estimated and thr is not None:
+    if peak_j is None:
+        thr_text = UNRELIABLE
+    elif peak_j.estimated and thr is not None:
         thr_text += " (estimated token counts)"
     head = (
         f"{per_level}; at the operating point ({at_text}) {at_verdict}; at peak ({peak_text}) throughput "
@@ -399,25 +466,38 @@ def deploy_verdict(
 
     if identity.fails:
         return verdict(LOSS, f"{identity.text}: do not enable")
-    if peak_j.estimated:
+    if peak_j is not None and peak_j.estimated:
         thr = None  # an interval on estimated token counts is not evidence either way
-    if thr is not None and thr.high is not None and thr.high < 1.0 - peak_j.throughput_margin:
-        return verdict(LOSS, "do not enable for peak load (throughput lower beyond the margin)")
-    lo, hi = min(at, peak), max(at, peak)
-    losing = [j.level for j in reliable if lo <= j.level <= hi and j.verdict == LOSS]
+    if thr is not None and thr.high is not None and peak_j is not None:
+        if thr.high < 1.0 - peak_j.throughput_margin:
+            return verdict(LOSS, "do not enable for peak load (throughput lower beyond the margin)")
     if at_verdict == LOSS:
         return verdict(LOSS, "do not enable: it loses at the operating point")
+    points = (("at", at, at_levels, at_failed), ("peak", peak, peak_levels, peak_failed))
+    failed = [_unsound_point(role, where, around, sound, unit) for role, where, around, bad in points if bad]
+    if failed or peak_j is None:
+        return verdict(UNRELIABLE, "; ".join(failed))
+    lo, hi = min(at, peak), max(at, peak)
+    losing = [j.level for j in reliable if lo <= j.level <= hi and j.verdict == LOSS]
     if at_verdict == WIN and losing:
         where = ", ".join(load_name(lv, unit) for lv in losing)
         return verdict(NO_CLEAR_GAIN, f"it wins at the operating point but loses at {where}, up to the peak")
     if at_verdict == WIN and thr is not None and thr.low is not None:
-        if thr.low >= 1.0 - peak_j.throughput_margin:
-            return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")
-        return verdict(
-            NO_CLEAR_GAIN,
-            "it wins at the operating point; peak throughput may be lower beyond the margin (its interval "
-            "reaches below it)",
-        )
+        if thr.low < 1.0 - peak_j.throughput_margin:
+            return verdict(
+                NO_CLEAR_GAIN,
+                "it wins at the operating point; peak throughput may be lower beyond the margin (its "
+                "interval reaches below it)",
+            )
+        between = [j for j in levels if lo < j.level < hi and j.verdict == UNRELIABLE]
+        if between:
+            return verdict(
+                UNRELIABLE,
+                "it wins at the operating point and peak throughput is not lower, but "
+                + ", ".join(load_name(j.level, unit) for j in between)
+                + ", between them, failed its health checks (a loss there would not show); rerun slower",
+            )
+        return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")
     if any(j.estimated for j in at_levels):
         return verdict(NO_CLEAR_GAIN, "token counts at the operating point are estimated: no WIN or LOSS")
     if at_verdict == WIN and peak_j.estimated:

@@ -243,7 +243,7 @@ def test_verdicts_follow_the_rules(analyzed_json: dict[str, Any]) -> None:
         assert arm["crossover"]["first_not_paying"] == (verdicts[wins][0] if wins < len(verdicts) else None)
         # no operating point given: assumed c=1, peak c=16, and the sentence says so
         assert (
-            "assumed: operating point = lowest reliable level c=1, peak = highest reliable level c=16"
+            "assumed: operating point = lowest tested level c=1, peak = highest tested level c=16"
             in (arm["deploy"]["text"])
         )
     # eagle3 wins at c=1 (the assumed operating point) but its peak throughput is lower

@@ -381,13 +381,85 @@ LOWER = Interval(0.86, 0.8, 0.92)
             NO_CLEAR_GAIN,
             "not estimable",
         ),
-        # not given: the lowest and highest reliable levels, said so; an unreliable peak is not used
+        # not given: the lowest and highest tested levels, said so, whatever their health: an
+        # unreliable peak makes the verdict UNRELIABLE, and says how to judge at a sound level instead
+        (
+            _levels((1, WIN, FLAT), (16, WIN, FLAT), (64, NO_CLEAR_GAIN, FLAT)),
+            OperatingPoint(),
+            100,
+            WIN,
+            "assumed: operating point = lowest tested level c=1, peak = highest tested level c=64",
+        ),
         (
             _levels((1, WIN, FLAT), (16, WIN, FLAT), (64, UNRELIABLE, LOWER)),
             OperatingPoint(),
             100,
+            UNRELIABLE,
+            "peak c=64 failed its health checks; give --peak-concurrency 16 to judge at the highest level "
+            "measured soundly, or rerun slower",
+        ),
+        (
+            _levels((1, WIN, FLAT), (16, WIN, FLAT), (64, UNRELIABLE, LOWER)),
+            OperatingPoint(1, 16),
+            100,
             WIN,
-            "assumed: operating point = lowest reliable level c=1, peak = highest reliable level c=16",
+            "at peak (c=16) throughput 1.00x [0.98, 1.02]: enable",
+        ),
+        # a given peak between a sound level and one that failed: judged at both, so UNRELIABLE
+        (
+            _levels((1, WIN, FLAT), (16, WIN, FLAT), (64, UNRELIABLE, LOWER)),
+            OperatingPoint(1, 32),
+            100,
+            UNRELIABLE,
+            "peak c=32: tested c=64 failed its health checks; give --peak-concurrency 16",
+        ),
+        # ... unless the sound one already decides it: peak throughput surely lower is a LOSS
+        (
+            _levels((1, WIN, FLAT), (16, NO_CLEAR_GAIN, LOWER), (64, UNRELIABLE, FLAT)),
+            OperatingPoint(1, 32),
+            100,
+            LOSS,
+            "do not enable for peak load",
+        ),
+        # a LOSS at the operating point is a LOSS whatever the peak's health
+        (
+            _levels((1, LOSS, FLAT), (16, NO_CLEAR_GAIN, FLAT), (64, UNRELIABLE, FLAT)),
+            OperatingPoint(),
+            100,
+            LOSS,
+            "loses at the operating point",
+        ),
+        # an operating point that failed: UNRELIABLE, with the lowest sound level to give instead
+        (
+            _levels((1, UNRELIABLE, FLAT), (16, WIN, FLAT), (64, NO_CLEAR_GAIN, FLAT)),
+            OperatingPoint(),
+            100,
+            UNRELIABLE,
+            "operating point c=1 failed its health checks; give --at-concurrency 16 to judge at the lowest "
+            "level measured soundly",
+        ),
+        # both points sound, a level between them not: a loss there would not show, so no WIN
+        (
+            _levels((1, WIN, FLAT), (16, UNRELIABLE, FLAT), (64, NO_CLEAR_GAIN, FLAT)),
+            OperatingPoint(),
+            100,
+            UNRELIABLE,
+            "c=16, between them, failed its health checks",
+        ),
+        (
+            _levels((1, NO_CLEAR_GAIN, FLAT), (16, UNRELIABLE, FLAT), (64, NO_CLEAR_GAIN, FLAT)),
+            OperatingPoint(),
+            100,
+            NO_CLEAR_GAIN,
+            "no clear gain at the operating point",
+        ),
+        # rates: the rate options
+        (
+            _levels((1, WIN, FLAT), (2, WIN, FLAT), (8, UNRELIABLE, FLAT)),
+            OperatingPoint(unit="r"),
+            100,
+            UNRELIABLE,
+            "peak r=8 failed its health checks; give --peak-rate 2 to judge at the highest level",
         ),
         (_levels((1, UNRELIABLE, FLAT)), OperatingPoint(), 100, UNRELIABLE, "health checks"),
         # above the highest tested level: judged at it, and said so

@@ -129,8 +129,10 @@ def test_rounds_pair_calls_within_their_round(tmp_path: Path) -> None:
 
 
 def test_a_lagging_level_is_unreliable(tmp_path: Path) -> None:
-    """A simulator 30 % behind its clock at c=16: that level gets no verdict, the crossover and the
-    deploy verdict leave it out, and the table, JSON, CSV and report say so and why."""
+    """A simulator 30 % behind its clock at c=16: that level gets no verdict, the crossover leaves it
+    out, the deploy verdict (whose assumed peak is the highest tested level, c=16) is UNRELIABLE and
+    says which option judges at a level measured soundly, and the table, JSON, CSV and report say so
+    and why."""
     arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
     health = [health_row("run-1", lv, "engine_clock_lag", 0.004, arm="eagle3", round_=1) for lv in (1, 4)] + [
         health_row("run-1", 16, "engine_clock_lag", 0.31, arm="eagle3", round_=1),
@@ -153,8 +155,16 @@ def test_a_lagging_level_is_unreliable(tmp_path: Path) -> None:
     assert rows[("eagle3", "1")]["confidence"] == pytest.approx(0.975)
     (arm,) = [a for a in ev["arms"] if a["arm"] == "eagle3"]
     assert arm["crossover"]["first_not_paying"] is None  # c=16 left out: it wins at every reliable level
-    assert arm["deploy"]["verdict"] == "WIN" and "peak = highest reliable level c=4" in arm["deploy"]["text"]
-    assert "UNRELIABLE at c=16" in arm["deploy"]["text"]
+    deploy = arm["deploy"]
+    assert deploy["verdict"] == "UNRELIABLE" and "peak = highest tested level c=16" in deploy["text"]
+    assert "UNRELIABLE at c=16" in deploy["text"]
+    assert deploy["text"].endswith(
+        "peak c=16 failed its health checks (engine_clock_lag 31.0% > 2.0% (eagle3 round 1)); give "
+        "--peak-concurrency 4 to judge at the highest level measured soundly, or rerun slower"
+    )
+    # as it says: judged at the highest level measured soundly
+    (given,) = _json(str(path), "--peak-concurrency", "4")["runs"]
+    assert next(a for a in given["arms"] if a["arm"] == "eagle3")["deploy"]["verdict"] == "WIN"
     table = _cli("analyze", str(path)).stdout
     assert "c=16 UNRELIABLE: engine_clock_lag 31.0% > 2.0%" in table
     assert any(
@@ -214,7 +224,8 @@ def test_the_operating_point_comes_from_the_options_or_the_experiment(tmp_path: 
     assumed = deploy()
     assert (
         assumed["verdict"] == "LOSS"
-        and "assumed: operating point = lowest reliable level c=1" in assumed["text"]
+        and "assumed: operating point = lowest tested level c=1, peak = highest tested level c=16"
+        in assumed["text"]
     )
     low_peak = deploy("--at-concurrency", "1", "--peak-concurrency", "4")
     assert low_peak["verdict"] == "WIN" and low_peak["assumed"] == ""

@@ -252,10 +252,14 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
         assert deploy["ngram"]["verdict"] == "LOSS"
         assert "do not enable for peak load" in deploy["ngram"]["text"]
     else:
-        # Not measured soundly at c=256: the deploy verdict is judged at the highest reliable level, and
-        # says that it assumed so (n-gram's crossover on this profile lies above c=64, so it may win there).
-        assert deploy["ngram"]["peak_concurrency"] < 256
-        assert "peak = highest reliable level" in deploy["ngram"]["assumed"]
+        # Not measured soundly at c=256 (fewer than 3 healthy rounds): the assumed peak is still the
+        # highest tested level, so the deploy verdict cannot be judged there (unless n-gram already
+        # loses at the operating point) and says how to judge at the highest level measured soundly.
+        assert deploy["ngram"]["peak_concurrency"] == 256
+        assert "peak = highest tested level c=256" in deploy["ngram"]["assumed"]
+        assert deploy["ngram"]["verdict"] in ("UNRELIABLE", "LOSS")
+        if deploy["ngram"]["verdict"] == "UNRELIABLE":
+            assert "give --peak-concurrency" in deploy["ngram"]["text"]
     # The replica is the baseline again (an A/A arm): it must never be judged different from it.
     assert deploy["replica"]["verdict"] in ("NO CLEAR GAIN", "UNRELIABLE")
     assert all(
