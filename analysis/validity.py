@@ -23,7 +23,7 @@ stores written before the share existed held it to 50 ms and say so in their row
 
 A round holds every arm, so a level can drop a round that failed a check and be judged on the others,
 favouring none: a level is judged on its healthy rounds (those none of whose rows failed) when at
-least :data:`~specproxy.proxy.replay.health.MIN_HEALTHY_ROUNDS` of them passed and no row of the
+least :data:`~specproxy.schema.MIN_HEALTHY_ROUNDS` of them passed and no row of the
 whole level (``round`` NULL) failed; otherwise it is UNRELIABLE. Which rounds a level has comes from
 its rows, whatever the plan said: replay may add rounds after the planned ones.
 """
@@ -38,7 +38,7 @@ from specproxy.analysis.levels import LEVEL_SQL, level_name
 from specproxy.analysis.store import SpanStore
 
 # replay and the lab add rounds until this many pass: one constant for both sides
-from specproxy.proxy.replay.health import MIN_HEALTHY_ROUNDS as MIN_HEALTHY_ROUNDS
+from specproxy.schema import MIN_HEALTHY_ROUNDS as MIN_HEALTHY_ROUNDS
 
 DEFAULT_THRESHOLDS: dict[str, float] = {
     "engine_clock_lag": 0.02,

@@ -103,6 +103,11 @@ CREATE TABLE IF NOT EXISTS health (
 )
 """
 
+# A level is judged on the rounds that passed every health check when at least this many did (fewer
+# rounds cannot show between-round drift); a round holds every arm, so dropping one favours none. The
+# runner reruns a level until it has them, the analysis judges by them: both read it here.
+MIN_HEALTHY_ROUNDS = 3
+
 
 def level_sql(alias: str = "") -> str:
     """The SQL expression of a call's (or health row's) level label, the one name every query groups by.

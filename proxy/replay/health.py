@@ -55,6 +55,7 @@ import aiohttp
 
 from specproxy.config import Arm
 from specproxy.proxy.spans.sink import HealthRow
+from specproxy.schema import MIN_HEALTHY_ROUNDS as MIN_HEALTHY_ROUNDS
 
 ENGINE_CLOCK_LAG = "engine_clock_lag"
 LOADGEN_START_LAG = "loadgen_start_lag_p99_s"
@@ -77,10 +78,6 @@ THRESHOLDS: Mapping[str, float | None] = {
     # An open loop that sent 5 % slower than its schedule measured a lower load than it reports.
     RATE_SHORTFALL: 0.05,
 }
-
-# A level is judged on the rounds that passed every check when at least this many did (fewer rounds
-# cannot show between-round drift); a round holds every arm, so dropping one favours none.
-MIN_HEALTHY_ROUNDS = 3
 
 
 class SimClock(NamedTuple):
