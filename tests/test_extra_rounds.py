@@ -30,6 +30,10 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
         (5, 6, 3, 2, False),  # the extra round brought it to enough
         (5, 5, 2, 0, False),  # no budget at all
         (5, 3, 0, 2, False),  # planned rounds still running: nothing extra yet
+        (5, 5, 1, 2, True),  # two missing, two left: both must pass
+        (5, 6, 1, 2, False),  # the first of them failed: the second cannot make three
+        (5, 5, 0, 2, False),  # three missing, two left: hopeless at this pace, none run
+        (5, 5, 0, 3, True),
         (3, 3, 2, 2, True),  # a 3-round level needs all three
         (2, 2, 1, 2, True),  # a 2-round level needs both (fewer rounds than MIN_HEALTHY_ROUNDS)
         (2, 2, 2, 2, False),
@@ -86,20 +90,25 @@ def test_why_an_extra_round_runs_names_the_failed_rounds_and_checks() -> None:
 @pytest.mark.parametrize(
     ("rounds", "said"),
     [
-        (LevelRounds("c=64", 3, 3, 3), None),
-        (LevelRounds("c=64", 3, 2, 2), None),  # stopped before its rounds were done
+        (LevelRounds("c=64", 3, 3, 3, 2), None),
+        (LevelRounds("c=64", 3, 2, 2, 2), None),  # stopped before its rounds were done
         (
-            LevelRounds("c=256", 5, 6, 3),
-            "c=256: 1 extra round run, 3 of 6 rounds passed every health check (3 needed)",
+            LevelRounds("c=256", 5, 6, 3, 2),
+            "c=256: 1 of 2 extra rounds run, 3 of 6 rounds passed every health check (3 needed)",
         ),
         (
-            LevelRounds("c=256", 5, 7, 2),
-            "c=256: 2 extra rounds run (all allowed), only 2 of 7 rounds passed every health check, fewer "
-            "than the 3 needed",
+            LevelRounds("c=256", 5, 7, 2, 2),
+            "c=256: 2 of 2 extra rounds run, only 2 of 7 rounds passed every health check, fewer than the 3 "
+            "needed",
         ),
         (
-            LevelRounds("c=256", 5, 5, 1),
+            LevelRounds("c=256", 5, 5, 1, 0),
             "c=256: 1 of 5 rounds passed every health check, fewer than 3; no extra rounds were allowed",
+        ),
+        (
+            LevelRounds("c=256", 5, 5, 0, 2),
+            "c=256: 0 of 5 rounds passed every health check, fewer than 3; no extra round ran, as the 2 "
+            "allowed could not make up the difference even if all passed",
         ),
     ],
 )

@@ -39,8 +39,14 @@ def failed_rounds(rows: Iterable[HealthRow]) -> dict[int, list[str]]:
 
 def extra_round_due(planned: int, ran: int, healthy: int, budget: int) -> bool:
     """Is one more round of a level due? ``ran`` rounds have run (the planned ones first, then the
-    extras so far), ``healthy`` of them passed every check, and up to ``budget`` extras are allowed."""
-    return ran >= planned and healthy < healthy_wanted(planned) and ran - planned < budget
+    extras so far), ``healthy`` of them passed every check, and up to ``budget`` extras are allowed.
+    Not when even the extras left, all passing, could not make enough: a machine that failed that many
+    rounds at this pace would spend them for nothing."""
+    if ran < planned:
+        return False
+    left = budget - (ran - planned)
+    missing = healthy_wanted(planned) - healthy
+    return 0 < missing <= left
 
 
 def _and(words: Sequence[str]) -> str:
@@ -57,12 +63,14 @@ def why_extra(level: str, failed: Mapping[int, Sequence[str]], next_round: int) 
 
 @dataclass(frozen=True, slots=True)
 class LevelRounds:
-    """How a level's rounds went: ``ran`` = planned + extra rounds run, ``healthy`` of them passed."""
+    """How a level's rounds went: ``ran`` = planned + extra rounds run, ``healthy`` of them passed,
+    ``budget`` extra rounds were allowed."""
 
     level: str  # c=256, r=2
     planned: int
     ran: int
     healthy: int
+    budget: int = 0
 
     @property
     def extra(self) -> int:
@@ -73,15 +81,20 @@ class LevelRounds:
         return self.healthy >= healthy_wanted(self.planned)
 
     def sentence(self) -> str | None:
-        """What the extra rounds did at this level; None where nothing is worth saying (no extra round
-        was needed)."""
+        """What the extra rounds did at this level; None where nothing is worth saying (enough rounds
+        passed without any, or the level was stopped before its planned rounds were done)."""
         wanted = healthy_wanted(self.planned)
         passed = f"{self.healthy} of {self.ran} rounds passed every health check"
         if self.extra == 0:
             if self.enough or self.ran < self.planned:
                 return None
-            return f"{self.level}: {passed}, fewer than {wanted}; no extra rounds were allowed"
-        extras = f"{self.extra} extra round{'s' if self.extra > 1 else ''}"
+            if self.budget == 0:
+                return f"{self.level}: {passed}, fewer than {wanted}; no extra rounds were allowed"
+            return (
+                f"{self.level}: {passed}, fewer than {wanted}; no extra round ran, as the {self.budget} "
+                "allowed could not make up the difference even if all passed"
+            )
+        extras = f"{self.extra} of {self.budget} extra rounds run"
         if self.enough:
-            return f"{self.level}: {extras} run, {passed} ({wanted} needed)"
-        return f"{self.level}: {extras} run (all allowed), only {passed}, fewer than the {wanted} needed"
+            return f"{self.level}: {extras}, {passed} ({wanted} needed)"
+        return f"{self.level}: {extras}, only {passed}, fewer than the {wanted} needed"

@@ -742,7 +742,9 @@ class ReplayRunner:
             ran += 1
             await measure(_Phase(phase_label(base, ran, planned), level, ran, rate))
         failed = failed_rounds(row for row in self.result.health if of_level(row))
-        self.result.levels.append(LevelRounds(base, planned, ran, ran - len(failed)))
+        self.result.levels.append(
+            LevelRounds(base, planned, ran, ran - len(failed), self.s.load.extra_rounds)
+        )
 
     def _rate_schedule(self, rate: float) -> tuple[list[ReplayItem], list[float]]:
         """A rate level's items and Poisson offsets: ``items_per_rate`` arrivals, else arrivals for the
