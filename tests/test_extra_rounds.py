@@ -5,7 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
+from click.testing import CliRunner
 
+from specproxy.cli import main
+from specproxy.lab import EXTRA_ROUNDS
 from specproxy.proxy.replay.extra_rounds import (
     LevelRounds,
     extra_round_due,
@@ -117,3 +120,11 @@ def test_what_the_extra_rounds_did_is_said_only_where_a_level_needed_them(
 ) -> None:
     assert rounds.sentence() == said
     assert rounds.enough is (rounds.healthy >= healthy_wanted(rounds.planned))
+
+
+def test_lab_help_gives_the_extra_rounds_and_their_default() -> None:
+    res = CliRunner().invoke(main, ["lab", "--help"], terminal_width=100)
+    assert res.exit_code == 0
+    said = " ".join(res.output.split())
+    assert "--extra-rounds N Add up to N rounds to a level whose rounds left too few" in said
+    assert f"same pace (default {EXTRA_ROUNDS})" in said
