@@ -94,8 +94,9 @@ REPLICA = "replica"
 # Rounds a level may add when too few of its rounds passed every health check. At c=256 of a quick lab
 # on two loaded cores one to three of five rounds failed while the others were fine; three extras can
 # make up even for four failed rounds when the machine calms down, and none runs where they could not
-# make enough. A c=256 round of a quick lab costs about 7 s, a round of a lower level 1-3.5 s: all
-# levels spending all three would add about 45 s to the 75-105 s the quick lab takes.
+# make enough. A c=256 round of a quick lab sends its calls in 6-7 s at time scale 1/4; all three
+# there add about 20 s to the 75-135 s the quick lab took at load 2-5 (a lower level's round costs
+# 1-3.5 s at full speed, up to 14 s when paced down to 1/4).
 EXTRA_ROUNDS = 3
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
