@@ -505,7 +505,7 @@ def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> E
     default=None,
     metavar="N",
     help=f"Add up to N rounds to a level whose rounds left too few that passed every health check "
-    f"(all of them, up to 3), one at a time at the same pace (default {EXTRA_ROUNDS}).",
+    f"(3 once one failed), one at a time at the same pace (default {EXTRA_ROUNDS}).",
 )
 @click.option(
     "--at-concurrency",

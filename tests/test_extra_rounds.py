@@ -13,7 +13,7 @@ from specproxy.proxy.replay.extra_rounds import (
     LevelRounds,
     extra_round_due,
     failed_rounds,
-    healthy_wanted,
+    judged,
     why_extra,
 )
 from specproxy.proxy.replay.health import MIN_HEALTHY_ROUNDS
@@ -37,12 +37,13 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
         (5, 6, 1, 2, False),  # the first of them failed: the second cannot make three
         (5, 5, 0, 2, False),  # three missing, two left: hopeless at this pace, none run
         (5, 5, 0, 3, True),
-        (3, 3, 2, 2, True),  # a 3-round level needs all three
-        (2, 2, 1, 2, True),  # a 2-round level needs both (fewer rounds than MIN_HEALTHY_ROUNDS)
-        (2, 2, 2, 2, False),
-        (1, 1, 0, 1, True),  # a single round that failed
-        (1, 2, 0, 1, False),
-        (1, 2, 1, 1, False),
+        (3, 3, 2, 2, True),  # a 3-round level with a failed round needs three healthy
+        (2, 2, 2, 2, False),  # a 2-round level whose rounds all passed is judged on them
+        (2, 2, 1, 2, True),  # once one failed it needs three healthy too: two more
+        (2, 2, 1, 1, False),
+        (1, 1, 1, 3, False),
+        (1, 1, 0, 3, True),  # a single round that failed: three more, all passing
+        (1, 1, 0, 2, False),
     ],
 )
 def test_an_extra_round_is_due_while_too_few_rounds_passed_and_the_budget_allows(
@@ -51,8 +52,9 @@ def test_an_extra_round_is_due_while_too_few_rounds_passed_and_the_budget_allows
     assert extra_round_due(planned, ran, healthy, budget) is due
 
 
-def test_a_level_needs_its_rounds_up_to_the_shared_minimum() -> None:
-    assert [healthy_wanted(n) for n in (1, 2, 3, 5, 9)] == [1, 2, MIN_HEALTHY_ROUNDS, 3, 3]
+def test_a_level_is_judged_when_every_round_passed_or_enough_did() -> None:
+    assert judged(1, 1) and judged(2, 2) and judged(6, MIN_HEALTHY_ROUNDS)
+    assert not judged(2, 1) and not judged(5, MIN_HEALTHY_ROUNDS - 1)
 
 
 def row(
@@ -119,7 +121,7 @@ def test_what_the_extra_rounds_did_is_said_only_where_a_level_needed_them(
     rounds: LevelRounds, said: str | None
 ) -> None:
     assert rounds.sentence() == said
-    assert rounds.enough is (rounds.healthy >= healthy_wanted(rounds.planned))
+    assert rounds.enough is judged(rounds.ran, rounds.healthy)
 
 
 def test_lab_help_gives_the_extra_rounds_and_their_default() -> None:

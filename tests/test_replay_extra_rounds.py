@@ -110,7 +110,7 @@ def sims() -> Iterator[dict[str, str]]:
         yield urls
 
 
-@pytest.mark.parametrize("extra", [0, 2])
+@pytest.mark.parametrize("extra", [0, 3])
 def test_replay_runs_extra_rounds_of_a_failing_level_up_to_its_budget(
     sims: dict[str, str], tmp_path: Path, extra: int
 ) -> None:
@@ -137,7 +137,7 @@ def test_replay_runs_extra_rounds_of_a_failing_level_up_to_its_budget(
         assert rounds == [(1,), (2,)] and sorted(failing) == [(1,), (2,)]
         assert "running extra round" not in res.stderr
         assert (
-            "rounds: c=4: 0 of 2 rounds passed every health check, fewer than 2; no extra rounds were allowed"
+            "rounds: c=4: 0 of 2 rounds passed every health check, fewer than 3; no extra rounds were allowed"
             in (res.stderr)
         )
         return
@@ -145,9 +145,9 @@ def test_replay_runs_extra_rounds_of_a_failing_level_up_to_its_budget(
     said = next(line for line in res.stderr.splitlines() if "running extra round" in line)
     assert said.startswith("c=4: rounds 1 and 2 failed ") and "engine_clock_lag" in said, said
     assert said.endswith("; running extra round 3"), said
-    # round 3 failed too: one more passing round could not make two, so no fourth runs
+    # round 3 failed too: two more passing rounds could not make three, so no fourth runs
     assert rounds == [(1,), (2,), (3,)] and sorted(failing) == [(1,), (2,), (3,)]
     assert (
-        "rounds: c=4: 1 of 2 extra rounds run, only 0 of 3 rounds passed every health check, fewer than "
-        "the 2 needed" in res.stderr
+        "rounds: c=4: 1 of 3 extra rounds run, only 0 of 3 rounds passed every health check, fewer than "
+        "the 3 needed" in res.stderr
     )

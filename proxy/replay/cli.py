@@ -111,7 +111,7 @@ from specproxy.proxy.spans.sink import SpanSinkError
     show_default=True,
     metavar="N",
     help="Add up to N rounds to a level whose rounds left too few that passed every health check "
-    "(all of them, up to 3), one at a time at the same pace; a --timed loop is never rerun.",
+    "(3 once one failed), one at a time at the same pace; a --timed loop is never rerun.",
 )
 @click.option(
     "--warmup",

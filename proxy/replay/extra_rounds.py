@@ -1,11 +1,13 @@
-"""Extra rounds: when a level's planned rounds leave too few that passed every health check.
+"""Extra rounds: when a level's rounds left too few that passed every health check.
 
-The analysis judges a level on its healthy rounds (those that passed every check of :mod:`.health`)
-when at least ``min(planned rounds, MIN_HEALTHY_ROUNDS)`` of them did, else calls it UNRELIABLE. A
-loaded machine fails a round now and then while the rounds around it are fine, so after a level's
-planned rounds the runner may add rounds of the same level, at the same pace, one at a time, until
-enough have passed or the plan's ``extra_rounds`` are spent. Extra rounds are numbered after the
-planned ones (round 6 of a 5-round level) and labelled so (``c=256 r6 extra``).
+A level whose rounds all passed every check of :mod:`.health` is judged on all of them. Once a round
+failed, the analysis judges the level on its healthy rounds only when at least ``MIN_HEALTHY_ROUNDS``
+passed (fewer cannot show the drift between rounds), else calls it UNRELIABLE. A loaded machine fails
+a round now and then while the rounds around it are fine, so after a level's planned rounds the
+runner may add rounds of the same level, at the same pace, one at a time, until enough have passed,
+the plan's ``extra_rounds`` are spent, or the extras left could no longer make enough even if all
+passed. Extra rounds are numbered after the planned ones (round 6 of a 5-round level) and labelled so
+(``c=256 r6 extra``).
 
 Example::
 
@@ -23,9 +25,10 @@ from specproxy.proxy.replay.health import MIN_HEALTHY_ROUNDS, over_threshold
 from specproxy.proxy.spans.sink import HealthRow
 
 
-def healthy_wanted(planned: int) -> int:
-    """How many healthy rounds a level of ``planned`` rounds needs to be judged on them."""
-    return min(planned, MIN_HEALTHY_ROUNDS)
+def judged(ran: int, healthy: int) -> bool:
+    """Can a level with ``healthy`` of ``ran`` rounds passing be judged? Every round passed, or at
+    least MIN_HEALTHY_ROUNDS did (the analysis drops the others)."""
+    return healthy == ran or healthy >= MIN_HEALTHY_ROUNDS
 
 
 def failed_rounds(rows: Iterable[HealthRow]) -> dict[int, list[str]]:
@@ -42,11 +45,10 @@ def extra_round_due(planned: int, ran: int, healthy: int, budget: int) -> bool:
     extras so far), ``healthy`` of them passed every check, and up to ``budget`` extras are allowed.
     Not when even the extras left, all passing, could not make enough: a machine that failed that many
     rounds at this pace would spend them for nothing."""
-    if ran < planned:
+    if ran < planned or judged(ran, healthy):
         return False
     left = budget - (ran - planned)
-    missing = healthy_wanted(planned) - healthy
-    return 0 < missing <= left
+    return MIN_HEALTHY_ROUNDS - healthy <= left
 
 
 def _and(words: Sequence[str]) -> str:
@@ -78,12 +80,12 @@ class LevelRounds:
 
     @property
     def enough(self) -> bool:
-        return self.healthy >= healthy_wanted(self.planned)
+        return judged(self.ran, self.healthy)
 
     def sentence(self) -> str | None:
         """What the extra rounds did at this level; None where nothing is worth saying (enough rounds
         passed without any, or the level was stopped before its planned rounds were done)."""
-        wanted = healthy_wanted(self.planned)
+        wanted = MIN_HEALTHY_ROUNDS
         passed = f"{self.healthy} of {self.ran} rounds passed every health check"
         if self.extra == 0:
             if self.enough or self.ran < self.planned:

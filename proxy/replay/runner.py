@@ -121,8 +121,8 @@ class LoadPlan:
     # Closed loop: a level's own number of rounds where it differs from ``rounds`` (a level whose
     # interval must be narrower, e.g. the one the peak throughput is read at); None = ``rounds`` each.
     rounds_per_level: Callable[[int], int] | None = None
-    # Closed loop and rates: at most this many rounds added to a level whose rounds so far left fewer
-    # than min(its rounds, MIN_HEALTHY_ROUNDS) that passed every health check (:mod:`.extra_rounds`).
+    # Closed loop and rates: at most this many rounds added to a level with a failed round and fewer
+    # than MIN_HEALTHY_ROUNDS that passed every health check (:mod:`.extra_rounds`).
     extra_rounds: int = 0
 
     def level_rounds(self, level: int) -> int:
