@@ -342,37 +342,39 @@ def _source_notes(ev: RunEvaluation) -> list[str]:
 
 
 def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: bool = False) -> str:
-    blocks: list[str] = []
-    for ev in evals:
-        rows = [row_cells(r) for r in ev.rows]
-        cat_headers, cat_rows = category_matrix(ev)
-        deploy = deploy_lines(ev)
-        if markdown:
-            notes = "\n".join(f"- {n}" for n in run_notes(ev, settings))
-            block = f"### {run_title(ev)}\n\n{_markdown(HEADERS, rows)}\n\n{notes}"
-            if cat_rows:
-                block += f"\n\n{CATEGORY_TITLE}:\n\n{_markdown(cat_headers, cat_rows)}"
-            block += slo_block(ev, markdown=True)
-            if deploy:
-                block += f"\n\n{deploy_title(ev)}:\n\n"
-                block += "\n".join(f"- {d}" for d in deploy)
-            if settings.latency_table:
-                lat_rows = [latency_cells(r) for r in ev.rows]
-                block += f"\n\n{LATENCY_TITLE}:\n\n{_markdown(LATENCY_HEADERS, lat_rows)}"
-        else:
-            notes = "\n".join(f"  {n}" for n in run_notes(ev, settings, all_reasons=False))
-            block = f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}"
-            if cat_rows:
-                block += f"\n\n{CATEGORY_TITLE}\n{_aligned(cat_headers, cat_rows, left={0, 1})}"
-            block += slo_block(ev, markdown=False)
-            if deploy:
-                block += f"\n\n{deploy_title(ev)}\n"
-                block += "\n".join(f"  {d}" for d in deploy)
-            if settings.latency_table:
-                lat_rows = [latency_cells(r) for r in ev.rows]
-                block += f"\n\n{LATENCY_TITLE}\n{_aligned(LATENCY_HEADERS, lat_rows, left={0, 1})}"
-        blocks.append(block)
-    return "\n\n".join(blocks) + "\n"
+    return "\n\n".join(_run_block(ev, settings, markdown) for ev in evals) + "\n"
+
+
+def _run_block(ev: RunEvaluation, settings: Settings, markdown: bool) -> str:
+    """One run's table, its notes and the tables under it, as Markdown or as aligned text. The text
+    form leaves out the reasons of WIN rows, which only restate the rule."""
+    bullet = "- " if markdown else "  "
+    rows = [row_cells(r) for r in ev.rows]
+    notes = "\n".join(bullet + n for n in run_notes(ev, settings, all_reasons=markdown))
+    if markdown:
+        block = f"### {run_title(ev)}\n\n{_markdown(HEADERS, rows)}\n\n{notes}"
+    else:
+        block = f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}"
+    cat_headers, cat_rows = category_matrix(ev)
+    if cat_rows:
+        block += _titled(CATEGORY_TITLE, _table(cat_headers, cat_rows, markdown), markdown)
+    block += slo_block(ev, markdown=markdown)
+    deploy = deploy_lines(ev)
+    if deploy:
+        block += _titled(deploy_title(ev), "\n".join(bullet + d for d in deploy), markdown)
+    if settings.latency_table:
+        lat_rows = [latency_cells(r) for r in ev.rows]
+        block += _titled(LATENCY_TITLE, _table(LATENCY_HEADERS, lat_rows, markdown), markdown)
+    return block
+
+
+def _table(headers: Sequence[str], rows: list[list[str]], markdown: bool) -> str:
+    """A table under a run's main one: Markdown, or aligned text with its two key columns on the left."""
+    return _markdown(headers, rows) if markdown else _aligned(headers, rows, left={0, 1})
+
+
+def _titled(title: str, body: str, markdown: bool) -> str:
+    return f"\n\n{title}:\n\n{body}" if markdown else f"\n\n{title}\n{body}"
 
 
 def _jsonable(value: Any) -> Any:

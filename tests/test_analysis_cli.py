@@ -19,24 +19,13 @@ from click.testing import CliRunner
 from specproxy.analysis import StoreError, analyze_text, write_report
 from specproxy.cli import main
 from tests.spanfactory import ArmSpec, generate_sql, make_run, write_db
+from tests.support import run_cli as cli
 
 ARMS = [
     ArmSpec("baseline", "baseline", "none"),
     ArmSpec("eagle3", speedup=1.4, identical_p=0.95),
     ArmSpec("ngram", speedup=1.1),
 ]
-
-
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`specproxy ARGS` in a real subprocess."""
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=cwd,
-    )
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -21,20 +21,9 @@ from click.testing import CliRunner
 from specproxy import schema
 from specproxy.cli import main
 from tests.spanfactory import ArmSpec, make_run, write_db
+from tests.support import run_cli as cli
 
 ARMS = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.3)]
-
-
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`specproxy ARGS` in a real subprocess."""
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=cwd,
-    )
 
 
 def failed_with(result: subprocess.CompletedProcess[str], *phrases: str) -> None:

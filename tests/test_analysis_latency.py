@@ -6,8 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import pytest
 from specproxy import schema
 from specproxy.record import SpanRecord
 from tests.spanfactory import ArmSpec, SyntheticRun, add_latency, make_run, write_db
+from tests.support import run_cli as _cli
 
 ARMS = [
     ArmSpec("baseline", "baseline", "none"),
@@ -30,12 +29,6 @@ ARMS = [
 def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SyntheticRun]:
     run = add_latency(make_run(ARMS, levels=(1, 16), n_per_level=80, seed=11), queue_arms=("eagle3",))
     return write_db(tmp_path_factory.mktemp("latency") / "spans.duckdb", [run]), run
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=60, check=False
-    )
 
 
 def _expected(run: SyntheticRun) -> dict[tuple[str, str], dict[str, Any]]:

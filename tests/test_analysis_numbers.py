@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import pytest
 from specproxy.analysis.stats import wilson_interval
 from specproxy.record import SpanRecord
 from tests.spanfactory import ArmSpec, SyntheticRun, make_run, write_db
+from tests.support import run_cli as _cli
 
 ARMS = [
     ArmSpec("baseline", "baseline", "none"),
@@ -36,12 +35,6 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Synthetic
     run = make_run(ARMS, levels=(1, 4, 16), n_per_level=150, seed=7, restart_engine="1")
     path = write_db(tmp_path_factory.mktemp("numbers") / "spans.duckdb", [run])
     return path, run
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=60, check=False
-    )
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
-from tests.support import metric_sum, serving, simulators, wait_until_sync
+from tests.support import metric_sum, replay_target_argv, serving, simulators, wait_until_sync
 
 
 @pytest.fixture
@@ -138,27 +137,9 @@ def test_replay_through_serve_has_acceptance_per_level(sims: dict[str, str], tmp
         "".join(json.dumps({"question_id": i, "turns": [f"Summarize item {i}"]}) + "\n" for i in range(4))
     )
     with serving(config) as proxy:
+        sweep = ["--concurrency", "1,2", "--rounds", "2", "--max-tokens", "32"]
         replay = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "specproxy",
-                "replay",
-                str(log),
-                "--target",
-                proxy.url,
-                "--concurrency",
-                "1,2",
-            ]
-            + [
-                "--rounds",
-                "2",
-                "--max-tokens",
-                "32",
-                "--db",
-                str(tmp_path / "client.duckdb"),
-                "--no-progress",
-            ],
+            replay_target_argv(log, proxy.url, tmp_path / "client.duckdb", *sweep),
             capture_output=True,
             text=True,
             timeout=300,

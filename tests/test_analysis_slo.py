@@ -9,8 +9,6 @@ import io
 import json
 import math
 import statistics
-import subprocess
-import sys
 from datetime import timedelta
 from html import escape
 from pathlib import Path
@@ -46,6 +44,7 @@ from specproxy.config import ConfigError, experiment_json, parse_experiment
 from specproxy.record import SpanRecord
 from specproxy.slo import SloError, parse_slo
 from tests.spanfactory import EPOCH, T0, ArmSpec, SyntheticRun, health_row, make_run, write_db
+from tests.support import run_cli as _cli
 
 LEVELS = (1, 2, 4, 8)
 CALLS = 40
@@ -103,12 +102,6 @@ def _store(
     config = json.dumps(experiment or {"name": "slo"})
     run_row = ("slo", "slo", "replay-paired", "replay", T0, T0, config, "{}", "testhost", "0.1.0")
     return write_db(tmp_path / "slo.duckdb", [SyntheticRun("slo", "slo", spans, [], run_row, health or [])])
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def _analyze(db: Path, *args: str) -> dict[str, Any]:

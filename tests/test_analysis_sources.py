@@ -8,8 +8,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +17,9 @@ from specproxy.analysis import evaluate, open_store, write_report
 from specproxy.analysis.evaluation import LevelRow, RunEvaluation, Settings
 from specproxy.record import SpecSource, TokensSource
 from tests.spanfactory import ArmSpec, make_run, write_db
+from tests.support import run_cli as _cli
 
 FAST = Settings(bootstrap_iterations=300)
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def _evaluate(

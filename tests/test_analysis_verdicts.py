@@ -7,8 +7,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,18 +18,13 @@ from specproxy import schema
 from specproxy.analysis import evaluate, open_store
 from specproxy.analysis.evaluation import Settings
 from tests.spanfactory import ArmSpec, health_row, make_live_load_run, make_run, write_db
+from tests.support import run_cli as _cli
 
 NULL_ARMS = [
     ArmSpec("baseline", "baseline", "none"),
     ArmSpec("replica", "replica", "none"),
     ArmSpec("null_eagle3", spec_method="eagle3"),  # a plain arm labelled with a speculative method
 ]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def _json(*args: str) -> dict[str, Any]:

@@ -5,8 +5,6 @@ stacks in DuckDB → `engines down`."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import duckdb
@@ -15,15 +13,10 @@ import openai
 from specproxy.config import load_experiment
 from specproxy.engine_state import read_state
 from tests.support import free_port, serving, wait_http
+from tests.support import run_cli as _cli
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 EAGLE3_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=90
-    )
 
 
 def test_up_sim_serve_requests_down(tmp_path: Path) -> None:

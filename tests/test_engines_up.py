@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from specproxy.engine_state import read_state, recorded_stacks, state_path
 from specproxy.engines.launch.plan import ArmLaunch
 from specproxy.engines.launch.stack import capture_stack, gpu_inventory
 from tests.support import free_port, wait_until_sync
+from tests.support import run_cli as _cli
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -85,16 +85,6 @@ def _experiment(tmp_path: Path, arms: list[dict[str, Any]], name: str = "e") -> 
     path = tmp_path / "exp.toml"
     path.write_text("\n".join(lines))
     return path
-
-
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ},
-    )
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from specproxy.analysis import analyze_text
 from specproxy.cli import main
-from tests.support import free_port, wait_http
+from tests.support import backend_process, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # A deadline for a stuck lab, not a speed target: a loaded shared machine runs it several times slower.
@@ -152,36 +152,12 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
 
 
 def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
-    ports = [free_port(), free_port()]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.backends",
-                "--port",
-                str(p),
-                "--ttft-ms",
-                "1",
-                "--itl-ms",
-                "40",
-                "--tokens",
-                "6",
-                *extra,
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for p, extra in zip(ports, ([], ["--tokens-per-chunk", "3"]), strict=True)
-    ]
-    try:
-        for p in ports:
-            wait_http(f"http://127.0.0.1:{p}/health")
+    backend = ["--ttft-ms", "1", "--itl-ms", "40", "--tokens", "6"]
+    with backend_process(*backend) as base, backend_process(*backend, "--tokens-per-chunk", "3") as fast:
         cfg = tmp_path / "exp.toml"
         cfg.write_text(
-            f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://127.0.0.1:{ports[0]}"\n\n'
-            f'[[arms]]\nname = "fast"\nurl = "http://127.0.0.1:{ports[1]}"\n'
+            f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{base}"\n\n'
+            f'[[arms]]\nname = "fast"\nurl = "{fast}"\n'
             'speculative = { method = "ngram", num_speculative_tokens = 2 }\n'
         )
         work = tmp_path / "question.jsonl"
@@ -216,10 +192,6 @@ def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
                 "GROUP BY ALL ORDER BY ALL"
             ).fetchall()
         assert got == [("base", 6, 6, "writing"), ("fast", 6, 6, "writing")]
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(10)
 
 
 def test_lab_errors_are_sentences(tmp_path: Path) -> None:

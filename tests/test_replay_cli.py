@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,15 +12,18 @@ import pytest
 from click.testing import CliRunner, Result
 
 from specproxy.cli import main
-from tests.support import backend_process, free_port, metric_sum, serving, start_cli, stop, wait_until_sync
+from tests.support import (
+    backend_process,
+    free_port,
+    metric_sum,
+    run_cli,
+    serving,
+    start_cli,
+    stop,
+    wait_until_sync,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def run_in_process(*args: str) -> Result:

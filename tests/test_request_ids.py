@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,7 +18,7 @@ from aiohttp import web
 from specproxy.proxy.upstream.calls import upstream_request_id
 from tests.backends import STATS, BackendConfig, BackendStats, make_backend_app
 from tests.proxies import running_proxy, spans
-from tests.support import wait_for_count
+from tests.support import replay_target_argv, wait_for_count
 
 UUID = re.compile(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}", re.IGNORECASE)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,18 +70,7 @@ async def test_replay_through_a_proxy_to_a_server_that_takes_only_uuids(tmp_path
         running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": url}]) as proxy,
     ):
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "specproxy",
-            "replay",
-            str(log),
-            "--target",
-            proxy.url,
-            "--concurrency",
-            "2",
-            "--no-progress",
-            "--db",
-            str(db),
+            *replay_target_argv(log, proxy.url, db, "--concurrency", "2"),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )

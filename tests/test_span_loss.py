@@ -15,10 +15,9 @@ from typing import Any
 
 import aiohttp
 import duckdb
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.backends import BackendConfig, running_backend
-from tests.support import free_port, start_cli, stop, wait_http
+from tests.support import free_port, metric_totals, start_cli, stop, wait_http
 
 BODY: dict[str, Any] = {"model": "m", "prompt": "p", "stream": True, "temperature": 0}
 
@@ -30,16 +29,6 @@ def _config(path: Path, base_url: str, cand_url: str, db: Path) -> Path:
         f'[[arms]]\nname = "cand"\nurl = "{cand_url}"\n'
     )
     return path
-
-
-def metric_totals(text: str) -> dict[str, float]:
-    """Each metric family of a /metrics page, its samples summed (labels ignored)."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.name.endswith("_created"):
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
 
 
 @asynccontextmanager

@@ -56,9 +56,9 @@ from specproxy.proxy.server.errors import (
 from specproxy.proxy.server.health import ServeHealth
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
-from specproxy.proxy.server.routing import ArmRouter
+from specproxy.proxy.server.routing import ArmRouter, Copy
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
-from specproxy.proxy.server.validate import Rejected, expect_handler, read_request
+from specproxy.proxy.server.validate import ClientRequest, Rejected, expect_handler, read_request
 from specproxy.proxy.spans.sink import DEFAULT_MEMORY_LIMIT, SpanSink
 from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, TraceParent, client_trace_context, new_trace_id
 from specproxy.proxy.upstream.calls import (
@@ -74,7 +74,7 @@ from specproxy.proxy.upstream.scrape import EngineLoad, MetricsScraper
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint
 from specproxy.proxy.upstream.stacks import arm_auth, arm_stacks
 from specproxy.proxy.upstream.wire import UpstreamClient
-from specproxy.record import SpanRecord
+from specproxy.record import RoutedAs, SpanRecord
 
 log = logging.getLogger(__name__)
 
@@ -225,73 +225,25 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             request, max_body_bytes=exp.max_body_bytes, body_timeout_s=exp.client_body_timeout_s
         )
     except Rejected as exc:
-        st.metrics.client_error(exc.status)
-        refusal = openai_error(exc.status, exc.message)
-        if exc.close:
-            refusal.force_close()
-        return refusal
+        return _refusal(st, exc)
     handed_over = time.perf_counter()
-    body, request_id, category = checked.body, checked.request_id, checked.category
-    level, offered_rate = checked.concurrency_level, checked.offered_rate
     # One trace per client request: the client's (W3C traceparent) when it sent one, else a new one.
     # Every call the request makes (primary, shadow, verify) is a span of it with its own span id.
     parent = client_trace_context(request.headers) if TRACEPARENT_HEADER in request.headers else None
     trace_id = parent.trace_id if parent is not None else new_trace_id()
-    comparable = is_comparable(body)
-    plan = st.router.plan(body, request.headers, comparable=comparable)
+    comparable = is_comparable(checked.body)
+    plan = st.router.plan(checked.body, request.headers, comparable=comparable)
     primary = plan.primary
     pair: IdentityPair | None = None
     if plan.copies:
         pair = IdentityPair(comparable, st.metrics.observe_identity) if comparable else None
-        dispatcher = st.dispatcher
-        assert dispatcher is not None
-        for copy in plan.copies:
-            rec = new_record(
-                st.run_id,
-                request_id,
-                copy.arm,
-                body,
-                endpoint=endpoint,
-                trace_id=trace_id,
-                routed_as=copy.routed_as,
-                category=category,
-                concurrency_level=level,
-                engine_load=st.engine_load.get(copy.arm.name),
-                offered_rate=offered_rate,
-            )
-            rec.round = checked.round
-            dispatcher.send(copy, body, rec, endpoint=endpoint, pair=pair, parent=parent)
-    record = new_record(
-        st.run_id,
-        request_id,
-        primary,
-        body,
-        endpoint=endpoint,
-        trace_id=trace_id,
-        routed_as=plan.primary_routed_as,
-        category=category,
-        concurrency_level=level,
-        engine_load=st.engine_load.get(primary.name),
-        offered_rate=offered_rate,
-    )
-    record.round = checked.round
-    relay = ClientRelay(request, {REQUEST_ID_HEADER: request_id, ARM_HEADER: primary.name})
-    assert st.client is not None
+        _send_copies(st, plan.copies, checked, endpoint, trace_id, pair, parent)
+    record = _new_span(st, primary, plan.primary_routed_as, checked, endpoint, trace_id)
+    relay = ClientRelay(request, {REQUEST_ID_HEADER: checked.request_id, ARM_HEADER: primary.name})
     result: CallResult | None = None
     tap = CompletionTap(endpoint)
     try:
-        result = await call_arm(
-            st.client,
-            primary,
-            body,
-            endpoint=endpoint,
-            record=record,
-            relay=relay,
-            timeout=st.primary_timeout,
-            state=st.upstream,
-            capture_output=st.capture is not None,
-            tap=tap,
-        )
+        result = await _call_primary(st, primary, checked.body, endpoint, record, relay, tap)
         if st.health is not None:
             st.health.queued(primary.name, result.t_send - handed_over)
         return await relay.finish(result)
@@ -300,7 +252,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             raise  # nothing sent yet: the error middleware answers
         # A bug once the stream is under way: another response cannot be sent inside this one, so
         # end the stream the way an upstream failure mid-stream ends it.
-        log.exception("internal error while relaying request %s from %s", request_id, primary.name)
+        log.exception("internal error while relaying request %s from %s", checked.request_id, primary.name)
         record.status, record.error = "upstream_error", "internal error in specproxy"
         result = CallResult(record=record, tap=tap, relay_started=True)
         return await relay.finish(result)
@@ -315,15 +267,104 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     finally:
         _after_primary(st, primary, record, result, pair, parent)
         if st.capture is not None:
-            st.capture.add(
-                arrival_unix_s=arrival,
-                request_id=request_id,
-                path=request.path,
-                category=category,
-                body=body,
-                status=record.status,
-                response_text=result.text if result is not None else None,
-            )
+            _capture_request(st.capture, request, checked, arrival, record, result)
+
+
+async def _call_primary(
+    st: ProxyState,
+    primary: Arm,
+    body: dict[str, Any],
+    endpoint: Endpoint,
+    record: SpanRecord,
+    relay: ClientRelay,
+    tap: CompletionTap,
+) -> CallResult:
+    """The call that serves the client, relayed to it as it arrives."""
+    assert st.client is not None
+    return await call_arm(
+        st.client,
+        primary,
+        body,
+        endpoint=endpoint,
+        record=record,
+        relay=relay,
+        timeout=st.primary_timeout,
+        state=st.upstream,
+        capture_output=st.capture is not None,
+        tap=tap,
+    )
+
+
+def _capture_request(
+    capture: CaptureWriter,
+    request: web.Request,
+    checked: ClientRequest,
+    arrival: float,
+    record: SpanRecord,
+    result: CallResult | None,
+) -> None:
+    """The client's request and its outcome for the capture file (``serve --capture``)."""
+    capture.add(
+        arrival_unix_s=arrival,
+        request_id=checked.request_id,
+        path=request.path,
+        category=checked.category,
+        body=checked.body,
+        status=record.status,
+        response_text=result.text if result is not None else None,
+    )
+
+
+def _refusal(st: ProxyState, exc: Rejected) -> web.Response:
+    """The OpenAI-shaped answer to a request that failed the checks, counted."""
+    st.metrics.client_error(exc.status)
+    refusal = openai_error(exc.status, exc.message)
+    if exc.close:
+        refusal.force_close()
+    return refusal
+
+
+def _new_span(
+    st: ProxyState,
+    arm: Arm,
+    routed_as: RoutedAs,
+    checked: ClientRequest,
+    endpoint: Endpoint,
+    trace_id: str,
+) -> SpanRecord:
+    """The span of one call the client's request makes to ``arm``, labelled with its load phase."""
+    record = new_record(
+        st.run_id,
+        checked.request_id,
+        arm,
+        checked.body,
+        endpoint=endpoint,
+        trace_id=trace_id,
+        routed_as=routed_as,
+        category=checked.category,
+        concurrency_level=checked.concurrency_level,
+        engine_load=st.engine_load.get(arm.name),
+        offered_rate=checked.offered_rate,
+    )
+    record.round = checked.round
+    return record
+
+
+def _send_copies(
+    st: ProxyState,
+    copies: tuple[Copy, ...],
+    checked: ClientRequest,
+    endpoint: Endpoint,
+    trace_id: str,
+    pair: IdentityPair | None,
+    parent: TraceParent | None,
+) -> None:
+    """Hand the shadow and verify copies to the dispatcher, which sends them in the background."""
+    dispatcher = st.dispatcher
+    assert dispatcher is not None
+    for copy in copies:
+        rec = _new_span(st, copy.arm, copy.routed_as, checked, endpoint, trace_id)
+        dispatcher.send(copy, checked.body, rec, endpoint=endpoint, pair=pair, parent=parent)
 
 
 def _after_primary(

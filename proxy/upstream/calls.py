@@ -207,6 +207,7 @@ class CallResult:
     relay_started: bool = False  # the relay got start(): the client response is under way
     client_gone: bool = False
     t_send: float = 0.0  # perf_counter at send
+    t_end: float | None = None  # perf_counter at the response's end (None: not read to its end)
 
     @property
     def ok(self) -> bool:
@@ -454,128 +455,184 @@ async def call_arm(
     inflight = state.inflight.get(arm.url, 0)
     record.inflight_at_start = inflight
     state.inflight[arm.url] = inflight + 1
-    engine = state.engine_of(arm)
-    with_ext = engine != "llamacpp" and (
-        arm.vllm_extensions == "on"
-        or (arm.vllm_extensions == "auto" and not state.refuses(state.rejects_extensions, arm.url))
-    )
-    with_usage = engine != "llamacpp" and not state.refuses(state.rejects_stream_options, arm.url)
-    left_out: list[dict[str, float]] = []  # refusals to remember if the attempt without them succeeds
+    asks = _Asks.for_arm(arm, state)
     record.t_start_ns = time.time_ns()
-    result.t_send = t_send = time.perf_counter()
-    t_end: float | None = None
+    result.t_send = time.perf_counter()
     try:
         async with asyncio.timeout(timeout.total):
-            while True:
-                data, strip = _upstream_body(arm, body, with_extensions=with_ext, with_usage=with_usage)
-                strip.null_ids = state.engine_of(arm) == "vllm"
-                ex = await client.post(
-                    url, data, hdrs, connect_timeout=timeout.connect, read_timeout=timeout.read
-                )
-                try:
-                    result.http_status = record.http_status = ex.status
-                    if ex.status >= 400:
-                        err_body = await ex.read()
-                        rejected = (
-                            ex.status in (400, 422)
-                            and strip.added
-                            and any(m in err_body for m in _REJECTION_MARKERS)
-                        )
-                        if rejected and with_ext and arm.vllm_extensions == "auto":
-                            with_ext = False
-                            left_out.append(state.rejects_extensions)
-                            continue
-                        if rejected and not with_ext and strip.usage:
-                            with_usage = False
-                            left_out.append(state.rejects_stream_options)
-                            continue
-                        t_end = time.perf_counter()
-                        record.status = "http_error"
-                        record.error = _error_message(err_body)
-                        if relay is not None:
-                            await _relay_start(relay, result, ex.status, _content_type(ex))
-                            await _relay_body(relay, err_body)
-                        break
-                    for refusals in left_out:
-                        # Refused with what the proxy added, accepted without: the arm refuses it.
-                        refusals[arm.url] = time.monotonic()
-                    if ex.content_type == "text/event-stream":
-                        await _read_stream(ex, tap, relay, strip, result)
-                        if not tap.done and tap.error is None:
-                            record.status = "upstream_error"
-                            record.error = "stream ended before data: [DONE]"
-                    else:
-                        payload = await ex.read()
-                        now = time.perf_counter()
-                        if tap.feed_body(payload, now) is None:
-                            # Not a completion: the relay is not started, so the client gets a 502.
-                            record.status = "upstream_error"
-                            record.error = tap.malformed or "response is not a JSON object"
-                        elif relay is not None:
-                            await _relay_start(relay, result, ex.status, _content_type(ex))
-                            await _relay_body(relay, _strip_body(payload, strip))
-                    if tap.error is not None:
-                        record.status = "upstream_error"
-                        record.error = _error_message(orjson.dumps({"error": tap.error}))
-                    t_end = time.perf_counter()
-                    break
-                finally:
-                    # A body read to its end leaves the connection reusable; anything else closes it,
-                    # which makes vLLM abort the generation.
-                    if t_end is None:
-                        ex.abort()
-                    else:
-                        ex.release()
+            await _exchange(client, url, hdrs, body, timeout, relay, asks, result)
     except ClientGone:
         result.client_gone = True
-        if tap.relayed_done is not None:
-            t_end = _complete(record, tap, tap.relayed_done)
-        else:
-            record.status = "client_cancelled"
-            record.error = "client disconnected"
+        _cut_short(result, "client disconnected")
     except asyncio.CancelledError:
-        if tap.relayed_done is not None:
-            t_end = _complete(record, tap, tap.relayed_done)
-        else:
-            record.status = "client_cancelled"
-            record.error = "cancelled"
+        _cut_short(result, "cancelled")
         raise
     except TimeoutError as exc:  # connect, read (wire.UpstreamReadTimeout) or the call's total
-        record.status = "timeout"
-        record.error = (
-            f"upstream timed out: {exc}"
-            if str(exc)
-            else (
-                f"upstream timed out (the call's limit of {timeout.total:g} s)"
-                if timeout.total is not None
-                else "upstream timed out"
-            )
-        )
+        record.status, record.error = "timeout", _timeout_error(exc, timeout)
     except MalformedEvent as exc:
-        record.status = "upstream_error"
-        record.error = str(exc)
+        record.status, record.error = "upstream_error", str(exc)
     except (OSError, ValueError) as exc:  # refused, reset, closed early (wire.UpstreamDisconnected), bad HTTP
         record.status = "upstream_error"
         record.error = f"{exc.__class__.__name__}: {exc}"[:500]
     finally:
         state.inflight[arm.url] -= 1
-        if record.error and not capture_output and (record.status == "http_error" or tap.error is not None):
-            record.error = redact_request_text(record.error, body)  # the arm's text may quote the prompt
-        _finish_record(record, arm, tap, t_send, t_end, capture_output)
-        _record_engine_facts(record, arm, tap, state)
-        _record_latency(record, tap)
-        # Values from the client and the backend (a seed of 2**64 - 1, an undecodable request id) are
-        # made to fit the store's columns here, each change noted in the record, so no row is lost to them.
-        fit_to_columns(record)
+        _settle_record(result, arm, body, state, capture_output)
     return result
 
 
-def _complete(record: SpanRecord, tap: CompletionTap, t_done: float) -> float:
-    """The status of a stream cut short after its final event was relayed; returns its end time."""
+@dataclass(slots=True)
+class _Asks:
+    """What the proxy asks an arm for beyond the client's request, narrowed at each refusal: vLLM's
+    extensions, then the standard usage; ``left_out`` holds the refusals to remember once a request
+    without them succeeds."""
+
+    arm: Arm
+    state: UpstreamState
+    extensions: bool
+    usage: bool
+    left_out: list[dict[str, float]] = field(default_factory=list)
+
+    @classmethod
+    def for_arm(cls, arm: Arm, state: UpstreamState) -> _Asks:
+        """Everything the arm is not known to refuse (a llama.cpp arm: nothing)."""
+        engine = state.engine_of(arm)
+        extensions = engine != "llamacpp" and (
+            arm.vllm_extensions == "on"
+            or (arm.vllm_extensions == "auto" and not state.refuses(state.rejects_extensions, arm.url))
+        )
+        usage = engine != "llamacpp" and not state.refuses(state.rejects_stream_options, arm.url)
+        return cls(arm, state, extensions, usage)
+
+    def body(self, body: dict[str, Any]) -> tuple[bytes, _Strip]:
+        """The body to send now and what to strip from its response."""
+        data, strip = _upstream_body(self.arm, body, with_extensions=self.extensions, with_usage=self.usage)
+        strip.null_ids = self.state.engine_of(self.arm) == "vllm"
+        return data, strip
+
+    def drop_refused(self, status: int, err_body: bytes, strip: _Strip) -> bool:
+        """Whether this error refuses something the proxy added, and the next try leaves it out."""
+        rejected = status in (400, 422) and strip.added and any(m in err_body for m in _REJECTION_MARKERS)
+        if rejected and self.extensions and self.arm.vllm_extensions == "auto":
+            self.extensions = False
+            self.left_out.append(self.state.rejects_extensions)
+            return True
+        if rejected and not self.extensions and strip.usage:
+            self.usage = False
+            self.left_out.append(self.state.rejects_stream_options)
+            return True
+        return False
+
+    def accepted(self) -> None:
+        """Refused with what the proxy added, accepted without: the arm refuses it."""
+        for refusals in self.left_out:
+            refusals[self.arm.url] = time.monotonic()
+
+
+async def _exchange(
+    client: UpstreamClient,
+    url: str,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    timeout: UpstreamTimeout,
+    relay: Relay | None,
+    asks: _Asks,
+    result: CallResult,
+) -> None:
+    """Post until the arm answers something other than a refusal of what the proxy added, then relay
+    and tap that answer; ``result.t_end`` is set once the answer has been read to its end."""
+    record = result.record
+    while True:
+        data, strip = asks.body(body)
+        ex = await client.post(url, data, headers, connect_timeout=timeout.connect, read_timeout=timeout.read)
+        try:
+            result.http_status = record.http_status = ex.status
+            if ex.status >= 400:
+                err_body = await ex.read()
+                if asks.drop_refused(ex.status, err_body, strip):
+                    continue
+                result.t_end = time.perf_counter()
+                await _pass_http_error(ex, err_body, relay, result)
+                return
+            asks.accepted()
+            await _read_answer(ex, relay, strip, result)
+            result.t_end = time.perf_counter()
+            return
+        finally:
+            # A body read to its end leaves the connection reusable; anything else closes it, which
+            # makes vLLM abort the generation.
+            if result.t_end is None:
+                ex.abort()
+            else:
+                ex.release()
+
+
+async def _pass_http_error(ex: Exchange, err_body: bytes, relay: Relay | None, result: CallResult) -> None:
+    """An upstream 4xx/5xx: the record says ``http_error`` and the relay gets the response as it is."""
+    result.record.status = "http_error"
+    result.record.error = _error_message(err_body)
+    if relay is not None:
+        await _relay_start(relay, result, ex.status, _content_type(ex))
+        await _relay_body(relay, err_body)
+
+
+async def _read_answer(ex: Exchange, relay: Relay | None, strip: _Strip, result: CallResult) -> None:
+    """Relay and tap a successful response, a stream or a JSON body, and judge what it held."""
+    record, tap = result.record, result.tap
+    if ex.content_type == "text/event-stream":
+        await _read_stream(ex, tap, relay, strip, result)
+        if not tap.done and tap.error is None:
+            record.status = "upstream_error"
+            record.error = "stream ended before data: [DONE]"
+    else:
+        payload = await ex.read()
+        now = time.perf_counter()
+        if tap.feed_body(payload, now) is None:
+            # Not a completion: the relay is not started, so the client gets a 502.
+            record.status = "upstream_error"
+            record.error = tap.malformed or "response is not a JSON object"
+        elif relay is not None:
+            await _relay_start(relay, result, ex.status, _content_type(ex))
+            await _relay_body(relay, _strip_body(payload, strip))
     if tap.error is not None:
         record.status = "upstream_error"
         record.error = _error_message(orjson.dumps({"error": tap.error}))
-    return t_done
+
+
+def _cut_short(result: CallResult, error: str) -> None:
+    """A call the client ended: complete if the stream's final event had already been relayed (its end
+    time is then that of the final event), else ``client_cancelled``."""
+    record, tap = result.record, result.tap
+    if tap.relayed_done is not None:
+        result.t_end = tap.relayed_done
+        if tap.error is not None:
+            record.status = "upstream_error"
+            record.error = _error_message(orjson.dumps({"error": tap.error}))
+    else:
+        record.status = "client_cancelled"
+        record.error = error
+
+
+def _timeout_error(exc: TimeoutError, timeout: UpstreamTimeout) -> str:
+    if str(exc):
+        return f"upstream timed out: {exc}"
+    if timeout.total is not None:
+        return f"upstream timed out (the call's limit of {timeout.total:g} s)"
+    return "upstream timed out"
+
+
+def _settle_record(
+    result: CallResult, arm: Arm, body: dict[str, Any], state: UpstreamState, capture_output: bool
+) -> None:
+    """The span's figures once the call is over, however it ended."""
+    record, tap = result.record, result.tap
+    if record.error and not capture_output and (record.status == "http_error" or tap.error is not None):
+        record.error = redact_request_text(record.error, body)  # the arm's text may quote the prompt
+    _finish_record(record, arm, tap, result.t_send, result.t_end, capture_output)
+    _record_engine_facts(record, arm, tap, state)
+    _record_latency(record, tap)
+    # Values from the client and the backend (a seed of 2**64 - 1, an undecodable request id) are made
+    # to fit the store's columns here, each change noted in the record, so no row is lost to them.
+    fit_to_columns(record)
 
 
 def _content_type(ex: Exchange) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ import orjson
 
 from specproxy.proxy.upstream.calls import UpstreamState
 from tests.proxies import running_proxy, spans
-from tests.support import free_port, stop, wait_http
+from tests.support import engine_servers
 
 PROMPTS = [
     "Repeat exactly: def add(a, b):\n    return a + b",
@@ -58,27 +57,12 @@ NEAR_TIE = 0.5  # nat; the report's near-tie threshold
 
 @contextmanager
 def llama_servers(gguf: str) -> Iterator[dict[str, str]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    urls: dict[str, str] = {}
+    """A plain llama-cpp-python server and a prompt-lookup one on ``gguf``, ready."""
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", "1024", "--seed", "0"]
+    variants = {"plain": [], "lookup": ["--draft_model", "prompt-lookup-decoding"]}
     logs = Path(tempfile.mkdtemp(prefix="llama-bench-"))
-    try:
-        for name, extra in (("plain", []), ("lookup", ["--draft_model", "prompt-lookup-decoding"])):
-            port = free_port()
-            argv = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port)]
-            with (logs / f"{name}.log").open("wb") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [*argv, "--n_ctx", "1024", "--seed", "0", *extra],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-            urls[name] = f"http://127.0.0.1:{port}"
-            wait_http(urls[name] + "/v1/models", timeout=300, proc=procs[-1])
+    with engine_servers(command, variants, ready_path="/v1/models", logs=logs, timeout=300) as urls:
         yield urls
-    finally:
-        for proc in procs:
-            stop(proc)
 
 
 def _body(prompt: str, max_tokens: int) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from specproxy.config import Arm
 from specproxy.proxy.replay.loadgen import closed_loop, open_loop, poisson_offsets
 from specproxy.proxy.upstream.calls import UpstreamState, call_arm, new_record
 from specproxy.proxy.upstream.wire import UpstreamClient
-from tests.support import free_port, wait_http
+from tests.support import backend_process
 
 BODY = {
     "model": "test-model",
@@ -102,25 +101,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--levels", default="1,16,64")
     args = ap.parse_args()
-    port = free_port()
-    backend = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.backends",
-            "--port",
-            str(port),
-            "--ttft-ms",
-            "0",
-            "--itl-ms",
-            "0",
-            "--tokens",
-            "4",
-        ],
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=None)
+    with backend_process("--ttft-ms", "0", "--itl-ms", "0", "--tokens", "4") as url:
         try:
             import uvloop
 
@@ -128,17 +109,7 @@ def main() -> None:
         except ImportError:
             runner = asyncio.Runner()
         with runner:
-            runner.run(
-                bench(
-                    f"http://127.0.0.1:{port}",
-                    args.rate,
-                    args.seconds,
-                    [int(x) for x in args.levels.split(",")],
-                )
-            )
-    finally:
-        backend.terminate()
-        backend.wait(10)
+            runner.run(bench(url, args.rate, args.seconds, [int(x) for x in args.levels.split(",")]))
 
 
 if __name__ == "__main__":

@@ -37,25 +37,14 @@ import duckdb
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from tests.support import free_port, start_cli, wait_http  # noqa: E402
+from tests.support import free_port, metric_totals, start_cli, wait_http  # noqa: E402
 
 POISON: list[tuple[dict[str, Any], dict[str, str]]] = [
     ({"seed": 2**64 - 1}, {}),
     ({"max_tokens": 2**31}, {}),
     ({}, {"X-Specproxy-Concurrency-Level": str(2**31)}),
 ]
-
-
-def metric_totals(text: str) -> dict[str, float]:
-    """Each metric family of a /metrics page, its samples summed (labels ignored)."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.name.endswith("_created"):
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
 
 
 def start_backend(port: int) -> subprocess.Popen[bytes]:

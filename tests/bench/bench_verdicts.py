@@ -459,6 +459,15 @@ def report_replays(runs: list[RunVerdicts], levels: list[int], truth: dict[int, 
     )
 
 
+def stability_mark(seen: list[str]) -> str:
+    """``same`` when every judged run agrees (UNRELIABLE runs judged nothing), else how it differs."""
+    judged = {v for v in seen if v != "UNRELIABLE"}
+    unjudged = len(seen) - sum(v != "UNRELIABLE" for v in seen)
+    if len(judged) <= 1:
+        return "same" + (f" ({unjudged} UNRELIABLE)" if unjudged and judged else "")
+    return "FLIPS" if {"WIN", "LOSS"} <= judged else "differs"
+
+
 def stability(n: int, work: Path, measure: bool) -> None:
     """``n`` lab --quick runs into work/lab-i (or, without ``measure``, the ones already there)."""
     per_arm: dict[str, list[str]] = {}
@@ -472,12 +481,13 @@ def stability(n: int, work: Path, measure: bool) -> None:
             print(f"  lab --quick #{i + 1}: {walls[-1]:.0f} s", flush=True)
         for arm, verdict in verdicts_of(out / "specproxy.duckdb").deploy.items():
             per_arm.setdefault(arm, []).append(verdict)
+    steady = []
     for arm, seen in sorted(per_arm.items()):
-        flips = "WIN" in seen and "LOSS" in seen
-        same = len(set(seen)) == 1
-        print(
-            f"stability {arm:<12} {' / '.join(seen)}   {'same' if same else 'FLIPS' if flips else 'differs'}"
-        )
+        mark = stability_mark(seen)
+        steady.append(mark.startswith("same"))
+        print(f"stability {arm:<12} {' / '.join(seen)}   {mark}")
+    if per_arm:
+        print(f"TARGET  stability {'met' if all(steady) else 'NOT met'} over {len(outs)} consecutive labs")
     if walls:
         print(f"cost: lab --quick wall time {', '.join(f'{w:.0f}' for w in walls)} s   (target ≤ 180 s)")
 
