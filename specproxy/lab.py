@@ -75,7 +75,7 @@ from specproxy.pacing import CLOCK_LIMIT, LOOP_LIMIT, SimPacer
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
 from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, THRESHOLDS
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
-from specproxy.proxy.replay.summary import print_summary
+from specproxy.proxy.replay.summary import print_rounds, print_summary
 from specproxy.proxy.replay.workload import mixed_workload
 from specproxy.proxy.spans.sink import HealthRow, SpanSinkError
 from specproxy.schema import rate_label
@@ -91,6 +91,13 @@ SLOWEST_PACED_SCALE = 1 / 4
 # c=256 the lab's one client process reads 5 × 256 streams.
 SLOWEST_CLIENT_PACED_SCALE = 1 / 8
 REPLICA = "replica"
+# Rounds a level may add when too few of its rounds passed every health check. At c=256 of a quick lab
+# on two loaded cores one to three of five rounds failed while the others were fine; three extras can
+# make up even for four failed rounds when the machine calms down, and none runs where they could not
+# make enough. A c=256 round of a quick lab sends its calls in 6-7 s at time scale 1/4; all three
+# there add about 20 s to the 75-135 s the quick lab took at load 2-5 (a lower level's round costs
+# 1-3.5 s at full speed, up to 14 s when paced down to 1/4).
+EXTRA_ROUNDS = 3
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
 # REPLICA is a plain copy of it.
@@ -127,6 +134,9 @@ class LabPlan:
     # quantile on 4-7 degrees of freedom (3.5-4.6 for a 99 % interval): a true ratio a few percent from
     # the margin's line lands on either side of it from run to run. More rounds shrink both factors.
     top_rounds: int | None = None
+    # Rounds a level may add when too few of its rounds passed every health check (a loaded machine
+    # fails a round now and then while the rounds around it are fine); each costs one round's time.
+    extra_rounds: int = 0
     # Open-loop sweeps: default rates as shares of the baseline's estimated capacity, and how many
     # seconds of arrivals a rate level sends per round.
     rate_shares: tuple[float, ...] = (1 / 32, 1 / 8, 1 / 2, 1.0)
@@ -158,6 +168,7 @@ QUICK = LabPlan(
     max_tokens_scale=0.5,
     rounds=3,
     top_rounds=5,
+    extra_rounds=EXTRA_ROUNDS,
 )
 FULL = LabPlan(
     levels=(1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -168,6 +179,7 @@ FULL = LabPlan(
     rounds=3,
     rate_shares=(1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0),
     rate_window_s=8.0,
+    extra_rounds=EXTRA_ROUNDS,
 )
 
 
@@ -408,6 +420,7 @@ def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None) -> LoadPlan:
             items_per_level=plan.items_per_round,
             rounds=plan.rounds,
             rounds_per_level=plan.level_rounds,
+            extra_rounds=plan.extra_rounds,
             warm_fresh_prompts=True,
         )
     return LoadPlan(
@@ -415,6 +428,7 @@ def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None) -> LoadPlan:
         rates=rates,
         items_per_rate=plan.arrivals_per_round,
         rounds=plan.rounds,
+        extra_rounds=plan.extra_rounds,
         warm_fresh_prompts=True,
     )
 
@@ -431,6 +445,15 @@ def _sweep_sentence(plan: LabPlan, rates: tuple[float, ...] | None) -> str:
         n_calls = plan.rounds * sum(plan.arrivals_per_round(r) for r in rates)
         levels = "open-loop rates " + ",".join(f"{r:g}" for r in rates) + " req/s"
     return f"sweep {levels} in paired mode, {plan.rounds} rounds per level, {n_calls} requests per arm"
+
+
+def _extra_sentence(plan: LabPlan) -> str:
+    if plan.extra_rounds == 0:
+        return ""
+    return (
+        f"; up to {plan.extra_rounds} extra round{'s' if plan.extra_rounds > 1 else ''} at a level whose "
+        "rounds leave too few that pass every health check"
+    )
 
 
 def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> Experiment:
@@ -475,6 +498,14 @@ def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> E
     metavar="N",
     help="Measure each level in N rounds, the arms' order rotated each round (default 3; with --quick "
     "the highest concurrency level 5, where the peak throughput is read).",
+)
+@click.option(
+    "--extra-rounds",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help=f"Add up to N rounds to a level whose rounds left too few that passed every health check "
+    f"(3 once one failed), one at a time at the same pace (default {EXTRA_ROUNDS}).",
 )
 @click.option(
     "--at-concurrency",
@@ -554,6 +585,7 @@ def lab(
     levels: tuple[int, ...] | None,
     rates: tuple[float, ...] | None,
     rounds: int | None,
+    extra_rounds: int | None,
     at_concurrency: int | None,
     peak_concurrency: int | None,
     at_rate: float | None,
@@ -592,6 +624,7 @@ def lab(
         rounds=rounds or base.rounds,
         # --rounds N measures every level in N rounds
         top_rounds=None if rounds else base.top_rounds,
+        extra_rounds=base.extra_rounds if extra_rounds is None else extra_rounds,
     )
     experiment = experiment_or_none(config_path)
     if at_concurrency is not None and peak_concurrency is not None and peak_concurrency < at_concurrency:
@@ -657,7 +690,7 @@ def lab(
             show_progress=not no_progress,
             pacer=pacer,
         )
-        console.print(_sweep_sentence(plan, rates), highlight=False)
+        console.print(_sweep_sentence(plan, rates) + _extra_sentence(plan), highlight=False)
         try:
             result = run_async(replay_until_stopped(settings, ItemSet("lab", lab_items)))
         except ReplayError as exc:
@@ -684,6 +717,7 @@ def lab(
                 f"the {profile} clock",
                 highlight=False,
             )
+    print_rounds(result.levels, console, say_none=plan.extra_rounds > 0)
     print_clock_lag(clock_lag_by_level(result.health), console)
     report = analysis_outputs(db_path, out, result.run_id, console)
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)

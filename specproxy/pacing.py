@@ -130,6 +130,9 @@ class SimPacer:
         return {TIME_SCALE_CHECK: scale}
 
     def measured(self, level: int, health: Sequence[HealthRow]) -> None:
+        # ``health`` holds every round of the level, its extra rounds too. A level that extra rounds
+        # brought to enough healthy rounds still slows the next one: its failed rounds showed this
+        # machine struggling at this pace, and the next level only adds load.
         failed = sorted({r.check_name for r in over_threshold(health)})
         if failed and self.scale / 2 >= self.slowest:
             self.scale /= 2

@@ -301,11 +301,11 @@ GROUP BY run_id, arm, level
 """
 
 # Speculative-decoding counters per run, arm and level, from backend_metrics. A window is a phase
-# pair 'X:before' / 'X:after' (replay's 'c=16', or one round of it, 'c=16 r2/3' → level '16') or every
-# scrape of one other phase ('periodic' → level 'live'). Each series (name + labels, so each `engine`)
-# contributes its increase in each window, Prometheus-style: a drop means the counter restarted from
-# zero, so the new value is the increase. Then windows and series are summed per level (over rounds,
-# `engine` and any other label).
+# pair 'X:before' / 'X:after' (replay's 'c=16', or one round of it, 'c=16 r2/3' or an extra round
+# 'c=16 r4 extra' → level '16') or every scrape of one other phase ('periodic' → level 'live'). Each
+# series (name + labels, so each `engine`) contributes its increase in each window, Prometheus-style:
+# a drop means the counter restarted from zero, so the new value is the increase. Then windows and
+# series are summed per level (over rounds, `engine` and any other label).
 ACCEPTANCE_VIEW_TEMPLATE = """
 CREATE OR REPLACE VIEW acceptance AS
 WITH samples AS (
@@ -317,7 +317,7 @@ WITH samples AS (
     FROM backend_metrics
     WHERE name IN ({names})
 ), steps AS (
-    SELECT *, regexp_replace(win, ' r[0-9]+/[0-9]+$', '') AS phase,
+    SELECT *, regexp_replace(win, '{round_suffix}', '') AS phase,
            lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
     FROM samples
 ), series AS (
@@ -358,9 +358,15 @@ LEFT JOIN positions p USING (run_id, arm, phase)
 """
 
 
-def _acceptance_view(*prefixes: str) -> str:
+# A round's suffix of a replay phase: ' r2/3', and from migration 14 also an extra round's ' r6 extra'.
+ROUND_SUFFIX_V8 = " r[0-9]+/[0-9]+$"
+ROUND_SUFFIX = " r[0-9]+(/[0-9]+| extra)$"
+
+
+def _acceptance_view(*prefixes: str, round_suffix: str = ROUND_SUFFIX_V8) -> str:
     """The acceptance view over the spec_decode_* counters of the engines with these metric prefixes:
-    with one, the names are read whole; with several, the prefix is dropped and the rest summed alike."""
+    with one, the names are read whole; with several, the prefix is dropped and the rest summed alike.
+    ``round_suffix``: the pattern cut from a phase to leave its level."""
 
     def names(prefix: str) -> str:
         drafts, tokens, accepted, per_pos = (
@@ -374,7 +380,9 @@ def _acceptance_view(*prefixes: str) -> str:
     else:
         name_column, p = f"regexp_replace(name, '^({'|'.join(prefixes)}):', '') AS name,\n           ", ""
     joined = ",\n                   ".join(names(prefix) for prefix in prefixes)
-    return ACCEPTANCE_VIEW_TEMPLATE.format(name_column=name_column, names=joined, p=p)
+    return ACCEPTANCE_VIEW_TEMPLATE.format(
+        name_column=name_column, names=joined, p=p, round_suffix=round_suffix
+    )
 
 
 ACCEPTANCE_VIEW = _acceptance_view("vllm")
@@ -383,6 +391,9 @@ ACCEPTANCE_VIEW = _acceptance_view("vllm")
 # spec_decode_* names under its own prefix (llamacpp:), with the same meaning (drafting steps, draft
 # tokens, accepted tokens, accepted per draft position); the prefix is dropped and the rest is as above.
 ACCEPTANCE_VIEW_ENGINES = _acceptance_view("vllm", "llamacpp")
+
+# From migration 14: an extra round of a level ('c=256 r6 extra') counts toward its level too.
+ACCEPTANCE_VIEW_EXTRA_ROUNDS = _acceptance_view("vllm", "llamacpp", round_suffix=ROUND_SUFFIX)
 
 # The acceptance view of migrations 2-7 (one window per level), kept as those migrations ran it.
 ACCEPTANCE_VIEW_V2 = """
@@ -462,7 +473,7 @@ ARM_SUMMARY_VIEW = _arm_summary_view(with_rate=True)
 PAIRS_VIEW = _pairs_view(with_rate=True)
 
 # The current views (the analysis creates these over the stores it attaches).
-VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW_ENGINES]
+VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW_EXTRA_ROUNDS]
 # The views as migrations 2-6, 8 and 10 created them: a migration's statements never change once shipped.
 VIEWS_DDL_V2: list[str] = [_ARM_SUMMARY_VIEW_V2, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW_V2]
 VIEWS_DDL_V8: list[str] = [_ARM_SUMMARY_VIEW_V2, _PAIRS_VIEW_V8, IDENTITY_VIEW, ACCEPTANCE_VIEW]
@@ -608,6 +619,8 @@ MIGRATIONS: list[list[str]] = [
     [ACCEPTANCE_VIEW_ENGINES],
     # 13: the latency view (TPOT, pooled inter-token latency, E2E, queueing, tokens per chunk)
     [LATENCY_VIEW],
+    # 14: acceptance counts a level's extra rounds ('c=256 r6 extra') toward the level
+    [ACCEPTANCE_VIEW_EXTRA_ROUNDS],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -101,16 +101,31 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
             "count(*) FILTER (check_name = 'sim_time_scale' AND value > 0 AND threshold IS NULL) FROM health "
             "GROUP BY ALL ORDER BY ALL"
         ).fetchall()
-    # 3 rounds at c=1, 5 at the top level (--quick: the peak's interval); 5 items at c=1 (2 a round),
-    # at c=4 a round fills its 4 slots once; every non-baseline output identical to the baseline's
+    # 3 rounds at c=1, 5 at the top level (--quick: the peak's interval), and up to 3 extra rounds at a
+    # level whose rounds mostly failed a health check on this machine (the lab says so)
+    rounds = {1: 3, 4: 5}
+    assert "sweep 1,4 in paired mode, 3 rounds per level (5 at c=4), 26 requests per arm; up to 3 extra " in (
+        res.stderr
+    )
+    ran = {c: n for (arm, c, *_, n) in rows if arm == "baseline"}
+    for c, planned in rounds.items():
+        extra = ran[c] - planned
+        assert 0 <= extra <= 3
+        if extra:
+            assert f"running extra round {planned + extra}" in res.stderr
+            assert f"rounds: c={c}: {extra} of 3 extra rounds run" in res.stderr
+    if ran == rounds:
+        assert "rounds: every level had enough rounds that passed every health check" in res.stderr
+    # 2 items a round at c=1 (5 over 3 rounds), at c=4 a round fills its 4 slots once; every
+    # non-baseline output identical to the baseline's
     expected = []
     for arm in ("baseline", "draft_model", "eagle3", "ngram", "replica"):
         cand = arm != "baseline"
-        expected += [(arm, 1, 6, 6, 6 if cand else 0, 3), (arm, 4, 20, 20, 20 if cand else 0, 5)]
+        n1, n4 = 2 * ran[1], 4 * ran[4]
+        expected += [(arm, 1, n1, n1, n1 if cand else 0, ran[1]), (arm, 4, n4, n4, n4 if cand else 0, ran[4])]
     assert rows == expected
-    assert "sweep 1,4 in paired mode, 3 rounds per level (5 at c=4), 26 requests per arm" in res.stderr
     # each level-round's health, with one clock reading per simulator and the time scale it ran at
-    assert health == [(1, k, 5, 1) for k in (1, 2, 3)] + [(4, k, 5, 1) for k in range(1, 6)]
+    assert health == [(c, k, 5, 1) for c in (1, 4) for k in range(1, ran[c] + 1)]
     experiment = json.loads(config)
     assert "time scale" in experiment["description"]
     assert (experiment["at_concurrency"], experiment["peak_concurrency"]) == (1, 4)
@@ -123,7 +138,6 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     eagle3 = json.loads(stacks)["eagle3"]
     assert eagle3["speculative"]["method"] == "eagle3"
     assert "--profile" in eagle3["engine"]["argv"] and "--speculative-config" in eagle3["engine"]["argv"]
-    rounds = {1: 3, 4: 5}
     assert {
         f"c={c} r{k}/{rounds[c]}:{when}"
         for c in (1, 4)
@@ -226,8 +240,13 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
     assert sorted(levels) == [
         (arm, [1, 4, 16, 64, 256]) for arm in ("baseline", "draft_model", "eagle3", "ngram", "replica")
     ]
-    # the top level, where the peak throughput is read, in 5 rounds; the others in 3
-    assert per_level_rounds == [(1, 3), (4, 3), (16, 3), (64, 3), (256, 5)]
+    # the top level, where the peak throughput is read, in 5 rounds; the others in 3; each with up to 3
+    # extra rounds where too few rounds passed every health check
+    planned = [(1, 3), (4, 3), (16, 3), (64, 3), (256, 5)]
+    assert [c for c, _ in per_level_rounds] == [c for c, _ in planned]
+    for (c, n), (_, k) in zip(per_level_rounds, planned, strict=True):
+        assert k <= n <= k + 3
+        assert n == k or f"rounds: c={c}: {n - k} of 3 extra rounds run" in res.stderr
     lag_line = next(line for line in res.stderr.splitlines() if "simulator clock lag by level" in line)
     # The n-gram simulator's own search costs it about 10 % at c=256; far beyond that, the machine was
     # too busy for the figures to mean anything and the outcome is not checked.

@@ -167,12 +167,19 @@ def test_help_lists_every_option() -> None:
         "--limit",
         "--duration",
         "--rounds",
+        "--extra-rounds",
         "--db",
         "--run-name",
         "--seed",
         "--on-error",
     ):
         assert opt in res.stdout
+    # what an extra round is, in a sentence a user can act on
+    said = " ".join(res.stdout.split())
+    assert (
+        "--extra-rounds N Add up to N rounds to a level whose rounds left too few that passed every" in said
+    )
+    assert "[default: 0; x>=0]" in said.split("--extra-rounds", 1)[1].split("--warmup", 1)[0]
 
 
 def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str) -> None:

@@ -12,7 +12,7 @@ from specproxy.commandline import ConcurrencyLevels, FiniteFloat, RequestRates, 
 from specproxy.config import Arm
 from specproxy.proxy.replay.formats import FORMATS, FormatError, read_items
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
-from specproxy.proxy.replay.summary import print_summary
+from specproxy.proxy.replay.summary import print_rounds, print_summary
 from specproxy.proxy.spans.sink import SpanSinkError
 
 
@@ -105,6 +105,15 @@ from specproxy.proxy.spans.sink import SpanSinkError
     "shuffled each round; the analysis reads the spread between rounds.",
 )
 @click.option(
+    "--extra-rounds",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Add up to N rounds to a level whose rounds left too few that passed every health check "
+    "(3 once one failed), one at a time at the same pace; a --timed loop is never rerun.",
+)
+@click.option(
     "--warmup",
     type=click.IntRange(min=0),
     metavar="N",
@@ -152,6 +161,7 @@ def replay(
     limit: int | None,
     duration: float | None,
     rounds: int,
+    extra_rounds: int,
     warmup: int | None,
     db_path: Path | None,
     run_name: str | None,
@@ -209,6 +219,7 @@ def replay(
         duration_s=duration,
         warmup=0 if warmup is None and target is not None else warmup,
         rounds=rounds,
+        extra_rounds=extra_rounds,
     )
     settings = ReplaySettings(
         arms=tuple(arms),
@@ -235,6 +246,7 @@ def replay(
     except (ReplayError, SpanSinkError) as exc:
         raise click.ClickException(str(exc)) from None
     print_summary(result, items, console)
+    print_rounds(result.levels, console)
     if result.interrupted:
         console.print("interrupted: the spans measured so far are kept", highlight=False)
         sys.exit(130)

@@ -18,7 +18,9 @@ unrecorded warm-up. A rate level's calls carry ``offered_rate`` (requests/s) and
 else each item once, on the same arrival schedule in every round. Every call's span carries its
 round; from one round to the next the arms' order is rotated (in paired mode, the order in which each
 item's copies go out) and the items are shuffled with the seed, so that a slow moment of the machine
-does not always fall on the same arm or the same items.
+does not always fall on the same arm or the same items. A level whose rounds left too few that passed
+every health check gets up to ``extra_rounds`` more, one at a time at the same pace, numbered after
+the planned ones (``c=256 r6 extra``; :mod:`.extra_rounds`); a timed loop is never rerun.
 Each round also records the measurement's health (:mod:`.health`) in table ``health``. Before
 anything runs, every arm's ``/v1/models`` is asked for its served model (an unreachable arm fails
 the run, naming its URL) and ``/version`` with it; both land in the run's ``stacks_json``.
@@ -49,6 +51,7 @@ import aiohttp
 
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.identity import NOT_COMPARABLE, compare, is_comparable
+from specproxy.proxy.replay.extra_rounds import LevelRounds, extra_round_due, failed_rounds, why_extra
 from specproxy.proxy.replay.formats import ItemSet, ReplayItem
 from specproxy.proxy.replay.health import (
     LoopLagSampler,
@@ -118,6 +121,9 @@ class LoadPlan:
     # Closed loop: a level's own number of rounds where it differs from ``rounds`` (a level whose
     # interval must be narrower, e.g. the one the peak throughput is read at); None = ``rounds`` each.
     rounds_per_level: Callable[[int], int] | None = None
+    # Closed loop and rates: at most this many rounds added to a level with a failed round and fewer
+    # than MIN_HEALTHY_ROUNDS that passed every health check (:mod:`.extra_rounds`).
+    extra_rounds: int = 0
 
     def level_rounds(self, level: int) -> int:
         return self.rounds if self.rounds_per_level is None else self.rounds_per_level(level)
@@ -195,6 +201,7 @@ class ReplayResult:
     interrupted: bool = False
     lag_p99_s: float | None = None  # open loops: the calls' start lag behind schedule, over all rounds
     health: list[HealthRow] = field(default_factory=list)
+    levels: list[LevelRounds] = field(default_factory=list)  # per level: rounds run and how many passed
     notes: list[str] = field(default_factory=list)  # what the user should know about the figures
 
 
@@ -299,7 +306,10 @@ class _Phase:
 
 
 def phase_label(base: str, round_: int, rounds: int) -> str:
-    """``c=16`` for a single round, ``c=16 r2/3`` for the second of three."""
+    """``c=16`` for a single round, ``c=16 r2/3`` for the second of three, ``c=16 r4 extra`` for a
+    round added after three."""
+    if round_ > rounds:
+        return f"{base} r{round_} extra"
     return base if rounds == 1 else f"{base} r{round_}/{rounds}"
 
 
@@ -308,6 +318,9 @@ def rotated(seq: Sequence[Arm], round_: int) -> list[Arm]:
     k = (round_ - 1) % len(seq)
     return [*seq[k:], *seq[:k]]
 
+
+# Sends a round's calls (or (arm, call) pairs) through the given send function, closed or open loop.
+Drive = Callable[[Sequence[Any], Callable[[Any], Awaitable[float | None]]], Awaitable[LoadStats]]
 
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.:-]+")
 
@@ -327,6 +340,8 @@ class ReplayRunner:
         fewest = min([settings.load.rounds, *map(settings.load.level_rounds, settings.load.levels)])
         if fewest < 1:
             raise ReplayError(f"rounds must be ≥ 1, got {fewest}")
+        if settings.load.extra_rounds < 0:
+            raise ReplayError(f"extra rounds must be ≥ 0, got {settings.load.extra_rounds}")
         self.s = settings
         self.items = list(items)
         self.stop = stop or asyncio.Event()
@@ -369,7 +384,7 @@ class ReplayRunner:
     def _calls(self, tag: str, items: Sequence[ReplayItem], phase: _Phase) -> list[_Call]:
         short = self.run_id.removeprefix("replay-")[:6]
         rounds = self.s.load.rounds if phase.level is None else self.s.load.level_rounds(phase.level)
-        if rounds > 1:
+        if rounds > 1 or phase.round > 1:
             tag = f"{tag}r{phase.round}"
         # Request ids are UUIDs, as some servers require: sent as they are, so a --target proxy stores
         # the same request_id in its spans (the join between its spans and replay's).
@@ -534,7 +549,7 @@ class ReplayRunner:
         self,
         phase: _Phase,
         calls: list[_Call],
-        drive: Callable[[Sequence[Any], Callable[[Any], Awaitable[float | None]]], Awaitable[LoadStats]],
+        drive: Drive,
     ) -> list[LoadStats]:
         """Run one measured round: scrape and read the clocks, send every call as ``drive`` schedules
         it (paired: to the arms in this round's order), scrape and read again, record the health."""
@@ -689,15 +704,47 @@ class ReplayRunner:
             ) -> Awaitable[LoadStats]:
                 return closed_loop(seq, level, send, deadline_s=plan.duration_s, stop=self.stop)
 
-            rounds = plan.level_rounds(level)
-            for round_ in range(1, rounds + 1):
-                if self.stop.is_set():
-                    return
-                phase = _Phase(phase_label(f"c={level}", round_, rounds), level, round_)
-                calls = self._calls(f"c{level}", self._round_order(items, phase), phase)
+            async def measure(phase: _Phase, items: list[ReplayItem] = items, drive: Drive = drive) -> None:
+                calls = self._calls(f"c{phase.level}", self._round_order(items, phase), phase)
                 await self._phase(phase, calls, drive)
+
+            await self._level_rounds(f"c={level}", plan.level_rounds(level), measure, level=level)
+            if self.stop.is_set():
+                return
             if self.s.pacer is not None:
+                # Every round's health, the extra rounds' too: a level rescued by extra rounds still had
+                # rounds this machine could not keep up with, so the next (heavier) level starts slower.
                 self.s.pacer.measured(level, [r for r in self.result.health if r.concurrency_level == level])
+
+    async def _level_rounds(
+        self,
+        base: str,
+        planned: int,
+        measure: Callable[[_Phase], Awaitable[None]],
+        *,
+        level: int | None = None,
+        rate: float | None = None,
+    ) -> None:
+        """A level's planned rounds, then extra rounds while too few have passed every health check
+        and the plan allows more (:func:`.extra_rounds.extra_round_due`); each at the level's pace.
+        ``level``: a closed-loop level's concurrency, ``rate``: an open-loop level's offered rate."""
+
+        def of_level(row: HealthRow) -> bool:
+            return row.concurrency_level == level and row.offered_rate == rate
+
+        ran = 0
+        while not self.stop.is_set():
+            if ran >= planned:
+                failed = failed_rounds(row for row in self.result.health if of_level(row))
+                if not extra_round_due(planned, ran, ran - len(failed), self.s.load.extra_rounds):
+                    break
+                self.progress.console.print(why_extra(base, failed, ran + 1), highlight=False)
+            ran += 1
+            await measure(_Phase(phase_label(base, ran, planned), level, ran, rate))
+        failed = failed_rounds(row for row in self.result.health if of_level(row))
+        self.result.levels.append(
+            LevelRounds(base, planned, ran, ran - len(failed), self.s.load.extra_rounds)
+        )
 
     def _rate_schedule(self, rate: float) -> tuple[list[ReplayItem], list[float]]:
         """A rate level's items and Poisson offsets: ``items_per_rate`` arrivals, else arrivals for the
@@ -724,13 +771,17 @@ class ReplayRunner:
             items, offsets = self._rate_schedule(rate)
             await self._warm_level(items, 1 if plan.warmup is None else plan.warmup, 1)
             label = rate_label(rate)
-            for round_ in range(1, plan.rounds + 1):
-                if self.stop.is_set():
-                    break
-                phase = _Phase(phase_label(label, round_, plan.rounds), None, round_, rate)
-                ordered = self._round_order(items, phase)
-                calls = self._calls(label.replace("=", ""), ordered, phase)
-                lags += await self._open_phase(phase, calls, offsets)
+
+            async def measure(
+                phase: _Phase,
+                items: list[ReplayItem] = items,
+                offsets: list[float] = offsets,
+                tag: str = label,
+            ) -> None:
+                calls = self._calls(tag.replace("=", ""), self._round_order(items, phase), phase)
+                lags.extend(await self._open_phase(phase, calls, offsets))
+
+            await self._level_rounds(label, plan.rounds, measure, rate=rate)
         self.result.lag_p99_s = p99(lags)
 
     async def _timed(self) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rich.console import Console
 from rich.markup import escape
 
+from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.replay.formats import ItemSet
 from specproxy.proxy.replay.health import ACHIEVED_RATE, RATE_SHORTFALL, over_threshold
 from specproxy.proxy.replay.runner import ReplayResult
@@ -52,6 +55,18 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
     console.print(
         f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}", highlight=False
     )
+
+
+def print_rounds(levels: Sequence[LevelRounds], console: Console, *, say_none: bool = False) -> None:
+    """What extra rounds did, per level that needed them (``say_none``: also say when none did)."""
+    said = [s for s in (level.sentence() for level in levels) if s is not None]
+    for sentence in said:
+        console.print(f"rounds: {sentence}", highlight=False)
+    if not said and say_none and levels:
+        console.print(
+            "rounds: every level had enough rounds that passed every health check; no extra round ran",
+            highlight=False,
+        )
 
 
 def _rate_levels(health: list[HealthRow]) -> dict[float, tuple[float, float]]:
