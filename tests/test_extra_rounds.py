@@ -16,8 +16,8 @@ from specproxy.proxy.replay.extra_rounds import (
     judged,
     why_extra,
 )
-from specproxy.proxy.replay.health import MIN_HEALTHY_ROUNDS
 from specproxy.proxy.spans.sink import HealthRow
+from specproxy.schema import MIN_HEALTHY_ROUNDS
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

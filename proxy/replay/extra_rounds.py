@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from specproxy.proxy.replay.health import MIN_HEALTHY_ROUNDS, over_threshold
+from specproxy.proxy.replay.health import over_threshold
 from specproxy.proxy.spans.sink import HealthRow
+from specproxy.schema import MIN_HEALTHY_ROUNDS
 
 
 def judged(ran: int, healthy: int) -> bool:
