@@ -24,6 +24,7 @@ from specproxy.analysis.latency_table import (
     LATENCY_TITLE,
     latency_cells,
     latency_csv,
+    latency_notes,
 )
 from specproxy.analysis.levels import level_name
 from specproxy.analysis.provenance import TEXT_ESTIMATE_ERROR
@@ -359,6 +360,7 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
             if settings.latency_table:
                 lat_rows = [latency_cells(r) for r in ev.rows]
                 block += f"\n\n{LATENCY_TITLE}:\n\n{_markdown(LATENCY_HEADERS, lat_rows)}"
+                block += "".join(f"\n- {n}" for n in latency_notes(ev.rows))
         else:
             notes = "\n".join(f"  {n}" for n in run_notes(ev, settings, all_reasons=False))
             block = f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}"
@@ -371,6 +373,7 @@ def render_table(evals: Sequence[RunEvaluation], settings: Settings, markdown: b
             if settings.latency_table:
                 lat_rows = [latency_cells(r) for r in ev.rows]
                 block += f"\n\n{LATENCY_TITLE}\n{_aligned(LATENCY_HEADERS, lat_rows, left={0, 1})}"
+                block += "".join(f"\n  {n}" for n in latency_notes(ev.rows))
         blocks.append(block)
     return "\n\n".join(blocks) + "\n"
 
