@@ -11,6 +11,9 @@ and carries it whole. Per level and round the health table holds the two bounds:
     engine_write_delay_p99_s   per simulator arm: the P99 time from a step landing to its chunk going
                                to the socket (real engines report none; then the loop lag alone counts)
 
+The loop lag is sampled by sleeping and timing the wake-up, so it also holds the loop's timer
+granularity (a timer fires up to about a millisecond past its time: ~1.7 ms P99 on an idle loop here),
+which a socket read does not wait for: the resolution errs on the side of calling a tail unresolved.
 An arm's resolution at a level is the worst round's sum. A tail figure is *resolved* when the
 resolution is at most :data:`RESOLVED_SHARE` of it: then no single late stamp moves it by more than
 that. An unresolved figure is still what was measured; it says as much about the machine as about the
