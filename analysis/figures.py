@@ -16,6 +16,7 @@ import numpy as np
 
 from specproxy.analysis.levels import LEVEL_SQL, level_load, level_sort_key
 from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES, NOT_RECORDED, SpecCounts, TokenCounts
+from specproxy.analysis.resolution import TimingResolution, resolution_for, timing_resolutions
 from specproxy.analysis.stats import FloatArray
 from specproxy.analysis.store import SpanStore
 from specproxy.schema import LATENCY_SAMPLE_BYTES
@@ -469,6 +470,12 @@ class LatencyFigures:
     ``chunks`` when the engine gave each chunk's count (``sized_chunks`` chunks; mean and percentiles
     over them), ``per-call mean`` when only completion_tokens / chunks per call is known (the mean of
     that, no percentiles), None when neither is.
+
+    ``timing_resolution_s``: the noise one gap can carry at this level (:mod:`.resolution`: the
+    measuring loop's lag P99 ``resolution_loop_lag_s`` plus the simulator's write delay P99
+    ``resolution_write_delay_s``; None when the run recorded neither); ``p95_itl_resolved``,
+    ``p99_itl_resolved`` and ``max_stall_resolved`` say whether each tail figure is at least 50 times
+    that (None when either is unknown).
     """
 
     calls: int
@@ -496,16 +503,55 @@ class LatencyFigures:
     mean_tokens_per_chunk: float | None
     p50_tokens_per_chunk: float | None
     p99_tokens_per_chunk: float | None
+    timing_resolution_s: float | None = None
+    resolution_loop_lag_s: float | None = None
+    resolution_write_delay_s: float | None = None
+    p95_itl_resolved: bool | None = None
+    p99_itl_resolved: bool | None = None
+    max_stall_resolved: bool | None = None
+
+    def tails(self) -> dict[str, float | None]:
+        """The tail figures a single gap's noise can move: name → seconds."""
+        return {"P95": self.p95_itl_s, "P99": self.p99_itl_s, "max": self.max_stall_s}
 
 
-_LATENCY_FIELDS = tuple(LatencyFigures.__dataclass_fields__)
+_RESOLUTION_FIELDS = (
+    "timing_resolution_s",
+    "resolution_loop_lag_s",
+    "resolution_write_delay_s",
+    "p95_itl_resolved",
+    "p99_itl_resolved",
+    "max_stall_resolved",
+)
+_VIEW_FIELDS = tuple(f for f in LatencyFigures.__dataclass_fields__ if f not in _RESOLUTION_FIELDS)
+
+
+def _resolution_fields(resolution: TimingResolution | None, view: dict[str, Any]) -> dict[str, Any]:
+    """The resolution columns of one (arm, level), from its resolution and its view row's tails."""
+    if resolution is None:
+        return {}
+    return {
+        "timing_resolution_s": resolution.total_s,
+        "resolution_loop_lag_s": resolution.loop_lag_p99_s,
+        "resolution_write_delay_s": resolution.write_delay_p99_s,
+        "p95_itl_resolved": resolution.resolves(view["p95_itl_s"]),
+        "p99_itl_resolved": resolution.resolves(view["p99_itl_s"]),
+        "max_stall_resolved": resolution.resolves(view["max_stall_s"]),
+    }
 
 
 def latency_figures(store: SpanStore, run_id: str) -> dict[tuple[str, str], LatencyFigures]:
-    """Per (arm, level) of the run, its latency figures (one pass over the ``latency`` view)."""
-    columns = ", ".join(_LATENCY_FIELDS)
+    """Per (arm, level) of the run, its latency figures (one pass over the ``latency`` view), each
+    with its level's timing resolution (read first, from the health table)."""
+    resolutions = timing_resolutions(store, run_id)
+    columns = ", ".join(_VIEW_FIELDS)
     rows = store.query(f"SELECT arm, level, {columns} FROM latency WHERE run_id = ?", [run_id])
-    return {(r["arm"], r["level"]): LatencyFigures(**{k: r[k] for k in _LATENCY_FIELDS}) for r in rows}
+    out = {}
+    for r in rows:
+        view = {k: r[k] for k in _VIEW_FIELDS}
+        resolution = resolution_for(resolutions, r["arm"], r["level"])
+        out[(r["arm"], r["level"])] = LatencyFigures(**view, **_resolution_fields(resolution, view))
+    return out
 
 
 # The CDF's points: every percentile from 0 to 99, then 99.5 and 99.9 (a tail of stalls past them

@@ -9,6 +9,10 @@ part of the calls says so: ITL on the calls with at least two content chunks (``
 level with more gaps than the analysis parses, pooled over a uniform sample of its calls), queueing
 on the calls whose engine reported it, tokens per chunk on the chunks whose counts the engine gave
 (else ``~``, the mean of completion_tokens / chunks per call).
+
+A tail figure (ITL P95, P99, the largest stall) that its level's timing resolution does not resolve
+(:mod:`.resolution`: the noise one gap can carry is more than 2 % of it) is marked ``*``, and a note
+under the table says how far it can be trusted.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from specproxy.analysis.figures import LatencyFigures
+from specproxy.analysis.resolution import TimingResolution, resolution_note
 from specproxy.analysis.rows import LevelRow
 
 DASH = "—"
@@ -58,17 +63,27 @@ LATENCY_CSV_FIELDS = (
     "mean_tokens_per_chunk",
     "p50_tokens_per_chunk",
     "p99_tokens_per_chunk",
+    "timing_resolution_s",
+    "resolution_loop_lag_s",
+    "resolution_write_delay_s",
+    "p95_itl_resolved",
+    "p99_itl_resolved",
+    "max_stall_resolved",
 )
+UNRESOLVED_MARK = "*"
 
 
 def _num(value: float | None, digits: int, scale: float = 1.0) -> str:
     return DASH if value is None else f"{value * scale:.{digits}f}"
 
 
-def _triple(values: tuple[float | None, ...], digits: int, scale: float) -> str:
+def _triple(
+    values: tuple[float | None, ...], digits: int, scale: float, resolved: tuple[bool | None, ...] = ()
+) -> str:
     if all(v is None for v in values):
         return DASH
-    return " / ".join(_num(v, digits, scale) for v in values)
+    marks = [UNRESOLVED_MARK if ok is False else "" for ok in resolved] + [""] * len(values)
+    return " / ".join(_num(v, digits, scale) + mark for v, mark in zip(values, marks, strict=False))
 
 
 def tokens_per_chunk_cell(lat: LatencyFigures) -> str:
@@ -98,13 +113,32 @@ def latency_cells(row: LevelRow) -> list[str]:
         *head,
         str(lat.calls),
         _triple((lat.mean_tpot_s, lat.p50_tpot_s, lat.p99_tpot_s), 1, 1000.0),
-        _triple((lat.p50_itl_s, lat.p95_itl_s, lat.p99_itl_s), 1, 1000.0)
+        _triple(
+            (lat.p50_itl_s, lat.p95_itl_s, lat.p99_itl_s),
+            1,
+            1000.0,
+            (None, lat.p95_itl_resolved, lat.p99_itl_resolved),
+        )
         + (f" ({lat.sample_share:.0%} sample)" if lat.sample_share < 1 else ""),
-        _num(lat.max_stall_s, 1, 1000.0),
+        _num(lat.max_stall_s, 1, 1000.0) + (UNRESOLVED_MARK if lat.max_stall_resolved is False else ""),
         _triple((lat.p50_e2e_s, lat.p95_e2e_s, lat.p99_e2e_s), 2, 1.0),
         queue,
         tokens_per_chunk_cell(lat),
     ]
+
+
+def latency_notes(rows: list[LevelRow]) -> list[str]:
+    """One note per arm and level whose ITL tails are marked unresolved: the noise and its share."""
+    notes = []
+    for row in rows:
+        lat = row.latency
+        if lat is None or lat.timing_resolution_s is None:
+            continue
+        resolution = TimingResolution(lat.resolution_loop_lag_s, lat.resolution_write_delay_s)
+        note = resolution_note(row.level, row.arm, resolution, lat.tails())
+        if note is not None:
+            notes.append(f"{UNRESOLVED_MARK} {note}")
+    return notes
 
 
 def latency_csv(row: LevelRow) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from specproxy.analysis.latency_table import (
     LATENCY_TITLE,
     latency_cells,
     latency_csv,
+    latency_notes,
 )
 from specproxy.analysis.levels import level_name
 from specproxy.analysis.provenance import TEXT_ESTIMATE_ERROR
@@ -376,6 +377,7 @@ def _run_block(ev: RunEvaluation, settings: Settings, markdown: bool) -> str:
     if settings.latency_table:
         lat_rows = [latency_cells(r) for r in ev.rows]
         block += _titled(LATENCY_TITLE, _table(LATENCY_HEADERS, lat_rows, markdown), markdown)
+        block += "".join(f"\n{bullet}{n}" for n in latency_notes(ev.rows))
     return block
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from specproxy import __version__
 from specproxy.analysis.evaluation import CategoryRow, RunEvaluation, Settings, level_sort_key
 from specproxy.analysis.figures import CDF_QUANTILES, itl_cdf
-from specproxy.analysis.latency_table import LATENCY_HEADERS, LATENCY_TITLE, latency_cells
+from specproxy.analysis.latency_table import LATENCY_HEADERS, LATENCY_TITLE, latency_cells, latency_notes
 from specproxy.analysis.levels import AXIS_LABEL, LEVEL_SQL, level_unit, run_unit
 from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES
 from specproxy.analysis.render import (
@@ -237,6 +237,7 @@ def _latency(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) -> str
     table = f'<p class="muted">{escape(LATENCY_TITLE)}</p>' + _table(
         LATENCY_HEADERS, [latency_cells(r) for r in ev.rows], {0, 1}
     )
+    table += "".join(f'<p class="muted">{escape(n)}</p>' for n in latency_notes(ev.rows))
     point = operating_level(ev)
     cdfs = itl_cdf(store, ev.run_id, point[0]) if point is not None else {}
     if point is None or not cdfs:

@@ -6,13 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import duckdb
 
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim
 from specproxy.proxy.replay.formats import ReplayItem
-from specproxy.proxy.replay.health import THRESHOLDS, over_threshold
+from specproxy.proxy.replay.health import (
+    THRESHOLDS,
+    SimClock,
+    histogram_quantile,
+    over_threshold,
+    write_delay_p99,
+)
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from tests.backends import BackendConfig, running_backend
 
@@ -125,6 +132,42 @@ async def test_a_simulator_that_cannot_keep_its_clock_gets_a_lagging_health_row(
         ("fast", 1),
         ("fast", 2),
     }
+
+
+async def test_a_simulators_write_delays_are_counted_per_chunk_and_recorded_per_round(tmp_path: Path) -> None:
+    """The simulator counts one write delay per streamed chunk with new tokens (its histogram in
+    /sim/stats); replay records the P99 of each round's delays per arm, a row that never gates."""
+    db = tmp_path / "spans.duckdb"
+    async with running_sim(SimConfig(time_scale=5)) as sim, aiohttp.ClientSession() as session:
+        arms = (Arm(name="base", url=sim.url, role="baseline"),)
+        settings = ReplaySettings(
+            arms=arms, db_path=db, show_progress=False, load=LoadPlan(levels=(2,), warmup=0, rounds=2)
+        )
+        result = await run_replay(settings, items(4, max_tokens=16))
+        async with session.get(sim.url + "/sim/stats") as resp:
+            stats = await resp.json()
+        async with session.get(sim.url + "/sim/requests?timeline=1&limit=100") as resp:
+            truths = (await resp.json())["requests"]
+    bounds, counts = stats["write_delay_bounds_s"], stats["write_delay_counts"]
+    assert len(counts) == len(bounds) + 1 and bounds == sorted(bounds)
+    assert sum(counts) == sum(len(t["sent_s"]) for t in truths) > 0
+    delays = rows(
+        db,
+        "SELECT arm, round, value, threshold FROM health "
+        "WHERE check_name = 'engine_write_delay_p99_s' ORDER BY round",
+    )
+    assert [(arm, k, threshold) for arm, k, _, threshold in delays] == [("base", 1, None), ("base", 2, None)]
+    assert all(bounds[0] <= value <= bounds[-1] for *_, value, _ in delays)
+    assert not [r for r in over_threshold(result.health) if r.check_name == "engine_write_delay_p99_s"]
+
+
+def test_a_histograms_p99_is_the_upper_bound_of_the_bucket_that_holds_it() -> None:
+    before = {"a": SimClock(0.0, 1.0, (0.001, 0.002, 0.004), (5, 0, 0, 0))}
+    after = {"a": SimClock(0.0, 2.0, (0.001, 0.002, 0.004), (95, 9, 1, 0))}
+    assert write_delay_p99(before, after) == {"a": 0.002}  # 90, 9 and 1 delays in between
+    assert write_delay_p99(after, before) == {}  # counts went down: a restarted simulator
+    assert write_delay_p99(before, before) == {}  # no chunk written in between
+    assert histogram_quantile((0.001,), (0, 3), 0.99) == 0.001  # above every bound: the last one
 
 
 async def test_each_call_carries_the_engine_load_of_a_scrape_made_during_its_round(tmp_path: Path) -> None:

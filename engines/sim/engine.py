@@ -14,6 +14,7 @@ lookups are dict hits, and listeners are plain callbacks.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import random
 import time
 from collections import OrderedDict, deque
@@ -35,6 +36,10 @@ from specproxy.engines.sim.proposers import (
 from specproxy.engines.sim.text import EOS_ID, Prompt, TargetText
 
 LOOKUP_METHODS = ("ngram", "suffix")
+
+# The write delay histogram's upper bounds: 20 µs to ~1.3 s in steps of 10 %, so a P99 read from it
+# is at most 10 % above the true one (a bucket's upper bound is what it reports).
+WRITE_DELAY_BOUNDS_S = tuple(20e-6 * 1.1**i for i in range(117))
 
 
 @dataclass
@@ -554,6 +559,19 @@ class EngineCore:
             seq.listener()
 
 
+class DelayHistogram:
+    """Cumulative counts of delays per bucket (``counts[i]``: at most ``bounds_s[i]`` and above the
+    bound before; the last count: above every bound). A reader takes two snapshots and subtracts them
+    for the delays in between."""
+
+    def __init__(self, bounds_s: tuple[float, ...]) -> None:
+        self.bounds_s = bounds_s
+        self.counts = [0] * (len(bounds_s) + 1)
+
+    def add(self, delay_s: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds_s, delay_s)] += 1
+
+
 class SimEngine:
     """`EngineCore` on the asyncio clock: each step sleeps its (scaled) duration, then lands.
 
@@ -574,6 +592,7 @@ class SimEngine:
         self.ideal_busy_s = 0.0
         self.lag_s = 0.0
         self.max_lag_s = 0.0
+        self.write_delays = DelayHistogram(WRITE_DELAY_BOUNDS_S)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="specproxy-sim-engine")
@@ -639,6 +658,7 @@ class SimEngine:
 
     def stats(self) -> dict[str, Any]:
         core = self.core
+        delays = self.write_delays
         return {
             "steps": core.steps,
             "running": len(core.running),
@@ -649,4 +669,6 @@ class SimEngine:
             "max_lag_s": self.max_lag_s,
             "clock_lag_ratio": self.clock_lag_ratio,
             "time_scale": self.time_scale,
+            "write_delay_bounds_s": list(delays.bounds_s),
+            "write_delay_counts": list(delays.counts),
         }

@@ -8,7 +8,8 @@
 
 Beyond vLLM's routes the simulator adds ground truth: `GET /sim/requests/{request_id}` (true steps,
 drafts, draft tokens, accepted tokens of one request), `GET /sim/requests`, `GET /sim/stats` (engine
-clock and lag), and `POST /sim/time_scale` (the clock's speed from the next step on). ``?timeline=1``
+clock and lag, and the write delay histogram: from a step landing to its chunks going to the socket),
+and `POST /sim/time_scale` (the clock's speed from the next step on). ``?timeline=1``
 on either request route adds each request's step timeline: ``emit_s`` (when each step that gave it
 tokens landed, seconds since the first token's step), ``emit_tokens``, and for a stream ``sent_s`` (when
 each chunk with new tokens was handed to the socket, same origin).
@@ -193,6 +194,8 @@ async def _stream(
             handed = time.monotonic()
             for truth in fresh:
                 truth.sent_times.append(handed)
+                # From the step that gave these tokens landing to their chunk going to the socket.
+                state.engine.write_delays.add(handed - truth.emit_times[-1])
             chunks += 1
             finished = all(done)
             tail = b""

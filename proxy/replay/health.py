@@ -13,6 +13,10 @@ One row of table ``health`` per check, level and round (``arm`` set only for the
     event_loop_lag_p99_s     the P99 lag in seconds (shown, never gates: it bounds tail figures such
                              as a P95 time to first token)
     proxy_queue_p99_s        from the load generator handing a call over to its upstream request being sent
+    engine_write_delay_p99_s per simulator: the P99 time from a step landing to its chunks going to the
+                             socket over the level-round (``/sim/stats``'s histogram read before and
+                             after; shown, never gates: with the loop lag P99 it is the noise a single
+                             inter-token gap can carry, which the analysis holds the ITL tails to)
 
 An open-loop (rate) level adds two rows, ``offered_rate`` set on every row of the level:
 
@@ -39,7 +43,7 @@ Example::
         ...  # the level-round
     after = await read_sim_clocks(session, arms)
     rows = health_rows(run_id, 16, 1, clock_lag(before, after), start_lags, loop_lag.lags_s, queue_s,
-                       decode_s)
+                       decode_s, write_delay=write_delay_p99(before, after))
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ LOADGEN_START_LAG = "loadgen_start_lag_p99_s"
 EVENT_LOOP_LAG = "event_loop_lag_p99_s"
 EVENT_LOOP_LAG_SHARE = "event_loop_lag_share"
 PROXY_QUEUE = "proxy_queue_p99_s"
+ENGINE_WRITE_DELAY = "engine_write_delay_p99_s"
 ACHIEVED_RATE = "open_loop_achieved_rate"
 RATE_SHORTFALL = "open_loop_rate_shortfall"
 
@@ -75,16 +80,20 @@ THRESHOLDS: Mapping[str, float | None] = {
     EVENT_LOOP_LAG_SHARE: 0.02,
     EVENT_LOOP_LAG: None,
     PROXY_QUEUE: 0.05,
+    ENGINE_WRITE_DELAY: None,
     # An open loop that sent 5 % slower than its schedule measured a lower load than it reports.
     RATE_SHORTFALL: 0.05,
 }
 
 
 class SimClock(NamedTuple):
-    """A simulator's cumulative clock figures (``/sim/stats``): seconds behind, seconds of ideal busy time."""
+    """A simulator's cumulative clock figures (``/sim/stats``): seconds behind, seconds of ideal busy time,
+    and its write delay histogram (empty from a simulator that has none)."""
 
     lag_s: float
     ideal_busy_wall_s: float
+    write_delay_bounds_s: tuple[float, ...] = ()
+    write_delay_counts: tuple[int, ...] = ()
 
 
 async def read_sim_clocks(
@@ -100,7 +109,12 @@ async def read_sim_clocks(
                 if resp.status != 200:
                     return arm.name, None
                 stats = await resp.json()
-            return arm.name, SimClock(float(stats["lag_s"]), float(stats["ideal_busy_wall_s"]))
+            return arm.name, SimClock(
+                float(stats["lag_s"]),
+                float(stats["ideal_busy_wall_s"]),
+                tuple(float(b) for b in stats.get("write_delay_bounds_s", ())),
+                tuple(int(n) for n in stats.get("write_delay_counts", ())),
+            )
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
             return arm.name, None
 
@@ -117,6 +131,41 @@ def clock_lag(before: Mapping[str, SimClock], after: Mapping[str, SimClock]) -> 
             continue  # not read before, or the simulator restarted in between
         busy = end.ideal_busy_wall_s - start.ideal_busy_wall_s
         out[arm] = (end.lag_s - start.lag_s) / busy if busy > 0 else 0.0
+    return out
+
+
+def histogram_quantile(bounds_s: Sequence[float], counts: Sequence[int], q: float) -> float | None:
+    """The upper bound of the bucket that holds the ``q`` quantile of ``counts`` (one count per bound,
+    then one above them all; that last bucket reports the last bound). None when empty.
+
+    >>> histogram_quantile((0.001, 0.002, 0.004), (90, 9, 1, 0), 0.99)
+    0.002
+    """
+    total = sum(counts)
+    if total <= 0 or not bounds_s:
+        return None
+    seen = 0
+    for bound, n in zip(bounds_s, counts, strict=False):
+        seen += n
+        if seen >= q * total:
+            return bound
+    return bounds_s[-1]
+
+
+def write_delay_p99(before: Mapping[str, SimClock], after: Mapping[str, SimClock]) -> dict[str, float]:
+    """arm → the P99 of its simulator's write delays between two readings (arms that wrote no chunk
+    in between, or have no histogram, are left out)."""
+    out: dict[str, float] = {}
+    for arm, end in after.items():
+        start = before.get(arm)
+        if start is None or start.write_delay_bounds_s != end.write_delay_bounds_s:
+            continue
+        counts = [b - a for a, b in zip(start.write_delay_counts, end.write_delay_counts, strict=True)]
+        if any(n < 0 for n in counts):
+            continue  # the simulator restarted in between
+        value = histogram_quantile(end.write_delay_bounds_s, counts, 0.99)
+        if value is not None:
+            out[arm] = value
     return out
 
 
@@ -187,18 +236,21 @@ def health_rows(
     *,
     offered_rate: float | None = None,
     rates: Sequence[tuple[float | None, float | None]] = (),
+    write_delay: Mapping[str, float] | None = None,
 ) -> list[HealthRow]:
     """The ``health`` rows of one level-round: one per simulator, then the client-side checks (left
     out when nothing was measured, e.g. no call was sent), then ``notes``: figures shown with the
     level that never gate (e.g. the time scale the lab ran it at). ``decode_s``: the round's calls'
     times from first to last token. An open-loop level (``offered_rate``) adds its achieved rate and
-    shortfall from ``rates``: (achieved, scheduled) per schedule driven."""
+    shortfall from ``rates``: (achieved, scheduled) per schedule driven. ``write_delay``: arm → its
+    simulator's write delay P99 (:func:`write_delay_p99`)."""
     at = measured_at or datetime.now(UTC)
 
     def row(arm: str | None, check: str, value: float | None) -> HealthRow:
         return HealthRow(run_id, arm, level, round_, check, value, THRESHOLDS.get(check), at, offered_rate)
 
     rows = [row(arm, ENGINE_CLOCK_LAG, lag) for arm, lag in sorted(engine_lag.items())]
+    rows += [row(arm, ENGINE_WRITE_DELAY, delay) for arm, delay in sorted((write_delay or {}).items())]
     for check, value in (
         (LOADGEN_START_LAG, p99(start_lags_s)),
         (EVENT_LOOP_LAG_SHARE, loop_lag_share(loop_lags_s, decode_s)),

@@ -60,6 +60,7 @@ from specproxy.proxy.replay.health import (
     loop_lag_share,
     p99,
     read_sim_clocks,
+    write_delay_p99,
 )
 from specproxy.proxy.replay.loadgen import LoadStats, closed_loop, open_loop, poisson_offsets, timed_offsets
 from specproxy.proxy.replay.progress import ReplayProgress
@@ -592,7 +593,13 @@ class ReplayRunner:
             self.progress.end_phase()
             await self._scrape_boundary(f"{label}:after")
             clocks_after = await read_sim_clocks(self.session, self.s.arms)
-            await self._record_health(phase, clock_lag(clocks_before, clocks_after), stats, loop_lag.lags_s)
+            await self._record_health(
+                phase,
+                clock_lag(clocks_before, clocks_after),
+                stats,
+                loop_lag.lags_s,
+                write_delay_p99(clocks_before, clocks_after),
+            )
         return stats
 
     async def _scrape_boundary(self, phase: str) -> None:
@@ -638,7 +645,12 @@ class ReplayRunner:
             await asyncio.sleep(SCRAPE_DURING_PHASE_S)
 
     async def _record_health(
-        self, phase: _Phase, engine_lag: dict[str, float], stats: list[LoadStats], loop_lags: list[float]
+        self,
+        phase: _Phase,
+        engine_lag: dict[str, float],
+        stats: list[LoadStats],
+        loop_lags: list[float],
+        write_delay: dict[str, float],
     ) -> None:
         start_lags = [lag for st in stats for lag in st.lag_s]
         rows = health_rows(
@@ -653,6 +665,7 @@ class ReplayRunner:
             notes=self._level_notes,
             offered_rate=phase.offered_rate,
             rates=[(st.achieved_rate(), st.scheduled_rate()) for st in stats],
+            write_delay=write_delay,
         )
         self.result.health.extend(rows)
         assert self._sink is not None

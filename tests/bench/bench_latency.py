@@ -1,44 +1,49 @@
-"""Per-request ITL and TPOT as the proxy records them, against the simulator's own step timeline.
+"""Per-request ITL and TPOT as replay (the proxy's measuring code) records them, against the simulator's
+own step timeline, beside what the validity gate says about each level's tails.
 
     .venv/bin/python tests/bench/bench_latency.py [--levels 1,4,16,64] [--time-scale 0.25]
+                                                  [--slow 64:0.0625]
 
-One `specproxy sim` (EAGLE3, k = 3) behind `specproxy serve` in split mode with two arms on it: `plain`
-(no speculative config: the proxy asks for the final usage only, tokens per chunk unknown) and
-`eagle3` (the proxy asks vLLM's continuous usage: tokens per chunk exact). A closed loop sends
-streaming chat requests at each concurrency level (``--requests-per-level`` x c, at least 16), each
-with its own X-Request-Id. Then the proxy is stopped (its span store complete) and each span is
-joined with the simulator's truth for that request (``/sim/requests?timeline=1``): when each engine
+One `specproxy sim` (EAGLE3, k = 3) with two arms on it in split mode: `plain` (no speculative config:
+the final usage only, tokens per chunk unknown) and `eagle3` (vLLM's continuous usage: tokens per chunk
+exact). Each level runs as one `specproxy replay` (closed loop, ``--requests-per-level`` x c streaming
+chat calls, at least 16, after replay's unrecorded warm-up) at the simulator's ``--time-scale``;
+``--slow L:S`` (repeatable; ``L`` may be a list, ``16,64:0.0625``) measures level L again at time
+scale S (the sim's ``POST /sim/time_scale`` first). Replay measures each call with the proxy's own
+code (``call_arm``) and records each round's
+health: its event loop's lag P99 and the simulator's clock lag and write delay P99 (``/sim/stats``).
+`specproxy analyze --format json` on the store then gives, per arm and level, the gate's verdict on
+the level (``reliable``) and its timing resolution (loop lag P99 + write delay P99), with whether it
+resolves the pooled ITL P95, P99 and largest stall (the noise at most 2 % of each). Each span is
+joined with the simulator's truth for its request (``/sim/requests?timeline=1``): when each engine
 step that gave the request tokens landed, and how many it gave.
 
-Per request and level it compares, as relative errors proxy / truth - 1:
+Per request and level it compares, as relative errors measured / truth - 1:
 - TPOT: the span's ``tpot_s`` vs (last step - first step) / (completion_tokens - 1);
 - ITL: the per-call mean gap, ``itl_p50_s``, ``itl_p95_s``, ``itl_p99_s``, ``itl_max_s`` vs the same
   statistics (same percentile method) of the gaps between the request's steps.
 It prints the median and 90th percentile of |error|, the share of requests within 2 % (the target), how
-many streams arrived with one chunk per step (a client or proxy that reads two steps at once sees one
-chunk: a gap of 0 and a doubled one, a true difference in what was delivered, not a timing error), the
-simulator's clock lag at the level and the load average: the machine keeps up when the lag is at most
-1 % and the load average at most the number of cores (a busy machine delays the proxy's and the
-simulator's socket work, which shows first in the per-request tails, P95 to max).
-
-The error against the steps has two parts, printed apart: the proxy's measurement (its figures vs
-the same figures from when the simulator handed each chunk to its socket, the timeline's ``sent_s``)
-and the simulator's own delivery (sent vs the steps: waking each stream's handler and formatting its
-chunk behind the other streams of the step). Then, gap by gap, the differences proxy - sent and
-sent - step in milliseconds: a per-request P99 or largest gap is one gap, and carries its noise whole.
-``--save FILE`` writes the joined spans and truths as JSON.
+many streams arrived with one chunk per step (a client that reads two steps at once sees one chunk: a
+gap of 0 and a doubled one, a true difference in what was delivered, not a timing error) and the load
+average. The error against the steps has two parts, printed apart: the client's measurement (its
+figures vs the same figures from when the simulator handed each chunk to its socket, the timeline's
+``sent_s``) and the simulator's own delivery (sent vs the steps). Then, gap by gap, the differences
+measured - sent and sent - step in milliseconds: a per-request P99 or largest gap is one gap, and
+carries its noise whole. The last line: at the levels whose tails the gate calls resolved, the smallest
+share of requests within 2 % per figure. ``--save FILE`` writes the joined spans and truths as JSON.
 
 ``--time-scale`` < 1 slows the simulated engine (its steps take longer in real time) so that a busy
-machine's scheduling jitter, a fraction of a millisecond, is small beside a step.
+machine's scheduling jitter, a fraction of a millisecond, is small beside a step; the gate's timing
+resolution says when it is small enough.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +51,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import duckdb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,35 +84,6 @@ def write_config(path: Path, sim_url: str) -> Path:
 def get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=30) as resp:
         return json.loads(resp.read())
-
-
-async def closed_loop(url: str, level: int, n: int, max_tokens: int) -> int:
-    """``n`` streaming requests, ``level`` at a time, each read to its end; returns the failures."""
-    queue = list(range(n))
-    failures = 0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-
-        async def worker() -> None:
-            nonlocal failures
-            while queue:
-                i = queue.pop()
-                body = {
-                    "model": "meta-llama/Llama-3.1-8B-Instruct",
-                    "messages": [
-                        {"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({level}-{i})"}
-                    ],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "stream": True,
-                }
-                headers = {"X-Request-Id": f"lat-c{level}-{i}", "X-Specproxy-Concurrency-Level": str(level)}
-                async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
-                    async for _ in r.content.iter_any():
-                        pass
-                    failures += r.status != 200
-
-        await asyncio.gather(*(worker() for _ in range(level)))
-    return failures
 
 
 def timeline_figures(times: list[float], completion_tokens: int) -> dict[str, float] | None:
@@ -151,8 +126,9 @@ def span_figures(span: dict[str, Any]) -> dict[str, float] | None:
 
 
 def print_level(
-    level: int, rows: list[tuple[dict[str, Any], dict[str, Any]]], lag: float, load: float
-) -> None:
+    name: str, rows: list[tuple[dict[str, Any], dict[str, Any]]], gate: dict[str, dict[str, Any]], load: float
+) -> dict[str, float]:
+    """One level's comparison; returns each metric's share of requests within 2 % of the steps."""
     one_per_step = sum(1 for span, truth in rows if span["chunks"] == len(truth["emit_s"]))
     sizes_ok = sum(
         1
@@ -161,20 +137,57 @@ def print_level(
         and [int(n) for n in span["chunk_tokens"].split(",")] == truth["emit_tokens"]
     )
     sized = sum(1 for span, _ in rows if span["chunk_tokens"] is not None)
-    cores = os.cpu_count() or 1
-    keeps_up = "yes" if lag <= 0.01 and load <= cores else "NO"
     print(
-        f"c={level}: {len(rows)} requests compared; one chunk per step in {one_per_step}; tokens per chunk "
-        f"equal to the steps' in {sizes_ok} of {sized} with counts; sim clock lag {lag:.2%}; load {load:.2f} "
-        f"on {cores} cores; the machine keeps up (lag <= 1 %, load <= cores): {keeps_up}"
+        f"{name}: {len(rows)} requests compared; one chunk per step in {one_per_step}; tokens per chunk "
+        f"equal to the steps' in {sizes_ok} of {sized} with counts; load {load:.2f} on {os.cpu_count()} cores"
     )
-    print("  proxy vs the steps (the target)")
-    print_errors([(span_figures(span), truth_figures(truth)) for span, truth in rows])
-    print("  proxy vs the chunks as the simulator sent them (the proxy's measurement)")
+    for arm, row in sorted(gate.items()):
+        print(f"  gate, {arm}: {gate_line(row)}")
+    print(f"  the gate calls the ITL tails resolved (every arm): {'yes' if tails_resolved(gate) else 'NO'}")
+    print("  measured vs the steps (the target)")
+    shares = print_errors([(span_figures(span), truth_figures(truth)) for span, truth in rows])
+    print("  measured vs the chunks as the simulator sent them (the client's measurement)")
     print_errors([(span_figures(span), sent_figures(truth)) for span, truth in rows])
     print("  sent vs the steps (the simulator's own delivery)")
     print_errors([(sent_figures(truth), truth_figures(truth)) for _, truth in rows])
     print_gap_noise(rows)
+    return shares
+
+
+def gate_line(row: dict[str, Any]) -> str:
+    """What the analysis says of one arm at one level: reliable, its resolution and the tails'."""
+    lat = row.get("latency") or {}
+    reliable = "reliable" if row["reliable"] else f"UNRELIABLE ({row['health']})"
+    resolution = lat.get("timing_resolution_s")
+    if resolution is None:
+        return f"{reliable}; no timing resolution recorded"
+    parts = [
+        f"{label} {value * 1000:.2f} ms"
+        for label, value in (
+            ("loop lag P99", lat.get("resolution_loop_lag_s")),
+            ("sim write delay P99", lat.get("resolution_write_delay_s")),
+        )
+        if value is not None
+    ]
+    tails = ", ".join(
+        f"{label} {lat[figure] * 1000:.1f} ms {'resolved' if lat[flag] else 'NOT resolved'}"
+        for label, figure, flag in (
+            ("P95", "p95_itl_s", "p95_itl_resolved"),
+            ("P99", "p99_itl_s", "p99_itl_resolved"),
+            ("max", "max_stall_s", "max_stall_resolved"),
+        )
+        if lat.get(figure) is not None
+    )
+    return f"{reliable}; timing resolution {resolution * 1000:.2f} ms ({' + '.join(parts)}); {tails}"
+
+
+def tails_resolved(gate: dict[str, dict[str, Any]]) -> bool:
+    """Whether the gate trusts the level: reliable, and every arm's ITL tails resolved."""
+    flags = ("p95_itl_resolved", "p99_itl_resolved", "max_stall_resolved")
+    return bool(gate) and all(
+        row["reliable"] and all((row.get("latency") or {}).get(f) is True for f in flags)
+        for row in gate.values()
+    )
 
 
 def print_gap_noise(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
@@ -200,85 +213,165 @@ def print_gap_noise(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
             )
 
 
-def print_errors(pairs: list[tuple[dict[str, float] | None, dict[str, float] | None]]) -> None:
+def print_errors(pairs: list[tuple[dict[str, float] | None, dict[str, float] | None]]) -> dict[str, float]:
     """Per metric: the median, 90th percentile and largest |error| over the requests, and the share
-    within the target."""
+    within the target (returned)."""
     usable = [(p, t) for p, t in pairs if p is not None and t is not None]
+    shares: dict[str, float] = {}
     for metric in METRICS:
         errors = sorted(abs(p[metric] / t[metric] - 1) for p, t in usable if t[metric] > 0)
         if not errors:
             continue
-        within = sum(e <= TARGET for e in errors) / len(errors)
+        within = shares[metric] = sum(e <= TARGET for e in errors) / len(errors)
         print(
             f"   {metric:<9} |error| median {statistics.median(errors):7.3%}  "
             f"p90 {quantile(errors, 0.9):7.3%}  max {errors[-1]:7.3%}  within 2 %: {within:6.1%}   "
             f"reference median {statistics.median(t[metric] for _, t in usable) * 1000:7.2f} ms"
         )
+    return shares
+
+
+def parse_slow(values: list[str]) -> list[tuple[int, float]]:
+    """``64:0.0625`` → [(64, 0.0625)]; ``16,64:0.0625`` → [(16, 0.0625), (64, 0.0625)]."""
+    out = []
+    for value in values:
+        levels, _, scale = value.partition(":")
+        out += [(int(level), float(scale)) for level in levels.split(",")]
+    return out
+
+
+def write_items(path: Path, n: int, max_tokens: int) -> Path:
+    """``n`` chat calls as an OpenAI Batch file, each prompt its own (replay streams them)."""
+    with path.open("w") as f:
+        for i in range(n):
+            body = {
+                "model": "meta-llama/Llama-3.1-8B-Instruct",
+                "messages": [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
+            f.write(json.dumps({"custom_id": f"q{i}", "url": "/v1/chat/completions", "body": body}) + "\n")
+    return path
+
+
+def replay_level(items: Path, config: Path, db: Path, level: int, n: int, rounds: int, name: str) -> None:
+    """One level as its own replay run (its spans and health rows under the run name ``name``)."""
+    cmd = [sys.executable, "-m", "specproxy", "replay", str(items), "--config", str(config), "--db", str(db)]
+    cmd += ["--mode", "split", "--concurrency", str(level), "--limit", str(n), "--rounds", str(rounds)]
+    cmd += ["--run-name", name, "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"replay at c={level} failed:\n{done.stdout}\n{done.stderr}")
+
+
+def post_json(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def read_spans(db: Path) -> list[dict[str, Any]]:
+    """Every ok streamed span, with its run's name."""
+    with duckdb.connect(str(db), read_only=True) as con:
+        rel = con.execute(
+            "SELECT r.name AS run_name, q.* FROM requests q JOIN runs r USING (run_id) "
+            "WHERE q.status = 'ok' AND q.stream ORDER BY q.t_start_ns"
+        )
+        columns = [d[0] for d in rel.description]
+        return [dict(zip(columns, row, strict=True)) for row in rel.fetchall()]
+
+
+def print_summary(trusted: dict[str, dict[str, float]]) -> None:
+    """At the levels whose tails the gate trusts: per figure, the smallest share within 2 %."""
+    if not trusted:
+        print("\nthe gate resolved the ITL tails at no level")
+        return
+    worst = {m: min(shares.get(m, 0.0) for shares in trusted.values()) for m in METRICS}
+    if all(v == 1.0 for v in worst.values()):
+        verdict = "all requests"
+    elif all(v >= 0.95 for v in worst.values()):
+        verdict = ">= 95 % of requests (not all)"
+    else:
+        verdict = "fewer than 95 % of requests"
+    print(
+        f"\nat the levels whose ITL tails the gate resolves ({'; '.join(trusted)}): TPOT and ITL within 2 % "
+        f"of the steps for {verdict}; smallest share per figure: "
+        + ", ".join(f"{m} {v:.1%}" for m, v in worst.items())
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", default="1,4,16,64", help="concurrency levels")
     ap.add_argument("--time-scale", type=float, default=0.25, help="the simulator's --time-scale")
+    ap.add_argument(
+        "--slow", action="append", default=[], metavar="L[,L]:S", help="also measure levels L at time scale S"
+    )
     ap.add_argument("--requests-per-level", type=int, default=2, help="requests per level, times c (min 16)")
+    ap.add_argument("--rounds", type=int, default=1, help="replay's rounds per level")
     ap.add_argument("--max-tokens", type=int, default=96, help="max_tokens of each request")
     ap.add_argument("--save", type=Path, help="write each level's spans and truths here (JSON)")
     args = ap.parse_args()
-    levels = [int(x) for x in args.levels.split(",")]
+    plan = [(int(x), args.time_scale) for x in args.levels.split(",")] + parse_slow(args.slow)
     tmp = Path(tempfile.mkdtemp(prefix="bench-latency-"))
-    sim_port, proxy_port = free_port(), free_port()
-    sim_url, proxy_url = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{proxy_port}"
+    db = tmp / "spans.duckdb"
+    sim_port = free_port()
+    sim_url = f"http://127.0.0.1:{sim_port}"
     sim = start_cli(
         ["sim", "--port", str(sim_port), "--time-scale", str(args.time_scale), "-sc", json.dumps(EAGLE3)]
     )
-    serve = None
-    lags: dict[int, float] = {}
-    loads: dict[int, float] = {}
+    truths: dict[str, dict[str, Any]] = {}
+    loads: dict[str, float] = {}
+    names: list[tuple[str, int]] = []
     try:
         wait_http(sim_url + "/health", 60, sim)
-        db = tmp / "spans.duckdb"
         config = write_config(tmp / "exp.toml", sim_url)
-        serve = start_cli(
-            ["serve", "--config", str(config), "--port", str(proxy_port), "--db", str(db), "--no-scrape"]
+        items = write_items(
+            tmp / "items.jsonl", max(max(16, args.requests_per_level * c) for c, _ in plan), args.max_tokens
         )
-        wait_http(proxy_url + "/health", 60, serve)
         print(
-            f"simulator: EAGLE3 k=3, h100-llama3.1-8b, time scale {args.time_scale}; proxy: split, "
-            f"arms plain and eagle3 on it; {os.cpu_count()} cores; "
+            f"simulator: EAGLE3 k=3, h100-llama3.1-8b; replay: split, arms plain and eagle3 on it, "
+            f"{args.rounds} round(s) per level; {os.cpu_count()} cores; "
             f"load average before {os.getloadavg()[0]:.2f}\n"
         )
-        for level in levels:
-            before = get_json(sim_url + "/sim/stats")
+        for level, scale in plan:
+            name = f"c={level} at time scale {scale:g}"
+            post_json(sim_url + "/sim/time_scale", {"time_scale": scale})
             n = max(16, args.requests_per_level * level)
             t0 = time.perf_counter()
-            failed = asyncio.run(closed_loop(proxy_url, level, n, args.max_tokens))
-            after = get_json(sim_url + "/sim/stats")
-            busy = after["ideal_busy_wall_s"] - before["ideal_busy_wall_s"]
-            lags[level] = (after["lag_s"] - before["lag_s"]) / busy if busy else 0.0
-            loads[level] = os.getloadavg()[0]
-            print(f"c={level}: {n} requests in {time.perf_counter() - t0:.1f} s, {failed} failed")
-        truths = {
-            t["request_id"]: t
-            for t in get_json(sim_url + "/sim/requests?timeline=1&limit=100000")["requests"]
-        }
+            replay_level(items, config, db, level, n, args.rounds, name)
+            loads[name] = os.getloadavg()[0]
+            names.append((name, level))
+            print(f"{name}: {n} requests x {args.rounds} round(s) in {time.perf_counter() - t0:.1f} s")
+            for t in get_json(sim_url + "/sim/requests?timeline=1&limit=100000")["requests"]:
+                truths[t["request_id"]] = t
     finally:
-        if serve is not None:
-            stop(serve, 60)
         stop(sim)
-    with duckdb.connect(str(db), read_only=True) as con:
-        rel = con.execute("SELECT * FROM requests WHERE status = 'ok' AND stream ORDER BY t_start_ns")
-        names = [d[0] for d in rel.description]
-        spans = [dict(zip(names, row, strict=True)) for row in rel.fetchall()]
+    analyzed = subprocess.run(
+        [sys.executable, "-m", "specproxy", "analyze", str(db), "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    runs = {run["name"]: run for run in json.loads(analyzed.stdout)["runs"]}
+    spans = read_spans(db)
     print()
-    saved: dict[int, list[dict[str, Any]]] = {}
-    for level in levels:
+    saved: dict[str, list[dict[str, Any]]] = {}
+    trusted: dict[str, dict[str, float]] = {}
+    for name, level in names:
         rows = [
             (s, truths[upstream_request_id(s["request_id"])])
             for s in spans
-            if s["concurrency_level"] == level and upstream_request_id(s["request_id"]) in truths
+            if s["run_name"] == name and upstream_request_id(s["request_id"]) in truths
         ]
-        print_level(level, rows, lags[level], loads[level])
-        saved[level] = [{"span": span, "truth": truth} for span, truth in rows]
+        gate = {r["arm"]: r for r in runs[name]["rows"] if r["level"] == str(level)}
+        shares = print_level(name, rows, gate, loads[name])
+        if tails_resolved(gate):
+            trusted[name] = shares
+        saved[name] = [{"span": span, "truth": truth} for span, truth in rows]
+    print_summary(trusted)
     if args.save is not None:
         args.save.write_text(json.dumps(saved, default=str))
 
