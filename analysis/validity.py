@@ -15,9 +15,11 @@ open_loop_rate_shortfall    0.05       an open-loop level: 1 − the rate calls 
 ==========================  =========  ==================================================================
 
 A check of another name with no threshold is shown and never gates: ``open_loop_achieved_rate`` (the
-requests/s an open-loop level actually sent), ``event_loop_lag_p99_s`` (the loop's lag in seconds;
-stores written before the share existed held it to 50 ms and say so in their rows), the lab's
-``sim_time_scale`` per level. A health row's level is named as the spans'
+requests/s an open-loop level actually sent), ``engine_write_delay_p99_s`` (a simulator's P99 time
+from a step to its chunk on the socket; with the loop's lag it sets the tail figures' timing
+resolution, :mod:`.resolution`), ``event_loop_lag_p99_s`` (the loop's lag in seconds; stores written
+before the share existed held it to 50 ms and say so in their rows), the lab's ``sim_time_scale``
+per level. A health row's level is named as the spans'
 (:data:`~specproxy.analysis.levels.LEVEL_SQL`): its concurrency, its offered rate ('r=2'), else
 ``live`` (rows of live traffic, written by ``specproxy serve`` every few seconds).
 
