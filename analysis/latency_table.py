@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from specproxy.analysis.figures import LatencyFigures
-from specproxy.analysis.resolution import TimingResolution, resolution_note
+from specproxy.analysis.resolution import ArmTails, TimingResolution, resolution_note
 from specproxy.analysis.rows import LevelRow
 
 DASH = "—"
@@ -128,17 +128,16 @@ def latency_cells(row: LevelRow) -> list[str]:
 
 
 def latency_notes(rows: list[LevelRow]) -> list[str]:
-    """One note per arm and level whose ITL tails are marked unresolved: the noise and its share."""
-    notes = []
+    """One note per level whose ITL tails are marked unresolved for some arm: the noise and its share."""
+    by_level: dict[str, list[ArmTails]] = {}
     for row in rows:
         lat = row.latency
         if lat is None or lat.timing_resolution_s is None:
             continue
         resolution = TimingResolution(lat.resolution_loop_lag_s, lat.resolution_write_delay_s)
-        note = resolution_note(row.level, row.arm, resolution, lat.tails())
-        if note is not None:
-            notes.append(f"{UNRESOLVED_MARK} {note}")
-    return notes
+        by_level.setdefault(row.level, []).append((row.arm, resolution, lat.tails()))
+    notes = (resolution_note(level, arms) for level, arms in by_level.items())
+    return [f"{UNRESOLVED_MARK} {note}" for note in notes if note is not None]
 
 
 def latency_csv(row: LevelRow) -> dict[str, Any]:

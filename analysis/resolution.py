@@ -27,6 +27,7 @@ engine, and its note says by how much.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specproxy.analysis.levels import LEVEL_SQL, level_name
@@ -95,27 +96,42 @@ def resolution_for(
     return resolutions.get((arm, level)) or resolutions.get((None, level))
 
 
-def resolution_note(
-    level: str,
-    arm: str,
-    resolution: TimingResolution,
-    tails: dict[str, float | None],
-) -> str | None:
-    """A sentence for the tail figures ``tails`` (name → seconds) that ``resolution`` leaves unresolved,
-    None when it resolves them all. The share quoted is of the smallest of them (the largest share)."""
-    unresolved = {name: v for name, v in tails.items() if v is not None and resolution.resolves(v) is False}
+ArmTails = tuple[str, TimingResolution, dict[str, float | None]]  # arm, its resolution, its tail figures
+
+
+def resolution_note(level: str, arms: Sequence[ArmTails]) -> str | None:
+    """One sentence for a level: which ITL tails its timing noise leaves unresolved, for which of
+    ``arms`` ((arm, its resolution, its tails: name → seconds)), and by how much (the noise as a share
+    of the smallest unresolved tail, arm by arm, as a range). None when every tail is resolved."""
+    unresolved = []
+    for arm, resolution, tails in arms:
+        missed = {name: v for name, v in tails.items() if v is not None and resolution.resolves(v) is False}
+        if missed:
+            unresolved.append((arm, resolution, missed))
     if not unresolved:
         return None
-    parts = []
+    names = [n for n in ("P95", "P99", "max") if any(n in missed for _, _, missed in unresolved)]
+    noise = [r.total_s for _, r, _ in unresolved]
+    shares = [r.total_s / min(missed.values()) for _, r, missed in unresolved]
+    loop = [r.loop_lag_p99_s for _, r, _ in unresolved if r.loop_lag_p99_s is not None]
+    write = [r.write_delay_p99_s for _, r, _ in unresolved if r.write_delay_p99_s is not None]
     measurer = "proxy" if level == "live" else "client"
-    if resolution.loop_lag_p99_s is not None:
-        parts.append(f"{measurer} loop lag P99 {resolution.loop_lag_p99_s * 1000:.1f} ms")
-    if resolution.write_delay_p99_s is not None:
-        parts.append(f"simulator write delay P99 {resolution.write_delay_p99_s * 1000:.1f} ms")
-    smallest, value = min(unresolved.items(), key=lambda kv: kv[1])
+    parts = [f"{measurer} loop lag P99 {_ms_range(loop)}"] if loop else []
+    parts += [f"simulator write delay P99 {_ms_range(write)}"] if write else []
+    who = "every arm" if len(unresolved) == len(arms) else ", ".join(arm for arm, _, _ in unresolved)
     where = level if level == "live" else level_name(level)
     return (
-        f"ITL {'/'.join(unresolved)} at {where} ({arm}) carry up to ±{resolution.total_s * 1000:.1f} ms of "
-        f"timing noise ({' + '.join(parts)}): ±{resolution.total_s / value * 100:.0f} % of the "
-        f"{value * 1000:.1f} ms {smallest} (trusted at ≤ {RESOLVED_SHARE * 100:.0f} %)"
+        f"ITL {'/'.join(names)} at {where} carry up to ±{_ms_range(noise)} of timing noise "
+        f"({' + '.join(parts)}): ±{_pct_range(shares)} of the figures ({who}; trusted at ≤ "
+        f"{RESOLVED_SHARE * 100:.0f} %)"
     )
+
+
+def _ms_range(values_s: Sequence[float]) -> str:
+    low, high = min(values_s) * 1000, max(values_s) * 1000
+    return f"{high:.1f} ms" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f} ms"
+
+
+def _pct_range(shares: Sequence[float]) -> str:
+    low, high = min(shares) * 100, max(shares) * 100
+    return f"{high:.0f} %" if f"{low:.0f}" == f"{high:.0f}" else f"{low:.0f}–{high:.0f} %"
