@@ -96,7 +96,11 @@ def test_shadow_traffic_is_analysed_as_one_live_level(sims: dict[str, str], tmp_
     assert rows["baseline"]["ok"] == ngram["ok"] == 8, _statuses(db)
     assert (ngram["identical"], ngram["compared"]) == (8, 8)
     assert ngram["paired"] is True and ngram["decode_speedup"]["point"] > 0
-    assert ngram["verdict"] in ("WIN", "LOSS", "NO CLEAR GAIN")
+    if ngram["verdict"] == "UNRELIABLE":
+        # A busy machine: serve's own health rows (its loop lag, its queueing) held the level back.
+        assert ngram["reliable"] is False and "health checks" in ngram["reason"], ngram["reason"]
+    else:
+        assert ngram["verdict"] in ("WIN", "LOSS", "NO CLEAR GAIN")
     # acceptance from the periodic /metrics window == the simulator's own per-request truth
     with urllib.request.urlopen(f"{sims['ngram']}/sim/requests?limit=1000", timeout=10) as resp:
         truths = json.load(resp)["requests"]
