@@ -515,7 +515,8 @@ class LatencyFigures:
         return {"P95": self.p95_itl_s, "P99": self.p99_itl_s, "max": self.max_stall_s}
 
 
-_RESOLUTION_FIELDS = (
+# The fields built from the level's timing resolution rather than read from the latency view.
+RESOLUTION_FIELDS = (
     "timing_resolution_s",
     "resolution_loop_lag_s",
     "resolution_write_delay_s",
@@ -523,7 +524,7 @@ _RESOLUTION_FIELDS = (
     "p99_itl_resolved",
     "max_stall_resolved",
 )
-_VIEW_FIELDS = tuple(f for f in LatencyFigures.__dataclass_fields__ if f not in _RESOLUTION_FIELDS)
+_VIEW_FIELDS = tuple(f for f in LatencyFigures.__dataclass_fields__ if f not in RESOLUTION_FIELDS)
 
 
 def _resolution_fields(resolution: TimingResolution | None, view: dict[str, Any]) -> dict[str, Any]:

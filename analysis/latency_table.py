@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specproxy.analysis.figures import LatencyFigures
+from specproxy.analysis.figures import RESOLUTION_FIELDS, LatencyFigures
 from specproxy.analysis.resolution import ArmTails, TimingResolution, resolution_note
 from specproxy.analysis.rows import LevelRow
 
@@ -63,12 +63,7 @@ LATENCY_CSV_FIELDS = (
     "mean_tokens_per_chunk",
     "p50_tokens_per_chunk",
     "p99_tokens_per_chunk",
-    "timing_resolution_s",
-    "resolution_loop_lag_s",
-    "resolution_write_delay_s",
-    "p95_itl_resolved",
-    "p99_itl_resolved",
-    "max_stall_resolved",
+    *RESOLUTION_FIELDS,
 )
 UNRESOLVED_MARK = "*"
 
