@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -16,8 +17,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import duckdb
 from prometheus_client.parser import text_string_to_metric_families
+
+from specproxy.proxy.replay.formats import ReplayItem
 
 # Long enough for a loaded shared machine; a test that waits this long has failed anyway.
 WAIT_S = 30.0
@@ -279,3 +284,46 @@ def serving(config: Path, *args: str, wait_s: float = WAIT_S, stop_s: float = 15
         yield served
     finally:
         served.output = stop(proc, timeout=stop_s)
+
+
+def query_rows(db: Path, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    """The rows of ``sql`` on the span store ``db``, opened read-only (the writer has closed it)."""
+    with duckdb.connect(str(db), read_only=True) as conn:
+        return conn.execute(sql, list(params)).fetchall()
+
+
+def chat_items(n: int, max_tokens: int = 6) -> list[ReplayItem]:
+    """``n`` one-turn chat calls, ``question 0`` … ``question n-1``, for in-process replays."""
+    return [
+        ReplayItem(
+            f"q{i}",
+            "chat",
+            {"messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": max_tokens},
+        )
+        for i in range(n)
+    ]
+
+
+# Far faster than a simulator's steps can be computed: its clock falls behind whatever the machine.
+TOO_FAST = 2000
+
+
+@contextmanager
+def kept_and_lagging_simulators() -> Iterator[dict[str, str]]:
+    """``base``, a simulator at a pace the machine keeps, and ``fast``, one started far too fast: every
+    round it serves fails the clock-lag check."""
+    with simulators(base=["--time-scale", "5"], fast=["--time-scale", str(TOO_FAST)]) as urls:
+        yield urls
+
+
+def replica_replay_files(tmp_path: Path, urls: Mapping[str, str]) -> tuple[Path, Path]:
+    """An experiment file with ``base`` (baseline) and ``fast`` (a replica of it) at ``urls``, and a
+    log of 8 questions for `specproxy replay`: (experiment file, log)."""
+    config = tmp_path / "exp.toml"
+    config.write_text(
+        f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{urls["base"]}"\n\n'
+        f'[[arms]]\nname = "fast"\nrole = "replica"\nurl = "{urls["fast"]}"\n'
+    )
+    log = tmp_path / "question.jsonl"
+    log.write_text("".join(json.dumps({"question_id": i, "turns": [f"q {i}"]}) + "\n" for i in range(8)))
+    return config, log

@@ -21,30 +21,20 @@ from specproxy.pacing import TIME_SCALE_CHECK, SimPacer, kept_up
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LevelTrial, LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.spans.sink import HealthRow
+from tests.support import TOO_FAST, kept_and_lagging_simulators, replica_replay_files
 from tests.support import run_cli as cli
-from tests.support import simulators
-
-# Far faster than a simulator's steps can be computed: its clock falls behind whatever the machine.
-TOO_FAST = 2000
 
 
 @pytest.fixture
 def sims() -> Iterator[dict[str, str]]:
-    """A simulator at a pace the machine keeps, and one started far too fast."""
-    with simulators(base=["--time-scale", "5"], fast=["--time-scale", str(TOO_FAST)]) as urls:
+    with kept_and_lagging_simulators() as urls:
         yield urls
 
 
 def test_a_level_a_simulator_cannot_keep_up_with_is_unreliable_and_says_why(
     sims: dict[str, str], tmp_path: Path
 ) -> None:
-    cfg = tmp_path / "exp.toml"
-    cfg.write_text(
-        f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{sims["base"]}"\n\n'
-        f'[[arms]]\nname = "fast"\nrole = "replica"\nurl = "{sims["fast"]}"\n'
-    )
-    log = tmp_path / "question.jsonl"
-    log.write_text("".join(json.dumps({"question_id": i, "turns": [f"q {i}"]}) + "\n" for i in range(8)))
+    cfg, log = replica_replay_files(tmp_path, sims)
     db = tmp_path / "spans.duckdb"
     res = cli(
         "replay", str(log), "--config", str(cfg), "--concurrency", "4", "--rounds", "2", "--max-tokens", "64",

@@ -27,6 +27,7 @@ from specproxy.schema import level_sql, rate_label
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans
 from tests.spanfactory import ArmSpec, health_row, make_run, write_db
+from tests.support import query_rows as rows
 from tests.support import run_cli, simulators
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,11 +36,6 @@ LAB_DEADLINE_S = 600  # a stuck lab's deadline, not a speed target
 
 # Labs and replays: a stuck run's deadline.
 cli = partial(run_cli, timeout=300)
-
-
-def rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
-    with duckdb.connect(str(db), read_only=True) as conn:
-        return conn.execute(sql).fetchall()
 
 
 @pytest.fixture

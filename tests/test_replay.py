@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pytest
 
 from specproxy.commandline import parse_levels
@@ -19,6 +18,7 @@ from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings,
 from specproxy.proxy.replay.workload import CATEGORIES, mixed_workload
 from tests.backends import BackendConfig, running_backend
 from tests.support import free_port, wait_for_count
+from tests.support import query_rows as rows
 
 
 def items(n: int) -> list[ReplayItem]:
@@ -33,11 +33,6 @@ def items(n: int) -> list[ReplayItem]:
         )
         for i in range(n)
     ]
-
-
-def rows(db: Path, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
-    with duckdb.connect(str(db), read_only=True) as conn:
-        return conn.execute(sql, params or []).fetchall()
 
 
 def arms(base_url: str, cand_url: str) -> tuple[Arm, ...]:

@@ -3,43 +3,23 @@ check is measured again, round by round, until enough have passed or the budget 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pytest
 
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import running_sim
 from specproxy.proxy.replay.extra_rounds import LevelRounds, failed_rounds
-from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
-from tests.support import simulators
+from tests.support import TOO_FAST, kept_and_lagging_simulators, replica_replay_files
+from tests.support import chat_items as items
+from tests.support import query_rows as rows
+from tests.support import run_cli as cli
 
-# Far faster than a simulator's steps can be computed: its clock falls behind whatever the machine.
-TOO_FAST = 2000
 EAGLE3 = {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 3}
-
-
-def items(n: int, max_tokens: int) -> list[ReplayItem]:
-    return [
-        ReplayItem(
-            f"q{i}",
-            "chat",
-            {"messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": max_tokens},
-        )
-        for i in range(n)
-    ]
-
-
-def rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
-    with duckdb.connect(str(db), read_only=True) as conn:
-        return conn.execute(sql).fetchall()
 
 
 async def test_a_level_whose_first_round_failed_gets_one_extra_round_that_brings_it_to_three(
@@ -97,16 +77,9 @@ async def test_a_level_whose_first_round_failed_gets_one_extra_round_that_brings
     assert rows(db, "SELECT DISTINCT level FROM acceptance WHERE arm = 'eagle3'") == [("4",)]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=120
-    )
-
-
 @pytest.fixture
 def sims() -> Iterator[dict[str, str]]:
-    """A simulator at a pace the machine keeps, and one started far too fast: every round fails."""
-    with simulators(base=["--time-scale", "5"], fast=["--time-scale", str(TOO_FAST)]) as urls:
+    with kept_and_lagging_simulators() as urls:
         yield urls
 
 
@@ -114,13 +87,7 @@ def sims() -> Iterator[dict[str, str]]:
 def test_replay_runs_extra_rounds_of_a_failing_level_up_to_its_budget(
     sims: dict[str, str], tmp_path: Path, extra: int
 ) -> None:
-    cfg = tmp_path / "exp.toml"
-    cfg.write_text(
-        f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{sims["base"]}"\n\n'
-        f'[[arms]]\nname = "fast"\nrole = "replica"\nurl = "{sims["fast"]}"\n'
-    )
-    log = tmp_path / "question.jsonl"
-    log.write_text("".join(json.dumps({"question_id": i, "turns": [f"q {i}"]}) + "\n" for i in range(8)))
+    cfg, log = replica_replay_files(tmp_path, sims)
     db = tmp_path / "spans.duckdb"
     res = cli(
         "replay", str(log), "--config", str(cfg), "--concurrency", "4", "--rounds", "2", "--max-tokens", "64",

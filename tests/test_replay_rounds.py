@@ -4,10 +4,8 @@ from one round to the next, the engine's load on each span, and the measurement'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import duckdb
 
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig
@@ -22,22 +20,8 @@ from specproxy.proxy.replay.health import (
 )
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from tests.backends import BackendConfig, running_backend
-
-
-def items(n: int, max_tokens: int = 6) -> list[ReplayItem]:
-    return [
-        ReplayItem(
-            f"q{i}",
-            "chat",
-            {"messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": max_tokens},
-        )
-        for i in range(n)
-    ]
-
-
-def rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
-    with duckdb.connect(str(db), read_only=True) as conn:
-        return conn.execute(sql).fetchall()
+from tests.support import chat_items as items
+from tests.support import query_rows as rows
 
 
 async def test_rounds_stamp_each_call_rotate_the_arms_and_shuffle_the_items(tmp_path: Path) -> None:
