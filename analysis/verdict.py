@@ -347,27 +347,39 @@ class DeployVerdict:
     peak_rate: float | None = None
 
 
+def tested_around(target: float, tested: Sequence[float]) -> list[float]:
+    """The tested level(s) a load is judged at: itself if tested, else the two around it, else the
+    nearest (below the lowest, or above the highest tested level).
+
+    >>> tested_around(16, [1, 4, 16, 64]), tested_around(32, [1, 4, 16, 64]), tested_around(256, [1, 64])
+    ([16], [16, 64], [64])
+    """
+    ordered = sorted(set(tested))
+    if target in ordered:
+        return [target]
+    below = [lv for lv in ordered if lv < target]
+    above = [lv for lv in ordered if lv > target]
+    if below and above:
+        return [below[-1], above[0]]
+    return [above[0]] if above else [below[-1]]
+
+
 def _around(target: float, levels: Sequence[LevelJudgement], unit: str) -> tuple[list[LevelJudgement], str]:
     """The tested level(s) a load is judged at, and how that was chosen."""
 
     def name(load: float) -> str:
         return load_name(load, unit)
 
-    by_level = sorted(levels, key=lambda j: j.level)
-    exact = [j for j in by_level if j.level == target]
-    if exact:
-        return exact, name(target)
-    below = [j for j in by_level if j.level < target]
-    above = [j for j in by_level if j.level > target]
-    if below and above:
-        lo, hi = below[-1], above[0]
-        return [
-            lo,
-            hi,
-        ], f"{name(target)}, between tested {name(lo.level)} and {name(hi.level)}: the less favourable"
-    if above:
-        return [above[0]], f"{name(target)}, below the lowest tested level: judged at {name(above[0].level)}"
-    return [below[-1]], f"{name(target)}, above the highest tested level: judged at {name(below[-1].level)}"
+    around = tested_around(target, [j.level for j in levels])
+    chosen = sorted((j for j in levels if j.level in around), key=lambda j: j.level)
+    if around == [target]:
+        return chosen, name(target)
+    if len(around) == 2:
+        lo, hi = around
+        return chosen, f"{name(target)}, between tested {name(lo)} and {name(hi)}: the less favourable"
+    if around[0] > target:
+        return chosen, f"{name(target)}, below the lowest tested level: judged at {name(around[0])}"
+    return chosen, f"{name(target)}, above the highest tested level: judged at {name(around[0])}"
 
 
 def _worst_throughput(levels: Sequence[LevelJudgement]) -> LevelJudgement:

@@ -64,6 +64,7 @@ from specproxy.commandline import (
     RequestRates,
     SloParam,
     experiment_or_none,
+    open_questions,
     run_async,
 )
 from specproxy.config import Arm, EngineSettings, Experiment, Role
@@ -98,6 +99,11 @@ REPLICA = "replica"
 # there add about 20 s to the 75-135 s the quick lab took at load 2-5 (a lower level's round costs
 # 1-3.5 s at full speed, up to 14 s when paced down to 1/4).
 EXTRA_ROUNDS = 3
+# Rounds the top level may add while a verdict the deploy verdict reads there reaches across a margin
+# line (draft_model's throughput at c=256 of a quick lab, 0.96x against a 3 % margin, came out LOSS in
+# one lab and NO CLEAR GAIN in five). Each costs a round of the top level (6-7 s at c=256 of a quick lab)
+# and a look at the verdicts so far (a copy of the store and its analysis, 2-4 s).
+DECIDING_ROUNDS = 6
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
 # REPLICA is a plain copy of it.
@@ -137,6 +143,8 @@ class LabPlan:
     # Rounds a level may add when too few of its rounds passed every health check (a loaded machine
     # fails a round now and then while the rounds around it are fine); each costs one round's time.
     extra_rounds: int = 0
+    # Rounds the top level may add while a verdict read there is unsettled (:mod:`.analysis.settled`).
+    deciding_rounds: int = 0
     # Open-loop sweeps: default rates as shares of the baseline's estimated capacity, and how many
     # seconds of arrivals a rate level sends per round.
     rate_shares: tuple[float, ...] = (1 / 32, 1 / 8, 1 / 2, 1.0)
@@ -169,6 +177,7 @@ QUICK = LabPlan(
     rounds=3,
     top_rounds=5,
     extra_rounds=EXTRA_ROUNDS,
+    deciding_rounds=DECIDING_ROUNDS,
 )
 FULL = LabPlan(
     levels=(1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -180,6 +189,7 @@ FULL = LabPlan(
     rate_shares=(1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0),
     rate_window_s=8.0,
     extra_rounds=EXTRA_ROUNDS,
+    deciding_rounds=DECIDING_ROUNDS,
 )
 
 
@@ -421,6 +431,7 @@ def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None) -> LoadPlan:
             rounds=plan.rounds,
             rounds_per_level=plan.level_rounds,
             extra_rounds=plan.extra_rounds,
+            deciding_rounds=plan.deciding_rounds,
             warm_fresh_prompts=True,
         )
     return LoadPlan(
@@ -429,6 +440,7 @@ def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None) -> LoadPlan:
         items_per_rate=plan.arrivals_per_round,
         rounds=plan.rounds,
         extra_rounds=plan.extra_rounds,
+        deciding_rounds=plan.deciding_rounds,
         warm_fresh_prompts=True,
     )
 
@@ -448,12 +460,18 @@ def _sweep_sentence(plan: LabPlan, rates: tuple[float, ...] | None) -> str:
 
 
 def _extra_sentence(plan: LabPlan) -> str:
-    if plan.extra_rounds == 0:
-        return ""
-    return (
-        f"; up to {plan.extra_rounds} extra round{'s' if plan.extra_rounds > 1 else ''} at a level whose "
-        "rounds leave too few that pass every health check"
-    )
+    parts = []
+    if plan.extra_rounds:
+        parts.append(
+            f"; up to {plan.extra_rounds} extra round{'s' if plan.extra_rounds > 1 else ''} at a level "
+            "whose rounds leave too few that pass every health check"
+        )
+    if plan.deciding_rounds:
+        parts.append(
+            f"; up to {plan.deciding_rounds} deciding round{'s' if plan.deciding_rounds > 1 else ''} at the "
+            "top level while a verdict read there is unsettled"
+        )
+    return "".join(parts)
 
 
 def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> Experiment:
@@ -506,6 +524,15 @@ def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> E
     metavar="N",
     help=f"Add up to N rounds to a level whose rounds left too few that passed every health check "
     f"(3 once one failed), one at a time at the same pace (default {EXTRA_ROUNDS}).",
+)
+@click.option(
+    "--deciding-rounds",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="Add up to N rounds to the top level while a figure the deploy verdict reads there (the peak's "
+    "throughput, by default) has an interval reaching across a margin line, so that a ratio near the "
+    f"margin gets the same verdict every run (default {DECIDING_ROUNDS}; 0: never).",
 )
 @click.option(
     "--at-concurrency",
@@ -586,6 +613,7 @@ def lab(
     rates: tuple[float, ...] | None,
     rounds: int | None,
     extra_rounds: int | None,
+    deciding_rounds: int | None,
     at_concurrency: int | None,
     peak_concurrency: int | None,
     at_rate: float | None,
@@ -625,6 +653,7 @@ def lab(
         # --rounds N measures every level in N rounds
         top_rounds=None if rounds else base.top_rounds,
         extra_rounds=base.extra_rounds if extra_rounds is None else extra_rounds,
+        deciding_rounds=base.deciding_rounds if deciding_rounds is None else deciding_rounds,
     )
     experiment = experiment_or_none(config_path)
     if at_concurrency is not None and peak_concurrency is not None and peak_concurrency < at_concurrency:
@@ -689,6 +718,7 @@ def lab(
             experiment=experiment,
             show_progress=not no_progress,
             pacer=pacer,
+            decider=open_questions,
         )
         console.print(_sweep_sentence(plan, rates) + _extra_sentence(plan), highlight=False)
         try:
@@ -717,7 +747,7 @@ def lab(
                 f"the {profile} clock",
                 highlight=False,
             )
-    print_rounds(result.levels, console, say_none=plan.extra_rounds > 0)
+    print_rounds(result.levels, console, say_none=plan.extra_rounds > 0 or plan.deciding_rounds > 0)
     print_clock_lag(clock_lag_by_level(result.health), console)
     report = analysis_outputs(db_path, out, result.run_id, console)
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)

@@ -8,7 +8,14 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from specproxy.commandline import ConcurrencyLevels, FiniteFloat, RequestRates, experiment_or_none, run_async
+from specproxy.commandline import (
+    ConcurrencyLevels,
+    FiniteFloat,
+    RequestRates,
+    experiment_or_none,
+    open_questions,
+    run_async,
+)
 from specproxy.config import Arm
 from specproxy.proxy.replay.formats import FORMATS, FormatError, read_items
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
@@ -114,6 +121,16 @@ from specproxy.proxy.spans.sink import SpanSinkError
     "(3 once one failed), one at a time at the same pace; a --timed loop is never rerun.",
 )
 @click.option(
+    "--deciding-rounds",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Add up to N rounds to the top level (the highest concurrency or rate) while a figure the "
+    "deploy verdict reads there has an interval reaching across a margin line; each look copies the "
+    "span store (--db) and analyses the run so far.",
+)
+@click.option(
     "--warmup",
     type=click.IntRange(min=0),
     metavar="N",
@@ -162,6 +179,7 @@ def replay(
     duration: float | None,
     rounds: int,
     extra_rounds: int,
+    deciding_rounds: int,
     warmup: int | None,
     db_path: Path | None,
     run_name: str | None,
@@ -220,6 +238,7 @@ def replay(
         warmup=0 if warmup is None and target is not None else warmup,
         rounds=rounds,
         extra_rounds=extra_rounds,
+        deciding_rounds=deciding_rounds,
     )
     settings = ReplaySettings(
         arms=tuple(arms),
@@ -235,6 +254,7 @@ def replay(
         capture_output=capture_output,
         show_progress=not no_progress,
         through_proxy=target is not None,
+        decider=open_questions,
     )
     console.print(
         f"replaying {len(items.items)} {items.format} items from {logs} against "

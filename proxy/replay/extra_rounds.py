@@ -67,17 +67,31 @@ def why_extra(level: str, failed: Mapping[int, Sequence[str]], next_round: int) 
 @dataclass(frozen=True, slots=True)
 class LevelRounds:
     """How a level's rounds went: ``ran`` = planned + extra rounds run, ``healthy`` of them passed,
-    ``budget`` extra rounds were allowed."""
+    ``budget`` extra rounds were allowed for health; ``deciding`` of the extra rounds ran to settle a
+    verdict (of ``deciding_budget``), and ``unsettled`` says what was still open when they stopped."""
 
     level: str  # c=256, r=2
     planned: int
     ran: int
     healthy: int
     budget: int = 0
+    deciding: int = 0
+    deciding_budget: int = 0
+    unsettled: tuple[str, ...] = ()
 
     @property
     def extra(self) -> int:
-        return max(0, self.ran - self.planned)
+        """Extra rounds run for health (the deciding rounds not counted)."""
+        return max(0, self.ran - self.planned - self.deciding)
+
+    def deciding_sentence(self) -> str | None:
+        """What the deciding rounds did at this level; None where none ran and nothing stayed open."""
+        if self.deciding == 0 and not self.unsettled:
+            return None
+        ran = f"{self.deciding} of {self.deciding_budget} deciding rounds run"
+        if not self.unsettled:
+            return f"{self.level}: {ran}; every verdict read here is settled"
+        return f"{self.level}: {ran}; still open: {'; '.join(self.unsettled)}"
 
     @property
     def enough(self) -> bool:

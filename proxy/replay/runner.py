@@ -40,6 +40,7 @@ import random
 import re
 import secrets
 import signal
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -125,6 +126,9 @@ class LoadPlan:
     # Closed loop and rates: at most this many rounds added to a level with a failed round and fewer
     # than MIN_HEALTHY_ROUNDS that passed every health check (:mod:`.extra_rounds`).
     extra_rounds: int = 0
+    # Closed loop and rates: at most this many rounds added to the sweep's top level while the
+    # ``decider`` finds a verdict read there unsettled (:mod:`specproxy.analysis.settled`).
+    deciding_rounds: int = 0
 
     def level_rounds(self, level: int) -> int:
         return self.rounds if self.rounds_per_level is None else self.rounds_per_level(level)
@@ -144,6 +148,11 @@ class LevelTrial:
     @property
     def worst_engine_lag(self) -> float:
         return max(self.engine_lag.values(), default=0.0)
+
+
+# (a snapshot of the span store, the run id, the level as labelled: 'c=256') → the verdicts read at
+# that level that more rounds could still settle, as sentences (none: settled)
+Decider = Callable[[Path, str, str], Sequence[str]]
 
 
 class LevelPacer(Protocol):
@@ -177,6 +186,8 @@ class ReplaySettings:
     capture_output: bool = False
     show_progress: bool = True
     pacer: LevelPacer | None = None
+    # Asked after the top level's rounds whether to add deciding rounds (``LoadPlan.deciding_rounds``).
+    decider: Decider | None = None
     # The one arm is a `specproxy serve` (replay --target): the engines behind it are scraped by it, at
     # each phase's start and end on replay's request, into its own span store.
     through_proxy: bool = False
@@ -343,6 +354,8 @@ class ReplayRunner:
             raise ReplayError(f"rounds must be ≥ 1, got {fewest}")
         if settings.load.extra_rounds < 0:
             raise ReplayError(f"extra rounds must be ≥ 0, got {settings.load.extra_rounds}")
+        if settings.load.deciding_rounds < 0:
+            raise ReplayError(f"deciding rounds must be ≥ 0, got {settings.load.deciding_rounds}")
         self.s = settings
         self.items = list(items)
         self.stop = stop or asyncio.Event()
@@ -754,10 +767,69 @@ class ReplayRunner:
                 self.progress.console.print(why_extra(base, failed, ran + 1), highlight=False)
             ran += 1
             await measure(_Phase(phase_label(base, ran, planned), level, ran, rate))
+        decided: tuple[int, tuple[str, ...]] = (0, ())
+        if self._is_top(level, rate) and self.s.decider is not None and self.s.load.deciding_rounds > 0:
+            decided = await self._deciding_rounds(base, planned, ran, measure, level, rate)
+        deciding, unsettled = decided
         failed = failed_rounds(row for row in self.result.health if of_level(row))
+        ran += deciding
         self.result.levels.append(
-            LevelRounds(base, planned, ran, ran - len(failed), self.s.load.extra_rounds)
+            LevelRounds(
+                base,
+                planned,
+                ran,
+                ran - len(failed),
+                self.s.load.extra_rounds,
+                deciding,
+                self.s.load.deciding_rounds,
+                unsettled,
+            )
         )
+
+    def _is_top(self, level: int | None, rate: float | None) -> bool:
+        """Is this the sweep's top level (the highest concurrency, or rate)?"""
+        plan = self.s.load
+        if level is not None:
+            return level == max(plan.levels)
+        return rate is not None and rate == max(plan.rates, default=rate)
+
+    async def _deciding_rounds(
+        self,
+        base: str,
+        planned: int,
+        ran: int,
+        measure: Callable[[_Phase], Awaitable[None]],
+        level: int | None,
+        rate: float | None,
+    ) -> tuple[int, tuple[str, ...]]:
+        """Rounds added to the top level while a verdict read there is unsettled, up to the plan's
+        ``deciding_rounds``: (how many ran, what was still open when they stopped)."""
+        budget = self.s.load.deciding_rounds
+        added = 0
+        while not self.stop.is_set():
+            open_ = await self._open_questions(base)
+            if not open_ or added == budget:
+                return added, tuple(open_)
+            added += 1
+            self.progress.console.print(
+                f"{base}: {'; '.join(open_)}; running deciding round {ran + added} ({added} of {budget})",
+                highlight=False,
+            )
+            await measure(_Phase(phase_label(base, ran + added, planned), level, ran + added, rate))
+        return added, ()
+
+    async def _open_questions(self, base: str) -> list[str]:
+        """The decider's answer on a snapshot of the store as written so far; none when it cannot
+        answer (said in the run's notes: the level then keeps the rounds it has)."""
+        assert self.s.decider is not None and self._sink is not None
+        with tempfile.TemporaryDirectory(prefix="specproxy-decide-") as tmp:
+            snapshot = Path(tmp) / "snapshot.duckdb"
+            try:
+                await asyncio.to_thread(self._sink.snapshot, snapshot)
+                return list(await asyncio.to_thread(self.s.decider, snapshot, self.run_id, base))
+            except Exception as exc:  # an analysis that fails must not cost the rounds measured
+                self._note(f"{base}: no deciding rounds: the verdicts could not be read mid-run ({exc})")
+                return []
 
     def _rate_schedule(self, rate: float) -> tuple[list[ReplayItem], list[float]]:
         """A rate level's items and Poisson offsets: ``items_per_rate`` arrivals, else arrivals for the

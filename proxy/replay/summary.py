@@ -59,7 +59,8 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
 
 def print_rounds(levels: Sequence[LevelRounds], console: Console, *, say_none: bool = False) -> None:
     """What extra rounds did, per level that needed them (``say_none``: also say when none did)."""
-    said = [s for s in (level.sentence() for level in levels) if s is not None]
+    sentences = (s for level in levels for s in (level.sentence(), level.deciding_sentence()))
+    said = [s for s in sentences if s is not None]
     for sentence in said:
         console.print(f"rounds: {sentence}", highlight=False)
     if not said and say_none and levels:

@@ -465,6 +465,29 @@ class SpanSink:
             time.sleep(0.005)
         return True
 
+    def snapshot(self, dest: str | Path, timeout: float = 10.0) -> None:
+        """Write everything accepted so far, then copy the span store to a new file ``dest`` that the
+        analysis can open while this sink keeps writing (DuckDB lets no other connection in this
+        process attach a file that a connection has open). Costs a copy of the whole store: meant for a
+        store of one run, as a lab's is. SpanSinkError when there is no store or the copy fails."""
+        if self._conn is None:
+            raise SpanSinkError("this span sink has no span store to copy")
+        if not self.flush(timeout):
+            raise SpanSinkError(f"the span writer did not catch up within {timeout:.0f} s; no snapshot")
+        with self._runs_lock:
+            cur = self._conn.cursor()
+            try:
+                (name,) = cur.execute("SELECT current_database()").fetchone()
+                cur.execute(f"ATTACH '{str(dest).replace(chr(39), chr(39) * 2)}' AS specproxy_snapshot")
+                try:
+                    cur.execute(f'COPY FROM DATABASE "{name}" TO specproxy_snapshot')
+                finally:
+                    cur.execute("DETACH specproxy_snapshot")
+            except duckdb.Error as exc:
+                raise SpanSinkError(f"cannot copy the span store {self.db_path} to {dest}: {exc}") from exc
+            finally:
+                cur.close()
+
     def close(self, timeout: float | None = None) -> None:
         """Write every accepted span and metric row, stop the writer, close the file, flush OTLP.
 

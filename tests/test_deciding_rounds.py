@@ -1,0 +1,185 @@
+"""Deciding rounds: the sweep's top level is measured again while a verdict the deploy verdict reads
+there has an interval reaching across a margin line, so that a ratio near the margin gets the same
+verdict run after run (:mod:`specproxy.analysis.settled`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from specproxy.analysis import Settings, evaluate, open_store
+from specproxy.analysis.rows import RunEvaluation
+from specproxy.analysis.settled import open_questions, open_questions_in_store
+from specproxy.analysis.stats import Interval
+from specproxy.analysis.verdict import NO_CLEAR_GAIN, UNRELIABLE, DeployVerdict, Thresholds
+from specproxy.config import Arm
+from specproxy.engines.sim.config import SimConfig
+from specproxy.engines.sim.server import running_sim
+from specproxy.proxy.replay.extra_rounds import LevelRounds, failed_rounds
+from specproxy.proxy.replay.runner import Decider, LoadPlan, ReplayResult, ReplaySettings, run_replay
+from tests.support import chat_items, query_rows
+
+N_ITEMS = 4
+OPEN = "eagle3's throughput 0.96x [0.94, 0.98] reaches across 0.970"
+EAGLE3 = {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 3}
+
+
+async def _replay(
+    db: Path, decider: Decider | None, deciding: int, levels: tuple[int, ...] = (1, 2)
+) -> ReplayResult:
+    """A baseline and a plain copy of it labelled eagle3 (a null arm), ``levels`` in 3 rounds each."""
+    async with running_sim(SimConfig()) as base, running_sim(SimConfig()) as null:
+        arms = (
+            Arm(name="base", url=base.url, role="baseline"),
+            Arm(name="eagle3", url=null.url, speculative=EAGLE3),
+        )
+        load = LoadPlan(levels=levels, warmup=0, rounds=3, deciding_rounds=deciding)
+        settings = ReplaySettings(arms=arms, db_path=db, show_progress=False, load=load, decider=decider)
+        return await run_replay(settings, chat_items(N_ITEMS, max_tokens=16))
+
+
+async def test_the_top_level_adds_rounds_while_a_verdict_there_is_open(tmp_path: Path) -> None:
+    """The decider looks at a copy of the store after the top level's planned rounds and after each
+    deciding round; it finds a question open twice, so two rounds are added, and no more."""
+    looks: list[tuple[int, str]] = []
+
+    def decider(snapshot: Path, run_id: str, level: str) -> Sequence[str]:
+        (spans,) = query_rows(snapshot, "SELECT count(*) FROM requests WHERE run_id = ?", [run_id])[0]
+        looks.append((spans, level))
+        return [OPEN] if len(looks) <= 2 else []
+
+    result = await _replay(tmp_path / "spans.duckdb", decider, deciding=4)
+    per_round = 2 * N_ITEMS  # every item to both arms
+    # c=1's three rounds and c=2's three, then one round more before each later look: the copy holds
+    # every span written so far, and only the top level is looked at
+    assert looks == [(6 * per_round, "c=2"), (7 * per_round, "c=2"), (8 * per_round, "c=2")]
+    assert result.phases[-3:] == ["c=2 r3/3", "c=2 r4 extra", "c=2 r5 extra"]
+    healthy = 5 - len(failed_rounds(r for r in result.health if r.concurrency_level == 2))
+    assert result.levels[-1] == LevelRounds("c=2", 3, 5, healthy, 0, deciding=2, deciding_budget=4)
+    assert result.levels[0] == LevelRounds("c=1", 3, 3, result.levels[0].healthy, 0, 0, 4)
+    assert (
+        result.levels[-1].deciding_sentence()
+        == "c=2: 2 of 4 deciding rounds run; every verdict read here is settled"
+    )
+    rounds = query_rows(
+        tmp_path / "spans.duckdb", "SELECT DISTINCT round FROM requests WHERE concurrency_level = 2"
+    )
+    assert sorted(rounds) == [(k,) for k in range(1, 6)]
+
+
+async def test_deciding_rounds_stop_at_the_budget_and_say_what_is_still_open(tmp_path: Path) -> None:
+    result = await _replay(tmp_path / "spans.duckdb", lambda *_: [OPEN], deciding=2, levels=(2,))
+    assert result.phases == ["c=2 r1/3", "c=2 r2/3", "c=2 r3/3", "c=2 r4 extra", "c=2 r5 extra"]
+    top = result.levels[-1]
+    assert (top.deciding, top.deciding_budget, top.unsettled, top.extra) == (2, 2, (OPEN,), 0)
+    assert top.deciding_sentence() == f"c=2: 2 of 2 deciding rounds run; still open: {OPEN}"
+
+
+async def test_a_decider_that_fails_costs_no_round_and_is_noted(tmp_path: Path) -> None:
+    def broken(snapshot: Path, run_id: str, level: str) -> Sequence[str]:
+        raise RuntimeError("no analysis today")
+
+    result = await _replay(tmp_path / "spans.duckdb", broken, deciding=3, levels=(2,))
+    assert result.phases == ["c=2 r1/3", "c=2 r2/3", "c=2 r3/3"]
+    assert result.levels[-1].deciding == 0
+    assert any("no deciding rounds" in n and "no analysis today" in n for n in result.notes), result.notes
+
+
+@pytest.fixture(scope="module")
+def null_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RunEvaluation]:
+    """A real replay's store (c=1 and c=2, 3 rounds, no deciding rounds) and its evaluation."""
+    import asyncio
+
+    db = tmp_path_factory.mktemp("settled") / "spans.duckdb"
+    asyncio.run(_replay(db, None, deciding=0))
+    with open_store([db]) as store:
+        (evaluation,) = evaluate(store)
+    return db, evaluation
+
+
+def _with(evaluation: RunEvaluation, level: str, **row: object) -> RunEvaluation:
+    """The evaluation with the eagle3 arm's row at ``level`` changed (by default a NO CLEAR GAIN), and
+    its deploy verdict reading c=1 as the operating point and c=2 as the peak, whatever this machine's
+    health made of them."""
+    row = {"verdict": NO_CLEAR_GAIN, **row}
+    deploy = DeployVerdict(NO_CLEAR_GAIN, "", at_concurrency=1, peak_concurrency=2)
+    arms = [dataclasses.replace(a, deploy=deploy) if a.arm == "eagle3" else a for a in evaluation.arms]
+    rows = [
+        dataclasses.replace(r, **row) if (r.arm, r.level) == ("eagle3", level) else r  # type: ignore[arg-type]
+        for r in evaluation.rows
+    ]
+    return dataclasses.replace(evaluation, rows=rows, arms=arms)
+
+
+IV = Interval
+THR = IV(1.0, 0.98, 1.02)  # a throughput ratio that settles every line
+CASES = [
+    # (level, row changes, the open questions' (figure, line)); c=1 is the operating point, c=2 the peak
+    ("2", {"throughput_speedup": IV(0.96, 0.95, 0.975)}, [("throughput", 0.97)]),
+    ("2", {"throughput_speedup": IV(0.96, 0.95, 0.965)}, []),  # surely lower: LOSS, settled
+    ("2", {"throughput_speedup": IV(1.0, 0.98, 1.02)}, []),  # surely not lower: settled
+    ("2", {"throughput_speedup": IV(1.0, 0.98, 1.02), "throughput_margin": 0.01}, [("throughput", 0.99)]),
+    # the peak reads throughput only; a decode interval across its line there does not matter
+    ("2", {"decode_speedup": IV(1.03, 1.01, 1.05), "throughput_speedup": IV(1.0, 0.98, 1.02)}, []),
+    # the operating point reads decode too: across 1 + margin (WIN) or 1 − margin (LOSS)
+    ("1", {"decode_speedup": IV(1.04, 1.02, 1.06), "throughput_speedup": THR}, [("decode speedup", 1.03)]),
+    ("1", {"decode_speedup": IV(0.97, 0.95, 0.99), "throughput_speedup": THR}, [("decode speedup", 0.97)]),
+    ("1", {"decode_speedup": IV(1.10, 1.05, 1.15), "throughput_speedup": IV(1.0, 0.98, 1.02)}, []),
+    ("1", {"decode_speedup": IV(1.0, 0.96, 1.04), "throughput_speedup": IV(1.0, 0.98, 1.02)},
+     [("decode speedup", 1.03), ("decode speedup", 0.97)]),
+    # rows whose verdict more rounds cannot move are not asked
+    ("2", {"throughput_speedup": IV(0.96, 0.95, 0.975), "tokens_estimated": True}, []),
+    ("2", {"throughput_speedup": IV(0.96, 0.95, 0.975), "verdict": UNRELIABLE}, []),
+    ("2", {"throughput_speedup": IV(0.96, 0.95, 0.975), "throughput_margin": None}, [("throughput", 0.97)]),
+    ("2", {"throughput_speedup": IV(0.96, None, None)}, []),  # no interval: nothing to narrow
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("level", "changes", "expected"), CASES)
+def test_which_figures_are_open_questions(
+    null_run: tuple[Path, RunEvaluation],
+    level: str,
+    changes: dict[str, object],
+    expected: list[tuple[str, float]],
+) -> None:
+    _, evaluation = null_run
+    changes = {"decode_margin": 0.03, "throughput_margin": 0.03, **changes}
+    found = open_questions(_with(evaluation, level, **changes), level)
+    assert [(q.arm, q.figure, round(q.line, 6)) for q in found] == [
+        ("eagle3", f, line) for f, line in expected
+    ]
+
+
+def test_replicas_are_never_asked(null_run: tuple[Path, RunEvaluation]) -> None:
+    """A replica's margin keeps it at NO CLEAR GAIN whatever its interval: nothing to settle."""
+    _, evaluation = null_run
+    asked = _with(evaluation, "2", throughput_speedup=IV(0.96, 0.95, 0.975), throughput_margin=0.03)
+    assert len(open_questions(asked, "2")) == 1
+    arms = [dataclasses.replace(a, kind="replica") if a.arm == "eagle3" else a for a in asked.arms]
+    assert open_questions(dataclasses.replace(asked, arms=arms), "2") == []
+
+
+def test_a_real_store_is_asked_with_the_margin_the_analysis_uses(
+    null_run: tuple[Path, RunEvaluation],
+) -> None:
+    """On the real store: a margin that puts the decode line inside the operating point's interval
+    opens a question there, one wider than the interval's reach does not (and the peak reads no
+    decode line)."""
+    db, evaluation = null_run
+    row = next(r for r in evaluation.rows if (r.arm, r.level) == ("eagle3", "1"))
+    iv = row.decode_speedup
+    assert iv is not None and iv.low is not None and iv.high is not None, row
+    inside = abs((iv.low + iv.high) / 2 - 1.0)
+    beyond = max(abs(iv.low - 1.0), abs(iv.high - 1.0)) + 0.05
+    run_id = evaluation.run_id
+
+    def asked(level: str, margin: float) -> list[str]:
+        return open_questions_in_store(db, run_id, level, Settings(thresholds=Thresholds(min_margin=margin)))
+
+    found = asked("c=1", inside)
+    assert any(q.startswith("eagle3's decode speedup") for q in found), (iv, found)
+    assert [q for q in asked("c=1", beyond) if "decode" in q] == []
+    assert [q for q in asked("c=2", inside) if "decode" in q] == []
