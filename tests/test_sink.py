@@ -580,3 +580,35 @@ def test_records_keep_their_ids_and_a_parent_makes_a_child(db: Path) -> None:
     assert parents["2" * 16] is None and parents[fresh.span_id] is None
     assert parents["3" * 16] is not None and parents["3" * 16].span_id == 0xDEF
     assert parents["3" * 16].trace_id == 0xABC and parents["3" * 16].is_remote
+
+
+def test_a_snapshot_holds_every_span_accepted_so_far_and_the_sink_keeps_writing(
+    sink: SpanSink, db: Path, tmp_path: Path
+) -> None:
+    """The copy opens while the sink still holds the file (which DuckDB refuses to a second connection
+    in one process) and has every span emitted before it was taken; later spans go to the original only."""
+    from specproxy.analysis import open_store
+
+    sink.begin_run("run-1", name="x", mode="replay", source="replay", config_json="{}", stacks_json="{}")
+    for i in range(300):
+        assert sink.emit(minimal_record(i))
+    copy = tmp_path / "snapshot.duckdb"
+    sink.snapshot(copy)
+    assert sink.emit(minimal_record(300))
+    assert count(copy) == 300 and read(copy, "SELECT name FROM runs") == [("x",)]
+    with open_store([copy]) as store:
+        assert store.query("SELECT count(DISTINCT request_id) AS n FROM requests") == [{"n": 300}]
+    with pytest.raises(SpanSinkError, match="already exists|cannot copy"):
+        sink.snapshot(copy)  # a second copy into a store that has the tables fails with a sentence
+    sink.close()
+    assert count(db) == 301 and count(copy) == 300
+
+
+def test_a_sink_without_a_store_has_nothing_to_snapshot(tmp_path: Path) -> None:
+    s = SpanSink(None)
+    s.start()
+    try:
+        with pytest.raises(SpanSinkError, match="no span store"):
+            s.snapshot(tmp_path / "copy.duckdb")
+    finally:
+        s.close()

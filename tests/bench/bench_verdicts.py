@@ -1,6 +1,7 @@
 """Benchmark: can a verdict be trusted? A/A false alarms, power, interval coverage, stability and cost.
 
     python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32,64] [--rounds 3] [--per-round 6]
+                                         [--deciding-rounds 6]
                                          [--time-scale 1:0.25,8:0.25,32:0.1,64:0.05]
                                          [--stability-runs 3] [--keep] [--work DIR]
     python tests/bench/bench_verdicts.py --from DIR    # the figures again from a --keep folder's stores
@@ -14,8 +15,10 @@ full speed and c=64 at a twentieth), each level group ``--runs`` times into its 
 (``run-NN-gK.duckdb``, a deploy verdict per group). Then ``--runs`` times: a paired replay (replay's
 own runner, in this process) of a small
 mixed workload over the levels, ``--rounds`` rounds each of max(c, ``--per-round``) items, so every arm
-gets the same items, into a fresh span store, and ``specproxy analyze --format json`` on it (a
-subprocess). It prints:
+gets the same items, into a fresh span store, with up to ``--deciding-rounds`` more rounds of each
+group's top level while the null or EAGLE3 arm's verdict there is open (as the lab does:
+:mod:`specproxy.analysis.settled`), and ``specproxy analyze --format json`` on it (a subprocess). It
+prints:
 
 Each target is printed with ``met`` / ``NOT met`` and a Wilson interval on the share, then one
 ``TARGETS`` line:
@@ -65,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import duckdb
 
 from specproxy.analysis.stats import wilson_interval
-from specproxy.commandline import run_async
+from specproxy.commandline import open_questions, run_async
 from specproxy.config import load_experiment
 from specproxy.engines.profiles import load_profile
 from specproxy.engines.sim.api_request import parse_request
@@ -254,6 +257,7 @@ class RunVerdicts:
     deploy: dict[str, str] = field(default_factory=dict)
     health_over: int = 0
     health_total: int = 0
+    deciding: int = 0  # deciding rounds run (the top level measured again while a verdict was open)
 
 
 def specproxy(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -309,6 +313,7 @@ def replay_once(
         levels=tuple(levels),
         items_per_level=functools.partial(per_round, opts.per_round),
         rounds=opts.rounds,
+        deciding_rounds=opts.deciding_rounds,
     )
     settings = ReplaySettings(
         arms=exp.arms,
@@ -318,9 +323,12 @@ def replay_once(
         seed=int(name.split("-")[1]),
         experiment=exp,
         show_progress=False,
+        decider=open_questions,
     )
-    run_async(run_replay(settings, items))
-    return verdicts_of(db)
+    result = run_async(run_replay(settings, items))
+    verdicts = verdicts_of(db)
+    verdicts.deciding = sum(level.deciding for level in result.levels)
+    return verdicts
 
 
 def level_scales(text: str, levels: Sequence[int]) -> dict[int, float]:
@@ -348,6 +356,7 @@ def merged(parts: Sequence[RunVerdicts]) -> RunVerdicts:
         out.deploy.update({f"{arm}#{g}": v for arm, v in part.deploy.items()})
         out.health_over += part.health_over
         out.health_total += part.health_total
+        out.deciding += part.deciding
     return out
 
 
@@ -509,6 +518,12 @@ def parse_args() -> argparse.Namespace:
         help='simulators\' time scale: one for all ("0.25") or per level ("1:0.5,64:0.1", others 1)',
     )
     parser.add_argument(
+        "--deciding-rounds",
+        type=int,
+        default=6,
+        help="deciding rounds each replay may add to its top level, as the lab does (0: none)",
+    )
+    parser.add_argument(
         "--stability-runs", type=int, default=3, help="consecutive lab --quick runs (0: none)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (printed)")
@@ -543,6 +558,7 @@ def measure_group(
                 f"  scale {scale:g} c={','.join(map(str, levels))} replay #{i + 1}: "
                 f"{time.monotonic() - t0:.0f} s; "
                 f"deploy {r.deploy}; health over limit {r.health_over}/{r.health_total}; "
+                f"deciding rounds {r.deciding}; "
                 f"load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
