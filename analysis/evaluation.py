@@ -6,9 +6,9 @@
 1. figures (:mod:`.figures`, SQL): per arm and level the summary, per replay round the wall-clock
    figures, the pairs (or each arm's calls) with a sample for the bootstrap;
 2. comparisons (:mod:`.comparison`, :mod:`.matched`): speedup intervals per arm and level, widened by
-   the level's rounds (or time blocks), simultaneous over the arm's levels (Bonferroni: each interval
-   at 1 − (1 − confidence) / L for an arm with L reliable levels), at matched engine load for live and
-   split traffic;
+   the level's rounds (or time blocks), simultaneous over the levels the arm's deploy verdict reads
+   (Bonferroni: each interval at 1 − (1 − confidence) / L for the L tested levels around the operating
+   point and the peak, usually 2), at matched engine load for live and split traffic;
 3. verdicts (:mod:`.verdict`): the margin per level from the replica arms' noise floor over the run's
    reliable levels, each row's verdict, the crossover and the deploy verdict at the operating point.
 
@@ -65,6 +65,7 @@ from specproxy.analysis.verdict import (
     deploy_verdict,
     level_verdict,
     noise_floor,
+    tested_around,
 )
 
 __all__ = [
@@ -183,7 +184,8 @@ def _evaluate_run(
 ) -> RunEvaluation:
     notes: list[str] = []
     run = _run_figures(store, info, settings, notes, health)
-    confidence = _confidences(run, settings)
+    point, point_text = _operating_point(settings, info, run_unit(s.level for s in run.summaries))
+    confidence = _confidences(run, settings, point)
     comparisons = _comparisons(run, confidence, settings)
     loads = _matched_loads(run, confidence, settings)
     margins = _margins(run, comparisons, settings.thresholds)
@@ -202,7 +204,6 @@ def _evaluate_run(
         for s in run.summaries
     ]
     categories = _category_rows(run, rows, margins, confidence, settings)
-    point, point_text = _operating_point(settings, info, run_unit(r.level for r in rows))
     failed = {f.arm: f.describe() for f in failed_arms(store, run.run_id)}
     arms = [_arm_outcome(run, arm, rows, point, confidence, settings, failed) for arm in _arm_order(run)]
     loaded = [r.level for r in rows if r.level_load is not None]
@@ -398,17 +399,32 @@ def _arm_order(run: RunFigures) -> list[str]:
     return sorted({s.arm for s in run.summaries}, key=lambda a: (a != run.baseline, a))
 
 
-def _confidences(run: RunFigures, settings: Settings) -> dict[str, float]:
-    """Each arm's per-interval confidence: Bonferroni over its reliable levels with a baseline."""
-    levels_with_baseline = {s.level for s in run.summaries if s.arm == run.baseline}
+def _confidences(run: RunFigures, settings: Settings, point: OperatingPoint) -> dict[str, float]:
+    """Each arm's per-interval confidence: Bonferroni over the levels its deploy verdict reads.
+
+    The deploy verdict's WIN and LOSS come from the tested levels around the operating point and
+    around the peak (the lowest and the highest tested level when not given; a point between two
+    levels reads both), whatever their health: two levels in a sweep, up to four. Correcting for
+    those keeps the deploy verdict's false alarms within 1 − confidence; each other level's verdict
+    (and the crossover's) is a single comparison at that confidence, not a joint one. Correcting for
+    every tested level instead widened the peak's interval by a quarter at 5 levels and 5 rounds
+    (t at 1 − 0.05 / 5 against 1 − 0.05 / 2, 4 degrees of freedom), and a true ratio near the margin
+    came out LOSS in one lab and NO CLEAR GAIN in the next.
+    """
     out = {}
     for arm in _arm_order(run):
-        n = sum(
-            1
+        loads = (
+            s.level_load
             for s in run.summaries
-            if s.arm == arm and s.level in levels_with_baseline and run.reliable(s.level)
+            if s.arm == arm and level_unit(s.level) == point.unit and run.summary(run.baseline, s.level)
         )
-        out[arm] = 1.0 - (1.0 - settings.confidence) / max(n, 1)
+        tested = sorted({x for x in loads if x is not None})
+        read = 1
+        if tested:
+            at = point.at if point.at is not None else tested[0]
+            peak = point.peak if point.peak is not None else tested[-1]
+            read = len(set(tested_around(at, tested)) | set(tested_around(peak, tested)))
+        out[arm] = 1.0 - (1.0 - settings.confidence) / read
     return out
 
 

@@ -311,7 +311,8 @@ def _interval_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
     if per_arm:
         levels = ", ".join(f"{arm} {conf:.2%}" for arm, conf in per_arm)
         lines.append(
-            f"intervals: {settings.confidence:.0%} jointly over each arm's reliable levels (Bonferroni; "
+            f"intervals: {settings.confidence:.0%} jointly over the levels each arm's deploy verdict reads "
+            f"(the operating point's and the peak's; Bonferroni; "
             f"each interval at: {levels}), widened by the spread between rounds (or time blocks)"
         )
     # The margin is often run-wide (the replicas' median deviation over the levels): said once for the

@@ -636,7 +636,8 @@ def build_report(
         f"the operating point, with aggregate throughput at the peak surely not lower beyond the margin "
         f"(WIN) or surely lower (LOSS); not given, they are the lowest and the highest tested level, and a "
         f"point at a level that failed its health checks makes it UNRELIABLE unless the other already gives "
-        f"a LOSS. Intervals: {settings.confidence:.0%} jointly over each arm's levels (Bonferroni), "
+        f"a LOSS. Intervals: {settings.confidence:.0%} jointly over the levels each arm's deploy verdict "
+        f"reads, the operating point's and the peak's (Bonferroni), "
         f"bootstrap ({settings.bootstrap_iterations} resamples, seed {settings.bootstrap_seed}) widened by "
         f"the spread between replay rounds (or time blocks of a one-round level)."
     )

@@ -56,7 +56,8 @@ class LevelRow:
     ``rounds_measured`` how many it had; when a round failed the measurement's health checks and the
     level is judged without it, ``rounds_dropped`` says which and why (every figure of the row leaves
     them out); ``blocks``: what the intervals' drift term came from;
-    ``confidence``: each interval's own level (simultaneous over the arm's levels);
+    ``confidence``: each interval's own level (simultaneous over the levels the arm's deploy verdict
+    reads: the operating point's and the peak's);
     ``reliable`` / ``health``: the level's health checks and what failed.
     ``tokens_source``: where this arm's token counts came from (:mod:`.provenance`);
     ``tokens_estimated``: this row's speeds (the arm's own, or the baseline's it is compared with) rest

@@ -22,8 +22,8 @@ levels so that one noisy level does not move it; the third keeps a replica itsel
 Sampling noise is the intervals' business, not the margin's: the candidate's own interval carries it.
 The rule is symmetric, so an arm identical to the baseline comes out NO CLEAR GAIN unless its
 intervals leave the margin, which the intervals' confidence makes rare; the intervals are
-simultaneous over an arm's levels (Bonferroni, in :mod:`.evaluation`), so more levels do not mean more
-false WINs or LOSSes.
+simultaneous over the levels the arm's deploy verdict reads (the operating point's and the peak's;
+Bonferroni, in :mod:`.evaluation`), so more levels do not mean more false deploy WINs or LOSSes.
 
 Token counts estimated from the text (``estimated``: the arm's or the baseline's, :mod:`.provenance`)
 carry an error the intervals do not see: such a level gets no WIN or LOSS from its speeds, only NO

@@ -100,10 +100,15 @@ REPLICA = "replica"
 # 1-3.5 s at full speed, up to 14 s when paced down to 1/4).
 EXTRA_ROUNDS = 3
 # Rounds the top level may add while a verdict the deploy verdict reads there reaches across a margin
-# line (draft_model's throughput at c=256 of a quick lab, 0.96x against a 3 % margin, came out LOSS in
+# line (draft_model's throughput at c=256 of a quick lab, 0.957x against a 3 % margin, came out LOSS in
 # one lab and NO CLEAR GAIN in five). Each costs a round of the top level (6-7 s at c=256 of a quick lab)
-# and a look at the verdicts so far (a copy of the store and its analysis, 2-4 s).
-DECIDING_ROUNDS = 6
+# and a look at the verdicts so far (a copy of the store and its analysis, 1-2 s). A round at c=256
+# scatters by about 1 % around the level's ratio on this 2-core VM, so a ratio 1.3 % past the line needs
+# 10-15 rounds before its interval settles on one side.
+DECIDING_ROUNDS = 12
+# The quick lab starts no deciding round that would end after it has run this long: with the analysis
+# and the report after the sweep (5-15 s), it stays within 3 minutes.
+QUICK_TIME_BUDGET_S = 150.0
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
 # REPLICA is a plain copy of it.
@@ -143,8 +148,10 @@ class LabPlan:
     # Rounds a level may add when too few of its rounds passed every health check (a loaded machine
     # fails a round now and then while the rounds around it are fine); each costs one round's time.
     extra_rounds: int = 0
-    # Rounds the top level may add while a verdict read there is unsettled (:mod:`.analysis.settled`).
+    # Rounds the top level may add while a verdict read there is unsettled (:mod:`.analysis.settled`),
+    # none starting that would end after the lab has run ``time_budget_s`` (None: no limit).
     deciding_rounds: int = 0
+    time_budget_s: float | None = None
     # Open-loop sweeps: default rates as shares of the baseline's estimated capacity, and how many
     # seconds of arrivals a rate level sends per round.
     rate_shares: tuple[float, ...] = (1 / 32, 1 / 8, 1 / 2, 1.0)
@@ -178,6 +185,7 @@ QUICK = LabPlan(
     top_rounds=5,
     extra_rounds=EXTRA_ROUNDS,
     deciding_rounds=DECIDING_ROUNDS,
+    time_budget_s=QUICK_TIME_BUDGET_S,
 )
 FULL = LabPlan(
     levels=(1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -422,7 +430,9 @@ def default_rates(capacity: float, shares: Sequence[float]) -> tuple[float, ...]
     return tuple(sorted({float(f"{capacity * share:.2g}") for share in shares}))
 
 
-def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None) -> LoadPlan:
+def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None, started: float) -> LoadPlan:
+    """The replay's load for the lab's plan; ``started``: when the lab began (``time.monotonic()``)."""
+    until = None if plan.time_budget_s is None else started + plan.time_budget_s
     if rates is None:
         return LoadPlan(
             kind="closed",
@@ -432,6 +442,7 @@ def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None) -> LoadPlan:
             rounds_per_level=plan.level_rounds,
             extra_rounds=plan.extra_rounds,
             deciding_rounds=plan.deciding_rounds,
+            deciding_until=until,
             warm_fresh_prompts=True,
         )
     return LoadPlan(
@@ -441,6 +452,7 @@ def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None) -> LoadPlan:
         rounds=plan.rounds,
         extra_rounds=plan.extra_rounds,
         deciding_rounds=plan.deciding_rounds,
+        deciding_until=until,
         warm_fresh_prompts=True,
     )
 
@@ -470,6 +482,7 @@ def _extra_sentence(plan: LabPlan) -> str:
         parts.append(
             f"; up to {plan.deciding_rounds} deciding round{'s' if plan.deciding_rounds > 1 else ''} at the "
             "top level while a verdict read there is unsettled"
+            + (f", within {plan.time_budget_s:.0f} s of the lab's start" if plan.time_budget_s else "")
         )
     return "".join(parts)
 
@@ -532,7 +545,8 @@ def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> E
     metavar="N",
     help="Add up to N rounds to the top level while a figure the deploy verdict reads there (the peak's "
     "throughput, by default) has an interval reaching across a margin line, so that a ratio near the "
-    f"margin gets the same verdict every run (default {DECIDING_ROUNDS}; 0: never).",
+    f"margin gets the same verdict every run (default {DECIDING_ROUNDS}; with --quick none starts that "
+    f"would end after the lab has run {QUICK_TIME_BUDGET_S:.0f} s; 0: never).",
 )
 @click.option(
     "--at-concurrency",
@@ -654,6 +668,7 @@ def lab(
         top_rounds=None if rounds else base.top_rounds,
         extra_rounds=base.extra_rounds if extra_rounds is None else extra_rounds,
         deciding_rounds=base.deciding_rounds if deciding_rounds is None else deciding_rounds,
+        time_budget_s=base.time_budget_s,
     )
     experiment = experiment_or_none(config_path)
     if at_concurrency is not None and peak_concurrency is not None and peak_concurrency < at_concurrency:
@@ -711,7 +726,7 @@ def lab(
             db_path=db_path,
             run_name="lab-quick" if quick else "lab",
             mode="paired",
-            load=_load_plan(plan, rates),
+            load=_load_plan(plan, rates, t0),
             temperature=0.0,
             max_tokens=max_tokens,
             seed=seed,

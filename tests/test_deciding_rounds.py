@@ -5,6 +5,7 @@ verdict run after run (:mod:`specproxy.analysis.settled`)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,7 +29,11 @@ EAGLE3 = {"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "n
 
 
 async def _replay(
-    db: Path, decider: Decider | None, deciding: int, levels: tuple[int, ...] = (1, 2)
+    db: Path,
+    decider: Decider | None,
+    deciding: int,
+    levels: tuple[int, ...] = (1, 2),
+    until: float | None = None,
 ) -> ReplayResult:
     """A baseline and a plain copy of it labelled eagle3 (a null arm), ``levels`` in 3 rounds each."""
     async with running_sim(SimConfig()) as base, running_sim(SimConfig()) as null:
@@ -36,7 +41,7 @@ async def _replay(
             Arm(name="base", url=base.url, role="baseline"),
             Arm(name="eagle3", url=null.url, speculative=EAGLE3),
         )
-        load = LoadPlan(levels=levels, warmup=0, rounds=3, deciding_rounds=deciding)
+        load = LoadPlan(levels=levels, warmup=0, rounds=3, deciding_rounds=deciding, deciding_until=until)
         settings = ReplaySettings(arms=arms, db_path=db, show_progress=False, load=load, decider=decider)
         return await run_replay(settings, chat_items(N_ITEMS, max_tokens=16))
 
@@ -76,6 +81,19 @@ async def test_deciding_rounds_stop_at_the_budget_and_say_what_is_still_open(tmp
     top = result.levels[-1]
     assert (top.deciding, top.deciding_budget, top.unsettled, top.extra) == (2, 2, (OPEN,), 0)
     assert top.deciding_sentence() == f"c=2: 2 of 2 deciding rounds run; still open: {OPEN}"
+
+
+async def test_no_deciding_round_starts_that_would_end_after_the_time_budget(tmp_path: Path) -> None:
+    """A budget already spent: the question is asked, no round runs, and the lab says why."""
+    result = await _replay(
+        tmp_path / "spans.duckdb", lambda *_: [OPEN], deciding=4, levels=(2,), until=time.monotonic()
+    )
+    assert result.phases == ["c=2 r1/3", "c=2 r2/3", "c=2 r3/3"]
+    top = result.levels[-1]
+    assert (top.deciding, top.unsettled, top.out_of_time) == (0, (OPEN,), True)
+    assert top.deciding_sentence() == (
+        f"c=2: 0 of 4 deciding rounds run, no more within the time budget; still open: {OPEN}"
+    )
 
 
 async def test_a_decider_that_fails_costs_no_round_and_is_noted(tmp_path: Path) -> None:

@@ -116,9 +116,9 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
         res.stderr
     )
     ran = {c: n for (arm, c, *_, n) in rows if arm == "baseline"}
-    # and up to 6 deciding rounds at the top level while a verdict read there was open (the lab says so)
+    # and up to 12 deciding rounds at the top level while a verdict read there was open (the lab says so)
     deciding = deciding_rounds(res.stderr)
-    assert set(deciding) <= {4} and deciding.get(4, 0) <= 6, deciding
+    assert set(deciding) <= {4} and deciding.get(4, 0) <= 12, deciding
     for c, planned in rounds.items():
         extra = ran[c] - planned - deciding.get(c, 0)
         assert 0 <= extra <= 3
@@ -126,7 +126,7 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
             assert f"running extra round {planned + extra}" in res.stderr
             assert f"rounds: c={c}: {extra} of 3 extra rounds run" in res.stderr
         if deciding.get(c):
-            assert f"rounds: c={c}: {deciding[c]} of 6 deciding rounds run" in res.stderr
+            assert f"rounds: c={c}: {deciding[c]} of 12 deciding rounds run" in res.stderr
     if ran == rounds:
         assert "rounds: every level had enough rounds that passed every health check" in res.stderr
     # 2 items a round at c=1 (5 over 3 rounds), at c=4 a round fills its 4 slots once; every
@@ -257,9 +257,9 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
     # extra rounds where too few rounds passed every health check
     planned = [(1, 3), (4, 3), (16, 3), (64, 3), (256, 5)]
     assert [c for c, _ in per_level_rounds] == [c for c, _ in planned]
-    # and up to 6 deciding rounds at the top level while a verdict read there was open
+    # and up to 12 deciding rounds at the top level while a verdict read there was open
     deciding = deciding_rounds(res.stderr)
-    assert set(deciding) <= {256} and deciding.get(256, 0) <= 6, deciding
+    assert set(deciding) <= {256} and deciding.get(256, 0) <= 12, deciding
     for (c, n), (_, k) in zip(per_level_rounds, planned, strict=True):
         extra = n - k - deciding.get(c, 0)
         assert 0 <= extra <= 3

@@ -68,7 +68,8 @@ def why_extra(level: str, failed: Mapping[int, Sequence[str]], next_round: int) 
 class LevelRounds:
     """How a level's rounds went: ``ran`` = planned + extra rounds run, ``healthy`` of them passed,
     ``budget`` extra rounds were allowed for health; ``deciding`` of the extra rounds ran to settle a
-    verdict (of ``deciding_budget``), and ``unsettled`` says what was still open when they stopped."""
+    verdict (of ``deciding_budget``), ``unsettled`` says what was still open when they stopped and
+    ``out_of_time`` whether the time budget stopped them."""
 
     level: str  # c=256, r=2
     planned: int
@@ -78,6 +79,7 @@ class LevelRounds:
     deciding: int = 0
     deciding_budget: int = 0
     unsettled: tuple[str, ...] = ()
+    out_of_time: bool = False  # the deciding rounds stopped at the caller's time budget
 
     @property
     def extra(self) -> int:
@@ -89,6 +91,8 @@ class LevelRounds:
         if self.deciding == 0 and not self.unsettled:
             return None
         ran = f"{self.deciding} of {self.deciding_budget} deciding rounds run"
+        if self.out_of_time:
+            ran += ", no more within the time budget"
         if not self.unsettled:
             return f"{self.level}: {ran}; every verdict read here is settled"
         return f"{self.level}: {ran}; still open: {'; '.join(self.unsettled)}"

@@ -33,6 +33,7 @@ calls in flight are cancelled and recorded as ``client_cancelled``, the spans so
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import gc
 import json
@@ -129,6 +130,9 @@ class LoadPlan:
     # Closed loop and rates: at most this many rounds added to the sweep's top level while the
     # ``decider`` finds a verdict read there unsettled (:mod:`specproxy.analysis.settled`).
     deciding_rounds: int = 0
+    # ... and none starts that would end after this time (``time.monotonic()``; None: no limit), a
+    # caller's time budget (the quick lab's)
+    deciding_until: float | None = None
 
     def level_rounds(self, level: int) -> int:
         return self.rounds if self.rounds_per_level is None else self.rounds_per_level(level)
@@ -377,6 +381,7 @@ class ReplayRunner:
         self._queue_s: list[float] = []  # this phase's calls: handed over → upstream request sent
         self._decode_s: list[float] = []  # this phase's calls: first → last token
         self._level_notes: Mapping[str, float] = {}
+        self._round_s = 0.0  # how long the last measured round took (a deciding round's expected cost)
 
     # bodies and ids
 
@@ -766,24 +771,16 @@ class ReplayRunner:
                     break
                 self.progress.console.print(why_extra(base, failed, ran + 1), highlight=False)
             ran += 1
+            began = time.monotonic()
             await measure(_Phase(phase_label(base, ran, planned), level, ran, rate))
-        decided: tuple[int, tuple[str, ...]] = (0, ())
+            self._round_s = time.monotonic() - began
+        decided = LevelRounds(base, planned, ran, 0, deciding_budget=self.s.load.deciding_rounds)
         if self._is_top(level, rate) and self.s.decider is not None and self.s.load.deciding_rounds > 0:
             decided = await self._deciding_rounds(base, planned, ran, measure, level, rate)
-        deciding, unsettled = decided
         failed = failed_rounds(row for row in self.result.health if of_level(row))
-        ran += deciding
+        ran += decided.deciding
         self.result.levels.append(
-            LevelRounds(
-                base,
-                planned,
-                ran,
-                ran - len(failed),
-                self.s.load.extra_rounds,
-                deciding,
-                self.s.load.deciding_rounds,
-                unsettled,
-            )
+            dataclasses.replace(decided, ran=ran, healthy=ran - len(failed), budget=self.s.load.extra_rounds)
         )
 
     def _is_top(self, level: int | None, rate: float | None) -> bool:
@@ -801,22 +798,30 @@ class ReplayRunner:
         measure: Callable[[_Phase], Awaitable[None]],
         level: int | None,
         rate: float | None,
-    ) -> tuple[int, tuple[str, ...]]:
+    ) -> LevelRounds:
         """Rounds added to the top level while a verdict read there is unsettled, up to the plan's
-        ``deciding_rounds``: (how many ran, what was still open when they stopped)."""
-        budget = self.s.load.deciding_rounds
+        ``deciding_rounds`` and within its ``deciding_until``: how many ran, and what was still open
+        when they stopped (the rest of the returned LevelRounds is filled in by the caller)."""
+        plan = self.s.load
         added = 0
         while not self.stop.is_set():
-            open_ = await self._open_questions(base)
-            if not open_ or added == budget:
-                return added, tuple(open_)
+            open_ = tuple(await self._open_questions(base))
+            out_of_time = plan.deciding_until is not None and (
+                time.monotonic() + self._round_s > plan.deciding_until
+            )
+            if not open_ or added == plan.deciding_rounds or out_of_time:
+                late = bool(open_) and out_of_time and added < plan.deciding_rounds
+                return LevelRounds(base, planned, ran, 0, 0, added, plan.deciding_rounds, open_, late)
             added += 1
             self.progress.console.print(
-                f"{base}: {'; '.join(open_)}; running deciding round {ran + added} ({added} of {budget})",
+                f"{base}: {'; '.join(open_)}; running deciding round {ran + added} "
+                f"({added} of {plan.deciding_rounds})",
                 highlight=False,
             )
+            began = time.monotonic()
             await measure(_Phase(phase_label(base, ran + added, planned), level, ran + added, rate))
-        return added, ()
+            self._round_s = time.monotonic() - began
+        return LevelRounds(base, planned, ran, 0, 0, added, plan.deciding_rounds)
 
     async def _open_questions(self, base: str) -> list[str]:
         """The decider's answer on a snapshot of the store as written so far; none when it cannot

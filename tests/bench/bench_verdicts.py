@@ -1,7 +1,7 @@
 """Benchmark: can a verdict be trusted? A/A false alarms, power, interval coverage, stability and cost.
 
     python tests/bench/bench_verdicts.py [--runs 20] [--levels 1,8,32,64] [--rounds 3] [--per-round 6]
-                                         [--deciding-rounds 6]
+                                         [--deciding-rounds 12]
                                          [--time-scale 1:0.25,8:0.25,32:0.1,64:0.05]
                                          [--stability-runs 3] [--keep] [--work DIR]
     python tests/bench/bench_verdicts.py --from DIR    # the figures again from a --keep folder's stores
@@ -520,7 +520,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--deciding-rounds",
         type=int,
-        default=6,
+        default=12,
         help="deciding rounds each replay may add to its top level, as the lab does (0: none)",
     )
     parser.add_argument(
