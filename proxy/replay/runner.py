@@ -20,7 +20,10 @@ round; from one round to the next the arms' order is rotated (in paired mode, th
 item's copies go out) and the items are shuffled with the seed, so that a slow moment of the machine
 does not always fall on the same arm or the same items. A level whose rounds left too few that passed
 every health check gets up to ``extra_rounds`` more, one at a time at the same pace, numbered after
-the planned ones (``c=256 r6 extra``; :mod:`.extra_rounds`); a timed loop is never rerun.
+the planned ones (``c=256 r6 extra``; :mod:`.extra_rounds`); a timed loop is never rerun. With a
+``decider``, the sweep's top level then gets up to ``deciding_rounds`` more, labelled the same way,
+while a verdict the deploy verdict reads there is unsettled on a copy of the store as written so far
+(:mod:`specproxy.analysis.settled`).
 Each round also records the measurement's health (:mod:`.health`) in table ``health``. Before
 anything runs, every arm's ``/v1/models`` is asked for its served model (an unreachable arm fails
 the run, naming its URL) and ``/version`` with it; both land in the run's ``stacks_json``.
@@ -757,8 +760,9 @@ class ReplayRunner:
         rate: float | None = None,
     ) -> None:
         """A level's planned rounds, then extra rounds while too few have passed every health check
-        and the plan allows more (:func:`.extra_rounds.extra_round_due`); each at the level's pace.
-        ``level``: a closed-loop level's concurrency, ``rate``: an open-loop level's offered rate."""
+        and the plan allows more (:func:`.extra_rounds.extra_round_due`), then at the sweep's top level
+        deciding rounds while the decider finds a verdict read there unsettled; each at the level's
+        pace. ``level``: a closed-loop level's concurrency, ``rate``: an open-loop level's offered rate."""
 
         def of_level(row: HealthRow) -> bool:
             return row.concurrency_level == level and row.offered_rate == rate
@@ -774,7 +778,7 @@ class ReplayRunner:
             began = time.monotonic()
             await measure(_Phase(phase_label(base, ran, planned), level, ran, rate))
             self._round_s = time.monotonic() - began
-        decided = LevelRounds(base, planned, ran, 0, deciding_budget=self.s.load.deciding_rounds)
+        decided = LevelRounds(base, planned, ran, healthy=0, deciding_budget=self.s.load.deciding_rounds)
         if self._is_top(level, rate) and self.s.decider is not None and self.s.load.deciding_rounds > 0:
             decided = await self._deciding_rounds(base, planned, ran, measure, level, rate)
         failed = failed_rounds(row for row in self.result.health if of_level(row))
@@ -811,7 +815,16 @@ class ReplayRunner:
             )
             if not open_ or added == plan.deciding_rounds or out_of_time:
                 late = bool(open_) and out_of_time and added < plan.deciding_rounds
-                return LevelRounds(base, planned, ran, 0, 0, added, plan.deciding_rounds, open_, late)
+                return LevelRounds(
+                    base,
+                    planned,
+                    ran,
+                    healthy=0,
+                    deciding=added,
+                    deciding_budget=plan.deciding_rounds,
+                    unsettled=open_,
+                    out_of_time=late,
+                )
             added += 1
             self.progress.console.print(
                 f"{base}: {'; '.join(open_)}; running deciding round {ran + added} "
@@ -821,7 +834,9 @@ class ReplayRunner:
             began = time.monotonic()
             await measure(_Phase(phase_label(base, ran + added, planned), level, ran + added, rate))
             self._round_s = time.monotonic() - began
-        return LevelRounds(base, planned, ran, 0, 0, added, plan.deciding_rounds)
+        return LevelRounds(
+            base, planned, ran, healthy=0, deciding=added, deciding_budget=plan.deciding_rounds
+        )
 
     async def _open_questions(self, base: str) -> list[str]:
         """The decider's answer on a snapshot of the store as written so far; none when it cannot
