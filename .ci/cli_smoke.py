@@ -25,7 +25,10 @@ from specproxy.cli import COMMANDS
 from specproxy.cli import main as specproxy_command
 
 # The shortest lab that still starts every simulated arm, sweeps two levels and writes a verdict.
-TINY_LAB = ("--quick", "--concurrency", "1,4", "--items", "2", "--max-tokens", "16", "--time-scale", "10")
+TINY_LAB = (
+    "--quick", "--concurrency", "1,4", "--items", "2", "--max-tokens", "16", "--time-scale", "10",
+    "--deciding-rounds", "1",
+)  # fmt: skip
 
 
 def command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
