@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import click
 import duckdb
 
+from specproxy import schema
 from specproxy.analysis.evaluation import Settings
 from specproxy.analysis.render import FORMATS
 from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
@@ -303,14 +304,10 @@ def export(dbs: tuple[str, ...], out_dir: str, run: str | None) -> None:
                 path = target / f"{table}.parquet"
                 where = ""
                 if run_ids is not None:
-                    where = (
-                        " WHERE run_id IN ("
-                        + ", ".join("'" + r.replace("'", "''") + "'" for r in run_ids)
-                        + ")"
-                    )
+                    where = " WHERE run_id IN (" + ", ".join(schema.sql_literal(r) for r in run_ids) + ")"
                 n = store.conn.execute(f"SELECT count(*) FROM {table}{where}").fetchone()
                 store.conn.execute(
-                    f"COPY (SELECT * FROM {table}{where}) TO '{str(path).replace(chr(39), chr(39) * 2)}' "
+                    f"COPY (SELECT * FROM {table}{where}) TO {schema.sql_literal(str(path))} "
                     "(FORMAT parquet, COMPRESSION zstd)"
                 )
                 click.echo(f"{path}: {n[0] if n else 0} rows")

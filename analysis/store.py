@@ -283,7 +283,7 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
         for i, path in enumerate(files):
             alias = f"db{i}"
             try:
-                conn.execute(f"ATTACH '{_quote(str(path))}' AS {alias} (READ_ONLY)")
+                conn.execute(f"ATTACH {schema.sql_literal(str(path))} AS {alias} (READ_ONLY)")
                 attached.append(_inspect(conn, alias, path))
             except duckdb.Error as exc:
                 raise _attach_error(path, exc) from exc
@@ -300,10 +300,6 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
 def _spill_dir() -> Path:
     """A folder of its own for each store (DuckDB creates it only if it spills; close() removes it)."""
     return Path(tempfile.gettempdir()) / f"specproxy-analysis-{os.getpid()}-{next(_STORE_COUNTER)}"
-
-
-def _quote(text: str) -> str:
-    return text.replace("'", "''")
 
 
 Columns = dict[str, dict[str, str]]  # table → column → DuckDB type, in column order

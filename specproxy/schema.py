@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+
+def sql_literal(text: str) -> str:
+    """``text`` as a DuckDB string literal, for the statements that take no parameters (ATTACH, COPY
+    ... TO): ``it's`` → ``'it''s'``."""
+    return "'" + text.replace("'", "''") + "'"
+
+
 REQUESTS_DDL = """
 CREATE TABLE IF NOT EXISTS requests (
     run_id VARCHAR NOT NULL,

@@ -478,7 +478,7 @@ class SpanSink:
             cur = self._conn.cursor()
             try:
                 (name,) = cur.execute("SELECT current_database()").fetchone()
-                cur.execute(f"ATTACH '{str(dest).replace(chr(39), chr(39) * 2)}' AS specproxy_snapshot")
+                cur.execute(f"ATTACH {schema.sql_literal(str(dest))} AS specproxy_snapshot")
                 try:
                     cur.execute(f'COPY FROM DATABASE "{name}" TO specproxy_snapshot')
                 finally:
