@@ -421,8 +421,7 @@ def _confidences(run: RunFigures, settings: Settings, point: OperatingPoint) -> 
         tested = sorted({x for x in loads if x is not None})
         read = 1
         if tested:
-            at = point.at if point.at is not None else tested[0]
-            peak = point.peak if point.peak is not None else tested[-1]
+            at, peak = point.resolved(tested)
             read = len(set(tested_around(at, tested)) | set(tested_around(peak, tested)))
         out[arm] = 1.0 - (1.0 - settings.confidence) / read
     return out

@@ -30,9 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specproxy.analysis.evaluation import evaluate
 from specproxy.analysis.levels import level_load, level_unit
 from specproxy.analysis.rows import ArmOutcome, LevelRow, RunEvaluation, Settings
 from specproxy.analysis.stats import Interval
+from specproxy.analysis.store import open_store
 from specproxy.analysis.verdict import FAILED, UNRELIABLE, check_identity, fmt_ratio, tested_around
 
 
@@ -116,9 +118,6 @@ def open_questions_in_store(
 ) -> list[str]:
     """:func:`open_questions` of run ``run_id`` in the span store file ``db_path``, as sentences;
     ``level`` as replay labels it (``'c=256'``, ``'r=2'``)."""
-    from specproxy.analysis.evaluation import evaluate
-    from specproxy.analysis.store import open_store
-
     with open_store([db_path]) as store:
         (evaluation,) = evaluate(store, run=run_id, settings=settings)
     questions = open_questions(evaluation, level.removeprefix("c="), settings)

@@ -320,6 +320,12 @@ class OperatingPoint:
     peak: float | None = None
     unit: str = "c"
 
+    def resolved(self, tested: Sequence[float]) -> tuple[float, float]:
+        """(operating point, peak) with the assumed ones filled in: the lowest and the highest of the
+        ``tested`` levels (sorted, not empty)."""
+        at = self.at if self.at is not None else tested[0]
+        return at, self.peak if self.peak is not None else tested[-1]
+
 
 @dataclass(frozen=True)
 class LevelJudgement:
@@ -442,10 +448,9 @@ def deploy_verdict(
     tested = sorted(j.level for j in levels)
     sound = sorted(j.level for j in reliable)
     assumed = []
-    at = point.at if point.at is not None else tested[0]
+    at, peak = point.resolved(tested)
     if point.at is None:
         assumed.append(f"operating point = lowest tested level {load_name(at, unit)}")
-    peak = point.peak if point.peak is not None else tested[-1]
     if point.peak is None:
         assumed.append(f"peak = highest tested level {load_name(peak, unit)}")
     assumption = f" (assumed: {', '.join(assumed)})" if assumed else ""

@@ -36,7 +36,6 @@ calls in flight are cancelled and recorded as ``client_cancelled``, the spans so
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import gc
 import json
@@ -775,17 +774,32 @@ class ReplayRunner:
                     break
                 self.progress.console.print(why_extra(base, failed, ran + 1), highlight=False)
             ran += 1
-            began = time.monotonic()
-            await measure(_Phase(phase_label(base, ran, planned), level, ran, rate))
-            self._round_s = time.monotonic() - began
-        decided = LevelRounds(base, planned, ran, healthy=0, deciding_budget=self.s.load.deciding_rounds)
+            await self._measure_round(measure, _Phase(phase_label(base, ran, planned), level, ran, rate))
+        decided: tuple[int, tuple[str, ...], bool] = (0, (), False)
         if self._is_top(level, rate) and self.s.decider is not None and self.s.load.deciding_rounds > 0:
             decided = await self._deciding_rounds(base, planned, ran, measure, level, rate)
+        deciding, unsettled, out_of_time = decided
+        ran += deciding
         failed = failed_rounds(row for row in self.result.health if of_level(row))
-        ran += decided.deciding
         self.result.levels.append(
-            dataclasses.replace(decided, ran=ran, healthy=ran - len(failed), budget=self.s.load.extra_rounds)
+            LevelRounds(
+                base,
+                planned,
+                ran,
+                ran - len(failed),
+                budget=self.s.load.extra_rounds,
+                deciding=deciding,
+                deciding_budget=self.s.load.deciding_rounds,
+                unsettled=unsettled,
+                out_of_time=out_of_time,
+            )
         )
+
+    async def _measure_round(self, measure: Callable[[_Phase], Awaitable[None]], phase: _Phase) -> None:
+        """One round, its duration kept: a deciding round is started only if one more fits the budget."""
+        began = time.monotonic()
+        await measure(phase)
+        self._round_s = time.monotonic() - began
 
     def _is_top(self, level: int | None, rate: float | None) -> bool:
         """Is this the sweep's top level (the highest concurrency, or rate)?"""
@@ -802,10 +816,10 @@ class ReplayRunner:
         measure: Callable[[_Phase], Awaitable[None]],
         level: int | None,
         rate: float | None,
-    ) -> LevelRounds:
+    ) -> tuple[int, tuple[str, ...], bool]:
         """Rounds added to the top level while a verdict read there is unsettled, up to the plan's
-        ``deciding_rounds`` and within its ``deciding_until``: how many ran, and what was still open
-        when they stopped (the rest of the returned LevelRounds is filled in by the caller)."""
+        ``deciding_rounds`` and within its ``deciding_until``: (how many ran, what was still open when
+        they stopped, whether the time budget stopped them)."""
         plan = self.s.load
         added = 0
         while not self.stop.is_set():
@@ -814,29 +828,15 @@ class ReplayRunner:
                 time.monotonic() + self._round_s > plan.deciding_until
             )
             if not open_ or added == plan.deciding_rounds or out_of_time:
-                late = bool(open_) and out_of_time and added < plan.deciding_rounds
-                return LevelRounds(
-                    base,
-                    planned,
-                    ran,
-                    healthy=0,
-                    deciding=added,
-                    deciding_budget=plan.deciding_rounds,
-                    unsettled=open_,
-                    out_of_time=late,
-                )
+                return added, open_, bool(open_) and out_of_time and added < plan.deciding_rounds
             added += 1
+            k = ran + added
             self.progress.console.print(
-                f"{base}: {'; '.join(open_)}; running deciding round {ran + added} "
-                f"({added} of {plan.deciding_rounds})",
+                f"{base}: {'; '.join(open_)}; running deciding round {k} ({added} of {plan.deciding_rounds})",
                 highlight=False,
             )
-            began = time.monotonic()
-            await measure(_Phase(phase_label(base, ran + added, planned), level, ran + added, rate))
-            self._round_s = time.monotonic() - began
-        return LevelRounds(
-            base, planned, ran, healthy=0, deciding=added, deciding_budget=plan.deciding_rounds
-        )
+            await self._measure_round(measure, _Phase(phase_label(base, k, planned), level, k, rate))
+        return added, (), False
 
     async def _open_questions(self, base: str) -> list[str]:
         """The decider's answer on a snapshot of the store as written so far; none when it cannot
