@@ -316,13 +316,40 @@ def _widen(
     return None if iv is None else widen_pooled(iv, own, spreads, confidence)
 
 
-def lag_bounded(comp: Comparison, lag: float) -> Comparison:
-    """The intervals moved out by ``lag``: how far behind their own clocks the two arms' simulators fell
-    at the level (the sum of the two). A simulator that lags by x % serves x % slower than its profile,
-    so a ratio measured there can be off by that much whatever the sampling error; a level lagging
-    beyond the validity gate's limit is UNRELIABLE anyway, one below it carries the bound."""
-    if lag <= 0.0:
-        return comp
-    decode = None if comp.decode is None else with_bias_bound(comp.decode, lag)
-    throughput = None if comp.throughput is None else with_bias_bound(comp.throughput, lag)
+@dataclass(frozen=True)
+class LagBounds:
+    """How much a simulator that fell behind its own clock can have slowed one arm's figures at a level
+    (shares). A simulator that lags by x % of its busy time serves x % slower than its profile, never
+    faster; engines without such a clock have none.
+
+    ``worst``: the largest lag over the level's judged rounds; a call's decode speed (and a per-call
+    throughput) was slowed by at most about that. ``busy_mean``: the rounds' lags weighted by their busy
+    time on the simulator's clock, by how much Σ wall over the rounds was stretched, which is the
+    wall-clock throughput's whole bias (the rounds' differences in lag are part of their spread)."""
+
+    worst: float = 0.0
+    busy_mean: float = 0.0
+
+    @classmethod
+    def of_rounds(cls, lags: Mapping[int, float], walls: Mapping[int, float]) -> LagBounds:
+        """From each round's lag and the arm's wall time in it (a round without one weighs 1 s)."""
+        if not lags:
+            return cls()
+        busy = {r: walls.get(r, 1.0) / (1.0 + max(lag, 0.0)) for r, lag in lags.items()}
+        total = sum(busy.values())
+        mean = sum(busy[r] * lag for r, lag in lags.items()) / total if total > 0 else max(lags.values())
+        return cls(max(lags.values()), mean)
+
+
+def lag_bounded(comp: Comparison, cand: LagBounds, base: LagBounds) -> Comparison:
+    """The intervals moved out by how much the arms' simulators can have slowed them. A lagging
+    candidate looks slower than it is, so its lag moves only the upper bound out; a lagging baseline
+    makes the candidate look better, so its lag moves only the lower bound. A level lagging beyond the
+    validity gate's limit is UNRELIABLE anyway; one below it carries these bounds."""
+    decode = None if comp.decode is None else with_bias_bound(comp.decode, base.worst, cand.worst)
+    throughput = comp.throughput
+    if throughput is not None:
+        wall = comp.throughput_basis == "wall"
+        down, up = (base.busy_mean, cand.busy_mean) if wall else (base.worst, cand.worst)
+        throughput = with_bias_bound(throughput, down, up)
     return replace(comp, decode=decode, throughput=throughput)

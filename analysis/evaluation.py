@@ -168,7 +168,7 @@ class RunFigures:
     pairs: list[PairGroup]
     calls: dict[tuple[str, str, str | None], CallGroup]
     loads: dict[tuple[str, str], matched.LoadBands]
-    lags: dict[tuple[str, str], float]  # (arm, level) → its simulator's largest clock lag there
+    lags: dict[tuple[str, str], dict[int, float]]  # (arm, level) → round → its simulator's clock lag
     latency: dict[tuple[str, str], LatencyFigures] = field(default_factory=dict)
 
     def summary(self, arm: str, level: str) -> LevelSummary | None:
@@ -478,7 +478,7 @@ def _comparisons(
     out = _bootstrapped(jobs)
     # The arms at a level share its rounds (or time blocks): their between-block terms are pooled.
     pooled = comparison.pooled(out, lambda key: key[1])
-    return {key: comparison.lag_bounded(c, _lag(run, *key)) for key, c in pooled.items()}
+    return {key: _lag_bounded(run, c, *key) for key, c in pooled.items()}
 
 
 def _bootstrapped(jobs: Mapping[_Key, Callable[[], Comparison]]) -> dict[_Key, Comparison]:
@@ -486,9 +486,16 @@ def _bootstrapped(jobs: Mapping[_Key, Callable[[], Comparison]]) -> dict[_Key, C
     return dict(zip(jobs, parallel_map(lambda job: job(), list(jobs.values())), strict=True))
 
 
-def _lag(run: RunFigures, arm: str, level: str) -> float:
-    """How far behind their clocks the arm's and the baseline's simulators fell at the level."""
-    return run.lags.get((arm, level), 0.0) + run.lags.get((run.baseline, level), 0.0)
+def _lag_bounded(run: RunFigures, comp: Comparison, arm: str, level: str) -> Comparison:
+    """``comp`` with the bounds of how far the arm's and the baseline's simulators fell behind their
+    clocks at the level (:func:`~specproxy.analysis.comparison.lag_bounded`)."""
+
+    def bounds(of: str) -> comparison.LagBounds:
+        rounds = run.rounds.get((of, level))
+        walls = dict(zip(rounds.rounds, rounds.wall_s, strict=True)) if rounds is not None else {}
+        return comparison.LagBounds.of_rounds(run.lags.get((of, level), {}), walls)
+
+    return comparison.lag_bounded(comp, bounds(arm), bounds(run.baseline))
 
 
 def _wall_point(
@@ -720,7 +727,7 @@ def _category_rows(
         )
     # The arms' categories at a level share its blocks: their between-block terms are pooled.
     pooled = comparison.pooled(_bootstrapped(jobs), lambda key: key[1:])
-    widened = {key: comparison.lag_bounded(c, _lag(run, *key[:2])) for key, c in pooled.items()}
+    widened = {key: _lag_bounded(run, c, *key[:2]) for key, c in pooled.items()}
     figures = [
         (row, CategoryFigures(key[2], widened[key], calls, base_calls, p50, base_p50, identity))
         for key, (row, calls, base_calls, p50, base_p50, identity) in counts.items()

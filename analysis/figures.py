@@ -590,10 +590,10 @@ def itl_cdf(store: SpanStore, run_id: str, level: str) -> dict[str, tuple[float,
 
 def engine_lags(
     store: SpanStore, run_id: str, left_out: Collection[tuple[str, int]] = ()
-) -> dict[tuple[str, str], float]:
-    """(arm, level) → the largest share of a round that the arm's simulator fell behind its own clock
-    (the health table's ``engine_clock_lag``; absent for engines that have no such clock), over the
-    rounds the level is judged on (``left_out``: the (level, round) it is judged without)."""
+) -> dict[tuple[str, str], dict[int, float]]:
+    """(arm, level) → round → the share of that round's busy time the arm's simulator fell behind its
+    own clock (the health table's ``engine_clock_lag``; absent for engines that have no such clock),
+    over the rounds the level is judged on (``left_out``: the (level, round) it is judged without)."""
     rows = store.query(
         f"""
         SELECT arm, {LEVEL_SQL} AS level, round, max(value) AS lag
@@ -603,10 +603,9 @@ def engine_lags(
         """,
         [run_id],
     )
-    out: dict[tuple[str, str], float] = {}
+    out: dict[tuple[str, str], dict[int, float]] = {}
     for r in rows:
         if (r["level"], r["round"]) in left_out:
             continue
-        key = (r["arm"], r["level"])
-        out[key] = max(out.get(key, 0.0), float(r["lag"]))
+        out.setdefault((r["arm"], r["level"]), {})[int(r["round"] or 0)] = float(r["lag"])
     return out

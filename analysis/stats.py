@@ -394,12 +394,13 @@ def widen_for_blocks(iv: Interval, blocks: Blocks | None, confidence: float) -> 
     return widen_pooled(iv, own, [own] if own else [], confidence)
 
 
-def with_bias_bound(iv: Interval, bound: float) -> Interval:
-    """``iv`` with each bound moved out by a known limit on a systematic error of the ratio (a share:
-    0.01 moves the lower bound to low / 1.01 and the upper to high · 1.01); the point stays."""
-    if bound <= 0.0 or iv.low is None or iv.high is None:
+def with_bias_bound(iv: Interval, down: float, up: float) -> Interval:
+    """``iv`` with its bounds moved out by known limits on a systematic error of the ratio (shares):
+    the true ratio may lie below the measured one by up to ``down`` (low ÷ (1 + down)) and above it by up
+    to ``up`` (high × (1 + up)); the point stays."""
+    if (down <= 0.0 and up <= 0.0) or iv.low is None or iv.high is None:
         return iv
-    return Interval(iv.point, iv.low / (1.0 + bound), iv.high * (1.0 + bound))
+    return Interval(iv.point, iv.low / (1.0 + max(down, 0.0)), iv.high * (1.0 + max(up, 0.0)))
 
 
 def percentile_interval(log_point: float, deviations: FloatArray, confidence: float) -> Interval:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specproxy.analysis.comparison import Comparison, Spread, pooled
+from specproxy.analysis.comparison import Comparison, LagBounds, Spread, lag_bounded, pooled
 from specproxy.analysis.stats import (
     Blocks,
     BlockSpread,
@@ -645,16 +645,62 @@ def test_pooled_widens_the_arms_of_a_level_together() -> None:
     assert all(x.spread is None for x in out.values())
 
 
-def test_a_bias_bound_moves_both_bounds_out_and_keeps_the_point() -> None:
+def test_a_bias_bound_moves_each_bound_out_by_its_own_limit_and_keeps_the_point() -> None:
     iv = Interval(1.2, 1.1, 1.3)
-    assert with_bias_bound(iv, 0.0) == iv
-    moved = with_bias_bound(iv, 0.02)
+    assert with_bias_bound(iv, 0.0, 0.0) == iv
+    moved = with_bias_bound(iv, 0.02, 0.005)
     assert (
         moved.point == 1.2
         and moved.low == pytest.approx(1.1 / 1.02)
-        and moved.high == pytest.approx(1.3 * 1.02)
+        and moved.high == pytest.approx(1.3 * 1.005)
     )
-    assert with_bias_bound(Interval(1.2, None, None), 0.02) == Interval(1.2, None, None)
+    only_up = with_bias_bound(iv, 0.0, 0.03)
+    assert only_up.low == 1.1 and only_up.high == pytest.approx(1.3 * 1.03)
+    assert with_bias_bound(Interval(1.2, None, None), 0.02, 0.02) == Interval(1.2, None, None)
+
+
+def test_lag_bounds_weigh_each_round_by_its_busy_time_and_keep_the_worst() -> None:
+    # a 2 % round twice as long as a 0.5 % one: Σ wall was stretched by (2·2 + 1·0.5) / 3 of busy time
+    lags = {1: 0.02, 2: 0.005}
+    bounds = LagBounds.of_rounds(lags, {1: 2.0 * 1.02, 2: 1.0 * 1.005})
+    assert bounds.worst == 0.02
+    assert bounds.busy_mean == pytest.approx((2.0 * 0.02 + 1.0 * 0.005) / 3.0)
+    assert LagBounds.of_rounds({}, {}) == LagBounds()
+    # a round without a wall time weighs as 1 s: a mean still, never beyond the worst round
+    assert 0.005 < LagBounds.of_rounds(lags, {}).busy_mean < 0.02
+
+
+@pytest.mark.parametrize(
+    ("basis", "cand", "base", "decode", "throughput"),
+    [
+        # the candidate's simulator lagged: it may be faster than measured, never slower
+        ("wall", LagBounds(0.02, 0.01), LagBounds(), (1.1, 1.3 * 1.02), (1.1, 1.3 * 1.01)),
+        # the baseline's lagged: the candidate may be slower than measured, never faster
+        ("wall", LagBounds(), LagBounds(0.02, 0.01), (1.1 / 1.02, 1.3), (1.1 / 1.01, 1.3)),
+        # both; a per-call throughput (live or split traffic) is bounded by the worst round, like decode
+        (
+            "per call",
+            LagBounds(0.01, 0.005),
+            LagBounds(0.02, 0.01),
+            (1.1 / 1.02, 1.3 * 1.01),
+            (1.1 / 1.02, 1.3 * 1.01),
+        ),
+        ("wall", LagBounds(), LagBounds(), (1.1, 1.3), (1.1, 1.3)),
+    ],
+)
+def test_a_lagging_simulator_moves_out_only_the_bound_on_its_side(
+    basis: str,
+    cand: LagBounds,
+    base: LagBounds,
+    decode: tuple[float, float],
+    throughput: tuple[float, float],
+) -> None:
+    iv = Interval(1.2, 1.1, 1.3)
+    out = lag_bounded(Comparison(True, 18, iv, iv, basis, "3 rounds"), cand, base)
+    assert out.decode is not None and out.throughput is not None
+    assert (out.decode.low, out.decode.high) == pytest.approx(decode)
+    assert (out.throughput.low, out.throughput.high) == pytest.approx(throughput)
+    assert out.decode.point == out.throughput.point == 1.2
 
 
 def test_chart_axes_cover_the_data() -> None:

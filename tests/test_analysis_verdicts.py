@@ -80,7 +80,8 @@ def test_a_true_effect_is_still_found_with_rounds(tmp_path: Path) -> None:
 
 def test_a_lag_under_the_limit_moves_the_bounds_out_by_itself(tmp_path: Path) -> None:
     """Simulators 1.5 % and 0.5 % behind their clocks pass the 2 % gate, but a ratio measured there can
-    be off by up to 2 % whatever the sampling error: the level's intervals carry that bound."""
+    be off whatever the sampling error: the candidate's lag may have hidden up to 1.5 % of its speed (the
+    upper bound moves out by that), the baseline's may have flattered it by up to 0.5 % (the lower)."""
     arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
     lag = [
         health_row("run-1", 4, "engine_clock_lag", 0.015, arm="eagle3", round_=1),
@@ -97,7 +98,7 @@ def test_a_lag_under_the_limit_moves_the_bounds_out_by_itself(tmp_path: Path) ->
     for figure in ("decode_speedup", "throughput_speedup"):
         a, b = getattr(calm, figure), getattr(lagged, figure)
         assert b.point == a.point
-        assert b.low == pytest.approx(a.low / 1.02) and b.high == pytest.approx(a.high * 1.02)
+        assert b.low == pytest.approx(a.low / 1.005) and b.high == pytest.approx(a.high * 1.015)
 
 
 def test_rounds_pair_calls_within_their_round(tmp_path: Path) -> None:
