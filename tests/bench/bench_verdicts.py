@@ -35,7 +35,9 @@ Each target is printed with ``met`` / ``NOT met`` and a Wilson interval on the s
 - health: the share of level-rounds over a health limit (table ``health``), which the analysis may
   hold back as UNRELIABLE;
 - stability: ``--stability-runs`` consecutive ``specproxy lab --quick`` runs, each arm's deploy verdict
-  per run (target: the same every run, or UNRELIABLE, never WIN in one and LOSS in another), and
+  per run (target: the same every run, or UNRELIABLE, never WIN in one and LOSS in another), and after
+  each lab every arm's throughput ratio at the top level with its verdict there and the rounds it was
+  judged on (what the deploy verdict's peak half reads), and
 - cost: each ``lab --quick`` run's wall time (target ≤ 3 minutes).
 
 Say what the machine was doing (``uptime``) next to the figures: a busy machine makes simulators lag.
@@ -477,6 +479,22 @@ def stability_mark(seen: list[str]) -> str:
     return "FLIPS" if {"WIN", "LOSS"} <= judged else "differs"
 
 
+def peak_figures(run: RunVerdicts) -> str:
+    """Each arm's throughput ratio at the run's top level, its verdict there and the rounds it was
+    judged on (of those measured): what a deploy verdict's peak half was read from."""
+    top = max((level for _, level in run.level), default=None)
+    cells = []
+    for (arm, level), row in sorted(run.level.items()):
+        iv = row.get("throughput_speedup") or {}
+        if level != top or iv.get("low") is None:
+            continue
+        rounds = f"{row.get('rounds')} of {row.get('rounds_measured')} rounds"
+        cells.append(
+            f"{arm} {iv['point']:.3f}x [{iv['low']:.3f}, {iv['high']:.3f}] {row.get('verdict')}, {rounds}"
+        )
+    return f"c={top}: " + "; ".join(cells) if cells else "none"
+
+
 def stability(n: int, work: Path, measure: bool) -> None:
     """``n`` lab --quick runs into work/lab-i (or, without ``measure``, the ones already there)."""
     per_arm: dict[str, list[str]] = {}
@@ -488,8 +506,10 @@ def stability(n: int, work: Path, measure: bool) -> None:
             specproxy("lab", "--quick", "--no-progress", "--out", str(out), timeout=1800)
             walls.append(time.monotonic() - t0)
             print(f"  lab --quick #{i + 1}: {walls[-1]:.0f} s", flush=True)
-        for arm, verdict in verdicts_of(out / "specproxy.duckdb").deploy.items():
+        run = verdicts_of(out / "specproxy.duckdb")
+        for arm, verdict in run.deploy.items():
             per_arm.setdefault(arm, []).append(verdict)
+        print(f"    peak throughput: {peak_figures(run)}", flush=True)
     steady = []
     for arm, seen in sorted(per_arm.items()):
         mark = stability_mark(seen)
