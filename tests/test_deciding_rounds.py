@@ -198,6 +198,10 @@ def test_a_real_store_is_asked_with_the_margin_the_analysis_uses(
         return open_questions_in_store(db, run_id, level, Settings(thresholds=Thresholds(min_margin=margin)))
 
     found = asked("c=1", inside)
+    if not row.reliable:
+        # a loaded machine left c=1 without enough sound rounds: the rule asks nothing of it
+        assert found == [], (row.verdict, found)
+        return
     assert any(q.startswith("eagle3's decode speedup") for q in found), (iv, found)
     assert [q for q in asked("c=1", beyond) if "decode" in q] == []
     assert [q for q in asked("c=2", inside) if "decode" in q] == []
