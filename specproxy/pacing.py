@@ -10,6 +10,10 @@ measured at the scale its last wave ran at; the next level starts from there, si
 along the sweep, and from half of it when a measured round of the level still failed a health check
 (a wave is one sample of a machine whose load can change from one minute to the next).
 
+A wave also counts as not kept up when it kept the client's event loop busy over
+:data:`LOOP_BUSY_LIMIT` of its time (never slowed below ``slowest`` for that alone): the rounds after it
+have more to do than the wave had.
+
 Half the limit (an eighth for the client's loop lag: :data:`LOOP_TRIAL_MARGIN`), because a wave
 predicts a round only roughly: the rounds that follow vary, and a level measured at the edge of its
 limit comes out UNRELIABLE as often as not. Each level's scale is recorded with its rounds (health
@@ -42,12 +46,24 @@ CLOCK_LIMIT = (THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02) * TRIAL_MARGIN
 # at 1.6-11 % (over the 2 % limit in 6 of 9), waves at 0.1-0.3 % at half speed by rounds at 0.2-0.6 %.
 LOOP_TRIAL_MARGIN = 0.125
 LOOP_LIMIT = (THRESHOLDS[EVENT_LOOP_LAG_SHARE] or 0.02) * LOOP_TRIAL_MARGIN
+# The client's one event loop, busy this share of a wave's wall time, has too little room left for the
+# rounds after it: a round several waves long refills slots without pause and records spans besides,
+# and the machine's other work takes its share. Quick labs at c=256 on two cores: waves at half speed
+# kept the loop 40-43 % busy with its lag under LOOP_LIMIT, and the three-wave rounds after one of them,
+# with other work running, stalled the loop for 0.3-0.6 s (P99) and moved every candidate's throughput
+# ratio up by 1.5-7 % with no check over its limit; at a quarter speed waves kept it 18-23 % busy and
+# the rounds' ratios stayed within 1 % of the lag-free ones.
+LOOP_BUSY_LIMIT = 0.375
+
+
+def _loop_ok(trial: LevelTrial) -> bool:
+    return trial.loop_lag_share is None or trial.loop_lag_share <= LOOP_LIMIT
 
 
 def kept_up(trial: LevelTrial) -> bool:
     """Did the machine keep up with a trial wave, with room to spare?"""
-    loop_ok = trial.loop_lag_share is None or trial.loop_lag_share <= LOOP_LIMIT
-    return trial.worst_engine_lag <= CLOCK_LIMIT and loop_ok
+    busy_ok = trial.loop_busy_share is None or trial.loop_busy_share <= LOOP_BUSY_LIMIT
+    return trial.worst_engine_lag <= CLOCK_LIMIT and _loop_ok(trial) and busy_ok
 
 
 def describe(trial: LevelTrial) -> str:
@@ -109,8 +125,10 @@ class SimPacer:
         self.paces: list[LevelPace] = []
 
     def _floor(self, seen: LevelTrial) -> float:
-        """The slowest scale a wave that saw ``seen`` may be slowed to."""
-        return self.slowest_for_client if seen.worst_engine_lag <= CLOCK_LIMIT else self.slowest
+        """The slowest scale a wave that saw ``seen`` may be slowed to (below ``slowest`` only for the
+        client loop's lag alone; a loop merely busy is no reason to go that slow)."""
+        client_lag_only = seen.worst_engine_lag <= CLOCK_LIMIT and not _loop_ok(seen)
+        return self.slowest_for_client if client_lag_only else self.slowest
 
     async def settle(self, level: int, trial: Callable[[], Awaitable[LevelTrial]]) -> Mapping[str, float]:
         scale = self.scale

@@ -96,6 +96,35 @@ async def test_the_pacer_slows_the_simulators_until_a_wave_at_the_level_keeps_up
     assert result.per_arm["base"].ok == result.per_arm["twin"].ok == 16  # the waves are not recorded
 
 
+async def test_a_paced_level_longer_than_its_trial_wave_has_every_prompt_warm_before_round_one(
+    tmp_path: Path,
+) -> None:
+    # Twelve distinct long prompts at c=4: the pacer's trial wave sends the first four; the other eight
+    # would reach the engine's prefix cache cold in round 1 only (a slow first round), so they are warmed
+    # before it.
+    items = [
+        ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"doc {i}: " + "words " * 200}],
+                                     "max_tokens": 8})
+        for i in range(12)
+    ]  # fmt: skip
+    async with running_sim(SimConfig()) as sim:
+        arms = (Arm(name="base", url=sim.url, role="baseline"),)
+        settings = ReplaySettings(
+            arms=arms,
+            db_path=tmp_path / "spans.duckdb",
+            show_progress=False,
+            load=LoadPlan(levels=(4,), rounds=1, items_per_level=lambda _: 12, warm_fresh_prompts=True),
+            pacer=SimPacer(arms, 1.0, 1 / 4, Console(file=io.StringIO())),
+        )
+        result = await run_replay(settings, items)
+        async with aiohttp.ClientSession() as session, session.get(f"{sim.url}/sim/requests") as resp:
+            truths = (await resp.json())["requests"]
+    assert result.per_arm["base"].ok == 12
+    measured = truths[-12:]  # the round's calls came last, after the trial wave and the warm-ups
+    assert len(truths) >= 12 + 12
+    assert all(t["cached_prompt_tokens"] > 0 for t in measured), [t["cached_prompt_tokens"] for t in measured]
+
+
 def test_a_level_whose_rounds_failed_a_check_slows_the_next_level() -> None:
     said = io.StringIO()
     pacer = SimPacer((), 1.0, 0.25, Console(file=said, width=200))
@@ -121,9 +150,15 @@ def test_a_level_whose_rounds_failed_a_check_slows_the_next_level() -> None:
         (LevelTrial({"base": 0.001}, 0.05), [1.0, 0.5, 0.25, 0.125]),
         # a simulator behind its clock: never below the slowest scale
         (LevelTrial({"base": 0.05}, 0.05), [1.0, 0.5, 0.25]),
+        # no lag anywhere, but the client's loop busy most of the wave: slowed, never below the slowest
+        (LevelTrial({"base": 0.001}, 0.001, 0.6), [1.0, 0.5, 0.25]),
+        # busy with room to spare: measured at the first scale
+        (LevelTrial({"base": 0.001}, 0.001, 0.3), [1.0]),
     ],
 )
-async def test_a_lagging_client_alone_may_be_slowed_further(trial: LevelTrial, scales: list[float]) -> None:
+async def test_a_lagging_or_busy_client_is_slowed_down_to_its_floor(
+    trial: LevelTrial, scales: list[float]
+) -> None:
     pacer = SimPacer((), 1.0, 0.25, Console(file=io.StringIO(), width=200), slowest_for_client=0.125)
 
     async def wave() -> LevelTrial:

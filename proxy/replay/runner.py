@@ -528,6 +528,7 @@ class ReplayRunner:
         before = await read_sim_clocks(self.session, self.s.arms)
         decode_s: list[float] = []
         wave = [items[i % len(items)] for i in range(level)]
+        self._warmed.update(id(it) for it in wave)
         stop = self.stop
         # The engines are scraped as during a measured round: that is part of the load the wave predicts.
         scraping = asyncio.ensure_future(self._scrape_during())
@@ -729,6 +730,8 @@ class ReplayRunner:
                 self._level_notes = await self.s.pacer.settle(
                     level, functools.partial(self._trial, level, items)
                 )
+                # The trial sent one wave; a level whose rounds send more still has prompts to warm.
+                await self._warm_level(items, 0, level)
             else:
                 await self._warm_level(items, n_warm, level)
 
