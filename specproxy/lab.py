@@ -442,7 +442,7 @@ def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None, started: float) -
             rounds_per_level=plan.level_rounds,
             extra_rounds=plan.extra_rounds,
             deciding_rounds=plan.deciding_rounds,
-            deciding_until=until,
+            added_until=until,
             warm_fresh_prompts=True,
         )
     return LoadPlan(
@@ -452,7 +452,7 @@ def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None, started: float) -
         rounds=plan.rounds,
         extra_rounds=plan.extra_rounds,
         deciding_rounds=plan.deciding_rounds,
-        deciding_until=until,
+        added_until=until,
         warm_fresh_prompts=True,
     )
 

@@ -41,7 +41,7 @@ async def _replay(
             Arm(name="base", url=base.url, role="baseline"),
             Arm(name="eagle3", url=null.url, speculative=EAGLE3),
         )
-        load = LoadPlan(levels=levels, warmup=0, rounds=3, deciding_rounds=deciding, deciding_until=until)
+        load = LoadPlan(levels=levels, warmup=0, rounds=3, deciding_rounds=deciding, added_until=until)
         settings = ReplaySettings(arms=arms, db_path=db, show_progress=False, load=load, decider=decider)
         return await run_replay(settings, chat_items(N_ITEMS, max_tokens=16))
 

@@ -107,6 +107,11 @@ def test_why_an_extra_round_runs_names_the_failed_rounds_and_checks() -> None:
             "needed",
         ),
         (
+            LevelRounds("c=256", 5, 6, 1, 3, extra_out_of_time=True),
+            "c=256: 1 of 3 extra rounds run, no more within the time budget, only 1 of 6 rounds passed every "
+            "health check, fewer than the 3 needed",
+        ),
+        (
             LevelRounds("c=256", 5, 5, 1, 0),
             "c=256: 1 of 5 rounds passed every health check, fewer than 3; no extra rounds were allowed",
         ),

@@ -3,6 +3,7 @@ check is measured again, round by round, until enough have passed or the budget 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,33 @@ async def test_a_level_whose_first_round_failed_gets_one_extra_round_that_brings
     phases = rows(db, "SELECT DISTINCT phase FROM backend_metrics WHERE phase LIKE '%extra%' ORDER BY 1")
     assert phases == [("c=4 r4 extra:after",), ("c=4 r4 extra:before",)]
     assert rows(db, "SELECT DISTINCT level FROM acceptance WHERE arm = 'eagle3'") == [("4",)]
+
+
+async def test_no_extra_round_starts_that_would_end_after_the_time_budget(tmp_path: Path) -> None:
+    """Every round of the candidate fails its clock check, so extra rounds are due; with the caller's
+    time budget already spent, none runs, and the level says why it has too few."""
+    spec = SpeculativeConfig.from_dict(EAGLE3)
+    async with (
+        running_sim(SimConfig()) as base,
+        running_sim(SimConfig(speculative=spec, time_scale=TOO_FAST)) as cand,
+    ):
+        arms = (
+            Arm(name="base", url=base.url, role="baseline"),
+            Arm(name="eagle3", url=cand.url, speculative=EAGLE3),
+        )
+        load = LoadPlan(levels=(4,), warmup=0, rounds=3, extra_rounds=3, added_until=time.monotonic())
+        settings = ReplaySettings(
+            arms=arms, db_path=tmp_path / "spans.duckdb", show_progress=False, load=load
+        )
+        result = await run_replay(settings, items(4, max_tokens=64))
+    assert len(failed_rounds(result.health)) == 3  # the planned rounds all ran, and all failed
+    assert result.phases == ["c=4 r1/3", "c=4 r2/3", "c=4 r3/3"]
+    (level,) = result.levels
+    assert level == LevelRounds("c=4", planned=3, ran=3, healthy=0, budget=3, extra_out_of_time=True)
+    assert level.sentence() == (
+        "c=4: 0 of 3 rounds passed every health check, fewer than 3; no extra round would end within the "
+        "time budget"
+    )
 
 
 @pytest.fixture

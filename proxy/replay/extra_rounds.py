@@ -80,6 +80,7 @@ class LevelRounds:
     deciding_budget: int = 0
     unsettled: tuple[str, ...] = ()
     out_of_time: bool = False  # the deciding rounds stopped at the caller's time budget
+    extra_out_of_time: bool = False  # extra rounds were due but would have ended past that budget
 
     @property
     def extra(self) -> int:
@@ -106,16 +107,20 @@ class LevelRounds:
         passed without any, or the level was stopped before its planned rounds were done)."""
         wanted = MIN_HEALTHY_ROUNDS
         passed = f"{self.healthy} of {self.ran} rounds passed every health check"
+        late = ", no more within the time budget" if self.extra_out_of_time else ""
         if self.extra == 0:
             if self.enough or self.ran < self.planned:
                 return None
+            if self.extra_out_of_time:
+                never = "no extra round would end within the time budget"
+                return f"{self.level}: {passed}, fewer than {wanted}; {never}"
             if self.budget == 0:
                 return f"{self.level}: {passed}, fewer than {wanted}; no extra rounds were allowed"
             return (
                 f"{self.level}: {passed}, fewer than {wanted}; no extra round ran, as the {self.budget} "
                 "allowed could not make up the difference even if all passed"
             )
-        extras = f"{self.extra} of {self.budget} extra rounds run"
+        extras = f"{self.extra} of {self.budget} extra rounds run{late}"
         if self.enough:
             return f"{self.level}: {extras}, {passed} ({wanted} needed)"
         return f"{self.level}: {extras}, only {passed}, fewer than the {wanted} needed"

@@ -132,9 +132,10 @@ class LoadPlan:
     # Closed loop and rates: at most this many rounds added to the sweep's top level while the
     # ``decider`` finds a verdict read there unsettled (:mod:`specproxy.analysis.settled`).
     deciding_rounds: int = 0
-    # ... and none starts that would end after this time (``time.monotonic()``; None: no limit), a
-    # caller's time budget (the quick lab's)
-    deciding_until: float | None = None
+    # No extra or deciding round starts that would end after this time (``time.monotonic()``; None: no
+    # limit), a caller's time budget (the quick lab's); a round is expected to last as long as the last
+    # one measured.
+    added_until: float | None = None
 
     def level_rounds(self, level: int) -> int:
         return self.rounds if self.rounds_per_level is None else self.rounds_per_level(level)
@@ -770,10 +771,14 @@ class ReplayRunner:
             return row.concurrency_level == level and row.offered_rate == rate
 
         ran = 0
+        extra_out_of_time = False
         while not self.stop.is_set():
             if ran >= planned:
                 failed = failed_rounds(row for row in self.result.health if of_level(row))
                 if not extra_round_due(planned, ran, ran - len(failed), self.s.load.extra_rounds):
+                    break
+                if self._out_of_time():
+                    extra_out_of_time = True
                     break
                 self.progress.console.print(why_extra(base, failed, ran + 1), highlight=False)
             ran += 1
@@ -795,6 +800,7 @@ class ReplayRunner:
                 deciding_budget=self.s.load.deciding_rounds,
                 unsettled=unsettled,
                 out_of_time=out_of_time,
+                extra_out_of_time=extra_out_of_time,
             )
         )
 
@@ -803,6 +809,11 @@ class ReplayRunner:
         began = time.monotonic()
         await measure(phase)
         self._round_s = time.monotonic() - began
+
+    def _out_of_time(self) -> bool:
+        """Would one more round, as long as the last, end after the plan's ``added_until``?"""
+        until = self.s.load.added_until
+        return until is not None and time.monotonic() + self._round_s > until
 
     def _is_top(self, level: int | None, rate: float | None) -> bool:
         """Is this the sweep's top level (the highest concurrency, or rate)?"""
@@ -821,15 +832,13 @@ class ReplayRunner:
         rate: float | None,
     ) -> tuple[int, tuple[str, ...], bool]:
         """Rounds added to the top level while a verdict read there is unsettled, up to the plan's
-        ``deciding_rounds`` and within its ``deciding_until``: (how many ran, what was still open when
+        ``deciding_rounds`` and within its ``added_until``: (how many ran, what was still open when
         they stopped, whether the time budget stopped them)."""
         plan = self.s.load
         added = 0
         while not self.stop.is_set():
             open_ = tuple(await self._open_questions(base))
-            out_of_time = plan.deciding_until is not None and (
-                time.monotonic() + self._round_s > plan.deciding_until
-            )
+            out_of_time = self._out_of_time()
             if not open_ or added == plan.deciding_rounds or out_of_time:
                 return added, open_, bool(open_) and out_of_time and added < plan.deciding_rounds
             added += 1
