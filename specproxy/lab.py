@@ -95,20 +95,20 @@ REPLICA = "replica"
 # Rounds a level may add when too few of its rounds passed every health check. At c=256 of a quick lab
 # on two loaded cores one to three of five rounds failed while the others were fine; three extras can
 # make up even for four failed rounds when the machine calms down, and none runs where they could not
-# make enough. A c=256 round of a quick lab sends its calls in 6-7 s at time scale 1/4; all three
-# there add about 20 s to the 75-135 s the quick lab took at load 2-5 (a lower level's round costs
-# 1-3.5 s at full speed, up to 14 s when paced down to 1/4).
+# make enough. A c=256 round of a quick lab (three waves) takes about 17 s at time scale 1/4, where one
+# or two of its five rounds fail with a clock lag of 2.1-3.0 % on two cores: the quick lab starts none
+# past its time budget (a lower level's round costs 1-3.5 s at full speed).
 EXTRA_ROUNDS = 3
 # Rounds the top level may add while a verdict the deploy verdict reads there reaches across a margin
 # line (draft_model's throughput at c=256 of a quick lab, 0.957x against a 3 % margin, came out LOSS in
-# one lab and NO CLEAR GAIN in five). Each costs a round of the top level (6-7 s at c=256 of a quick lab)
-# and a look at the verdicts so far (a copy of the store and its analysis, 1-2 s). A round at c=256
-# scatters by about 1 % around the level's ratio on this 2-core VM, so a ratio 1.3 % past the line needs
-# 10-15 rounds before its interval settles on one side.
+# one lab and NO CLEAR GAIN in five, in rounds of one wave). Each costs a round of the top level (about
+# 17 s at c=256 of a quick lab at time scale 1/4, so the quick lab's budget leaves room for one at most)
+# and a look at the verdicts so far (a copy of the store and its analysis, 1-2 s).
 DECIDING_ROUNDS = 12
-# The quick lab starts no deciding round that would end after it has run this long: with the analysis
-# and the report after the sweep (5-15 s), it stays within 3 minutes.
-QUICK_TIME_BUDGET_S = 150.0
+# The quick lab starts no extra or deciding round that would end after it has run this long: with the
+# analysis and the report after the sweep (5-10 s), it stays within 3 minutes. Its planned rounds take
+# 140-146 s on two cores (c=256 at 1/4), so this leaves room for one more round of c=256 (about 17 s).
+QUICK_TIME_BUDGET_S = 160.0
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
 # REPLICA is a plain copy of it.
@@ -145,6 +145,11 @@ class LabPlan:
     # quantile on 4-7 degrees of freedom (3.5-4.6 for a 99 % interval): a true ratio a few percent from
     # the margin's line lands on either side of it from run to run. More rounds shrink both factors.
     top_rounds: int | None = None
+    # Waves each round of the highest level sends at least (items ≥ waves × concurrency). The deploy
+    # verdict reads the peak's throughput there; a round of one wave is mostly the drain of its longest
+    # calls (draft_model/baseline 0.960x over one wave of the quick lab's c=256, 0.995x over three, on
+    # the simulator's lag-free clock), not the sustained rate a peak runs at.
+    top_waves: int = 1
     # Rounds a level may add when too few of its rounds passed every health check (a loaded machine
     # fails a round now and then while the rounds around it are fine); each costs one round's time.
     extra_rounds: int = 0
@@ -163,15 +168,20 @@ class LabPlan:
         return self.rounds
 
     def items_per_round(self, level: int) -> int:
-        """A level's items split over its rounds; every round fills the level's slots at least once."""
+        """A level's items split over its rounds; every round fills the level's slots at least once,
+        the top level's ``top_waves`` times."""
+        waves = self.top_waves if level == max(self.levels) else 1
+        return max(waves * level, self._split_items(level))
+
+    def _split_items(self, level: int) -> int:
         total = max(self.min_items_per_level, self.waves_per_level * level)
         return max(level, -(-total // self.level_rounds(level)))
 
     def arrivals_per_round(self, rate: float) -> int:
         """A rate level's arrivals per round: ``rate_window_s`` seconds of them, at least the level's
-        share of ``min_items_per_level`` and at most what the top concurrency level sends in a round."""
+        share of ``min_items_per_level`` and at most one wave of the top concurrency level's rounds."""
         low = -(-self.min_items_per_level // self.rounds)
-        high = max(low, self.items_per_round(max(self.levels)))
+        high = max(low, self._split_items(max(self.levels)))
         return min(high, max(low, math.ceil(rate * self.rate_window_s)))
 
 
@@ -183,6 +193,7 @@ QUICK = LabPlan(
     max_tokens_scale=0.5,
     rounds=3,
     top_rounds=5,
+    top_waves=3,
     extra_rounds=EXTRA_ROUNDS,
     deciding_rounds=DECIDING_ROUNDS,
     time_budget_s=QUICK_TIME_BUDGET_S,
@@ -196,6 +207,7 @@ FULL = LabPlan(
     rounds=3,
     rate_shares=(1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0),
     rate_window_s=8.0,
+    top_waves=3,
     extra_rounds=EXTRA_ROUNDS,
     deciding_rounds=DECIDING_ROUNDS,
 )
@@ -462,8 +474,11 @@ def _sweep_sentence(plan: LabPlan, rates: tuple[float, ...] | None) -> str:
         n_calls = sum(plan.level_rounds(c) * plan.items_per_round(c) for c in plan.levels)
         levels = ",".join(map(str, plan.levels))
         top = max(plan.levels)
-        if plan.level_rounds(top) != plan.rounds:
-            levels += f" in paired mode, {plan.rounds} rounds per level ({plan.level_rounds(top)} at c={top})"
+        at_top = [f"{plan.level_rounds(top)} at c={top}"] if plan.level_rounds(top) != plan.rounds else []
+        if plan.items_per_round(top) > top:
+            at_top.append(f"{plan.items_per_round(top)} calls a round at c={top}")
+        if at_top:
+            levels += f" in paired mode, {plan.rounds} rounds per level ({', '.join(at_top)})"
             return f"sweep {levels}, {n_calls} requests per arm"
     else:
         n_calls = plan.rounds * sum(plan.arrivals_per_round(r) for r in rates)
@@ -666,6 +681,7 @@ def lab(
         rounds=rounds or base.rounds,
         # --rounds N measures every level in N rounds
         top_rounds=None if rounds else base.top_rounds,
+        top_waves=base.top_waves,
         extra_rounds=base.extra_rounds if extra_rounds is None else extra_rounds,
         deciding_rounds=base.deciding_rounds if deciding_rounds is None else deciding_rounds,
         time_budget_s=base.time_budget_s,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 
 from specproxy.analysis import analyze_text
 from specproxy.cli import main
+from specproxy.lab import FULL, QUICK
 from tests.support import backend_process, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,15 @@ def deciding_rounds(stderr: str) -> dict[int, int]:
     for c in re.findall(r"^c=([0-9]+): .*; running deciding round [0-9]+ ", stderr, re.M):
         found[int(c)] = found.get(int(c), 0) + 1
     return found
+
+
+def test_the_top_level_sends_three_waves_a_round_and_the_others_one() -> None:
+    # The peak's throughput is read at the top level: a round of one wave would be mostly its drain.
+    assert [QUICK.items_per_round(c) for c in QUICK.levels] == [7, 7, 16, 64, 768]
+    assert [FULL.items_per_round(c) for c in FULL.levels][-3:] == [64, 128, 768]
+    # --concurrency changes which level is the top one
+    custom = dataclasses.replace(QUICK, levels=(1, 8))
+    assert (custom.items_per_round(1), custom.items_per_round(8)) == (7, 24)
 
 
 def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
@@ -114,9 +125,8 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     # 3 rounds at c=1, 5 at the top level (--quick: the peak's interval), and up to 3 extra rounds at a
     # level whose rounds mostly failed a health check on this machine (the lab says so)
     rounds = {1: 3, 4: 5}
-    assert "sweep 1,4 in paired mode, 3 rounds per level (5 at c=4), 26 requests per arm; up to 3 extra " in (
-        res.stderr
-    )
+    sweep = "sweep 1,4 in paired mode, 3 rounds per level (5 at c=4, 12 calls a round at c=4), 66 requests"
+    assert f"{sweep}; up to 3 extra " in res.stderr
     ran = {c: n for (arm, c, *_, n) in rows if arm == "baseline"}
     # and up to 2 deciding rounds (as asked) at the top level while a verdict read there was open (the
     # lab says so)
@@ -132,12 +142,12 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
             assert f"rounds: c={c}: {deciding[c]} of 2 deciding rounds run" in res.stderr
     if ran == rounds:
         assert "rounds: every level had enough rounds that passed every health check" in res.stderr
-    # 2 items a round at c=1 (5 over 3 rounds), at c=4 a round fills its 4 slots once; every
-    # non-baseline output identical to the baseline's
+    # 2 items a round at c=1 (5 over 3 rounds), at c=4 (the top level) a round fills its 4 slots three
+    # times over; every non-baseline output identical to the baseline's
     expected = []
     for arm in ("baseline", "draft_model", "eagle3", "ngram", "replica"):
         cand = arm != "baseline"
-        n1, n4 = 2 * ran[1], 4 * ran[4]
+        n1, n4 = 2 * ran[1], 12 * ran[4]
         expected += [(arm, 1, n1, n1, n1 if cand else 0, ran[1]), (arm, 4, n4, n4, n4 if cand else 0, ran[4])]
     assert rows == expected
     # each level-round's health, with one clock reading per simulator and the time scale it ran at
