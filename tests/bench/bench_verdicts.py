@@ -489,6 +489,8 @@ def peak_figures(run: RunVerdicts) -> str:
         if level != top or iv.get("low") is None:
             continue
         rounds = f"{row.get('rounds')} of {row.get('rounds_measured')} rounds"
+        if row.get("verdict") == "UNRELIABLE":  # judged on none: too few rounds passed every check
+            rounds = f"{row.get('rounds_measured')} rounds measured, too few sound"
         cells.append(
             f"{arm} {iv['point']:.3f}x [{iv['low']:.3f}, {iv['high']:.3f}] {row.get('verdict')}, {rounds}"
         )
