@@ -125,8 +125,8 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     # 3 rounds at c=1, 5 at the top level (--quick: the peak's interval), and up to 3 extra rounds at a
     # level whose rounds mostly failed a health check on this machine (the lab says so)
     rounds = {1: 3, 4: 5}
-    sweep = "sweep 1,4 in paired mode, 3 rounds per level (5 at c=4, 12 calls a round at c=4), 66 requests"
-    assert f"{sweep}; up to 3 extra " in res.stderr
+    sweep = "sweep 1,4 in paired mode, 3 rounds per level (5 at c=4, 12 calls a round at c=4), "
+    assert f"{sweep}66 requests per arm; up to 3 extra " in res.stderr
     ran = {c: n for (arm, c, *_, n) in rows if arm == "baseline"}
     # and up to 2 deciding rounds (as asked) at the top level while a verdict read there was open (the
     # lab says so)
@@ -217,7 +217,8 @@ def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
                 "SELECT arm, count(*), max(completion_tokens), min(category) FROM requests "
                 "GROUP BY ALL ORDER BY ALL"
             ).fetchall()
-        assert got == [("base", 6, 6, "writing"), ("fast", 6, 6, "writing")]
+        # c=2 is the top level: each of its 3 rounds sends three waves (6 calls), every question once
+        assert got == [("base", 18, 6, "writing"), ("fast", 18, 6, "writing")]
 
 
 def test_lab_errors_are_sentences(tmp_path: Path) -> None:
