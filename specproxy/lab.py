@@ -72,7 +72,7 @@ from specproxy.engine_state import EngineError
 from specproxy.engines.launch.plan import SimOptions, plan_arm
 from specproxy.engines.launch.supervisor import start_arms, stop_experiment
 from specproxy.engines.profiles import ProfileError, load_profile
-from specproxy.pacing import CLOCK_LIMIT, LOOP_LIMIT, SimPacer
+from specproxy.pacing import CLOCK_LIMIT, LOOP_BUSY_LIMIT, LOOP_LIMIT, SimPacer
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
 from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, THRESHOLDS
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
@@ -282,9 +282,10 @@ def pace_note(pacer: SimPacer | None, time_scale: float, *, given: bool = True) 
         return f"time scale {time_scale:g} (a sweep of rates is not paced: a rate's load is relative to it)"
     return (
         f"time scale paced per level from {time_scale:g} down to {time_scale * SLOWEST_PACED_SCALE:g}: "
-        f"halved while a wave at the level saw a simulator over {CLOCK_LIMIT:.0%} behind its clock or "
-        f"the client's loop lag over {LOOP_LIMIT:.2%} of decode (down to "
-        f"{time_scale * SLOWEST_CLIENT_PACED_SCALE:g} for the loop lag alone; health check sim_time_scale)"
+        f"halved while a wave at the level saw a simulator over {CLOCK_LIMIT:.0%} behind its clock, "
+        f"the client's loop lag over {LOOP_LIMIT:.2%} of decode or its loop over {LOOP_BUSY_LIMIT:.1%} busy "
+        f"(down to {time_scale * SLOWEST_CLIENT_PACED_SCALE:g} for the loop lag alone; health check "
+        "sim_time_scale)"
     )
 
 

@@ -84,7 +84,7 @@ class LevelPace:
     def sentence(self) -> str:
         tried = "; ".join(f"{describe(t)} at {scale:g}" for scale, t in self.trials)
         last_ok = bool(self.trials) and kept_up(self.trials[-1][1])
-        verdict = "" if last_ok else " (still over half a limit at the slowest scale tried)"
+        verdict = "" if last_ok else " (still short of room to spare at the slowest scale tried)"
         return f"c={self.level} at time scale {self.time_scale:g}{verdict}: {tried}"
 
 
