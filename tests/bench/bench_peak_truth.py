@@ -21,18 +21,20 @@ Takes 20-60 s of one core.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from specproxy.engines.profiles import load_profile
-from specproxy.engines.sim.api_request import parse_request
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
-from specproxy.engines.sim.engine import EngineCore, RequestSpec
-from specproxy.engines.sim.engine import Sequence as Seq
-from specproxy.engines.sim.text import request_key
+from specproxy.engines.sim.engine import EngineCore
 from specproxy.lab import DEFAULT_PROFILE, LAB_ARMS, LAB_MODEL, QUICK
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.workload import mixed_workload
+from tests.bench.bench_verdicts import closed_loop_virtual
 
 
 @dataclass(frozen=True)
@@ -42,42 +44,14 @@ class RoundRates:
 
 
 def closed_round(
-    core: EngineCore, config: SimConfig, items: Sequence[ReplayItem], level: int, t0: float
-) -> tuple[RoundRates, float]:
-    """One closed-loop round of ``items`` at ``level`` from virtual time ``t0``, drained: its rates and
-    the virtual time it ended."""
-    clock, issued, last_start = t0, 0, t0
-    done: list[Seq] = []
-
-    def issue() -> None:
-        nonlocal issued, last_start
-        body = {**items[issued].body, "temperature": 0, "stream": True}
-        req = parse_request(config, {}, body, True)
-        key = request_key(config.model, req.prompt.text, "")
-        spec = RequestSpec(
-            f"{t0:.6f}-{issued}",
-            req.prompt,
-            req.category,
-            key,
-            req.max_tokens,
-            req.min_tokens,
-            req.ignore_eos,
-        )
-        done.append(core.add(spec, clock))
-        last_start = clock
-        issued += 1
-
-    while issued < min(level, len(items)):
-        issue()
-    while core.has_work():
-        plan = core.plan_step(clock)
-        if plan is None:
-            break
-        clock += plan.duration_s
-        for seq in core.finish_step(plan, clock):
-            if seq.finished and issued < len(items):
-                issue()
+    core: EngineCore, config: SimConfig, items: Sequence[ReplayItem], level: int, clock: list[float], tag: str
+) -> RoundRates:
+    """One closed-loop round of ``items`` at ``level`` from virtual time ``clock[0]``, drained."""
+    t0 = clock[0]
+    started: list[float] = []
+    done = closed_loop_virtual(core, config, items, level, clock, tag, started)
     tokens = sum(seq.n_out for seq in done)
+    last_start = max(started, default=t0)
     steady = None
     if last_start > t0:
         emitted = sum(
@@ -87,7 +61,7 @@ def closed_round(
             if at <= last_start
         )
         steady = emitted / (last_start - t0)
-    return RoundRates(tokens / (clock - t0), steady), clock
+    return RoundRates(tokens / (clock[0] - t0), steady)
 
 
 def arm_rates(spec: dict[str, object] | None, items: Sequence[ReplayItem], level: int) -> RoundRates:
@@ -97,11 +71,10 @@ def arm_rates(spec: dict[str, object] | None, items: Sequence[ReplayItem], level
         speculative=SpeculativeConfig.from_dict(dict(spec)) if spec else None,
     )
     core = EngineCore(config, load_profile(DEFAULT_PROFILE))
-    _, warmed = closed_round(
-        core, config, items, level, 0.0
-    )  # the prefix cache, as the lab's warm-up leaves it
-    rates, _ = closed_round(core, config, items, level, warmed)
-    return rates
+    clock = [0.0]
+    # An unrecorded pass first: the prefix cache as the lab's warm-up leaves it.
+    closed_round(core, config, items, level, clock, "warm")
+    return closed_round(core, config, items, level, clock, "round")
 
 
 def main() -> None:

@@ -207,9 +207,16 @@ def virtual_figures(
 
 
 def closed_loop_virtual(
-    core: EngineCore, config: SimConfig, items: Sequence[ReplayItem], level: int, clock: list[float], tag: str
+    core: EngineCore,
+    config: SimConfig,
+    items: Sequence[ReplayItem],
+    level: int,
+    clock: list[float],
+    tag: str,
+    started: list[float] | None = None,
 ) -> list[Any]:
-    """Send ``items`` with ``level`` in flight until all finished; ``clock[0]`` is the virtual time."""
+    """Send ``items`` with ``level`` in flight until all finished; ``clock[0]`` is the virtual time.
+    ``started`` collects each call's start time, in the order sent."""
     issued = 0
     done: list[Any] = []
 
@@ -221,6 +228,8 @@ def closed_loop_virtual(
         rid = f"{tag}-{issued}"
         spec = RequestSpec(rid, req.prompt, req.category, key, req.max_tokens, req.min_tokens, req.ignore_eos)
         done.append(core.add(spec, clock[0]))
+        if started is not None:
+            started.append(clock[0])
         issued += 1
 
     while issued < min(level, len(items)):
