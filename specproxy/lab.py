@@ -73,6 +73,7 @@ from specproxy.engines.launch.plan import SimOptions, plan_arm
 from specproxy.engines.launch.supervisor import start_arms, stop_experiment
 from specproxy.engines.profiles import ProfileError, load_profile
 from specproxy.pacing import CLOCK_LIMIT, LOOP_BUSY_LIMIT, LOOP_LIMIT, SimPacer
+from specproxy.proxy.replay.extra_rounds import LevelRounds, judged
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
 from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, THRESHOLDS
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
@@ -303,10 +304,10 @@ def print_pace(pacer: SimPacer, profile: str, console: Console) -> None:
         )
 
 
-def clock_lag_by_level(health: Sequence[HealthRow]) -> dict[str, tuple[float, str]]:
-    """level ('c=16', 'r=2') → the worst engine clock lag over its rounds and arms, and that arm;
-    concurrency levels first, then rates, each by load."""
-    worst: dict[tuple[int, float], tuple[float, str]] = {}
+def clock_lag_by_level(health: Sequence[HealthRow]) -> dict[str, dict[int, tuple[float, str]]]:
+    """level ('c=16', 'r=2') → round → the worst engine clock lag over the arms in that round, and that
+    arm (round 0: calls recorded without one); concurrency levels first, then rates, each by load."""
+    worst: dict[tuple[int, float], dict[int, tuple[float, str]]] = {}
     for row in health:
         if row.check_name != ENGINE_CLOCK_LAG or row.value is None:
             continue
@@ -316,29 +317,55 @@ def clock_lag_by_level(health: Sequence[HealthRow]) -> dict[str, tuple[float, st
             key = (1, row.offered_rate)
         else:
             continue
-        if key not in worst or row.value > worst[key][0]:
-            worst[key] = (row.value, row.arm or "?")
+        rounds = worst.setdefault(key, {})
+        r = row.round or 0
+        if r not in rounds or row.value > rounds[r][0]:
+            rounds[r] = (row.value, row.arm or "?")
     return {
-        (f"c={int(load)}" if kind == 0 else rate_label(load)): lag
-        for (kind, load), lag in sorted(worst.items())
+        (f"c={int(load)}" if kind == 0 else rate_label(load)): rounds
+        for (kind, load), rounds in sorted(worst.items())
     }
 
 
-def print_clock_lag(lag: dict[str, tuple[float, str]], console: Console) -> None:
+def print_clock_lag(
+    lag: dict[str, dict[int, tuple[float, str]]], levels: Sequence[LevelRounds], console: Console
+) -> None:
+    """Each level's worst clock lag, and for a level with rounds over the limit what became of it: those
+    rounds dropped and the level judged on the rest, or the level UNRELIABLE (the analysis's own rule,
+    :func:`~specproxy.proxy.replay.extra_rounds.judged`)."""
     if not lag:
         return
-    cells = [f"{level} {value:.1%} ({arm})" for level, (value, arm) in lag.items()]
+    cells = [
+        f"{level} {value:.1%} ({arm})"
+        for level, rounds in lag.items()
+        for value, arm in [max(rounds.values())]
+    ]
     console.print(
         "simulator clock lag by level (worst arm and round; share of busy time behind the profile's "
         "clock): " + ", ".join(cells),
         highlight=False,
     )
-    late = [level for level, (value, _) in lag.items() if value > MAX_CLOCK_LAG]
-    if late:
+    by_name = {lv.level: lv for lv in levels}
+    for level, rounds in lag.items():
+        late = {r: v for r, v in rounds.items() if v[0] > MAX_CLOCK_LAG}
+        if not late:
+            continue
+        names = ", ".join(
+            f"round {r} {value:.1%} ({arm})" if r else f"{value:.1%} ({arm})"
+            for r, (value, arm) in sorted(late.items())
+        )
+        lv = by_name.get(level)
+        if lv is not None and lv.healthy < lv.ran and judged(lv.ran, lv.healthy):
+            console.print(
+                f"{level}: {names} behind the clock (over {MAX_CLOCK_LAG:.0%}): dropped, for every arm; the "
+                f"level is judged on the {lv.healthy} of {lv.ran} rounds that passed every check",
+                highlight=False,
+            )
+            continue
         console.print(
-            f"[yellow]warning: at {', '.join(late)} a simulator fell more than {MAX_CLOCK_LAG:.0%} "
-            "behind its clock (this machine could not keep up): those levels' times are stretched; "
-            "rerun on a quieter machine or with a smaller --time-scale[/yellow]"
+            f"[yellow]warning: {level}: {names} behind the clock (over {MAX_CLOCK_LAG:.0%}; this machine "
+            "could not keep up) and too few rounds passed: the level is UNRELIABLE; rerun on a quieter "
+            "machine or with a smaller --time-scale[/yellow]"
         )
 
 
@@ -780,7 +807,7 @@ def lab(
                 highlight=False,
             )
     print_rounds(result.levels, console, say_none=plan.extra_rounds > 0 or plan.deciding_rounds > 0)
-    print_clock_lag(clock_lag_by_level(result.health), console)
+    print_clock_lag(clock_lag_by_level(result.health), result.levels, console)
     report = analysis_outputs(db_path, out, result.run_id, console)
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)
     if result.interrupted:

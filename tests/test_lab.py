@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import re
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
 
 from specproxy.analysis import analyze_text
 from specproxy.cli import main
-from specproxy.lab import FULL, QUICK
+from specproxy.lab import FULL, QUICK, clock_lag_by_level, print_clock_lag
+from specproxy.proxy.replay.extra_rounds import LevelRounds
+from specproxy.proxy.spans.sink import HealthRow
 from tests.support import backend_process, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,3 +320,32 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
     assert all(
         r["verdict"] in ("NO CLEAR GAIN", "UNRELIABLE") for (_, arm), r in rows.items() if arm == "replica"
     )
+
+
+def test_the_clock_lag_lines_say_what_became_of_each_late_level() -> None:
+    """A level judged without its late round says so (no warning: the analysis trusts it); a level
+    with too few rounds left is UNRELIABLE, with the warning."""
+    now = datetime.now(UTC)
+
+    def lag(level: int, round_: int, arm: str, value: float) -> HealthRow:
+        return HealthRow("r", arm, level, round_, "engine_clock_lag", value, 0.02, now)
+
+    health = [lag(64, r, "eagle3", 0.001) for r in (1, 2, 3)]
+    health += [lag(256, r, "baseline", 0.004) for r in (1, 2, 3, 4)] + [lag(256, 5, "eagle3", 0.03)]
+    health += [lag(16, 1, "ngram", 0.05), lag(16, 2, "ngram", 0.06), lag(16, 3, "ngram", 0.001)]
+    levels = [
+        LevelRounds("c=16", planned=3, ran=3, healthy=1),
+        LevelRounds("c=64", planned=3, ran=3, healthy=3),
+        LevelRounds("c=256", planned=5, ran=5, healthy=4),
+    ]
+    out = io.StringIO()
+    print_clock_lag(clock_lag_by_level(health), levels, Console(file=out, width=400))
+    text = out.getvalue()
+    assert "c=16 6.0% (ngram), c=64 0.1% (eagle3), c=256 3.0% (eagle3)" in text
+    assert (
+        "c=256: round 5 3.0% (eagle3) behind the clock (over 2%): dropped, for every arm; the level is "
+        "judged on the 4 of 5 rounds that passed every check" in text
+    )
+    assert "warning: c=256" not in text and "c=64:" not in text
+    assert "warning: c=16: round 1 5.0% (ngram), round 2 6.0% (ngram) behind the clock" in text
+    assert "the level is UNRELIABLE" in text
