@@ -107,7 +107,9 @@ def settings_options(func: F) -> F:
             type=FiniteFloat(0.5, 0.999),
             default=0.95,
             show_default=True,
-            help="Confidence level of the intervals, jointly over each arm's levels.",
+            help="Confidence level of the intervals, jointly over the levels each arm's deploy verdict reads "
+            "(those around the operating point and the peak; Bonferroni); crossovers and other levels' "
+            "verdicts read the same intervals, not corrected further.",
         ),
         click.option(
             "--bootstrap-iterations",
@@ -130,6 +132,13 @@ def settings_options(func: F) -> F:
 
 
 def _settings(kw: dict[str, Any]) -> Settings:
+    # The same rule as the experiment file's and the lab's: a peak below the operating point is a typo.
+    for at, peak, unit in (("at_concurrency", "peak_concurrency", ""), ("at_rate", "peak_rate", " req/s")):
+        if kw[at] is not None and kw[peak] is not None and kw[peak] < kw[at]:
+            raise click.BadParameter(
+                f"must be ≥ --{at.replace('_', '-')} ({kw[peak]:g}{unit} < {kw[at]:g}{unit})",
+                param_hint=f"--{peak.replace('_', '-')}",
+            )
     return Settings(
         thresholds=Thresholds(min_margin=kw["margin"] / 100.0, identity_min=kw["identity_min"] / 100.0),
         near_tie_margin=kw["near_tie_margin"],

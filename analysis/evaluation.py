@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -50,8 +50,10 @@ from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.validity import LevelHealth, dropped_rounds, level_health
 from specproxy.analysis.verdict import (
     FAILED,
+    LOSS,
     NO_CLEAR_GAIN,
     UNRELIABLE,
+    WIN,
     Crossover,
     DeployVerdict,
     IdentityCheck,
@@ -188,7 +190,7 @@ def _evaluate_run(
     confidence = _confidences(run, settings, point)
     comparisons = _comparisons(run, confidence, settings)
     loads = _matched_loads(run, confidence, settings)
-    margins = _margins(run, comparisons, settings.thresholds)
+    margins = _margins(run, comparisons, loads, settings.thresholds)
     identity = _identity_counts(run)
     rows = [
         _level_row(
@@ -387,12 +389,10 @@ def _unpaired_levels(
 def _kind(run: RunFigures, arm: str) -> str:
     if arm == run.baseline:
         return "baseline"
+    # Only the role sets the noise floor: a plain candidate (an engine upgrade, a new GPU) is what is
+    # being judged, and its real difference must not widen everyone's margin.
     first = next(s for s in run.summaries if s.arm == arm)
-    return (
-        "replica"
-        if first.role in ("replica", "baseline") or first.spec_method in ("none", "")
-        else "candidate"
-    )
+    return "replica" if first.role in ("replica", "baseline") else "candidate"
 
 
 def _arm_order(run: RunFigures) -> list[str]:
@@ -515,15 +515,26 @@ def _wall_point(
 
 
 def _margins(
-    run: RunFigures, comparisons: dict[tuple[str, str], Comparison], thresholds: Thresholds
+    run: RunFigures,
+    comparisons: dict[tuple[str, str], Comparison],
+    loads: Mapping[tuple[str, str], matched.MatchedLoad],
+    thresholds: Thresholds,
 ) -> dict[str, Margin]:
     """Per level: the default margin, raised to the replica arms' noise floor
-    (:func:`~specproxy.analysis.verdict.noise_floor`, from their ratios at the run's reliable levels)."""
-    replicas = [
-        ReplicaLevel(s.level, comparisons[(s.arm, s.level)].decode, comparisons[(s.arm, s.level)].throughput)
-        for s in run.summaries
-        if _kind(run, s.arm) == "replica" and (s.arm, s.level) in comparisons and run.reliable(s.level)
-    ]
+    (:func:`~specproxy.analysis.verdict.noise_floor`, from their ratios at the run's reliable levels).
+    A replica that ran at another load than the baseline's counts with its matched-load ratios (its
+    plain ones hold the load's effect, not noise), and not at all where it was not compared."""
+    replicas = []
+    for s in run.summaries:
+        key = (s.arm, s.level)
+        if _kind(run, s.arm) != "replica" or key not in comparisons or not run.reliable(s.level):
+            continue
+        load = loads.get(key)
+        if load is not None and load.figures.unequal:
+            if load.decode is not None:
+                replicas.append(ReplicaLevel(s.level, load.decode, load.throughput))
+            continue
+        replicas.append(ReplicaLevel(s.level, comparisons[key].decode, comparisons[key].throughput))
     return {level: noise_floor(replicas, level, thresholds) for level in {s.level for s in run.summaries}}
 
 
@@ -548,15 +559,23 @@ def _identity_counts(run: RunFigures) -> dict[tuple[str, str], IdentityCounts]:
 def _matched_loads(
     run: RunFigures, confidence: dict[str, float], settings: Settings
 ) -> dict[tuple[str, str], matched.MatchedLoad]:
-    return {
-        (arm, level): matched.compare(
+    """Each live or split level at matched load (:mod:`.matched`: its intervals carry the blocks'
+    drift term), moved out by the arms' simulator lag bounds as the ordinary comparisons are."""
+    out = {}
+    for (arm, level), bands in run.loads.items():
+        load = matched.compare(
             bands,
             iterations=settings.bootstrap_iterations,
             confidence=confidence[arm],
             rng=rng_for(settings.bootstrap_seed, run.run_id, arm, level, "matched load"),
+            blocks=settings.time_blocks,
         )
-        for (arm, level), bands in run.loads.items()
-    }
+        if load.decode is not None or load.throughput is not None:
+            comp = Comparison(False, 0, load.decode, load.throughput, "per call", load.blocks)
+            lagged = _lag_bounded(run, comp, arm, level)
+            load = replace(load, decode=lagged.decode, throughput=lagged.throughput)
+        out[(arm, level)] = load
+    return out
 
 
 def _level_row(
@@ -574,7 +593,10 @@ def _level_row(
     margin = margins[s.level]
     decode, throughput = (comp.decode, comp.throughput) if comp else (None, None)
     basis = comp.throughput_basis if comp else "wall"
-    if load is not None and load.decode is not None:
+    # At unequal loads only the matched figures are shown: none where the arms were not compared (the
+    # plain ones, kept as unmatched_*, hold the load's own effect on speed).
+    unequal = load is not None and load.figures.unequal
+    if load is not None and unequal:
         decode, throughput, basis = load.decode, load.throughput, "per call"
     check = check_identity(counts.identical, counts.compared, confidence[s.arm], settings.thresholds)
     base = run.summary(run.baseline, s.level) if s.arm != run.baseline else None
@@ -629,8 +651,8 @@ def _level_row(
         health=health.describe() if health is not None else "",
         health_checks=health.checks if health is not None else 0,
         load=load.figures if load is not None else None,
-        unmatched_decode_speedup=comp.decode if comp and load is not None and load.decode else None,
-        unmatched_throughput_speedup=(comp.throughput if comp and load is not None and load.decode else None),
+        unmatched_decode_speedup=comp.decode if comp and unequal else None,
+        unmatched_throughput_speedup=comp.throughput if comp and unequal else None,
         tokens_source=s.tokens.describe(),
         own_tokens_estimated=s.tokens.estimated > 0,
         tokens_estimated=bool(estimated),
@@ -667,8 +689,17 @@ def _row_verdict(
     if load is not None and load.note:
         reason += f"; {load.note}"
     if _round_count(run, s.arm, s.level) == 1:
-        reason += f"; {ONE_ROUND}"
+        return _one_round(verdict, reason, identity)
     return verdict, reason
+
+
+def _one_round(verdict: str, reason: str, identity: IdentityCheck) -> tuple[str, str]:
+    """A level measured once has an interval blind to the drift between runs (a slow minute of one
+    arm's engine is shared by all its calls, and measured 1-9x the within-run error), so its speed
+    figures give no WIN or LOSS; outputs that differ still lose."""
+    if verdict not in (WIN, LOSS) or identity.fails:
+        return verdict, f"{reason}; {ONE_ROUND}"
+    return NO_CLEAR_GAIN, f"{ONE_ROUND}, so no {verdict} on speed ({reason}); measure with --rounds 3 or more"
 
 
 @dataclass(frozen=True)
@@ -748,6 +779,8 @@ def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, threshold
         verdict, reason = level_verdict(
             fig.comparison.decode, row.throughput_speedup, check, margin, row.estimate_note
         )
+        if row.rounds == 1:
+            verdict, reason = _one_round(verdict, reason, check)
     return CategoryRow(
         arm=row.arm,
         category=fig.category,
@@ -842,6 +875,7 @@ def _arm_outcome(
                 r.tokens_estimated,
                 # the worst failure only: the note under the table lists the rest
                 run.health[r.level].describe(limit=1) if r.level in run.health else "",
+                r.rounds == 1,
             )
             for r in judged
             if r.level_load is not None and level_unit(r.level) == point.unit
@@ -871,8 +905,40 @@ def _arm_outcome(
     )
 
 
+def _health_note(run: RunFigures, rows: Sequence[LevelRow]) -> str:
+    """Which levels the measurement's own checks vouch for, in one line: a level with no checks recorded
+    (a store from before them, traffic nobody checked) is named, not trusted silently; and the time
+    scale the lab slowed a level to, which moves its tok/s but not its ratios."""
+    levels = sorted({r.level for r in rows if r.level_load is not None}, key=level_sort_key)
+    health = {lv: run.health.get(lv) for lv in levels}
+
+    def named(chosen: list[str]) -> str:
+        return ", ".join(level_name(lv) for lv in chosen)
+
+    clean = [lv for lv, h in health.items() if h is not None and h.reliable and not h.dropped]
+    parts = [f"{named(clean)} passed every check"] if clean else []
+    parts += [
+        f"{level_name(lv)} judged on {len(h.used_rounds)} of {len(h.rounds)} rounds"
+        for lv, h in health.items()
+        if h is not None and h.reliable and h.dropped
+    ]
+    if bad := [lv for lv, h in health.items() if h is not None and not h.reliable]:
+        parts.append(f"{named(bad)} UNRELIABLE")
+    if unchecked := [lv for lv, h in health.items() if h is None]:
+        parts.append(f"{named(unchecked)}: no health checks recorded, not vouched for")
+    slowed = [
+        f"{level_name(lv)} {h.time_scale:g}"
+        for lv, h in health.items()
+        if h is not None and h.time_scale is not None and h.time_scale != 1.0
+    ]
+    if slowed:
+        parts.append(f"simulators slowed to keep up (time scale) at {', '.join(slowed)}: tok/s scale with it")
+    return "health: " + "; ".join(parts) if parts else ""
+
+
 def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
-    notes = []
+    health = _health_note(run, rows)
+    notes = [health] if health else []
     for level, h in sorted(run.health.items(), key=lambda x: level_sort_key(x[0])):
         lv = level_name(level)
         if not h.reliable:
@@ -881,9 +947,11 @@ def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
             notes.append(h.judged_on(level))
     for r in rows:
         if r.load is not None and r.load.unequal and r.verdict is not None:
+            at = f"at load {r.load.compared_at:.1f}, {r.load.method}" if r.load.compared_at else ""
+            how = f"not compared at matched load ({r.load.describe()})" if r.decode_speedup is None else ""
             notes.append(
-                f"{r.arm} {level_name(r.level)}: no by-category figures (its "
-                "calls ran at another load than the baseline's; the level is compared at matched load)"
+                f"{r.arm} {level_name(r.level)}: {how or f'compared at matched load ({at})'}; no by-category "
+                "figures (its calls ran at another load than the baseline's)"
             )
     for r in rows:
         if r.own_tokens_estimated:

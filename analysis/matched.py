@@ -3,84 +3,163 @@
 In shadow mode with ``sample = 0.2`` a candidate gets a fifth of the baseline's requests, so it runs
 at a fifth of the load and decodes faster for that reason alone; a split with unequal weights, or a
 multi-replica baseline, does the same. So for live and split levels the arms are compared at the load
-each engine actually had when the call started: the engine's running-requests gauge
-(``engine_running``, scraped from /metrics) where every call of both arms has it, else the proxy's
-in-flight count for that arm (``inflight_at_start``).
+each engine had while it worked on the call.
 
-The estimator stratifies by load band (an eighth of an octave of 1 + load wide): in each band both
-arms have at least :data:`MIN_BAND_CALLS` calls in, the log ratio of the arms' median decode speeds
-(and of their Σ tokens / Σ e2e); the bands are weighted by the candidate's calls in them (the
-comparison is at the loads the candidate saw), and the share of its calls in matched bands is
-reported. The interval is a bootstrap stratified by band and arm, re-centred on the estimate. It is
-used when the arms' median loads differ by more than :data:`UNEQUAL_LOAD`; at equal loads the plain
-(paired) comparison is sharper. When no band holds both arms, nothing is compared: the arms never ran
-at the same load, and the row says so.
+**The load of a call** is the mean number of the arm's other calls in flight over the call's decode
+window (first token to end; the whole call when it has no first token), read from the spans
+themselves: an exact time average, where a count taken at the call's start is not (the first calls of
+a closed loop start at load 0..c-1 and then decode at c), and the spans of every worker's file count.
+Every call the proxy has at an engine is in its running or waiting queue, so this is the engine's
+running + waiting load when the proxy is its only client. Where the calls carry the engine's gauges
+(``engine_running`` + ``engine_waiting``, stamped by the proxy from a scrape at most two intervals
+old) and the engine had more than that (other clients), the median excess is added to every call's
+load, and the basis says so.
+
+**The comparison** models each arm's per-token time as a line in its load, fitted to its calls at the
+level (decode step time grows about linearly with the batch while decoding is memory-bound: the
+weights are read once per step, the KV cache per sequence), after one pass that drops calls whose
+residual exceeds :data:`TRIM_MADS` robust deviations (stalls). Both lines are read at the candidate's
+mean load, and their ratio is the speedup at the loads the candidate saw; the per-call throughput
+ratio (Σ tokens / Σ e2e) is modelled the same way with the calls weighted by their tokens. Inside the
+baseline's own load range (as far as :data:`RANGE_CALLS` of its calls reach at either end) that is an
+interpolation; beyond it, an extrapolation no farther than the range is wide; farther, nothing is
+compared (the arms never ran at comparable loads, and the row says so instead of giving a ratio).
+
+**The interval** resamples each arm's calls within time blocks (replay rounds, or equal time blocks
+of a one-round or live level) and refits both lines every time, so an extrapolation's uncertainty in
+the slope is in it; then it is widened by the spread of the blocks' own estimates beyond that noise
+(:func:`~specproxy.analysis.stats.widen_for_blocks`, the drift term of the ordinary comparisons, on
+this arm's blocks alone). The evaluation then adds the simulators' lag bounds. Used when the arms'
+median loads differ by more than :data:`UNEQUAL_LOAD`; at equal loads the plain (paired) comparison
+is sharper.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+import numpy.typing as npt
 
-from specproxy.analysis.figures import ordered
 from specproxy.analysis.levels import LEVEL_SQL
-from specproxy.analysis.stats import FloatArray, Interval, percentile_interval
+from specproxy.analysis.stats import Blocks, FloatArray, Interval, percentile_interval, widen_for_blocks
 from specproxy.analysis.store import SpanStore
-from specproxy.schema import level_sql
 
-MIN_BAND_CALLS = 8
 UNEQUAL_LOAD = 1.10
-# A basis is used for a level only when this share of every compared arm's calls carries it.
+UNEQUAL_CALLS = 1.0
+# Each arm's calls with a decode speed at the level, for a line to be fitted to them.
+MIN_CALLS = 20
+# A share of the calls carrying the engine's gauges for them to be read.
 MIN_COVERAGE = 0.9
-BANDS_PER_OCTAVE = 8
+# Engine load beyond the proxy's own count is read as other clients' only when it is at least this
+# many requests and this share of the proxy's count: a gauge is a snapshot up to two scrape intervals
+# old, the count a mean over each call's decode; behind the proxy alone they differ by about 1.
+OUTSIDE_MIN = 2.0
+OUTSIDE_SHARE = 0.5
+# The baseline's load range reaches as far as this many of its calls do at either end.
+RANGE_CALLS = 10
+# The share of the baseline's calls, nearest in load to the candidate's, its line is fitted to.
+NEAR_SHARE = 0.25
+TRIM_MADS = 4.0
+MIN_BLOCK_CALLS = 5
+_SLICE = 256  # bootstrap iterations per vectorised slice (memory: slice x calls)
 
 
 @dataclass(frozen=True)
 class LoadFigures:
-    """The load each arm saw, and how much of the candidate's traffic a matched comparison covers."""
+    """The load each arm saw, and how the matched comparison was made.
 
-    basis: str  # "engine running" | "proxy in-flight"
+    ``p50`` / ``baseline_p50``: median load of the arm's / the baseline's calls (``basis``);
+    ``engine_p50`` / ``engine_baseline_p50``: median of the engines' running + waiting gauges where
+    the calls carry them; ``compared_at``: the load the two lines were read at (the candidate's mean);
+    ``baseline_range``: the loads the baseline ran at (as far as 10 of its calls reach);
+    ``matched_share``: the share of the candidate's calls inside that range; ``method``:
+    ``interpolated``, ``extrapolated``, ``not compared`` (or empty at equal loads)."""
+
+    basis: str  # "proxy in-flight" | "proxy in-flight + engine gauges"
     p50: float | None
     baseline_p50: float | None
     matched_share: float | None = None
-    bands: int = 0
+    engine_p50: float | None = None
+    engine_baseline_p50: float | None = None
+    compared_at: float | None = None
+    baseline_range: tuple[float, float] | None = None
+    method: str = ""
 
     @property
     def unequal(self) -> bool:
-        if not self.p50 or not self.baseline_p50:
+        """Loads more than :data:`UNEQUAL_LOAD` apart, and by more than one call (the loads are time
+        averages: two arms that each mostly ran alone differ by fractions of a call)."""
+        if self.p50 is None or self.baseline_p50 is None:
             return self.p50 != self.baseline_p50
-        return max(self.p50, self.baseline_p50) / min(self.p50, self.baseline_p50) > UNEQUAL_LOAD
+        low, high = sorted((self.p50, self.baseline_p50))
+        return high - low > UNEQUAL_CALLS and high / max(low, 1e-9) > UNEQUAL_LOAD
+
+    def describe(self) -> str:
+        own = f"load P50 {self.p50:.1f} vs baseline {self.baseline_p50:.1f} ({self.basis})"
+        if self.engine_p50 is not None and self.engine_baseline_p50 is not None:
+            own += f"; engine running+waiting P50 {self.engine_p50:.1f} vs {self.engine_baseline_p50:.1f}"
+        return own
 
 
 @dataclass(frozen=True, eq=False)
-class Band:
-    """One arm's calls in one load band: counts, full-data figures, and a sample (decode, tokens, e2e)."""
+class ArmCalls:
+    """One arm's ok calls at one level: the load each saw and its figures (NaN where missing)."""
 
-    n: int
-    median_decode: float | None
-    tokens: float
-    e2e: float
-    sample: FloatArray = field(repr=False)
+    load: FloatArray
+    decode: FloatArray
+    tokens: FloatArray
+    e2e: FloatArray
+    start_s: FloatArray
+    round: FloatArray
+    engine: FloatArray = field(repr=False)  # running + waiting gauges stamped at the call's start
 
 
 @dataclass(frozen=True, eq=False)
 class LoadBands:
+    """An arm's and the baseline's calls at one level, by load (the name predates the line model)."""
+
     figures: LoadFigures
-    candidate: dict[int, Band]
-    baseline: dict[int, Band]
+    candidate: ArmCalls
+    baseline: ArmCalls
 
 
 @dataclass(frozen=True)
 class MatchedLoad:
-    """The matched-load comparison of one arm at one level (``decode`` None: nothing to compare)."""
+    """The matched-load comparison of one arm at one level (``decode`` None: nothing compared)."""
 
     figures: LoadFigures
     decode: Interval | None
     throughput: Interval | None
     note: str
+    blocks: str = ""
+
+
+def _integral(starts: FloatArray, ends: FloatArray, t: FloatArray) -> FloatArray:
+    """∫ (calls in flight) dt from -inf to each t: Σ clip(t - start, 0, end - start), by sorted sums."""
+    s, e = np.sort(starts), np.sort(ends)
+    cs, ce = np.concatenate([[0.0], np.cumsum(s)]), np.concatenate([[0.0], np.cumsum(e)])
+    ks, ke = np.searchsorted(s, t, side="right"), np.searchsorted(e, t, side="right")
+    out: FloatArray = (ks * t - cs[ks]) - (ke * t - ce[ke])
+    return out
+
+
+def call_loads(start: FloatArray, ttft: FloatArray, e2e: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """Per call of one arm: the mean number of the arm's other calls in flight over its decode window,
+    and the number in flight at its start (both excluding itself)."""
+    dur = np.where(np.isfinite(e2e) & (e2e > 0), e2e, 0.0)
+    end = start + dur
+    first = np.where(np.isfinite(ttft) & (ttft >= 0) & (ttft < dur), ttft, 0.0)
+    a = start + first
+    span = end - a
+    area = _integral(start, end, end) - _integral(start, end, a)
+    at_start = (np.searchsorted(np.sort(start), start, side="right") - 1) - np.searchsorted(
+        np.sort(end), start, side="right"
+    )
+    mean: FloatArray = np.where(span > 0, area / np.where(span > 0, span, 1.0) - 1.0, at_start)
+    return np.maximum(mean, 0.0), at_start.astype(np.float64)
 
 
 def load_bands(
@@ -92,137 +171,297 @@ def load_bands(
     max_sample: int,
     seed: int,
 ) -> dict[tuple[str, str], LoadBands]:
-    """Per (arm, level) of ``keys`` whose arms carry load figures: the arm's and the baseline's bands."""
+    """Per (arm, level) of ``keys``: the arm's and the baseline's ok calls with the load each saw.
+    (``max_sample`` and ``seed`` are unused: every call's load needs every call.)"""
+    del max_sample, seed
     if not keys:
         return {}
-    wanted = set(keys) | {(baseline, level) for _, level in keys}
-    coverage = {
-        (r["arm"], r["level"]): r
-        for r in store.query(
-            f"""
-            SELECT arm, {LEVEL_SQL} AS level, count(*) AS n,
-                   count(engine_running) AS running, count(inflight_at_start) AS inflight,
-                   quantile_cont(engine_running, 0.5) AS p50_running,
-                   quantile_cont(inflight_at_start, 0.5) AS p50_inflight
-            FROM requests WHERE run_id = ? AND status = 'ok' GROUP BY ALL
-            """,
-            [run_id],
-        )
-        if (r["arm"], r["level"]) in wanted
-    }
-    basis: dict[tuple[str, str], str] = {}
-    for arm, level in keys:
-        pair = [coverage.get((arm, level)), coverage.get((baseline, level))]
-        for column in ("running", "inflight"):
-            if all(c is not None and c["n"] and c[column] >= MIN_COVERAGE * c["n"] for c in pair):
-                basis[(arm, level)] = column
-                break
-    if not basis:
-        return {}
-    store.conn.execute(
-        "CREATE OR REPLACE TEMP TABLE load_keys (arm VARCHAR, level VARCHAR, basis VARCHAR, p DOUBLE)"
-    )
-    rows = {(a, lv, b) for (a, lv), b in basis.items()} | {(baseline, lv, b) for (_, lv), b in basis.items()}
-    store.conn.executemany(
-        "INSERT INTO load_keys VALUES (?, ?, ?, ?)",
-        [(a, lv, b, min(1.0, max_sample / max(coverage[(a, lv)]["n"], 1))) for a, lv, b in sorted(rows)],
-    )
-    groups = store.query(
-        f"""
-        WITH calls AS (
-            SELECT r.arm, k.level, k.basis, r.decode_tok_s, r.completion_tokens, r.e2e_s, r.request_id,
-                   r.span_id, k.p,
-                   floor({BANDS_PER_OCTAVE} * log2(1 + greatest(0, CASE k.basis WHEN 'running'
-                       THEN r.engine_running ELSE r.inflight_at_start END))) AS band
-            FROM requests r
-            JOIN load_keys k
-              ON k.arm = r.arm AND k.level = {level_sql("r")}
-            WHERE r.run_id = $run AND r.status = 'ok' AND r.decode_tok_s > 0
-        )
-        SELECT arm, level, basis, band, count(*) AS n, quantile_cont(decode_tok_s, 0.5) AS med,
-               coalesce(sum(completion_tokens) FILTER (WHERE e2e_s > 0), 0) AS tokens,
-               coalesce(sum(e2e_s) FILTER (WHERE completion_tokens IS NOT NULL AND e2e_s > 0), 0) AS e2e,
-               list([decode_tok_s, completion_tokens, e2e_s])
-                   FILTER (WHERE p >= 1 OR hash(request_id, span_id, $seed) % 1000000007 < p * 1000000007)
-                   AS sample
-        FROM calls WHERE band IS NOT NULL GROUP BY ALL
-        """,
-        {"run": run_id, "seed": seed},
-    )
-    by_arm: dict[tuple[str, str, str], dict[int, Band]] = {}
-    for g in groups:
-        by_arm.setdefault((g["arm"], g["level"], g["basis"]), {})[int(g["band"])] = Band(
-            int(g["n"]), g["med"], float(g["tokens"]), float(g["e2e"]), ordered(g["sample"], 3)
-        )
+    calls: dict[tuple[str, str], ArmCalls] = {}
+    for arm in sorted({a for a, _ in keys} | {baseline}):
+        calls.update(_arm_calls(store, run_id, arm))
     out = {}
-    for (arm, level), b in basis.items():
-        p50 = "p50_running" if b == "running" else "p50_inflight"
+    for arm, level in keys:
+        c, b = calls.get((arm, level)), calls.get((baseline, level))
+        if c is None or b is None or not len(c.load) or not len(b.load):
+            continue
+        extra_c, extra_b = _outside(c), _outside(b)
+        engine_c, engine_b = _engine_p50(c), _engine_p50(b)
+        both = engine_c is not None and engine_b is not None
         figures = LoadFigures(
-            basis="engine running" if b == "running" else "proxy in-flight",
-            p50=coverage[(arm, level)][p50],
-            baseline_p50=coverage[(baseline, level)][p50],
+            basis="proxy in-flight + engine gauges" if extra_c or extra_b else "proxy in-flight",
+            p50=float(np.median(c.load + extra_c)),
+            baseline_p50=float(np.median(b.load + extra_b)),
+            engine_p50=engine_c if both else None,
+            engine_baseline_p50=engine_b if both else None,
         )
-        out[(arm, level)] = LoadBands(
-            figures, by_arm.get((arm, level, b), {}), by_arm.get((baseline, level, b), {})
+        out[(arm, level)] = LoadBands(figures, _shifted(c, extra_c), _shifted(b, extra_b))
+    return out
+
+
+_CALLS_SQL = f"""
+    SELECT {LEVEL_SQL} AS level, status = 'ok' AS ok, start_s, ttft_s, e2e_s, decode_tok_s,
+           completion_tokens, round, engine_running + coalesce(engine_waiting, 0) AS engine,
+           CAST(inflight_at_start IS NOT NULL AS DOUBLE) AS counted
+    FROM (SELECT *, coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s FROM requests
+          WHERE run_id = ? AND arm = ? AND status <> 'dropped')
+    WHERE start_s IS NOT NULL
+"""
+
+
+def _arm_calls(store: SpanStore, run_id: str, arm: str) -> dict[tuple[str, str], ArmCalls]:
+    """Every call of ``arm`` in the run that was sent (any status but ``dropped``) makes its load; the
+    ok ones are returned per level, with the load each saw."""
+    rows = store.conn.execute(_CALLS_SQL, [run_id, arm]).fetchall()
+    if not rows:
+        return {}
+    levels = np.array([r[0] for r in rows], dtype=object)
+    ok = np.array([bool(r[1]) for r in rows])
+    num = np.array([[np.nan if v is None else float(v) for v in r[2:]] for r in rows], dtype=np.float64)
+    start, ttft, e2e, decode, tokens, round_, engine, counted = num.T
+    load, _ = call_loads(start, ttft, e2e)
+    out = {}
+    for level in sorted(set(levels[ok].tolist())):
+        m = ok & (levels == level)
+        # Spans the proxy did not count in flight were not timed by it (written by other tools): their
+        # start and end times need not be the engine's, so they say nothing of its load.
+        if counted[m].mean() < MIN_COVERAGE:
+            continue
+        out[(arm, str(level))] = ArmCalls(
+            load[m], decode[m], tokens[m], e2e[m], start[m], round_[m], engine[m]
         )
     return out
 
 
-def _log_medians(values: FloatArray, n_full: int, iterations: int, rng: np.random.Generator) -> FloatArray:
-    m = len(values)
-    idx = rng.integers(0, m, size=(iterations, m))
-    logs: FloatArray = np.log(np.median(values[idx], axis=1))
-    out: FloatArray = math.sqrt(m / max(n_full, m)) * (logs - logs.mean())
-    return out
+def _outside(calls: ArmCalls) -> float:
+    """The engine's load beyond the proxy's own calls (other clients): the gauges' median less the
+    calls' median load, where enough calls carry gauges and the excess is not negligible."""
+    have = np.isfinite(calls.engine)
+    if not have.any() or have.sum() < MIN_COVERAGE * len(calls.engine):
+        return 0.0
+    own = float(np.median(calls.load))
+    excess = float(np.median(calls.engine[have])) - own
+    return excess if excess >= max(OUTSIDE_MIN, OUTSIDE_SHARE * own) else 0.0
 
 
-def _log_rates(sample: FloatArray, n_full: int, iterations: int, rng: np.random.Generator) -> FloatArray:
-    ok = sample[np.isfinite(sample[:, 1]) & (sample[:, 2] > 0)]
-    m = len(ok)
-    if m < 2:
-        return np.zeros(iterations)
-    idx = rng.integers(0, m, size=(iterations, m))
-    logs: FloatArray = np.log(ok[idx, 1].sum(axis=1) / ok[idx, 2].sum(axis=1))
-    out: FloatArray = math.sqrt(m / max(n_full, m)) * (logs - logs.mean())
-    return out
+def _engine_p50(calls: ArmCalls) -> float | None:
+    have = np.isfinite(calls.engine)
+    if not have.any() or have.sum() < MIN_COVERAGE * len(calls.engine):
+        return None
+    return float(np.median(calls.engine[have]))
 
 
-def compare(bands: LoadBands, *, iterations: int, confidence: float, rng: np.random.Generator) -> MatchedLoad:
-    """The matched-load decode speedup and per-call throughput ratio (module docstring)."""
+def _shifted(calls: ArmCalls, extra: float) -> ArmCalls:
+    if not extra:
+        return calls
+    return replace(calls, load=calls.load + extra)
+
+
+@dataclass(frozen=True)
+class _Line:
+    """A weighted least-squares line y = a + b x, with the calls it kept (residuals within the trim)."""
+
+    a: float
+    b: float
+    keep: npt.NDArray[np.bool_]
+
+    def at(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+def _fit(x: FloatArray, y: FloatArray, w: FloatArray) -> tuple[float, float]:
+    sw = w.sum()
+    mx, my = (w @ x) / sw, (w @ y) / sw
+    sxx = w @ ((x - mx) ** 2)
+    # one load for every call (a steady closed loop): no slope to see; the line is its mean
+    b = float((w @ ((x - mx) * (y - my))) / sxx) if sxx > 1e-9 * sw else 0.0
+    return float(my - b * mx), b
+
+
+def robust_line(x: FloatArray, y: FloatArray, w: FloatArray) -> _Line:
+    """The line, refitted once without the calls whose relative residual exceeds TRIM_MADS robust
+    deviations (stalls)."""
+    a, b = _fit(x, y, w)
+    fitted = a + b * x
+    # relative residuals: a call's time per token scatters in proportion to it (a slower engine's
+    # calls scatter more), so a trim on absolute ones would cut the low-load calls' tail less
+    resid = np.where(fitted > 0, y / np.where(fitted > 0, fitted, 1.0) - 1.0, y - fitted)
+    mad = 1.4826 * float(np.median(np.abs(resid - np.median(resid))))
+    keep = np.abs(resid) <= TRIM_MADS * mad if mad > 0 else np.ones(len(x), dtype=bool)
+    if keep.sum() >= 2:
+        a, b = _fit(x[keep], y[keep], w[keep])
+    return _Line(a, b, keep)
+
+
+INTERPOLATED, EXTRAPOLATED, NOT_COMPARED = "interpolated", "extrapolated", "not compared"
+# Calls per arm the bootstrap resamples at most (a uniform share of both arms; deviations rescaled).
+BOOTSTRAP_CAP = 4000
+
+
+@dataclass(frozen=True, eq=False)
+class _Figure:
+    """One arm's calls for one figure: load x, time per token y, weight w, block label."""
+
+    x: FloatArray
+    y: FloatArray
+    w: FloatArray
+    block: FloatArray
+
+    def take(self, mask: npt.NDArray[np.bool_]) -> _Figure:
+        return _Figure(self.x[mask], self.y[mask], self.w[mask], self.block[mask])
+
+
+def _figures(calls: ArmCalls, blocks: FloatArray) -> tuple[_Figure, _Figure]:
+    """Per-token time (1 / decode speed, each call alike) and e2e per token (weighted by tokens, so
+    the mean is Σ e2e / Σ tokens) against the load."""
+    d = np.isfinite(calls.decode) & (calls.decode > 0)
+    t = np.isfinite(calls.tokens) & (calls.tokens > 0) & np.isfinite(calls.e2e) & (calls.e2e > 0)
+    decode = _Figure(calls.load[d], 1.0 / calls.decode[d], np.ones(int(d.sum())), blocks[d])
+    tokens = calls.tokens[t]
+    throughput = _Figure(calls.load[t], calls.e2e[t] / tokens, tokens, blocks[t])
+    return decode, throughput
+
+
+def _blocks(c: ArmCalls, b: ArmCalls, n_blocks: int) -> tuple[FloatArray, FloatArray, str]:
+    """Each call's block: its replay round when the level has several, else its time block."""
+    rounds = {float(r) for r in np.unique(np.concatenate([c.round, b.round])) if math.isfinite(r)}
+    if len(rounds) >= 2 and np.isfinite(c.round).all() and np.isfinite(b.round).all():
+        return c.round, b.round, f"{len(rounds)} rounds"
+    t0 = float(min(c.start_s.min(), b.start_s.min()))
+    span = float(max(c.start_s.max(), b.start_s.max())) - t0
+
+    def cut(s: FloatArray) -> FloatArray:
+        if span <= 0:
+            return np.zeros(len(s))
+        out: FloatArray = np.minimum(n_blocks - 1, np.floor(n_blocks * (s - t0) / span))
+        return out
+
+    return cut(c.start_s), cut(b.start_s), f"{n_blocks} time blocks"
+
+
+@dataclass(frozen=True)
+class _Point:
+    log_ratio: float
+    at: float
+    base: _Line
+    cand: _Figure  # the calls kept
+    kept_base: _Figure
+
+
+def _point(cand: _Figure, base: _Figure) -> _Point | None:
+    """The baseline's line read at the candidate's mean load, over the candidate's mean time per
+    token there (a line through its own calls passes through that mean), as a log speedup."""
+    lc = robust_line(cand.x, cand.y, cand.w)
+    kc = cand.take(lc.keep)
+    at = float(kc.w @ kc.x / kc.w.sum())
+    # the baseline's line is local: over its calls nearest that load (a quarter of them, at least
+    # 2 x MIN_CALLS), since time per token is linear in the load over a stretch, not over every load
+    near = np.argsort(np.abs(base.x - at), kind="stable")[
+        : max(2 * MIN_CALLS, math.ceil(NEAR_SHARE * len(base.x)))
+    ]
+    near_mask = np.zeros(len(base.x), dtype=bool)
+    near_mask[near] = True
+    base = base.take(near_mask)
+    lb = robust_line(base.x, base.y, base.w)
+    kb = base.take(lb.keep)
+    own, theirs = float(kc.w @ kc.y / kc.w.sum()), lb.at(at)
+    if own <= 0 or theirs <= 0:
+        return None
+    return _Point(math.log(theirs / own), at, lb, kc, kb)
+
+
+def _resampled(fig: _Figure, keep: float, k: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
+    """Indices of ``k`` resamples of ``fig``'s calls, each block's calls resampled within the block
+    (the blocks are the time periods both arms share; their own spread is the drift term's)."""
+    parts = []
+    for g in np.unique(fig.block):
+        idx = np.flatnonzero(fig.block == g)
+        m = max(1, round(len(idx) * keep))
+        parts.append(idx[rng.integers(0, len(idx), size=(k, m))])
+    return np.concatenate(parts, axis=1)
+
+
+def _boot_logs(p: _Point, iterations: int, rng: np.random.Generator) -> FloatArray:
+    """Bootstrap deviations of the log speedup: both arms resampled within blocks, both refitted."""
+    keep = min(1.0, BOOTSTRAP_CAP / max(len(p.cand.x), len(p.kept_base.x)))
+    out = np.empty(iterations)
+    for start in range(0, iterations, _SLICE):
+        k = min(_SLICE, iterations - start)
+        ic, ib = _resampled(p.cand, keep, k, rng), _resampled(p.kept_base, keep, k, rng)
+        wc, wb = p.cand.w[ic], p.kept_base.w[ib]
+        xb, yb = p.kept_base.x[ib], p.kept_base.y[ib]
+        at = (wc * p.cand.x[ic]).sum(axis=1) / wc.sum(axis=1)
+        own = (wc * p.cand.y[ic]).sum(axis=1) / wc.sum(axis=1)
+        sw = wb.sum(axis=1)
+        mx, my = (wb * xb).sum(axis=1) / sw, (wb * yb).sum(axis=1) / sw
+        dx = xb - mx[:, None]
+        sxx = (wb * dx * dx).sum(axis=1)
+        slope = np.where(
+            sxx > 1e-9 * sw, (wb * dx * (yb - my[:, None])).sum(axis=1) / np.maximum(sxx, 1e-300), 0
+        )
+        theirs = np.maximum(my + slope * (at - mx), 1e-12)
+        out[start : start + k] = np.log(theirs / own)
+    dev: FloatArray = math.sqrt(keep) * (out - out.mean())
+    return dev
+
+
+def _block_estimates(p: _Point) -> Blocks | None:
+    """Each block's own log speedup, the baseline's line shifted to its calls in the block (the slope
+    stays the level's: a block's calls span too little load to fit one), for the drift term."""
+    logs, factors = [], []
+    pooled = 1 / len(p.cand.x) + 1 / len(p.kept_base.x)
+    for g in np.unique(p.cand.block):
+        c, b = p.cand.take(p.cand.block == g), p.kept_base.take(p.kept_base.block == g)
+        if min(len(c.x), len(b.x)) < MIN_BLOCK_CALLS:
+            continue
+        at, own = c.w @ c.x / c.w.sum(), c.w @ c.y / c.w.sum()
+        theirs = b.w @ b.y / b.w.sum() + p.base.b * (at - b.w @ b.x / b.w.sum())
+        if own > 0 and theirs > 0:
+            logs.append(math.log(theirs / own))
+            factors.append((1 / len(c.x) + 1 / len(b.x)) / pooled)
+    return Blocks(tuple(logs), tuple(factors)) if len(logs) >= 2 else None
+
+
+def _interval(
+    cand: _Figure, base: _Figure, iterations: int, confidence: float, rng: np.random.Generator
+) -> tuple[Interval, _Point] | None:
+    p = _point(cand, base)
+    if p is None:
+        return None
+    iv = percentile_interval(p.log_ratio, _boot_logs(p, iterations, rng), confidence)
+    return widen_for_blocks(iv, _block_estimates(p), confidence), p
+
+
+def compare(
+    bands: LoadBands, *, iterations: int, confidence: float, rng: np.random.Generator, blocks: int = 4
+) -> MatchedLoad:
+    """The speedups at matched load (module docstring), or why there are none."""
     fig = bands.figures
-    loads = f"P50 {fig.basis} {fig.p50:.1f} vs baseline {fig.baseline_p50:.1f}"
-    matched = sorted(
-        b
-        for b, c in bands.candidate.items()
-        if c.n >= MIN_BAND_CALLS
-        and bands.baseline.get(b) is not None
-        and bands.baseline[b].n >= MIN_BAND_CALLS
-    )
-    total = sum(c.n for c in bands.candidate.values())
-    share = sum(bands.candidate[b].n for b in matched) / total if total else 0.0
-    fig = LoadFigures(fig.basis, fig.p50, fig.baseline_p50, share, len(matched))
     if not fig.unequal:
         return MatchedLoad(fig, None, None, "")
-    if not matched:
-        return MatchedLoad(
-            fig, None, None, f"arms ran at different loads ({loads}) and never at the same load: not compared"
-        )
-    weights = np.array([bands.candidate[b].n for b in matched], dtype=np.float64)
-    weights /= weights.sum()
-    d_logs, t_logs = np.zeros(len(matched)), np.zeros(len(matched))
-    d_dev, t_dev = np.zeros(iterations), np.zeros(iterations)
-    for i, b in enumerate(matched):
-        c, base = bands.candidate[b], bands.baseline[b]
-        d_logs[i] = math.log((c.median_decode or 1.0) / (base.median_decode or 1.0))
-        t_logs[i] = math.log((c.tokens / c.e2e) / (base.tokens / base.e2e)) if c.e2e and base.e2e else 0.0
-        d_dev += weights[i] * (
-            _log_medians(c.sample[:, 0], c.n, iterations, rng)
-            - _log_medians(base.sample[:, 0], base.n, iterations, rng)
-        )
-        t_dev += weights[i] * (
-            _log_rates(c.sample, c.n, iterations, rng) - _log_rates(base.sample, base.n, iterations, rng)
-        )
-    decode = percentile_interval(float(weights @ d_logs), d_dev, confidence)
-    throughput = percentile_interval(float(weights @ t_logs), t_dev, confidence)
-    note = f"arms ran at different loads ({loads}): compared at matched load over {share:.0%} of its calls"
-    return MatchedLoad(fig, decode, throughput, note)
+    block_c, block_b, kind = _blocks(bands.candidate, bands.baseline, blocks)
+    dc, tc = _figures(bands.candidate, block_c)
+    db, tb = _figures(bands.baseline, block_b)
+    if min(len(dc.x), len(db.x)) < MIN_CALLS:
+        few = replace(fig, method=NOT_COMPARED)
+        why = f"fewer than {MIN_CALLS} calls with a decode speed in an arm"
+        return MatchedLoad(few, None, None, f"not compared at matched load ({fig.describe()}): {why}", kind)
+    ranked = np.sort(db.x)
+    lo, hi = float(ranked[RANGE_CALLS - 1]), float(ranked[-RANGE_CALLS])
+    decode = _interval(dc, db, iterations, confidence, rng)
+    at = decode[1].at if decode is not None else float(dc.x.mean())
+    away = max(lo - at, at - hi, 0.0)
+    fig = replace(
+        fig,
+        compared_at=at,
+        baseline_range=(lo, hi),
+        matched_share=float(np.mean((dc.x >= lo) & (dc.x <= hi))),
+        method=NOT_COMPARED if decode is None or away > hi - lo else EXTRAPOLATED if away else INTERPOLATED,
+    )
+    loads = f"{fig.describe()}; candidate's mean {at:.1f}, baseline's range {lo:.1f}-{hi:.1f}"
+    if fig.method == NOT_COMPARED:
+        why = "the baseline never ran near the candidate's load"
+        return MatchedLoad(fig, None, None, f"not compared at matched load ({loads}): {why}", kind)
+    throughput = _interval(tc, tb, iterations, confidence, rng)
+    how = "within the baseline's range" if fig.method == INTERPOLATED else "the baseline's line extrapolated"
+    note = f"arms ran at different loads ({loads}): compared at matched load {at:.1f}, {how}"
+    return MatchedLoad(fig, decode[0] if decode else None, throughput[0] if throughput else None, note, kind)

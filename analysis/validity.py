@@ -32,6 +32,7 @@ its rows, whatever the plan said: replay may add rounds after the planned ones.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class LevelHealth:
     checks: int
     failures: tuple[HealthFailure, ...]
     rounds: tuple[int, ...] = ()
+    time_scale: float | None = None  # the lab's simulators ran this fast against their profile's clock
 
     @property
     def level_wide(self) -> tuple[HealthFailure, ...]:
@@ -177,8 +179,11 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
     checks: dict[str, int] = defaultdict(int)
     rounds: dict[str, set[int]] = defaultdict(set)
     failures: dict[str, list[HealthFailure]] = defaultdict(list)
+    scales: dict[str, float] = {}
     for r in rows:
         checks[r["level"]] += 1
+        if r["check_name"] == "sim_time_scale":
+            scales[r["level"]] = min(float(r["value"]), scales.get(r["level"], math.inf))
         if r["round"] is not None:
             rounds[r["level"]].add(int(r["round"]))
         limit = r["threshold"] if r["threshold"] is not None else DEFAULT_THRESHOLDS.get(r["check_name"])
@@ -196,6 +201,7 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
                 )
             ),
             tuple(sorted(rounds[level])),
+            scales.get(level),
         )
         for level, n in checks.items()
     }

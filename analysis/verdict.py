@@ -337,6 +337,7 @@ class LevelJudgement:
     throughput_margin: float
     estimated: bool = False
     health: str = ""  # why the level is UNRELIABLE: the checks it failed
+    one_round: bool = False  # measured once: its interval cannot see the drift between runs
 
 
 @dataclass(frozen=True)
@@ -470,6 +471,8 @@ def deploy_verdict(
         thr_text = UNRELIABLE
     elif peak_j.estimated and thr is not None:
         thr_text += " (estimated token counts)"
+    elif peak_j.one_round and thr is not None:
+        thr_text += " (1 round)"
     head = (
         f"{per_level}; at the operating point ({at_text}) {at_verdict}; at peak ({peak_text}) throughput "
         f"{thr_text}{assumption}"
@@ -483,8 +486,8 @@ def deploy_verdict(
 
     if identity.fails:
         return verdict(LOSS, f"{identity.text}: do not enable")
-    if peak_j is not None and peak_j.estimated:
-        thr = None  # an interval on estimated token counts is not evidence either way
+    if peak_j is not None and (peak_j.estimated or peak_j.one_round):
+        thr = None  # an interval on estimated token counts, or blind to drift, is not evidence either way
     if thr is not None and thr.high is not None and peak_j is not None:
         if thr.high < 1.0 - peak_j.throughput_margin:
             return verdict(LOSS, "do not enable for peak load (throughput lower beyond the margin)")
@@ -519,4 +522,12 @@ def deploy_verdict(
         return verdict(NO_CLEAR_GAIN, "token counts at the operating point are estimated: no WIN or LOSS")
     if at_verdict == WIN and peak_j.estimated:
         return verdict(NO_CLEAR_GAIN, "it wins at the operating point; peak throughput is estimated")
+    if at_verdict == WIN and peak_j.one_round:
+        return verdict(
+            NO_CLEAR_GAIN, "it wins at the operating point; peak throughput was measured in one round"
+        )
+    if any(j.one_round for j in at_levels):
+        return verdict(
+            NO_CLEAR_GAIN, "the operating point was measured in one round: no WIN or LOSS on speed"
+        )
     return verdict(NO_CLEAR_GAIN, "no clear gain at the operating point")

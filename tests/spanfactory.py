@@ -280,14 +280,16 @@ def make_live_load_run(
     load_column: str = "inflight_at_start",
     run_id: str = "live-load",
     seed: int = 5,
+    steady: bool = False,
 ) -> SyntheticRun:
     """Shadow traffic in front of two engines that differ only by ``speedup``; the candidate gets a
     copy of one request in ``1 / sample``, so it runs at about ``sample`` times the baseline's load.
 
-    Each call's decode speed depends on its own engine's load at its start (median
-    ``BASE_DECODE_MEDIAN / (1 + load / 32) * speedup``), the load is recorded in ``load_column``
-    (``inflight_at_start`` or ``engine_running``). The baseline's load wanders over 1-40 (traffic
-    comes and goes), so the two loads overlap at the low end.
+    Timed like the proxy's spans: the baseline keeps a target number of calls in flight that wanders
+    over 1-40 (a 40 s cycle: traffic comes and goes, so the two loads overlap at the low end), or with
+    ``steady`` stays at 28-32 (they never overlap). Each call's decode speed depends on its engine's
+    calls in flight at its start (median ``BASE_DECODE_MEDIAN / (1 + load / 32) * speedup``), recorded
+    as ``inflight_at_start`` and, with ``load_column="engine_running"``, as the engine's gauges too.
     """
     rng = random.Random(seed)
     arms = (
@@ -296,47 +298,70 @@ def make_live_load_run(
     )
     spans: list[SpanRecord] = []
     every = round(1 / sample)
-    for i in range(n_requests):
-        base_load = rng.uniform(1.0, 40.0)
-        loads = {"baseline": base_load, "candidate": base_load * sample + rng.uniform(0.0, 2.0)}
-        start = T0 + timedelta(milliseconds=50 * i)
-        tokens = rng.randint(16, 256)
-        for arm in arms if i % every == 0 else arms[:1]:
-            load = loads[arm.name]
-            decode = _lognormal(rng, BASE_DECODE_MEDIAN / (1 + load / 32) * arm.speedup, DECODE_SIGMA)
-            ttft = _lognormal(rng, 0.05 * (1 + load / 8), 0.5)
-            record = SpanRecord(
-                run_id=run_id,
-                request_id=f"{run_id}-{i}",
-                arm=arm.name,
-                arm_role=arm.role,
-                backend_url="http://127.0.0.1:9001",
-                spec_method=arm.spec_method,
-                source="live",
-                routed_as="primary" if arm.role == "baseline" else "shadow",
-                category="chat",
-                endpoint="chat",
-                model="m",
-                stream=True,
-                temperature=0.0,
-                t_start=start,
-                t_start_ns=(start - EPOCH) // timedelta(microseconds=1) * 1000,
-                ttft_s=ttft,
-                e2e_s=ttft + (tokens - 1) / decode,
-                decode_tok_s=decode,
-                completion_tokens=tokens,
-                finish_reason="stop",
-                output_sha256=f"out-{i}",
-                identical=True if arm.role != "baseline" else None,
-                status="ok",
-            )
-            if load_column == "engine_running":
-                record.engine_running = load
-            else:
-                record.inflight_at_start = round(load)
-            spans.append(record)
+    ends: dict[str, list[float]] = {"baseline": [], "candidate": []}
+    t, i, step = 0.0, 0, 0.01
+    while i < n_requests:
+        for name in ends:
+            ends[name] = [e for e in ends[name] if e > t]
+        cycle = 0.5 - 0.5 * math.cos(2 * math.pi * t / 40.0)
+        target = 30 + 2 * (2 * cycle - 1) if steady else 1 + 39 * cycle
+        while len(ends["baseline"]) < target and i < n_requests:
+            tokens = rng.randint(16, 256)
+            for arm in arms if i % every == 0 else arms[:1]:
+                load = len(ends[arm.name])
+                decode = _lognormal(rng, BASE_DECODE_MEDIAN / (1 + load / 32) * arm.speedup, DECODE_SIGMA)
+                ttft = _lognormal(rng, 0.05 * (1 + load / 8), 0.5)
+                e2e = ttft + (tokens - 1) / decode
+                ends[arm.name].append(t + e2e)
+                spans.append(_live_span(run_id, i, arm, t, ttft, e2e, decode, tokens, load, load_column))
+            i += 1
+        t += step
     run_row = (run_id, "live load", "shadow", "live", T0, T0, "{}", "{}", "testhost", "0.1.0")
     return SyntheticRun(run_id, "live load", spans, [], run_row)
+
+
+def _live_span(
+    run_id: str,
+    i: int,
+    arm: ArmSpec,
+    t: float,
+    ttft: float,
+    e2e: float,
+    decode: float,
+    tokens: int,
+    load: int,
+    load_column: str,
+) -> SpanRecord:
+    start = T0 + timedelta(seconds=t)
+    record = SpanRecord(
+        run_id=run_id,
+        request_id=f"{run_id}-{i}",
+        arm=arm.name,
+        arm_role=arm.role,
+        backend_url="http://127.0.0.1:9001",
+        spec_method=arm.spec_method,
+        source="live",
+        routed_as="primary" if arm.role == "baseline" else "shadow",
+        category="chat",
+        endpoint="chat",
+        model="m",
+        stream=True,
+        temperature=0.0,
+        t_start=start,
+        t_start_ns=(start - EPOCH) // timedelta(microseconds=1) * 1000,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        decode_tok_s=decode,
+        completion_tokens=tokens,
+        finish_reason="stop",
+        output_sha256=f"out-{i}",
+        identical=True if arm.role != "baseline" else None,
+        status="ok",
+        inflight_at_start=load,
+    )
+    if load_column == "engine_running":
+        record.engine_running, record.engine_waiting = float(load), 0.0
+    return record
 
 
 def add_latency(run: SyntheticRun, *, seed: int = 3, queue_arms: Sequence[str] = ()) -> SyntheticRun:
@@ -419,7 +444,7 @@ def generate_sql(
         ("baseline", "baseline", 1.0),
         ("eagle3", "candidate", 1.6),
         ("ngram", "candidate", 1.2),
-        ("replica", "candidate", 1.0),
+        ("replica", "replica", 1.0),
     ),
     run_id: str = "bench",
 ) -> Path:

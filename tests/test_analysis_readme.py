@@ -27,7 +27,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     arms = [
         ArmSpec("baseline", "baseline", "none"),
         ArmSpec("eagle3", speedup=1.5, identical_p=0.9),
-        ArmSpec("replica", spec_method="none"),
+        ArmSpec("replica", "replica", "none"),
     ]
     run = make_run(arms, levels=(1, 8), n_per_level=40, seed=5)
     for span in run.spans:

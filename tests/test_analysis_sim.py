@@ -80,6 +80,8 @@ num_speculative_tokens = 3
             "1,4",
             "--warmup",
             "0",
+            "--rounds",
+            "1",
             "--no-progress",
             "--run-name",
             "simrun",

@@ -492,6 +492,24 @@ LOWER = Interval(0.86, 0.8, 0.92)
             LOSS,
             "do not enable",
         ),
+        # one round: its interval cannot see drift between runs, so a lower peak is no LOSS either
+        (
+            [*_levels((1, WIN, FLAT)), LevelJudgement(64, NO_CLEAR_GAIN, LOWER, 0.03, one_round=True)],
+            OperatingPoint(1, 64),
+            100,
+            NO_CLEAR_GAIN,
+            "0.86x [0.80, 0.92] (1 round)",
+        ),
+        (
+            [
+                LevelJudgement(1, NO_CLEAR_GAIN, FLAT, 0.03, one_round=True),
+                *_levels((64, NO_CLEAR_GAIN, FLAT)),
+            ],
+            OperatingPoint(1, 64),
+            100,
+            NO_CLEAR_GAIN,
+            "the operating point was measured in one round",
+        ),
     ],
 )
 def test_deploy_verdict_answers_at_the_operating_point(

@@ -167,7 +167,9 @@ async def test_specproxy_in_front_of_a_plain_and_a_draft_model_llama_server(
                 assert masked(got) == masked(want), f"{endpoint} {prompt!r} stream={stream}"
                 _until_idle(proxy)
         replay = subprocess.run(
-            replay_target_argv(capture, proxy, tmp_path / "replay.duckdb", "--concurrency", "1"),
+            replay_target_argv(
+                capture, proxy, tmp_path / "replay.duckdb", "--concurrency", "1", "--rounds", "1"
+            ),
             capture_output=True,
             timeout=1200,
             check=False,

@@ -60,6 +60,8 @@ def test_replay_through_target_writes_spans(tmp_path: Path, backend_url: str) ->
         str(db),
         "--on-error",
         "skip",
+        "--rounds",
+        "1",
         "--no-progress",
         "--run-name",
         "cli",
@@ -209,6 +211,8 @@ def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str)
             "5",
             "--db",
             str(client_db),
+            "--rounds",
+            "1",
             "--no-progress",
         )
         assert res.returncode == 0, res.stderr
@@ -232,6 +236,8 @@ def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str)
         "10",
         "--db",
         str(tmp_path / "again.duckdb"),
+        "--rounds",
+        "1",
         "--no-progress",
     )
     assert res.returncode == 0, res.stderr
@@ -294,7 +300,7 @@ def test_replay_through_a_proxy_that_does_not_scrape_says_so(tmp_path: Path, bac
     with serving(cfg, "--db", str(tmp_path / "proxy.duckdb"), "--no-scrape") as served:
         res = run_cli(
             "replay", str(log), "--target", served.url, "--concurrency", "1,2",
-            "--db", str(tmp_path / "c.duckdb"), "--no-progress",
+            "--db", str(tmp_path / "c.duckdb"), "--rounds", "1", "--no-progress",
         )  # fmt: skip
     assert res.returncode == 0, res.stderr
     note = f"the proxy at {served.url} did not scrape its arms at the levels' boundaries (HTTP 409: "

@@ -199,6 +199,8 @@ def test_skip_counts_every_bad_record_and_measures_the_rest(tmp_path: Path, back
         "1",
         "--on-error",
         "skip",
+        "--rounds",
+        "1",
         "--no-progress",
         "--db",
         str(db),

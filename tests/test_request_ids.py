@@ -70,7 +70,7 @@ async def test_replay_through_a_proxy_to_a_server_that_takes_only_uuids(tmp_path
         running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": url}]) as proxy,
     ):
         proc = await asyncio.create_subprocess_exec(
-            *replay_target_argv(log, proxy.url, db, "--concurrency", "2"),
+            *replay_target_argv(log, proxy.url, db, "--concurrency", "2", "--rounds", "1"),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )

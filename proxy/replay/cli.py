@@ -105,11 +105,12 @@ from specproxy.proxy.spans.sink import SpanSinkError
 @click.option(
     "--rounds",
     type=click.IntRange(min=1),
-    default=1,
+    default=3,
     show_default=True,
     metavar="N",
     help="Measure each level (or the timed loop) N times, the arms' order rotated and the items "
-    "shuffled each round; the analysis reads the spread between rounds.",
+    "shuffled each round; the analysis reads the spread between rounds (a level measured once gets "
+    "no WIN or LOSS on speed: one round cannot see the drift between runs).",
 )
 @click.option(
     "--extra-rounds",

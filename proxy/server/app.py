@@ -343,7 +343,8 @@ def _new_span(
         routed_as=routed_as,
         category=checked.category,
         concurrency_level=checked.concurrency_level,
-        engine_load=st.engine_load.get(arm.name),
+        # only a gauge read within the last two scrape intervals: an older one is no longer this load
+        engine_load=st.scraper.fresh_load(arm.name) if st.scraper is not None else None,
         offered_rate=checked.offered_rate,
     )
     record.round = checked.round

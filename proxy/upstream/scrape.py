@@ -274,7 +274,8 @@ class MetricsScraper:
 
     ``engine_load`` (arm name → :class:`EngineLoad`) holds each arm's running/waiting gauges from its
     latest good scrape, for callers to stamp on the span of a call as it starts (a dict lookup); pass
-    ``engine_load=`` to have a dict of the caller's own kept up to date.
+    ``engine_load=`` to have a dict of the caller's own kept up to date. ``load_read_at`` (arm name →
+    ``time.monotonic()``) says when each was read; :meth:`fresh_load` gives only a recent one.
     """
 
     def __init__(
@@ -298,6 +299,7 @@ class MetricsScraper:
         self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, interval_s * 2))
         self.latest: dict[str, Snapshot] = {}
         self.engine_load: dict[str, EngineLoad] = engine_load if engine_load is not None else {}
+        self.load_read_at: dict[str, float] = {}
         self.scrapes = 0
         self._failing: set[str] = set()
 
@@ -310,6 +312,7 @@ class MetricsScraper:
             if snapshot.ok:
                 self.latest[snapshot.arm] = snapshot
                 self.engine_load[snapshot.arm] = EngineLoad(*engine_load(snapshot))
+                self.load_read_at[snapshot.arm] = time.monotonic()
                 rows.extend(snapshot_rows(snapshot, run_id=self.run_id, phase=phase))
         if rows and self.sink is not None and not self.sink.emit_backend_metrics(rows):
             log.warning("backend metrics of phase %s dropped: the span queue is full", phase)
@@ -336,10 +339,22 @@ class MetricsScraper:
                 ) as resp:
                     if resp.status == 200:
                         self.engine_load[arm.name] = engine_load_from_text(await resp.text(errors="replace"))
+                        self.load_read_at[arm.name] = time.monotonic()
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 pass  # the full scrapes around it log what is wrong with an arm
 
         await asyncio.gather(*(one(arm) for arm in self.arms))
+
+    def fresh_load(self, arm: str, max_age_s: float | None = None) -> EngineLoad | None:
+        """The arm's gauges if they were read at most ``max_age_s`` ago (default two scrape intervals:
+        one late scrape is tolerated), else None. A gauge carries no time of its own: stamped on a call
+        long after it was read (a worker that does not scrape periodically, a scrape that keeps
+        failing), it would say the engine was idle while the call's traffic ran."""
+        read_at = self.load_read_at.get(arm)
+        limit = 2 * self.interval_s if max_age_s is None else max_age_s
+        if read_at is None or time.monotonic() - read_at > limit:
+            return None
+        return self.engine_load.get(arm)
 
     def _headers(self, arm: Arm) -> dict[str, str]:
         if arm.api_key_env and os.environ.get(arm.api_key_env):
