@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +32,20 @@ _POLL_SYNC_S = 0.05  # these often ask another process (HTTP, /proc)
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    (port,) = free_ports(1)
+    return port
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different TCP ports on 127.0.0.1 that nothing listens on right now: each is held until
+    all are chosen, since one closed before the next is asked for may be handed out again."""
+    with ExitStack() as held:
+        ports = []
+        for _ in range(n):
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 def wait_http(url: str, timeout: float = WAIT_S, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -173,11 +184,14 @@ def backend_process(*args: str) -> Iterator[str]:
 def simulators(**arms: Sequence[str]) -> Iterator[dict[str, str]]:
     """One ``specproxy sim`` per arm (its extra options), each on its own port, all answering /health;
     yields {arm: base URL} and stops them after."""
-    ports = {arm: free_port() for arm in arms}
+    ports = dict(zip(arms, free_ports(len(arms)), strict=True))
     procs = [start_cli(["sim", "--port", str(ports[arm]), *opts]) for arm, opts in arms.items()]
     try:
         for port, proc in zip(ports.values(), procs, strict=True):
             wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        # A simulator that lost its port to another process exits, while that process answers /health.
+        for arm, proc in zip(arms, procs, strict=True):
+            assert proc.poll() is None, f"the {arm} simulator exited: {stop(proc)}"
         yield {arm: f"http://127.0.0.1:{port}" for arm, port in ports.items()}
     finally:
         for proc in procs:

@@ -12,7 +12,7 @@ import openai
 
 from specproxy.config import load_experiment
 from specproxy.engine_state import read_state
-from tests.support import free_port, serving, wait_http
+from tests.support import free_ports, serving, wait_http
 from tests.support import run_cli as _cli
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -20,7 +20,7 @@ EAGLE3_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 
 
 def test_up_sim_serve_requests_down(tmp_path: Path) -> None:
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     path = tmp_path / "exp.toml"
     path.write_text(f"""
 [experiment]

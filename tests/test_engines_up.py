@@ -22,7 +22,7 @@ from specproxy.config import load_experiment
 from specproxy.engine_state import read_state, recorded_stacks, state_path
 from specproxy.engines.launch.plan import ArmLaunch
 from specproxy.engines.launch.stack import capture_stack, gpu_inventory
-from tests.support import free_port, wait_until_sync
+from tests.support import free_port, free_ports, wait_until_sync
 from tests.support import run_cli as _cli
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -105,7 +105,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_up_status_down_with_vllm(tmp_path: Path, fake_vllm: Path, cleanup: list[Path]) -> None:
-    p1, p2 = free_port(), free_port()
+    p1, p2 = free_ports(2)
     record = tmp_path / "ngram-argv.json"
     worker_pid_file = tmp_path / "worker.pid"
     path = _experiment(
@@ -179,7 +179,7 @@ def test_up_status_down_with_vllm(tmp_path: Path, fake_vllm: Path, cleanup: list
 def test_engine_that_crashes_on_start_is_reported_with_its_log_tail(
     tmp_path: Path, fake_vllm: Path, cleanup: list[Path]
 ) -> None:
-    p1, p2 = free_port(), free_port()
+    p1, p2 = free_ports(2)
     path = _experiment(
         tmp_path,
         [

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from tests.bench.bench_fuzz import KINDS, run_fuzz, start_backends
-from tests.support import free_port
+from tests.support import free_ports
 
 
 async def test_a_slice_of_the_fuzz_benchmark_meets_every_target(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ports = {"healthy": free_port(), "healthy2": free_port()}
+    ports = dict(zip(("healthy", "healthy2"), free_ports(2), strict=True))
     assert KINDS["healthy"] == {}
     backends = start_backends(ports)
     try:
