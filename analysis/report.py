@@ -137,13 +137,14 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
         if arm == ev.baseline:
             continue
         for target, attr in ((speed, "decode_speedup"), (thr, "throughput_speedup")):
-            ivs = [(r.level_load, getattr(r, attr)) for r in rows if r.level_load]
+            # an UNRELIABLE level's interval is no evidence: plotted beside the others it would read as one
+            ivs = [(r.level_load, getattr(r, attr)) for r in rows if r.level_load and r.reliable]
             ivs = [(c, iv) for c, iv in ivs if iv is not None]
             target.append(_interval_series(arm, ivs, color))
     charts = [
         line_chart(
             speed,
-            title="P50 decode speedup vs baseline (95% CI)",
+            title="P50 decode speedup vs baseline (95% CI; UNRELIABLE levels left out)",
             x_label=x_label,
             y_label="speedup (x)",
             reference_y=1.0,
@@ -151,7 +152,7 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
         ),
         line_chart(
             thr,
-            title="Aggregate throughput ratio vs baseline (95% CI)",
+            title="Aggregate throughput ratio vs baseline (95% CI; UNRELIABLE levels left out)",
             x_label=x_label,
             y_label="ratio (x)",
             reference_y=1.0,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from specproxy.analysis.render import HEADERS
 from specproxy.lab import lab
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,3 +46,31 @@ def test_readme_lab_option_table_names_every_option() -> None:
     documented = set(re.findall(r"`(--[a-z0-9-]+)", "\n".join(first_cells)))
     options = {opt for param in lab.params for opt in param.opts if opt.startswith("--")}
     assert documented == options
+
+
+def _excerpt_headers() -> list[tuple[str, list[str]]]:
+    """(where, header cells) of each verdict table quoted in the READMEs (`...` marks left-out columns)."""
+    out = []
+    for readme in (ROOT / "README.md", ROOT / "analysis" / "README.md"):
+        for line in readme.read_text(encoding="utf-8").splitlines():
+            if line.startswith("level  arm "):
+                out.append((str(readme.relative_to(ROOT)), re.split(r"\s{2,}", line.strip())))
+    return out
+
+
+@pytest.mark.parametrize(("where", "cells"), _excerpt_headers(), ids=lambda x: str(x)[:30])
+def test_quoted_tables_have_the_columns_the_table_prints(where: str, cells: list[str]) -> None:
+    """A quoted table names the printed columns in their order, and `...` stands wherever some were
+    left out: a reader never takes a shortened table for the whole."""
+    at = 0
+    for i, cell in enumerate(cells):
+        if cell == "...":
+            continue
+        assert cell in HEADERS[at:], f"{where}: {cell!r} is not a column after {HEADERS[at - 1]!r}"
+        found = HEADERS.index(cell, at)
+        skipped = found > at
+        assert not skipped or (i > 0 and cells[i - 1] == "..."), (
+            f"{where}: columns before {cell!r} left out unmarked"
+        )
+        at = found + 1
+    assert at == len(HEADERS) or cells[-1] == "...", f"{where}: the last columns are left out unmarked"

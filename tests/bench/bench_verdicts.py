@@ -601,9 +601,8 @@ def peak_figures(run: RunVerdicts) -> str:
         rounds = f"{row.get('rounds')} of {row.get('rounds_measured')} rounds"
         if row.get("verdict") == "UNRELIABLE":  # judged on none: too few rounds passed every check
             rounds = f"{row.get('rounds_measured')} rounds measured, too few sound"
-        cells.append(
-            f"{arm} {iv['point']:.3f}x [{iv['low']:.3f}, {iv['high']:.3f}] {row.get('verdict')}, {rounds}"
-        )
+        ratio = f"{iv['point']:.3f}x [{iv['low']:.3f}, {iv['high']:.3f}]"
+        cells.append(f"{arm} {ratio} (level {row.get('verdict')}), {rounds}")
     return f"c={top}: " + "; ".join(cells) if cells else "none"
 
 
