@@ -312,12 +312,18 @@ def _run_figures(
         blocks=settings.time_blocks,
     )
     base_of = {s.level: s for s in summaries if s.arm == baseline}
+    engines = _engines_behind_urls(info)
     live_or_split = {
         (s.arm, s.level)
         for s in summaries
         if s.arm != baseline
         and s.level in base_of
-        and (s.level_load is None or (s.arm, s.level) in unpaired or not _same_work(s, base_of[s.level]))
+        and (
+            s.level_load is None
+            or (s.arm, s.level) in unpaired
+            or not _same_work(s, base_of[s.level])
+            or engines.get(s.arm, 1) != engines.get(baseline, 1)
+        )
     }
     loads = matched.load_bands(
         store,
@@ -326,6 +332,7 @@ def _run_figures(
         sorted(live_or_split),
         max_sample=settings.bootstrap_max_sample,
         seed=settings.bootstrap_seed,
+        engines=engines,
     )
     return RunFigures(
         run_id,
@@ -365,6 +372,17 @@ def _block_keys(
             )
         )
     return keys
+
+
+def _engines_behind_urls(info: Mapping[str, Any]) -> dict[str, int]:
+    """Each arm's ``replicas_behind_url`` from the run's recorded experiment (1 where not given)."""
+    arms = parse_config(info.get("config_json")).get("arms")
+    out = {}
+    for arm in arms if isinstance(arms, list) else []:
+        n = arm.get("replicas_behind_url") if isinstance(arm, dict) else None
+        if isinstance(arm, dict) and isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            out[str(arm.get("name"))] = n
+    return out
 
 
 def _same_work(cand: LevelSummary, base: LevelSummary) -> bool:

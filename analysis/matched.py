@@ -10,10 +10,13 @@ window (first token to end; the whole call when it has no first token), read fro
 themselves: an exact time average, where a count taken at the call's start is not (the first calls of
 a closed loop start at load 0..c-1 and then decode at c), and the spans of every worker's file count.
 Every call the proxy has at an engine is in its running or waiting queue, so this is the engine's
-running + waiting load when the proxy is its only client. Where the calls carry the engine's gauges
-(``engine_running`` + ``engine_waiting``, stamped by the proxy from a scrape at most two intervals
-old) and the engine had more than that (other clients), the median excess is added to every call's
-load, and the basis says so.
+running + waiting load when the proxy is its only client. An arm whose URL is a service spreading its
+calls over several engines (``replicas_behind_url = N`` in the experiment file) gives each engine a
+N-th of that count; where the engine's gauges read far less than the proxy's count and no such number
+was given, the figures say so (the comparison would be at the wrong loads). Where the calls carry
+the engine's gauges (``engine_running`` + ``engine_waiting``, stamped by the proxy from a scrape at
+most two intervals old) and the engine had more than that (other clients), the median excess is
+added to every call's load, and the basis says so.
 
 **The comparison** models each arm's per-token time as a line in its load, fitted to its calls at the
 level (decode step time grows about linearly with the batch while decoding is memory-bound: the
@@ -37,7 +40,7 @@ is sharper.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -58,6 +61,10 @@ MIN_COVERAGE = 0.9
 # old, the count a mean over each call's decode; behind the proxy alone they differ by about 1.
 OUTSIDE_MIN = 2.0
 OUTSIDE_SHARE = 0.5
+# Engine gauges under this share of the proxy's per-engine count (at a load of at least
+# FEW_ENGINES_MIN) suggest more engines behind the URL than the experiment file says.
+FEW_ENGINES_SHARE = 0.6
+FEW_ENGINES_MIN = 4.0
 # The baseline's load range reaches as far as this many of its calls do at either end.
 RANGE_CALLS = 10
 # The share of the baseline's calls, nearest in load to the candidate's, its line is fitted to.
@@ -87,6 +94,7 @@ class LoadFigures:
     compared_at: float | None = None
     baseline_range: tuple[float, float] | None = None
     method: str = ""
+    gauge_note: str = ""  # the engine's gauges disagree with the proxy's count: a service of several
 
     @property
     def unequal(self) -> bool:
@@ -101,7 +109,7 @@ class LoadFigures:
         own = f"load P50 {self.p50:.1f} vs baseline {self.baseline_p50:.1f} ({self.basis})"
         if self.engine_p50 is not None and self.engine_baseline_p50 is not None:
             own += f"; engine running+waiting P50 {self.engine_p50:.1f} vs {self.engine_baseline_p50:.1f}"
-        return own
+        return own + (f"; {self.gauge_note}" if self.gauge_note else "")
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,15 +178,19 @@ def load_bands(
     *,
     max_sample: int,
     seed: int,
+    engines: Mapping[str, int] | None = None,
 ) -> dict[tuple[str, str], LoadBands]:
-    """Per (arm, level) of ``keys``: the arm's and the baseline's ok calls with the load each saw.
-    (``max_sample`` and ``seed`` are unused: every call's load needs every call.)"""
+    """Per (arm, level) of ``keys``: the arm's and the baseline's ok calls with the load each of their
+    engines saw (``engines``: how many share each arm's calls, 1 where not given). (``max_sample`` and
+    ``seed`` are unused: every call's load needs every call.)"""
     del max_sample, seed
     if not keys:
         return {}
+    engines = engines or {}
     calls: dict[tuple[str, str], ArmCalls] = {}
     for arm in sorted({a for a, _ in keys} | {baseline}):
-        calls.update(_arm_calls(store, run_id, arm))
+        calls.update(_arm_calls(store, run_id, arm, engines.get(arm, 1)))
+    basis = "proxy in-flight" + _per_engine(engines, baseline)
     out = {}
     for arm, level in keys:
         c, b = calls.get((arm, level)), calls.get((baseline, level))
@@ -188,14 +200,38 @@ def load_bands(
         engine_c, engine_b = _engine_p50(c), _engine_p50(b)
         both = engine_c is not None and engine_b is not None
         figures = LoadFigures(
-            basis="proxy in-flight + engine gauges" if extra_c or extra_b else "proxy in-flight",
+            basis=basis + (" + engine gauges" if extra_c or extra_b else ""),
             p50=float(np.median(c.load + extra_c)),
             baseline_p50=float(np.median(b.load + extra_b)),
             engine_p50=engine_c if both else None,
             engine_baseline_p50=engine_b if both else None,
+            gauge_note="; ".join(
+                n for n in (_few_engines(arm, c, engines), _few_engines(baseline, b, engines)) if n
+            ),
         )
         out[(arm, level)] = LoadBands(figures, _shifted(c, extra_c), _shifted(b, extra_b))
     return out
+
+
+def _per_engine(engines: Mapping[str, int], baseline: str) -> str:
+    shared = {arm: n for arm, n in engines.items() if n > 1}
+    if not shared:
+        return ""
+    parts = ", ".join(f"{arm}'s ÷ {n}" for arm, n in sorted(shared.items()))
+    return f" per engine ({parts}: replicas_behind_url)"
+
+
+def _few_engines(arm: str, calls: ArmCalls, engines: Mapping[str, int]) -> str:
+    """A warning when the engine's gauges read far below the proxy's per-engine count: the URL
+    probably spreads the calls over more engines than the experiment file says."""
+    gauge, own = _engine_p50(calls), float(np.median(calls.load)) if len(calls.load) else 0.0
+    if gauge is None or own < FEW_ENGINES_MIN or gauge >= FEW_ENGINES_SHARE * own:
+        return ""
+    return (
+        f"{arm}'s engine gauges read {gauge:.1f} running+waiting where the proxy had {own:.1f} per "
+        f"engine in flight: more engines behind its URL? set replicas_behind_url (now "
+        f"{engines.get(arm, 1)})"
+    )
 
 
 _CALLS_SQL = f"""
@@ -208,9 +244,9 @@ _CALLS_SQL = f"""
 """
 
 
-def _arm_calls(store: SpanStore, run_id: str, arm: str) -> dict[tuple[str, str], ArmCalls]:
+def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dict[tuple[str, str], ArmCalls]:
     """Every call of ``arm`` in the run that was sent (any status but ``dropped``) makes its load; the
-    ok ones are returned per level, with the load each saw."""
+    ok ones are returned per level, with the load each saw (per engine, of ``engines`` sharing them)."""
     rows = store.conn.execute(_CALLS_SQL, [run_id, arm]).fetchall()
     if not rows:
         return {}
@@ -219,6 +255,7 @@ def _arm_calls(store: SpanStore, run_id: str, arm: str) -> dict[tuple[str, str],
     num = np.array([[np.nan if v is None else float(v) for v in r[2:]] for r in rows], dtype=np.float64)
     start, ttft, e2e, decode, tokens, round_, engine, counted = num.T
     load, _ = call_loads(start, ttft, e2e)
+    load = load / engines
     out = {}
     for level in sorted(set(levels[ok].tolist())):
         m = ok & (levels == level)

@@ -90,6 +90,9 @@ class Arm:
     sample: float = 1.0
     # Shadow mode: at most this many mirrored calls in flight; over it the copy is dropped.
     max_shadow_inflight: int = 64
+    # Engines behind this arm's URL sharing its calls evenly (a load-balanced service): each engine's
+    # load is the arm's in-flight count divided by it, for the comparison at matched load.
+    replicas_behind_url: int = 1
     # Name of an environment variable holding this arm's upstream API key (never the key itself).
     api_key_env: str | None = None
     # Send vLLM's extensions (stream_options.continuous_usage_stats, return_token_ids)?
@@ -331,6 +334,9 @@ def _load_arm(where: str, table: Any, index: int) -> Arm:
     msi = r.get("max_shadow_inflight", int, 64)
     if msi < 1:
         raise r.fail("max_shadow_inflight", "must be ≥ 1")
+    behind = r.get("replicas_behind_url", int, 1)
+    if behind < 1:
+        raise r.fail("replicas_behind_url", "must be ≥ 1 (the engines behind the arm's URL)")
     key_env = r.get("api_key_env", str, None)
     ext = r.get("vllm_extensions", str, "auto")
     if ext not in ("auto", "on", "off"):
@@ -350,6 +356,7 @@ def _load_arm(where: str, table: Any, index: int) -> Arm:
         speculative=_frozen_map(spec),
         sample=sample,
         max_shadow_inflight=msi,
+        replicas_behind_url=behind,
         api_key_env=key_env,
         vllm_extensions=ext,
         return_token_ids=rti,

@@ -5,6 +5,7 @@ files, the CLI in a subprocess where the output a user reads is checked."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from collections import Counter
@@ -17,7 +18,7 @@ import pytest
 from specproxy import schema
 from specproxy.analysis import evaluate, open_store
 from specproxy.analysis.evaluation import Settings
-from tests.spanfactory import ArmSpec, health_row, make_live_load_run, make_run, write_db
+from tests.spanfactory import ArmSpec, SyntheticRun, health_row, make_live_load_run, make_run, write_db
 from tests.support import run_cli as _cli
 
 NULL_ARMS = [
@@ -310,3 +311,33 @@ def test_a_sampled_shadow_at_a_replay_level_is_not_judged_by_wall_clock(tmp_path
     assert cand["calls"] == 100 and cand["agg_tok_s"] < 0.5 * ev["rows"][0]["agg_tok_s"]
     assert cand["throughput_basis"] == "per call" and 0.8 < cand["throughput_speedup"]["point"] < 1.25
     assert cand["verdict"] == "NO CLEAR GAIN"
+
+
+def _as_service_of_two(run: SyntheticRun, config_json: str) -> SyntheticRun:
+    """The run as if the baseline's URL spread its calls over two engines: a scrape through it reads
+    one engine's gauges, half the proxy's count."""
+    spans = [
+        dataclasses.replace(s, engine_running=(s.engine_running or 0.0) / 2) if s.arm == "baseline" else s
+        for s in run.spans
+    ]
+    row = (*run.run_row[:6], config_json, *run.run_row[7:])
+    return dataclasses.replace(run, spans=spans, run_row=row)
+
+
+def test_an_arm_url_of_several_engines_is_counted_per_engine(tmp_path: Path) -> None:
+    run = make_live_load_run(2000, sample=0.2, load_column="engine_running", seed=8)
+    unsaid = write_db(tmp_path / "unsaid.duckdb", [_as_service_of_two(run, "{}")])
+    (ev,) = _json(str(unsaid))["runs"]
+    cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
+    # the gauges read half the proxy's count: the figures warn, and the loads are the service's
+    assert "baseline's engine gauges read" in cand["reason"], cand["reason"]
+    assert "set replicas_behind_url (now 1)" in cand["reason"]
+    whole = cand["load"]["baseline_p50"]
+
+    config = json.dumps({"arms": [{"name": "baseline", "replicas_behind_url": 2}, {"name": "candidate"}]})
+    said = write_db(tmp_path / "said.duckdb", [_as_service_of_two(run, config)])
+    (ev,) = _json(str(said))["runs"]
+    cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
+    load = cand["load"]
+    assert load["basis"] == "proxy in-flight per engine (baseline's ÷ 2: replicas_behind_url)", load
+    assert load["baseline_p50"] == pytest.approx(whole / 2) and "gauges read" not in cand["reason"]

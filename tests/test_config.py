@@ -49,6 +49,7 @@ def test_good_file_loads_typed_and_frozen(tmp_path: Path) -> None:
     assert exp.arm("eagle3").spec_method == "eagle3" and exp.arm("eagle3").num_speculative_tokens == 3
     assert exp.baseline.spec_method == "none" and exp.baseline.num_speculative_tokens is None
     assert exp.arm("ngram").sample == 0.5
+    assert exp.baseline.replicas_behind_url == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         exp.name = "x"  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -81,6 +82,8 @@ def test_good_file_loads_typed_and_frozen(tmp_path: Path) -> None:
         ('role = "baseline"', 'role = "candidate"', 'exactly one arm must have role = "baseline"'),
         ('name = "ngram"', 'name = "eagle3"', "arms[2].name: duplicate arm name 'eagle3'"),
         ("sample = 0.5", "sample = true", "arms[2].sample: must be a number"),
+        ("sample = 0.5", "replicas_behind_url = 0", "arms[2].replicas_behind_url: must be ≥ 1"),
+        ("sample = 0.5", "replicas_behind_url = 1.5", "arms[2].replicas_behind_url: must be an integer"),
         (
             'role = "baseline"',
             'role = "shadow"',

@@ -1,9 +1,14 @@
-"""Matched load with real pieces: two identical `specproxy sim`, `specproxy serve` in shadow mode with
-the candidate sampled at 0.2, `specproxy replay --target` at c=32 through it, `specproxy analyze`.
+"""Matched load with real pieces: identical `specproxy sim` arms behind `specproxy serve`, driven by
+`specproxy replay --target` at c=32, read by `specproxy analyze`.
 
-The candidate's engine runs at about a fifth of the baseline's load and decodes faster for that alone
-(about 8 % on the simulator's H100 profile); compared at matched load it must come out a tie. This is
-the run the analysis README's matched-load section quotes.
+- shadow mode with the candidate sampled at 0.2: its engine runs at about a fifth of the baseline's
+  load and decodes faster for that alone (about 8 % on the simulator's H100 profile); compared at
+  matched load it must come out a tie. This is the run the analysis README's matched-load section
+  quotes.
+- split mode with weights 0.8 / 0.2: the same imbalance, each call served by one arm.
+- a baseline URL that is a service of two engines (a second `specproxy serve` spreading calls over
+  two simulators), the candidate shadowed at 0.5: per engine both arms run at the same load, which
+  the analysis sees only when the experiment file says `replicas_behind_url = 2`.
 """
 
 from __future__ import annotations
@@ -13,16 +18,21 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import duckdb
+
 from tests.support import replay_target_argv, run_cli, serving, simulators
 
 ITEMS = 300
 
 
-def _config(path: Path, db: Path, urls: dict[str, str]) -> Path:
+def _config(path: Path, db: Path, urls: dict[str, str], mode: str = "shadow", **fields: str) -> Path:
+    """An experiment of the baseline and its twin; ``fields``: extra TOML lines per arm."""
+    twin_fields = fields.get("twin", "sample = 0.2" if mode == "shadow" else "weight = 0.2")
+    base_fields = fields.get("baseline", "" if mode == "shadow" else "weight = 0.8")
     path.write_text(f"""
 [experiment]
-name = "identical-shadow"
-mode = "shadow"
+name = "identical-{mode}"
+mode = "{mode}"
 db = "{db}"
 scrape_interval_s = 1
 
@@ -30,13 +40,40 @@ scrape_interval_s = 1
 name = "baseline"
 role = "baseline"
 url = "{urls["baseline"]}"
+{base_fields}
 
 [[arms]]
 name = "twin"
 url = "{urls["twin"]}"
-sample = 0.2
+{twin_fields}
 """)
     return path
+
+
+def _items(path: Path) -> Path:
+    path.write_text(
+        "".join(
+            json.dumps({"question_id": i, "turns": [f"Tell a story about item {i}"]}) + "\n"
+            for i in range(ITEMS)
+        )
+    )
+    return path
+
+
+def _replay_through(proxy_url: str, tmp_path: Path) -> None:
+    """`specproxy replay --target` of the items at c=32 through the proxy (its own spans aside)."""
+    argv = replay_target_argv(
+        _items(tmp_path / "items.jsonl"), proxy_url, tmp_path / "client.duckdb", "--concurrency", "32"
+    )
+    replay = subprocess.run(
+        [*argv, "--max-tokens", "64"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert replay.returncode == 0, replay.stderr
+
+
+def _twin_row(db: Path) -> dict[str, Any]:
+    run = _analyze(db)
+    return next(r for r in run["rows"] if r["arm"] == "twin" and r["level"] == "32")
 
 
 def _analyze(db: Path) -> dict[str, Any]:
@@ -48,24 +85,12 @@ def _analyze(db: Path) -> dict[str, Any]:
 
 def test_an_identical_arm_shadowed_at_a_fifth_is_a_tie_at_matched_load(tmp_path: Path) -> None:
     db = tmp_path / "shadow.duckdb"
-    log = tmp_path / "items.jsonl"
-    log.write_text(
-        "".join(
-            json.dumps({"question_id": i, "turns": [f"Tell a story about item {i}"]}) + "\n"
-            for i in range(ITEMS)
-        )
-    )
     # Time scale 1: the simulators keep their clocks on two slow cores with the proxy and replay on them.
     with simulators(baseline=["--time-scale", "1"], twin=["--time-scale", "1"]) as urls:
         with serving(_config(tmp_path / "exp.toml", db, urls)) as proxy:
-            argv = replay_target_argv(log, proxy.url, tmp_path / "client.duckdb", "--concurrency", "32")
-            replay = subprocess.run(
-                [*argv, "--max-tokens", "64"], capture_output=True, text=True, timeout=300, check=False
-            )
-            assert replay.returncode == 0, replay.stderr
+            _replay_through(proxy.url, tmp_path)
         assert proxy.returncode == 0, proxy.output
-    run = _analyze(db)
-    twin = next(r for r in run["rows"] if r["arm"] == "twin" and r["level"] == "32")
+    twin = _twin_row(db)
     load = twin["load"]
     # each arm's load is reported: the proxy's count over each call's decode, and the engines' gauges
     assert load["p50"] is not None and load["baseline_p50"] is not None, load
@@ -84,3 +109,56 @@ def test_an_identical_arm_shadowed_at_a_fifth_is_a_tie_at_matched_load(tmp_path:
     assert "(matched load)" in line and "unequal" in line and line.rstrip().endswith("NO CLEAR GAIN")
     plain, throughput = twin["unmatched_decode_speedup"], twin["throughput_speedup"]
     print(f"twin decode {decode}, plain {plain}, throughput {throughput}, load {load}")
+
+
+def test_an_identical_arm_split_a_fifth_of_the_calls_is_a_tie_at_matched_load(tmp_path: Path) -> None:
+    db = tmp_path / "split.duckdb"
+    with simulators(baseline=["--time-scale", "1"], twin=["--time-scale", "1"]) as urls:
+        with serving(_config(tmp_path / "exp.toml", db, urls, mode="split")) as proxy:
+            _replay_through(proxy.url, tmp_path)
+        assert proxy.returncode == 0, proxy.output
+    twin = _twin_row(db)
+    load, decode = twin["load"], twin["decode_speedup"]
+    assert load["p50"] < 0.5 * load["baseline_p50"], load
+    assert twin["verdict"] == "NO CLEAR GAIN", twin["reason"]
+    assert 0.95 <= decode["point"] <= 1.05, (decode, twin["reason"])
+    assert decode["low"] <= 1.0 <= decode["high"], decode
+    assert twin["unmatched_decode_speedup"]["point"] > decode["point"]
+    print(f"split twin decode {decode}, plain {twin['unmatched_decode_speedup']}, load {load}")
+
+
+def test_a_baseline_service_of_two_engines_is_compared_per_engine(tmp_path: Path) -> None:
+    db = tmp_path / "service.duckdb"
+    sims = {"a": ["--time-scale", "1"], "b": ["--time-scale", "1"], "twin": ["--time-scale", "1"]}
+    with simulators(**sims) as urls:
+        # The baseline's "service": a second proxy spreading calls evenly over two engines.
+        service = _config(
+            tmp_path / "service.toml",
+            tmp_path / "lb.duckdb",
+            {"baseline": urls["a"], "twin": urls["b"]},
+            mode="split",
+            baseline="weight = 1",
+            twin="weight = 1",
+        )
+        with serving(service) as lb:
+            fields = {"baseline": "replicas_behind_url = 2", "twin": "sample = 0.5"}
+            config = _config(tmp_path / "exp.toml", db, {"baseline": lb.url, "twin": urls["twin"]}, **fields)
+            with serving(config) as proxy:
+                _replay_through(proxy.url, tmp_path)
+            assert proxy.returncode == 0, proxy.output
+        assert lb.returncode == 0, lb.output
+    twin = _twin_row(db)
+    load, decode = twin["load"], twin["decode_speedup"]
+    # per engine: the baseline's 32 calls over two engines, the twin's half of them on one
+    assert 0.75 <= load["p50"] / load["baseline_p50"] <= 1.33, load
+    assert "baseline's ÷ 2: replicas_behind_url" in load["basis"], load
+    assert twin["verdict"] == "NO CLEAR GAIN", twin["reason"]
+    assert 0.95 <= decode["point"] <= 1.05, (decode, twin["reason"])
+    # Without the field the same spans read as a baseline at twice the twin's load.
+    with duckdb.connect(str(db)) as conn:
+        field = '"replicas_behind_url": '
+        conn.execute(f"UPDATE runs SET config_json = replace(config_json, '{field}2', '{field}1')")
+    unaware = _twin_row(db)
+    assert unaware["load"]["baseline_p50"] > 1.6 * unaware["load"]["p50"], unaware["load"]
+    print(f"service twin decode {decode}, load {load}; without replicas_behind_url {unaware['load']}")
+    print(f"  decode then {unaware['decode_speedup']}, plain {unaware['unmatched_decode_speedup']}")
