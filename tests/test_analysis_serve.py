@@ -18,7 +18,14 @@ import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
-from tests.support import metric_sum, replay_target_argv, serving, simulators, wait_until_sync
+from tests.support import (
+    kept_and_lagging_simulators,
+    metric_sum,
+    replay_target_argv,
+    serving,
+    simulators,
+    wait_until_sync,
+)
 
 
 @pytest.fixture
@@ -190,3 +197,45 @@ def _truth_id(truths: dict[str, object], request_id: str) -> str:
     """The simulator's id for a call: the request id the proxy sent, perhaps with an API prefix."""
     (found,) = [t for t in truths if t.endswith(request_id)]
     return found
+
+
+def test_replay_through_serve_records_each_level_rounds_health_in_the_proxys_store(tmp_path: Path) -> None:
+    """replay --target names each level-round to the proxy, which reads its simulator arms' clocks at
+    both ends: a simulator far too fast for the machine fails every round, in the proxy's own store,
+    so the level is UNRELIABLE there; the replay hears of it and says so."""
+    db = tmp_path / "proxy.duckdb"
+    with kept_and_lagging_simulators() as urls:
+        config = tmp_path / "exp.toml"
+        config.write_text(
+            f'[experiment]\nmode = "shadow"\ndb = "{db}"\n\n'
+            f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{urls["base"]}"\n\n'
+            f'[[arms]]\nname = "fast"\nrole = "replica"\nurl = "{urls["fast"]}"\n'
+        )
+        log = tmp_path / "question.jsonl"
+        log.write_text(
+            "".join(json.dumps({"question_id": i, "turns": [f"Say {i}"]}) + "\n" for i in range(4))
+        )
+        with serving(config) as proxy:
+            sweep = ["--concurrency", "2", "--rounds", "3", "--extra-rounds", "0", "--max-tokens", "16"]
+            replay = subprocess.run(
+                replay_target_argv(log, proxy.url, tmp_path / "client.duckdb", *sweep),
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            assert replay.returncode == 0, replay.stderr
+        assert proxy.returncode == 0, proxy.output
+    with duckdb.connect(str(db), read_only=True) as conn:
+        lags = conn.execute(
+            "SELECT arm, concurrency_level, round, value > threshold FROM health "
+            "WHERE check_name = 'engine_clock_lag' ORDER BY ALL"
+        ).fetchall()
+    assert [(a, c, r) for a, c, r, _ in lags] == [(a, 2, r) for a in ("base", "fast") for r in (1, 2, 3)]
+    assert all(over for a, _, _, over in lags if a == "fast"), lags
+    assert "engine_clock_lag (fast)" in replay.stderr
+    result = CliRunner().invoke(main, ["analyze", str(db), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads(result.stdout)["runs"]
+    (row,) = [r for r in run["rows"] if r["arm"] == "fast"]
+    assert row["verdict"] == "UNRELIABLE" and "engine_clock_lag" in row["reason"], row

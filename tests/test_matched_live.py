@@ -20,7 +20,7 @@ from typing import Any
 
 import duckdb
 
-from tests.support import replay_target_argv, run_cli, serving, simulators
+from tests.support import query_rows, replay_target_argv, run_cli, serving, simulators
 
 ITEMS = 300
 
@@ -90,6 +90,14 @@ def test_an_identical_arm_shadowed_at_a_fifth_is_a_tie_at_matched_load(tmp_path:
         with serving(_config(tmp_path / "exp.toml", db, urls)) as proxy:
             _replay_through(proxy.url, tmp_path)
         assert proxy.returncode == 0, proxy.output
+    # the proxy kept each round's health: both simulators' clocks, its own loop
+    checks = query_rows(db, "SELECT DISTINCT arm, concurrency_level, round, check_name FROM health")
+    assert {(a, r) for a, c, r, k in checks if k == "engine_clock_lag" and c == 32} == {
+        (arm, r) for arm in ("baseline", "twin") for r in (1, 2, 3)
+    }, checks
+    assert {(c, r) for a, c, r, k in checks if k == "event_loop_lag_share" and c == 32} == {
+        (32, r) for r in (1, 2, 3)
+    }
     twin = _twin_row(db)
     load = twin["load"]
     # each arm's load is reported: the proxy's count over each call's decode, and the engines' gauges

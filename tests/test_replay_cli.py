@@ -248,7 +248,8 @@ def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
     tmp_path: Path, backend_url: str
 ) -> None:
     """replay --target with rounds: the proxy's spans carry each call's level and round; and serve writes
-    its own health (loop lag, queueing per arm) for the live traffic it carried."""
+    its own health (loop lag, queueing per arm) for the live traffic it carried, and again for each
+    level-round replay named."""
     cfg = tmp_path / "exp.toml"
     cfg.write_text(
         f'[experiment]\nmode = "shadow"\n\n[[arms]]\nname = "base"\nrole = "baseline"\n'
@@ -277,17 +278,31 @@ def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
         phases = conn.execute(
             "SELECT arm, concurrency_level, round, count(*) FROM requests GROUP BY ALL ORDER BY ALL"
         ).fetchall()
-        health = conn.execute(
-            "SELECT check_name, arm, bool_and(concurrency_level IS NULL AND round IS NULL), "
-            "bool_and(value >= 0), any_value(threshold) FROM health GROUP BY ALL ORDER BY ALL"
+        live = conn.execute(
+            "SELECT check_name, arm, bool_and(round IS NULL), bool_and(value >= 0), any_value(threshold) "
+            "FROM health WHERE concurrency_level IS NULL GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
+        per_round = conn.execute(
+            "SELECT DISTINCT concurrency_level, round, check_name, arm FROM health "
+            "WHERE concurrency_level IS NOT NULL ORDER BY ALL"
         ).fetchall()
     assert phases == [(arm, c, k, 4) for arm in ("base", "cand") for c in (1, 2) for k in (1, 2)]
-    assert health == [
+    assert live == [
         ("event_loop_lag_p99_s", None, True, True, None),
         ("event_loop_lag_share", None, True, True, 0.02),
         ("proxy_queue_p99_s", "base", True, True, 0.05),
         ("proxy_queue_p99_s", "cand", True, True, 0.05),
     ]
+    # each level-round replay named: the proxy's own checks there (the backend has no simulator clock)
+    assert {(c, k) for c, k, check, _ in per_round if check == "proxy_queue_p99_s"} == {
+        (c, k) for c in (1, 2) for k in (1, 2)
+    }
+    assert {check for _, _, check, _ in per_round} <= {
+        "proxy_queue_p99_s",
+        "event_loop_lag_share",
+        "event_loop_lag_p99_s",
+    }, per_round
+    assert all(arm is None for *_, arm in per_round), per_round
 
 
 def test_replay_through_a_proxy_that_does_not_scrape_says_so(tmp_path: Path, backend_url: str) -> None:

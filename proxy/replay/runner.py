@@ -48,6 +48,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -577,7 +578,7 @@ class ReplayRunner:
         """Run one measured round: scrape and read the clocks, send every call as ``drive`` schedules
         it (paired: to the arms in this round's order), scrape and read again, record the health."""
         label = phase.label
-        await self._scrape_boundary(f"{label}:before")
+        await self._scrape_boundary(f"{label}:before", phase)
         self.scraper.engine_load.clear()
         clocks_before = await read_sim_clocks(self.session, self.s.arms)
         self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
@@ -613,7 +614,7 @@ class ReplayRunner:
             scraping.cancel()
             await asyncio.gather(scraping, return_exceptions=True)
             self.progress.end_phase()
-            await self._scrape_boundary(f"{label}:after")
+            proxy_rows = await self._scrape_boundary(f"{label}:after", phase)
             clocks_after = await read_sim_clocks(self.session, self.s.arms)
             await self._record_health(
                 phase,
@@ -621,20 +622,23 @@ class ReplayRunner:
                 stats,
                 loop_lag.lags_s,
                 write_delay_p99(clocks_before, clocks_after),
+                proxy_rows,
             )
         return stats
 
-    async def _scrape_boundary(self, phase: str) -> None:
+    async def _scrape_boundary(self, phase: str, key: _Phase) -> list[HealthRow]:
         """The engines' counters at a phase's start or end: scraped here, or through a proxy by the
-        proxy (POST /specproxy/scrape), which records them in its store under the same phase."""
+        proxy (POST /specproxy/scrape), which records them in its store under the same phase, and
+        the level-round's health there too: its rows come back at the end (none otherwise)."""
         if not self.s.through_proxy:
             await self.scraper.scrape_once(phase)
-            return
+            return []
         proxy = self.s.arms[0].url
+        body = {"phase": phase, "level": key.level, "round": key.round, "offered_rate": key.offered_rate}
         try:
             # (at a level's end the proxy first waits up to a minute for its shadow copies)
             async with self.session.post(
-                f"{proxy}/specproxy/scrape", json={"phase": phase}, timeout=aiohttp.ClientTimeout(total=120)
+                f"{proxy}/specproxy/scrape", json=body, timeout=aiohttp.ClientTimeout(total=120)
             ) as resp:
                 if resp.status != 200:
                     problem = f"HTTP {resp.status}: {(await resp.text(errors='replace'))[:200]}"
@@ -648,13 +652,34 @@ class ReplayRunner:
                             f"{answer['copies_running']} shadow copies were still running when the proxy "
                             f"scraped at {phase}: their engine counters fall in the next level's window"
                         )
-                    return
+                    return self._proxy_health(key, answer.get("health") or [])
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             problem = f"{exc.__class__.__name__} {exc}".strip()
         self._note(
             f"the proxy at {proxy} did not scrape its arms at the levels' boundaries ({problem}): the "
             "engines' counters are not split by level (the spans' own acceptance figures remain)"
         )
+        return []
+
+    def _proxy_health(self, key: _Phase, rows: list[dict[str, Any]]) -> list[HealthRow]:
+        """The proxy's health rows of a level-round (its loop as ``proxy <check>``, its arms'
+        simulator clocks), as this run's: they gate the round here (extra rounds) as in its store."""
+        at = datetime.now(UTC)
+
+        def number(v: Any) -> float | None:
+            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+        out = []
+        for r in rows:
+            if not isinstance(r, dict) or not isinstance(r.get("check"), str):
+                continue
+            arm = r.get("arm") if isinstance(r.get("arm"), str) else None
+            check = r["check"] if arm is not None else f"proxy {r['check']}"
+            value, limit = number(r.get("value")), number(r.get("threshold"))
+            out.append(
+                HealthRow(self.run_id, arm, key.level, key.round, check, value, limit, at, key.offered_rate)
+            )
+        return out
 
     def _note(self, text: str) -> None:
         if text not in self.result.notes:
@@ -673,6 +698,7 @@ class ReplayRunner:
         stats: list[LoadStats],
         loop_lags: list[float],
         write_delay: dict[str, float],
+        proxy_rows: Sequence[HealthRow] = (),
     ) -> None:
         start_lags = [lag for st in stats for lag in st.lag_s]
         rows = health_rows(
@@ -689,6 +715,7 @@ class ReplayRunner:
             rates=[(st.achieved_rate(), st.scheduled_rate()) for st in stats],
             write_delay=write_delay,
         )
+        rows += proxy_rows
         self.result.health.extend(rows)
         assert self._sink is not None
         # A handful of rows, written off the event loop between rounds.

@@ -11,7 +11,8 @@ Endpoints::
     POST /specproxy/scrape                       scrape every arm's /metrics now, under the phase
                                                  given ({"phase": "c=16 r1/3:before"}): how
                                                  ``replay --target`` brackets each level, so the
-                                                 engines' counters come out per level
+                                                 engines' counters come out per level; with the
+                                                 level and round, the level-round's health too
 
 Long-lived resources are made and closed in ``cleanup_ctx`` (in this order, closed in reverse): the
 span sink (DuckDB writer thread; the run's row with each arm's stack), the upstream clients
@@ -45,6 +46,7 @@ from aiohttp.abc import AbstractStreamWriter
 
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.identity import is_comparable
+from specproxy.proxy.replay.health import read_sim_clocks
 from specproxy.proxy.server.capture import CaptureWriter
 from specproxy.proxy.server.errors import (
     Handler,
@@ -53,7 +55,7 @@ from specproxy.proxy.server.errors import (
     openai_error,
     openai_errors,
 )
-from specproxy.proxy.server.health import ServeHealth
+from specproxy.proxy.server.health import PhaseKey, ServeHealth
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
 from specproxy.proxy.server.routing import ArmRouter, Copy
@@ -446,7 +448,9 @@ async def scrape_phase(request: web.Request) -> web.Response:
     """Scrape every arm's /metrics now, recorded under the phase the client names: the counters at a
     level's start and end, which periodic scrapes cannot place (they see every level at once). At an
     end (``:after``) the copies still running are waited for first (``copies_running``: those that
-    outlasted the wait, whose tokens fall in the next window)."""
+    outlasted the wait, whose tokens fall in the next window). With the phase's ``level`` (or
+    ``offered_rate``) and ``round`` the proxy also keeps the level-round's health (its own loop lag and
+    queueing, each simulator arm's clock lag) and returns the rows at its end (``health``)."""
     st = request.app[STATE]
     try:
         body = await request.json()
@@ -458,16 +462,56 @@ async def scrape_phase(request: web.Request) -> web.Response:
             400,
             f"phase must be a level's label and :before or :after (e.g. 'c=16 r1/3:before'), got {phase!r}",
         )
+    key = _phase_key(body)
+    if isinstance(key, str):
+        return openai_error(400, key)
     if st.scraper is None:
         return openai_error(
             409, "this proxy does not scrape its arms' /metrics (it was started with --no-scrape)"
         )
+    label, end = phase.rsplit(":", 1)
+    if key is not None and end == "before":
+        await _begin_phase_health(st, label, key)
     running = 0
-    if phase.endswith(":after") and st.dispatcher is not None:
+    if end == "after" and st.dispatcher is not None:
         running = await st.dispatcher.settle(SETTLE_BEFORE_SCRAPE_S)
     snapshots = await st.scraper.scrape_once(phase)
     arms = {name: {"ok": snap.ok, "error": snap.error} for name, snap in snapshots.items()}
-    return web.json_response({"run_id": st.run_id, "phase": phase, "arms": arms, "copies_running": running})
+    answer = {"run_id": st.run_id, "phase": phase, "arms": arms, "copies_running": running}
+    if key is not None and end == "after":
+        answer["health"] = await _end_phase_health(st, label)
+    return web.json_response(answer)
+
+
+def _phase_key(body: dict[str, Any]) -> PhaseKey | str | None:
+    """The level-round a scrape's body names (None: it names none), or what is wrong with it."""
+    if not any(k in body for k in ("level", "round", "offered_rate")):
+        return None
+    level, round_, rate = body.get("level"), body.get("round"), body.get("offered_rate")
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if level is not None and not count(level):
+        return f"level must be a concurrency ≥ 1 or null, got {level!r}"
+    if not isinstance(round_, int) or not count(round_):
+        return f"round must be an integer ≥ 1, got {round_!r}"
+    if rate is not None and not (isinstance(rate, int | float) and not isinstance(rate, bool) and rate > 0):
+        return f"offered_rate must be a number > 0 or null, got {rate!r}"
+    return PhaseKey(level, round_, None if rate is None else float(rate))
+
+
+async def _begin_phase_health(st: ProxyState, label: str, key: PhaseKey) -> None:
+    if st.health is not None and st.session is not None:
+        clocks = await read_sim_clocks(st.session, st.settings.experiment.arms)
+        await st.health.begin_phase(label, key, clocks)
+
+
+async def _end_phase_health(st: ProxyState, label: str) -> list[dict[str, Any]]:
+    if st.health is None or st.session is None:
+        return []
+    rows = await st.health.end_phase(label, await read_sim_clocks(st.session, st.settings.experiment.arms))
+    return [{"arm": r.arm, "check": r.check_name, "value": r.value, "threshold": r.threshold} for r in rows]
 
 
 def _auth_middleware(api_key: str) -> Any:
@@ -586,6 +630,7 @@ async def _health(app: web.Application) -> AsyncIterator[None]:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await health.close_phases()
         await health.flush()
 
 
