@@ -47,7 +47,7 @@ from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvalua
 from specproxy.analysis.slo import SloEvaluation, SloInputs, evaluate_slo, parse_config, slo_inputs_from_run
 from specproxy.analysis.stats import Interval, parallel_map, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
-from specproxy.analysis.validity import LevelHealth, dropped_rounds, level_health
+from specproxy.analysis.validity import LevelHealth, dropped_rounds, dropped_windows, level_health
 from specproxy.analysis.verdict import (
     FAILED,
     LOSS,
@@ -142,7 +142,8 @@ def evaluate(
     runs = select_runs(store, run)
     health = {info["run_id"]: level_health(store, info["run_id"]) for info in runs}
     store.leave_out_rounds(
-        (run_id, level, round_) for run_id, h in health.items() for level, round_ in dropped_rounds(h)
+        ((run_id, level, round_) for run_id, h in health.items() for level, round_ in dropped_rounds(h)),
+        ((run_id, *window) for run_id, h in health.items() for window in dropped_windows(h)),
     )
     for info in runs:
         try:
@@ -961,7 +962,7 @@ def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
         lv = level_name(level)
         if not h.reliable:
             notes.append(f"{lv} UNRELIABLE: {h.describe()}; no verdicts there, left out of crossovers")
-        elif h.dropped:
+        elif h.dropped or h.dropped_windows:
             notes.append(h.judged_on(level))
     for r in rows:
         if r.load is not None and r.load.unequal and r.verdict is not None:

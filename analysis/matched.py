@@ -234,12 +234,19 @@ def _few_engines(arm: str, calls: ArmCalls, engines: Mapping[str, int]) -> str:
     )
 
 
-_CALLS_SQL = f"""
-    SELECT {LEVEL_SQL} AS level, status = 'ok' AS ok, start_s, ttft_s, e2e_s, decode_tok_s,
+# Every call the arm had makes the loads, read from the store's calls before any round or health
+# window is left out (the engine had those calls all the same); ``kept``: the call is in ``requests``,
+# the calls the level is judged on.
+_CALLS_SQL = """
+    SELECT {level} AS level, status = 'ok' AS ok, start_s, ttft_s, e2e_s, decode_tok_s,
            completion_tokens, round, engine_running + coalesce(engine_waiting, 0) AS engine,
-           CAST(inflight_at_start IS NOT NULL AS DOUBLE) AS counted
-    FROM (SELECT *, coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s FROM requests
-          WHERE run_id = ? AND arm = ? AND status <> 'dropped')
+           CAST(inflight_at_start IS NOT NULL AS DOUBLE) AS counted,
+           EXISTS (SELECT 1 FROM requests k
+                   WHERE k.run_id = q.run_id AND k.arm = q.arm AND k.request_id = q.request_id
+                     AND k.round IS NOT DISTINCT FROM q.round
+                     AND k.t_start IS NOT DISTINCT FROM q.t_start) AS kept
+    FROM (SELECT *, coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s FROM ({every_call})
+          WHERE run_id = ? AND arm = ? AND status <> 'dropped') q
     WHERE start_s IS NOT NULL
 """
 
@@ -247,12 +254,13 @@ _CALLS_SQL = f"""
 def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dict[tuple[str, str], ArmCalls]:
     """Every call of ``arm`` in the run that was sent (any status but ``dropped``) makes its load; the
     ok ones are returned per level, with the load each saw (per engine, of ``engines`` sharing them)."""
-    rows = store.conn.execute(_CALLS_SQL, [run_id, arm]).fetchall()
+    sql = _CALLS_SQL.format(level=LEVEL_SQL, every_call=store.views["requests"])
+    rows = store.conn.execute(sql, [run_id, arm]).fetchall()
     if not rows:
         return {}
     levels = np.array([r[0] for r in rows], dtype=object)
-    ok = np.array([bool(r[1]) for r in rows])
-    num = np.array([[np.nan if v is None else float(v) for v in r[2:]] for r in rows], dtype=np.float64)
+    ok = np.array([bool(r[1]) and bool(r[-1]) for r in rows])
+    num = np.array([[np.nan if v is None else float(v) for v in r[2:-1]] for r in rows], dtype=np.float64)
     start, ttft, e2e, decode, tokens, round_, engine, counted = num.T
     load, _ = call_loads(start, ttft, e2e)
     load = load / engines

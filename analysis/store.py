@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import re
 import shutil
@@ -122,16 +123,37 @@ class SpanStore:
     spill_dir: Path | None = None
     views: dict[str, str] = field(default_factory=dict)
 
-    def leave_out_rounds(self, rounds: Iterable[tuple[str, str, int]]) -> None:
+    def leave_out_rounds(
+        self,
+        rounds: Iterable[tuple[str, str, int]],
+        windows: Iterable[tuple[str, str, float | None, float]] = (),
+    ) -> None:
         """From now on the views read no call, and no engine counter window, of these (run_id, level,
-        round): every figure built on them leaves those rounds out (the ``health`` table keeps them).
-        Each call replaces the previous set; an empty one reads everything again.
+        round), and no call of a level in flight during one of these (run_id, level, start, end)
+        time windows (epoch seconds; start None: from the first call): every figure built on them
+        leaves those rounds and windows out (the ``health`` table keeps them). Each call replaces the
+        previous sets; empty ones read everything again.
 
-        The filter is one anti-join under ``requests`` and ``backend_metrics``, made only when a round
-        is left out (it would cost every scan of a large store something).
+        The filter is one anti-join under ``requests`` and ``backend_metrics`` (and one more under
+        ``requests`` for windows), made only when something is left out (it would cost every scan of
+        a large store something).
         """
         left_out = sorted(set(rounds))
         requests, metrics = self.views["requests"], self.views["backend_metrics"]
+        if spans := sorted({(r, lv, -math.inf if a is None else a, b) for r, lv, a, b in windows}):
+            self.conn.execute(
+                "CREATE OR REPLACE TEMP TABLE left_out_windows "
+                "(run_id VARCHAR, level VARCHAR, start_s DOUBLE, end_s DOUBLE)"
+            )
+            self.conn.executemany("INSERT INTO left_out_windows VALUES (?, ?, ?, ?)", spans)
+            requests = f"""
+                SELECT * FROM ({requests}) q WHERE NOT EXISTS (
+                    SELECT 1 FROM left_out_windows x
+                    WHERE x.run_id = q.run_id AND x.level = {schema.level_sql("q")}
+                      AND coalesce(q.t_start_ns / 1e9, epoch_us(q.t_start) / 1e6) < x.end_s
+                      AND coalesce(q.t_start_ns / 1e9, epoch_us(q.t_start) / 1e6) + coalesce(q.e2e_s, 0)
+                          > x.start_s)
+            """
         if left_out:
             self.conn.execute(
                 "CREATE OR REPLACE TEMP TABLE left_out_rounds (run_id VARCHAR, level VARCHAR, round INTEGER)"

@@ -28,6 +28,13 @@ favouring none: a level is judged on its healthy rounds (those none of whose row
 least :data:`~specproxy.schema.MIN_HEALTHY_ROUNDS` of them passed and no row of the
 whole level (``round`` NULL) failed; otherwise it is UNRELIABLE. Which rounds a level has comes from
 its rows, whatever the plan said: replay may add rounds after the planned ones.
+
+Live traffic has no rounds: ``specproxy serve`` writes its rows every few seconds, each write one
+window ending at the rows' ``measured_at`` and starting at the previous write's. A live level is
+judged without its failed windows (the calls in flight during one are left out, every arm's) when at
+least :data:`~specproxy.schema.MIN_HEALTHY_ROUNDS` windows passed and at most
+:data:`MAX_FAILED_WINDOW_SHARE` of them failed (the verdict must describe most of the traffic, not the
+quiet moments left between stalls); otherwise it is UNRELIABLE.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from specproxy.analysis.levels import LEVEL_SQL, level_name
 from specproxy.analysis.store import SpanStore
@@ -50,6 +58,9 @@ DEFAULT_THRESHOLDS: dict[str, float] = {
     "proxy_queue_p99_s": 0.05,
     "open_loop_rate_shortfall": 0.05,
 }
+LIVE = "live"  # the level of serve's traffic (no concurrency level of its own)
+# A live level may leave out at most this share of its health windows and still be judged.
+MAX_FAILED_WINDOW_SHARE = 0.5
 # Checks whose value is a share (shown as a percentage); the others ending in _s are seconds.
 SHARE_CHECKS = frozenset({"engine_clock_lag", "event_loop_lag_share", "open_loop_rate_shortfall"})
 
@@ -61,6 +72,7 @@ class HealthFailure:
     round: int | None
     value: float
     threshold: float
+    at: float | None = None  # a live row's window end (epoch seconds); None for replay's rows
 
     def describe(self, with_round: bool = True) -> str:
         where = " ".join(
@@ -95,19 +107,58 @@ class DroppedRound:
 
 
 @dataclass(frozen=True)
+class DroppedWindow:
+    """A live level's health window (epoch seconds, ``start`` None: from the run's start) it was
+    judged without, and the checks the window failed (worst first)."""
+
+    start: float | None
+    end: float
+    failures: tuple[HealthFailure, ...]
+
+    def describe(self, limit: int = 3) -> str:
+        end = datetime.fromtimestamp(self.end, UTC).strftime("%H:%M:%S")
+        return f"window to {end} UTC dropped: {_listed(self.failures, limit)}"
+
+
+@dataclass(frozen=True)
 class LevelHealth:
-    """A level's health: the checks it was measured with, the ones it failed (worst first) and the
-    rounds its rows name (module docstring: which rounds it is judged on)."""
+    """A level's health: the checks it was measured with, the ones it failed (worst first), the
+    rounds its rows name and, live, the windows of its rows (module docstring: which rounds or
+    windows it is judged on)."""
 
     checks: int
     failures: tuple[HealthFailure, ...]
     rounds: tuple[int, ...] = ()
     time_scale: float | None = None  # the lab's simulators ran this fast against their profile's clock
+    windows: tuple[float, ...] = ()  # live: the end of each window its rows were written for, sorted
 
     @property
     def level_wide(self) -> tuple[HealthFailure, ...]:
-        """Failures of rows that hold for the whole level (no round)."""
-        return tuple(f for f in self.failures if f.round is None)
+        """Failures of rows that hold for the whole level (no round, no window)."""
+        return tuple(f for f in self.failures if f.round is None and f.at is None)
+
+    @property
+    def failed_windows(self) -> tuple[float, ...]:
+        return tuple(sorted({f.at for f in self.failures if f.at is not None}))
+
+    def _windows_ok(self) -> bool:
+        failed = len(self.failed_windows)
+        if not failed:
+            return True
+        healthy = len(self.windows) - failed
+        return healthy >= MIN_HEALTHY_ROUNDS and failed <= MAX_FAILED_WINDOW_SHARE * len(self.windows)
+
+    @property
+    def dropped_windows(self) -> tuple[DroppedWindow, ...]:
+        """The failed windows a reliable live level is judged without."""
+        if not self.failed_windows or not self.reliable:
+            return ()
+        failed = set(self.failed_windows)
+        starts = dict(zip(self.windows, (None, *self.windows[:-1]), strict=False))
+        return tuple(
+            DroppedWindow(starts.get(end), end, tuple(f for f in self.failures if f.at == end))
+            for end in sorted(failed)
+        )
 
     @property
     def failed_rounds(self) -> tuple[int, ...]:
@@ -122,7 +173,8 @@ class LevelHealth:
     def reliable(self) -> bool:
         if not self.failures:
             return True
-        return not self.level_wide and len(self.healthy_rounds) >= MIN_HEALTHY_ROUNDS
+        rounds_ok = not self.failed_rounds or len(self.healthy_rounds) >= MIN_HEALTHY_ROUNDS
+        return not self.level_wide and rounds_ok and self._windows_ok()
 
     @property
     def dropped(self) -> tuple[DroppedRound, ...]:
@@ -144,7 +196,15 @@ class LevelHealth:
         if self.reliable:
             return ""
         text = _listed(self.failures, limit)
-        if self.level_wide or not self.healthy_rounds:
+        if self.level_wide:
+            return text
+        if self.failed_windows:
+            healthy = len(self.windows) - len(self.failed_windows)
+            return (
+                f"{text}; {healthy} of {len(self.windows)} health windows passed every check (the level "
+                f"is judged without the others when at least {MIN_HEALTHY_ROUNDS} and half of them pass)"
+            )
+        if not self.healthy_rounds:
             return text
         return (
             f"{text}; {len(self.healthy_rounds)} of {len(self.rounds)} rounds passed every check "
@@ -158,6 +218,13 @@ class LevelHealth:
         >>> LevelHealth(10, (f,), (1, 2, 3, 4, 5)).judged_on("256")
         'c=256: judged on rounds 1, 2, 4, 5 of 5; round 3 dropped: engine_clock_lag 9.4% > 2.0% (eagle3)'
         """
+        if windows := self.dropped_windows:
+            shown = "; ".join(w.describe(limit) for w in windows[:limit])
+            more = f"; and {len(windows) - limit} more" if len(windows) > limit else ""
+            return (
+                f"{level_name(level)}: judged without {len(windows)} of {len(self.windows)} health windows "
+                f"(the calls in flight during them left out, every arm's); {shown}{more}"
+            )
         if not self.dropped:
             return ""
         used = ", ".join(str(r) for r in self.used_rounds)
@@ -171,17 +238,22 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
     rows = store.query(
         f"""
         SELECT {LEVEL_SQL} AS level, arm, round, check_name,
-               value, threshold
+               value, threshold, epoch_us(measured_at) / 1e6 AS at
         FROM health WHERE run_id = ? AND value IS NOT NULL
         """,
         [run_id],
     )
     checks: dict[str, int] = defaultdict(int)
     rounds: dict[str, set[int]] = defaultdict(set)
+    windows: dict[str, set[float]] = defaultdict(set)
     failures: dict[str, list[HealthFailure]] = defaultdict(list)
     scales: dict[str, float] = {}
     for r in rows:
         checks[r["level"]] += 1
+        # live rows are written window by window: each measured_at is one window's end
+        at = float(r["at"]) if r["level"] == LIVE and r["round"] is None and r["at"] is not None else None
+        if at is not None:
+            windows[r["level"]].add(at)
         if r["check_name"] == "sim_time_scale":
             scales[r["level"]] = min(float(r["value"]), scales.get(r["level"], math.inf))
         if r["round"] is not None:
@@ -189,7 +261,7 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
         limit = r["threshold"] if r["threshold"] is not None else DEFAULT_THRESHOLDS.get(r["check_name"])
         if limit is not None and r["value"] > limit:
             failures[r["level"]].append(
-                HealthFailure(r["check_name"], r["arm"], r["round"], float(r["value"]), float(limit))
+                HealthFailure(r["check_name"], r["arm"], r["round"], float(r["value"]), float(limit), at)
             )
     return {
         level: LevelHealth(
@@ -202,6 +274,7 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
             ),
             tuple(sorted(rounds[level])),
             scales.get(level),
+            tuple(sorted(windows[level])),
         )
         for level, n in checks.items()
     }
@@ -210,3 +283,8 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
 def dropped_rounds(health: Mapping[str, LevelHealth]) -> list[tuple[str, int]]:
     """(level, round) of every round the levels are judged without."""
     return [(level, d.round) for level, h in health.items() for d in h.dropped]
+
+
+def dropped_windows(health: Mapping[str, LevelHealth]) -> list[tuple[str, float | None, float]]:
+    """(level, start, end) of every live window the levels are judged without (epoch seconds)."""
+    return [(level, w.start, w.end) for level, h in health.items() for w in h.dropped_windows]

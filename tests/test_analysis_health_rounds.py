@@ -127,7 +127,14 @@ def test_a_level_is_judged_on_the_rounds_that_passed(tmp_path: Path) -> None:
         {
             "round": 3,
             "failures": [
-                {"check": "engine_clock_lag", "arm": "eagle3", "round": 3, "value": 0.094, "threshold": 0.02}
+                {
+                    "check": "engine_clock_lag",
+                    "arm": "eagle3",
+                    "round": 3,
+                    "value": 0.094,
+                    "threshold": 0.02,
+                    "at": None,  # a live row's window end; replay's rows have rounds
+                }
             ],
         }
     ]
