@@ -429,6 +429,54 @@ def _unsound_point(
     return f"{where}; {_sound_choice(target, role, sound, unit)}"
 
 
+@dataclass(frozen=True)
+class _Point:
+    """Where a deploy verdict reads one of its points: the tested level(s) (``text``: how they were
+    chosen), those of them that passed the health checks, and whether any did not."""
+
+    load: float
+    levels: tuple[LevelJudgement, ...]
+    text: str
+    sound: tuple[LevelJudgement, ...]
+
+    @property
+    def failed(self) -> bool:
+        return len(self.sound) < len(self.levels)
+
+
+def _point(target: float, levels: Sequence[LevelJudgement], unit: str) -> _Point:
+    chosen, text = _around(target, levels, unit)
+    return _Point(target, tuple(chosen), text, tuple(j for j in chosen if j.verdict != UNRELIABLE))
+
+
+def _at_verdict(at: _Point) -> str:
+    """The least favourable sound verdict at the operating point; UNRELIABLE where one of its levels
+    failed the health checks, unless a sound one already loses."""
+    worst = min((j.verdict for j in at.sound), key=lambda v: _RANK.get(v, 1), default=UNRELIABLE)
+    return UNRELIABLE if at.failed and worst != LOSS else worst
+
+
+def _peak_text(peak_j: LevelJudgement | None) -> str:
+    thr = peak_j.throughput if peak_j is not None else None
+    if peak_j is None:
+        return UNRELIABLE
+    text = "not estimable" if thr is None or thr.high is None else fmt_ratio(thr)
+    if peak_j.estimated and thr is not None:
+        return text + " (estimated token counts)"
+    if peak_j.one_round and thr is not None:
+        return text + " (1 round)"
+    return text
+
+
+def _assumed(point: OperatingPoint, at: float, peak: float) -> list[str]:
+    out = []
+    if point.at is None:
+        out.append(f"operating point = lowest tested level {load_name(at, point.unit)}")
+    if point.peak is None:
+        out.append(f"peak = highest tested level {load_name(peak, point.unit)}")
+    return out
+
+
 def deploy_verdict(
     levels: Sequence[LevelJudgement], point: OperatingPoint, identity: IdentityCheck
 ) -> DeployVerdict:
@@ -440,94 +488,103 @@ def deploy_verdict(
     decides it (a LOSS at the operating point, or peak throughput surely lower, is a LOSS).
     """
     unit = point.unit
-    reliable = [j for j in levels if j.verdict != UNRELIABLE]
     per_level = (
         verdict_runs([(j.level, j.verdict) for j in levels], unit) if levels else "no per-level verdicts"
     )
-    if not reliable:
+    if all(j.verdict == UNRELIABLE for j in levels):
         return DeployVerdict(UNRELIABLE, f"{per_level}: no level passed the measurement's health checks")
-    tested = sorted(j.level for j in levels)
-    sound = sorted(j.level for j in reliable)
-    assumed = []
-    at, peak = point.resolved(tested)
-    if point.at is None:
-        assumed.append(f"operating point = lowest tested level {load_name(at, unit)}")
-    if point.peak is None:
-        assumed.append(f"peak = highest tested level {load_name(peak, unit)}")
+    at_load, peak_load = point.resolved(sorted(j.level for j in levels))
+    at, peak = _point(at_load, levels, unit), _point(peak_load, levels, unit)
+    peak_j = _worst_throughput(peak.sound) if peak.sound else None
+    assumed = _assumed(point, at_load, peak_load)
     assumption = f" (assumed: {', '.join(assumed)})" if assumed else ""
-    at_levels, at_text = _around(at, levels, unit)
-    at_sound = [j for j in at_levels if j.verdict != UNRELIABLE]
-    at_failed = len(at_sound) < len(at_levels)
-    at_verdict = min((j.verdict for j in at_sound), key=lambda v: _RANK.get(v, 1), default=UNRELIABLE)
-    if at_failed and at_verdict != LOSS:
-        at_verdict = UNRELIABLE
-    peak_levels, peak_text = _around(peak, levels, unit)
-    peak_sound = [j for j in peak_levels if j.verdict != UNRELIABLE]
-    peak_failed = len(peak_sound) < len(peak_levels)
-    peak_j = _worst_throughput(peak_sound) if peak_sound else None
-    thr = peak_j.throughput if peak_j is not None else None
-    thr_text = "not estimable" if thr is None or thr.high is None else fmt_ratio(thr)
-    if peak_j is None:
-        thr_text = UNRELIABLE
-    elif peak_j.estimated and thr is not None:
-        thr_text += " (estimated token counts)"
-    elif peak_j.one_round and thr is not None:
-        thr_text += " (1 round)"
     head = (
-        f"{per_level}; at the operating point ({at_text}) {at_verdict}; at peak ({peak_text}) throughput "
-        f"{thr_text}{assumption}"
+        f"{per_level}; at the operating point ({at.text}) {_at_verdict(at)}; at peak ({peak.text}) "
+        f"throughput {_peak_text(peak_j)}{assumption}"
     )
+    v, why = _deploy_rule(levels, at, peak, peak_j, identity, unit)
+    text = f"{head}: {why}"
+    if unit == "r":
+        return DeployVerdict(v, text, assumed=", ".join(assumed), at_rate=at_load, peak_rate=peak_load)
+    return DeployVerdict(v, text, int(at_load), int(peak_load), ", ".join(assumed))
 
-    def verdict(v: str, why: str) -> DeployVerdict:
-        text, assumption = f"{head}: {why}", ", ".join(assumed)
-        if unit == "r":
-            return DeployVerdict(v, text, assumed=assumption, at_rate=at, peak_rate=peak)
-        return DeployVerdict(v, text, int(at), int(peak), assumption)
 
+def _deploy_rule(
+    levels: Sequence[LevelJudgement],
+    at: _Point,
+    peak: _Point,
+    peak_j: LevelJudgement | None,
+    identity: IdentityCheck,
+    unit: str,
+) -> tuple[str, str]:
+    """The deploy verdict and why: losses first (identity, peak throughput, the operating point),
+    then unsound points, then a WIN's conditions, else no clear gain."""
+    at_verdict = _at_verdict(at)
+    thr = peak_j.throughput if peak_j is not None else None
     if identity.fails:
-        return verdict(LOSS, f"{identity.text}: do not enable")
+        return LOSS, f"{identity.text}: do not enable"
     if peak_j is not None and (peak_j.estimated or peak_j.one_round):
         thr = None  # an interval on estimated token counts, or blind to drift, is not evidence either way
     if thr is not None and thr.high is not None and peak_j is not None:
         if thr.high < 1.0 - peak_j.throughput_margin:
-            return verdict(LOSS, "do not enable for peak load (throughput lower beyond the margin)")
+            return LOSS, "do not enable for peak load (throughput lower beyond the margin)"
     if at_verdict == LOSS:
-        return verdict(LOSS, "do not enable: it loses at the operating point")
-    points = (("at", at, at_levels, at_failed), ("peak", peak, peak_levels, peak_failed))
-    failed = [_unsound_point(role, where, around, sound, unit) for role, where, around, bad in points if bad]
+        return LOSS, "do not enable: it loses at the operating point"
+    sound = sorted(j.level for j in levels if j.verdict != UNRELIABLE)
+    failed = [
+        _unsound_point(role, p.load, p.levels, sound, unit)
+        for role, p in (("at", at), ("peak", peak))
+        if p.failed
+    ]
     if failed or peak_j is None:
-        return verdict(UNRELIABLE, "; ".join(failed))
-    lo, hi = min(at, peak), max(at, peak)
-    losing = [j.level for j in reliable if lo <= j.level <= hi and j.verdict == LOSS]
-    if at_verdict == WIN and losing:
+        return UNRELIABLE, "; ".join(failed)
+    if at_verdict == WIN:
+        return _win_rule(levels, at, peak, peak_j, thr, unit)
+    return _no_gain(at, peak_j, at_wins=False)
+
+
+def _no_gain(at: _Point, peak_j: LevelJudgement, *, at_wins: bool) -> tuple[str, str]:
+    """Why there is no clear gain: what the figures could not show, else no gain at the point."""
+    if any(j.estimated for j in at.levels):
+        return NO_CLEAR_GAIN, "token counts at the operating point are estimated: no WIN or LOSS"
+    if at_wins and peak_j.estimated:
+        return NO_CLEAR_GAIN, "it wins at the operating point; peak throughput is estimated"
+    if at_wins and peak_j.one_round:
+        return NO_CLEAR_GAIN, "it wins at the operating point; peak throughput was measured in one round"
+    if any(j.one_round for j in at.levels):
+        return NO_CLEAR_GAIN, "the operating point was measured in one round: no WIN or LOSS on speed"
+    return NO_CLEAR_GAIN, "no clear gain at the operating point"
+
+
+def _win_rule(
+    levels: Sequence[LevelJudgement],
+    at: _Point,
+    peak: _Point,
+    peak_j: LevelJudgement,
+    thr: Interval | None,
+    unit: str,
+) -> tuple[str, str]:
+    """An arm that wins at the operating point: WIN when nothing up to the peak loses and peak
+    throughput is shown not lower beyond the margin."""
+    lo, hi = min(at.load, peak.load), max(at.load, peak.load)
+    losing = [j.level for j in levels if lo <= j.level <= hi and j.verdict == LOSS]
+    if losing:
         where = ", ".join(load_name(lv, unit) for lv in losing)
-        return verdict(NO_CLEAR_GAIN, f"it wins at the operating point but loses at {where}, up to the peak")
-    if at_verdict == WIN and thr is not None and thr.low is not None:
-        if thr.low < 1.0 - peak_j.throughput_margin:
-            return verdict(
-                NO_CLEAR_GAIN,
-                "it wins at the operating point; peak throughput may be lower beyond the margin (its "
-                "interval reaches below it)",
-            )
-        between = [j for j in levels if lo < j.level < hi and j.verdict == UNRELIABLE]
-        if between:
-            return verdict(
-                UNRELIABLE,
-                "it wins at the operating point and peak throughput is not lower, but "
-                + ", ".join(load_name(j.level, unit) for j in between)
-                + ", between them, failed its health checks (a loss there would not show); rerun slower",
-            )
-        return verdict(WIN, "enable: it wins at the operating point and peak throughput is not lower")
-    if any(j.estimated for j in at_levels):
-        return verdict(NO_CLEAR_GAIN, "token counts at the operating point are estimated: no WIN or LOSS")
-    if at_verdict == WIN and peak_j.estimated:
-        return verdict(NO_CLEAR_GAIN, "it wins at the operating point; peak throughput is estimated")
-    if at_verdict == WIN and peak_j.one_round:
-        return verdict(
-            NO_CLEAR_GAIN, "it wins at the operating point; peak throughput was measured in one round"
+        return NO_CLEAR_GAIN, f"it wins at the operating point but loses at {where}, up to the peak"
+    if thr is None or thr.low is None:
+        return _no_gain(at, peak_j, at_wins=True)
+    if thr.low < 1.0 - peak_j.throughput_margin:
+        return (
+            NO_CLEAR_GAIN,
+            "it wins at the operating point; peak throughput may be lower beyond the margin (its "
+            "interval reaches below it)",
         )
-    if any(j.one_round for j in at_levels):
-        return verdict(
-            NO_CLEAR_GAIN, "the operating point was measured in one round: no WIN or LOSS on speed"
+    between = [j for j in levels if lo < j.level < hi and j.verdict == UNRELIABLE]
+    if between:
+        return (
+            UNRELIABLE,
+            "it wins at the operating point and peak throughput is not lower, but "
+            + ", ".join(load_name(j.level, unit) for j in between)
+            + ", between them, failed its health checks (a loss there would not show); rerun slower",
         )
-    return verdict(NO_CLEAR_GAIN, "no clear gain at the operating point")
+    return WIN, "enable: it wins at the operating point and peak throughput is not lower"
