@@ -255,13 +255,25 @@ def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dic
     """Every call of ``arm`` in the run that was sent (any status but ``dropped``) makes its load; the
     ok ones are returned per level, with the load each saw (per engine, of ``engines`` sharing them)."""
     sql = _CALLS_SQL.format(level=LEVEL_SQL, every_call=store.views["requests"])
-    rows = store.conn.execute(sql, [run_id, arm]).fetchall()
-    if not rows:
+    # as columns: a live store's arm can have millions of calls, too many to convert row by row
+    cols = store.conn.execute(sql, [run_id, arm]).fetchnumpy()
+    if not len(cols["level"]):
         return {}
-    levels = np.array([r[0] for r in rows], dtype=object)
-    ok = np.array([bool(r[1]) and bool(r[-1]) for r in rows])
-    num = np.array([[np.nan if v is None else float(v) for v in r[2:-1]] for r in rows], dtype=np.float64)
-    start, ttft, e2e, decode, tokens, round_, engine, counted = num.T
+    levels = np.asarray(cols["level"], dtype=object)
+    ok = _column(cols["ok"], False).astype(bool) & _column(cols["kept"], False).astype(bool)
+    start, ttft, e2e, decode, tokens, round_, engine, counted = (
+        _column(cols[name], np.nan)
+        for name in (
+            "start_s",
+            "ttft_s",
+            "e2e_s",
+            "decode_tok_s",
+            "completion_tokens",
+            "round",
+            "engine",
+            "counted",
+        )
+    )
     load, _ = call_loads(start, ttft, e2e)
     load = load / engines
     out = {}
@@ -274,6 +286,13 @@ def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dic
         out[(arm, str(level))] = ArmCalls(
             load[m], decode[m], tokens[m], e2e[m], start[m], round_[m], engine[m]
         )
+    return out
+
+
+def _column(values: npt.ArrayLike, missing: float | bool) -> FloatArray:
+    """A fetched column as floats, its NULLs (masked by DuckDB) as ``missing``."""
+    column = np.ma.masked_array(values)
+    out: FloatArray = np.ma.filled(column.astype(np.float64), float(missing))
     return out
 
 
