@@ -503,3 +503,30 @@ def generate_sql(
         FROM calls
         """)
     return path
+
+
+def since_t0(span: SpanRecord) -> tuple[float, float]:
+    """A span's start and end, in seconds after T0."""
+    assert span.t_start is not None
+    start = (span.t_start - T0).total_seconds()
+    return start, start + (span.e2e_s or 0.0)
+
+
+def live_health_rows(run: SyntheticRun, failing: set[int], every_s: float = 10.0) -> list[tuple[Any, ...]]:
+    """serve's health rows for ``run``: a write every ``every_s`` while calls ran, the proxy's loop lag
+    share 0.4 % of decode (5 % in the windows numbered in ``failing``, from 0)."""
+    n = math.ceil(max(since_t0(s)[1] for s in run.spans) / every_s)
+    return [
+        (
+            run.run_id,
+            None,
+            None,
+            None,
+            "event_loop_lag_share",
+            0.05 if k in failing else 0.004,
+            0.02,
+            T0 + timedelta(seconds=every_s * (k + 1)),
+            None,
+        )
+        for k in range(n)
+    ]

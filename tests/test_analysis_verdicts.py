@@ -8,9 +8,7 @@ import csv
 import dataclasses
 import io
 import json
-import math
 from collections import Counter
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +18,16 @@ import pytest
 from specproxy import schema
 from specproxy.analysis import evaluate, open_store
 from specproxy.analysis.evaluation import Settings
-from specproxy.record import SpanRecord
-from tests.spanfactory import T0, ArmSpec, SyntheticRun, health_row, make_live_load_run, make_run, write_db
+from tests.spanfactory import (
+    ArmSpec,
+    SyntheticRun,
+    health_row,
+    live_health_rows,
+    make_live_load_run,
+    make_run,
+    since_t0,
+    write_db,
+)
 from tests.support import run_cli as _cli
 
 NULL_ARMS = [
@@ -346,43 +352,16 @@ def test_an_arm_url_of_several_engines_is_counted_per_engine(tmp_path: Path) -> 
     assert load["baseline_p50"] == pytest.approx(whole / 2) and "gauges read" not in cand["reason"]
 
 
-def _since_t0(span: SpanRecord) -> tuple[float, float]:
-    """A span's start and end, in seconds after T0."""
-    assert span.t_start is not None
-    start = (span.t_start - T0).total_seconds()
-    return start, start + (span.e2e_s or 0.0)
-
-
-def _live_health(run: SyntheticRun, failing: set[int], every_s: float = 10.0) -> list[tuple[Any, ...]]:
-    """serve's health rows for ``run``: a write every ``every_s`` while calls ran, the proxy's loop lag
-    share 0.4 % of decode (5 % in the windows numbered in ``failing``, from 0)."""
-    n = math.ceil(max(_since_t0(s)[1] for s in run.spans) / every_s)
-    return [
-        (
-            run.run_id,
-            None,
-            None,
-            None,
-            "event_loop_lag_share",
-            0.05 if k in failing else 0.004,
-            0.02,
-            T0 + timedelta(seconds=every_s * (k + 1)),
-            None,
-        )
-        for k in range(n)
-    ]
-
-
 def _in_flight_during(run: SyntheticRun, arm: str, start_s: float, end_s: float) -> int:
     """How many of ``arm``'s calls overlap (start_s, end_s), seconds after T0: computed from the spans."""
-    return sum(1 for s in run.spans if s.arm == arm and _since_t0(s)[0] < end_s and _since_t0(s)[1] > start_s)
+    return sum(1 for s in run.spans if s.arm == arm and since_t0(s)[0] < end_s and since_t0(s)[1] > start_s)
 
 
 def test_live_traffic_is_judged_without_its_failed_health_windows(tmp_path: Path) -> None:
     """One 10 s window in which the proxy's loop lagged does not make hours of live traffic
     UNRELIABLE: the calls in flight during it are left out, every arm's, and the notes say so."""
     run = make_live_load_run(2000, sample=0.2, seed=8)
-    rows = _live_health(run, failing={3})
+    rows = live_health_rows(run, failing={3})
     path = write_db(tmp_path / "live.duckdb", [dataclasses.replace(run, health=rows)])
     (ev,) = _json(str(path))["runs"]
     cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
@@ -395,7 +374,7 @@ def test_live_traffic_is_judged_without_its_failed_health_windows(tmp_path: Path
     assert note.startswith(f"live: judged without 1 of {len(rows)} health windows") and "09:00:40 UTC" in note
 
     many = set(range(0, len(rows), 2)) | {1}  # more than half the windows failed
-    path = write_db(tmp_path / "bad.duckdb", [dataclasses.replace(run, health=_live_health(run, many))])
+    path = write_db(tmp_path / "bad.duckdb", [dataclasses.replace(run, health=live_health_rows(run, many))])
     (ev,) = _json(str(path))["runs"]
     cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
     assert cand["verdict"] == "UNRELIABLE" and "health windows passed every check" in cand["reason"]

@@ -25,8 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.bench.bench_analysis import measure
-from tests.spanfactory import make_live_load_run, write_db
-from tests.test_analysis_verdicts import _live_health
+from tests.spanfactory import live_health_rows, make_live_load_run, write_db
 
 FAILED_WINDOWS = {3, 7, 11}
 
@@ -56,8 +55,10 @@ def generate(work: Path, calls: int) -> dict[str, Path]:
 def write_stores(work: Path, calls: int) -> None:
     start = time.perf_counter()
     run = make_live_load_run(calls, sample=0.2, seed=8)
-    write_db(work / "clean.duckdb", [dataclasses.replace(run, health=_live_health(run, set()))])
-    write_db(work / "windows.duckdb", [dataclasses.replace(run, health=_live_health(run, FAILED_WINDOWS))])
+    write_db(work / "clean.duckdb", [dataclasses.replace(run, health=live_health_rows(run, set()))])
+    write_db(
+        work / "windows.duckdb", [dataclasses.replace(run, health=live_health_rows(run, FAILED_WINDOWS))]
+    )
     print(f"generated {len(run.spans):,} spans in {time.perf_counter() - start:.0f} s: {work}", flush=True)
 
 
