@@ -137,6 +137,21 @@ def _statuses(db: Path) -> list[tuple[object, ...]]:
     return [tuple(line.split(",")) for line in result.stdout.splitlines()]
 
 
+def _replay_through(
+    proxy_url: str, log: Path, tmp_path: Path, *sweep: str
+) -> subprocess.CompletedProcess[str]:
+    """`specproxy replay LOG --target PROXY` with ``sweep``, its own spans in tmp_path; it must succeed."""
+    replay = subprocess.run(
+        replay_target_argv(log, proxy_url, tmp_path / "client.duckdb", *sweep),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert replay.returncode == 0, replay.stderr
+    return replay
+
+
 def test_replay_through_serve_has_acceptance_per_level(sims: dict[str, str], tmp_path: Path) -> None:
     """replay --target a served proxy: the proxy scrapes the engines at each level's start and end (on
     replay's request), so the engines' counters come out per level, each level's equal to the
@@ -149,14 +164,7 @@ def test_replay_through_serve_has_acceptance_per_level(sims: dict[str, str], tmp
     )
     with serving(config) as proxy:
         sweep = ["--concurrency", "1,2", "--rounds", "2", "--max-tokens", "32"]
-        replay = subprocess.run(
-            replay_target_argv(log, proxy.url, tmp_path / "client.duckdb", *sweep),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert replay.returncode == 0, replay.stderr
+        replay = _replay_through(proxy.url, log, tmp_path, *sweep)
         assert "did not scrape" not in replay.stderr, replay.stderr
     assert proxy.returncode == 0, proxy.output
     with urllib.request.urlopen(f"{sims['ngram']}/sim/requests?limit=1000", timeout=10) as resp:
@@ -217,14 +225,7 @@ def test_replay_through_serve_records_each_level_rounds_health_in_the_proxys_sto
         )
         with serving(config) as proxy:
             sweep = ["--concurrency", "2", "--rounds", "3", "--extra-rounds", "0", "--max-tokens", "16"]
-            replay = subprocess.run(
-                replay_target_argv(log, proxy.url, tmp_path / "client.duckdb", *sweep),
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
-            assert replay.returncode == 0, replay.stderr
+            replay = _replay_through(proxy.url, log, tmp_path, *sweep)
         assert proxy.returncode == 0, proxy.output
     with duckdb.connect(str(db), read_only=True) as conn:
         lags = conn.execute(

@@ -24,7 +24,7 @@ replay's. Example::
     health.ended(record)                                       # per span
     task.cancel(); await health.flush()                        # at shutdown
 
-    health.begin_phase("c=16 r1/3", PhaseKey(16, 1, None), await read_sim_clocks(session, arms))
+    await health.begin_phase("c=16 r1/3", PhaseKey(16, 1, None), await read_sim_clocks(session, arms))
     rows = await health.end_phase("c=16 r1/3", await read_sim_clocks(session, arms))
 """
 
