@@ -7,7 +7,7 @@ in pyproject.toml.
 
 from setuptools import find_packages, setup
 
-SUBPACKAGES = ("proxy", "engines", "analysis")
+SUBPACKAGES = ("proxy", "engines", "analysis", "lab")
 
 packages = ["specproxy"]
 for top in SUBPACKAGES:

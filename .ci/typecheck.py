@@ -20,7 +20,7 @@ from mypy.main import process_options
 from mypy.modulefinder import BuildSource
 
 REPO = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("proxy", "engines", "analysis")
+SUBPACKAGES = ("proxy", "engines", "analysis", "lab")
 
 
 def installed_name(path: Path) -> str | None:

@@ -7,7 +7,7 @@ Public API (used by `specproxy lab` and the click commands):
 - :func:`write_report` — the self-contained HTML report;
 - :func:`~specproxy.analysis.store.open_store` — a read-only DuckDB connection over several files,
   with the views ``arm_summary``, ``pairs``, ``identity``, ``acceptance``, ``slo_calls``, ``latency``;
-- :func:`~specproxy.analysis.evaluation.evaluate` — the figures as dataclasses.
+- :func:`~specproxy.analysis.verdicts.evaluation.evaluate` — the figures as dataclasses.
 
 Errors are :class:`~specproxy.analysis.store.StoreError` (a sentence saying what to do).
 """
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specproxy.analysis.evaluation import RunEvaluation, Settings, evaluate
 from specproxy.analysis.store import SpanStore, StoreError, open_store, query_errors
+from specproxy.analysis.verdicts.evaluation import RunEvaluation, Settings, evaluate
 
 __all__ = [
     "Analysis",
@@ -66,7 +66,7 @@ def analyze(
     settings: Settings | None = None,
 ) -> Analysis:
     """:func:`analyze_text`, with the failed arms beside it (`analyze` exits non-zero on them)."""
-    from specproxy.analysis.render import render
+    from specproxy.analysis.render.table import render
 
     settings = settings or Settings()
     skipped: list[str] = []
@@ -83,7 +83,7 @@ def write_report(
     settings: Settings | None = None,
 ) -> Path:
     """Write the self-contained HTML report (no network needed to open it); returns its path."""
-    from specproxy.analysis.report import build_report
+    from specproxy.analysis.render.report import build_report
 
     settings = settings or Settings()
     out = Path(out_path)

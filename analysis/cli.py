@@ -21,10 +21,10 @@ import click
 import duckdb
 
 from specproxy import schema
-from specproxy.analysis.evaluation import Settings
-from specproxy.analysis.render import FORMATS
+from specproxy.analysis.render.table import FORMATS
 from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
-from specproxy.analysis.verdict import Thresholds
+from specproxy.analysis.verdicts.evaluation import Settings
+from specproxy.analysis.verdicts.rules import Thresholds
 from specproxy.commandline import SLO_HELP, FiniteFloat, SloParam
 
 DEFAULT_DB = "specproxy.duckdb"
@@ -299,7 +299,7 @@ def sql(args: tuple[str, ...], fmt: str) -> None:
 @click.option("--run", "run", metavar="NAME", help="Only this run (its name or run_id).")
 def export(dbs: tuple[str, ...], out_dir: str, run: str | None) -> None:
     """Export spans, runs and metrics as Parquet files, for a warehouse."""
-    from specproxy.analysis.evaluation import select_runs
+    from specproxy.analysis.verdicts.evaluation import select_runs
 
     target = Path(out_dir)
     try:

@@ -17,7 +17,11 @@ from specproxy import __version__
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("specproxy.proxy.server.cli", "serve", "Run the proxy (shadow or split) and write spans."),
     "replay": ("specproxy.proxy.replay.cli", "replay", "Drive a traffic log against the arms."),
-    "lab": ("specproxy.lab", "lab", "The whole evaluation in one command (simulated arms by default)."),
+    "lab": (
+        "specproxy.lab.command",
+        "lab",
+        "The whole evaluation in one command (simulated arms by default).",
+    ),
     "analyze": ("specproxy.analysis.cli", "analyze", "The verdict table per arm and concurrency level."),
     "report": ("specproxy.analysis.cli", "report", "A self-contained HTML report with plots."),
     "sql": ("specproxy.analysis.cli", "sql", "Query the span store with SQL."),

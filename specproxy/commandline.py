@@ -26,15 +26,6 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
-def open_questions(snapshot: Path, run_id: str, level: str) -> list[str]:
-    """The verdicts read at ``level`` of a run that more rounds could settle (a replay's deciding
-    rounds, :mod:`specproxy.analysis.settled`); the analysis is imported only when a run asks, so that
-    the commands start fast."""
-    from specproxy.analysis.settled import open_questions_in_store
-
-    return open_questions_in_store(snapshot, run_id, level)
-
-
 # More calls in flight than any one machine can hold open; also keeps a level within a span's INTEGER.
 MAX_CONCURRENCY = 1_000_000
 

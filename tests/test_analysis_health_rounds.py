@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from specproxy.analysis import evaluate, open_store
-from specproxy.analysis.evaluation import RunEvaluation, Settings
-from specproxy.analysis.validity import HealthFailure, LevelHealth
+from specproxy.analysis.figures.validity import HealthFailure, LevelHealth
+from specproxy.analysis.verdicts.evaluation import RunEvaluation, Settings
 from specproxy.slo import parse_slo
 from tests.spanfactory import ArmSpec, SyntheticRun, health_row, make_run, write_db
 

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from specproxy.analysis import evaluate, open_store
-from specproxy.analysis.capacity import (
+from specproxy.analysis.render.slo_table import fleet_cells
+from specproxy.analysis.slo.answer import _headline, _ratio_text
+from specproxy.analysis.slo.capacity import (
     BETWEEN,
     EVERY,
     NONE,
@@ -29,8 +31,7 @@ from specproxy.analysis.capacity import (
     crossing,
     slo_crossing,
 )
-from specproxy.analysis.evaluation import Settings
-from specproxy.analysis.fleet import (
+from specproxy.analysis.slo.fleet import (
     CountRange,
     Peak,
     arm_fleet,
@@ -38,8 +39,7 @@ from specproxy.analysis.fleet import (
     interpolate,
     replicas_needed,
 )
-from specproxy.analysis.render_slo import fleet_cells
-from specproxy.analysis.slo import _headline, _ratio_text
+from specproxy.analysis.verdicts.evaluation import Settings
 from specproxy.config import ConfigError, experiment_json, parse_experiment
 from specproxy.record import SpanRecord
 from specproxy.slo import SloError, parse_slo

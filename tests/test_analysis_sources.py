@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from specproxy.analysis import evaluate, open_store, write_report
-from specproxy.analysis.evaluation import LevelRow, RunEvaluation, Settings
+from specproxy.analysis.verdicts.evaluation import LevelRow, RunEvaluation, Settings
 from specproxy.record import SpecSource, TokensSource
 from tests.spanfactory import ArmSpec, make_run, write_db
 from tests.support import run_cli as _cli

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specproxy.analysis.comparison import Comparison, LagBounds, Spread, lag_bounded, pooled
 from specproxy.analysis.stats import (
     Blocks,
     BlockSpread,
@@ -26,7 +25,8 @@ from specproxy.analysis.stats import (
     wilson_interval,
     with_bias_bound,
 )
-from specproxy.analysis.verdict import (
+from specproxy.analysis.verdicts.comparison import Comparison, LagBounds, Spread, lag_bounded, pooled
+from specproxy.analysis.verdicts.rules import (
     LOSS,
     NO_CLEAR_GAIN,
     UNRELIABLE,
@@ -722,7 +722,7 @@ def test_a_lagging_simulator_moves_out_only_the_bound_on_its_side(
 
 
 def test_chart_axes_cover_the_data() -> None:
-    from specproxy.analysis.svg import nice_ticks
+    from specproxy.analysis.render.svg import nice_ticks
 
     assert nice_ticks(0, 125) == [0, 25, 50, 75, 100, 125]
     ticks = nice_ticks(1.0, 1.0)  # every ratio 1.0: a band around it, not 1..2

@@ -17,7 +17,7 @@ import pytest
 
 from specproxy import schema
 from specproxy.analysis import evaluate, open_store
-from specproxy.analysis.evaluation import Settings
+from specproxy.analysis.verdicts.evaluation import Settings
 from tests.spanfactory import (
     ArmSpec,
     SyntheticRun,

@@ -1,6 +1,6 @@
 """Deciding rounds: the sweep's top level is measured again while a verdict the deploy verdict reads
 there has an interval reaching across a margin line, so that a ratio near the margin gets the same
-verdict run after run (:mod:`specproxy.analysis.settled`)."""
+verdict run after run (:mod:`specproxy.analysis.verdicts.settled`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from specproxy.analysis import Settings, evaluate, open_store
-from specproxy.analysis.rows import RunEvaluation
-from specproxy.analysis.settled import open_questions, open_questions_in_store
 from specproxy.analysis.stats import Interval
-from specproxy.analysis.verdict import NO_CLEAR_GAIN, UNRELIABLE, DeployVerdict, Thresholds
+from specproxy.analysis.verdicts.rows import RunEvaluation
+from specproxy.analysis.verdicts.rules import NO_CLEAR_GAIN, UNRELIABLE, DeployVerdict, Thresholds
+from specproxy.analysis.verdicts.settled import open_questions, open_questions_in_store
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim

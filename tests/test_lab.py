@@ -18,7 +18,7 @@ from rich.console import Console
 
 from specproxy.analysis import analyze_text
 from specproxy.cli import main
-from specproxy.lab import FULL, QUICK, clock_lag_by_level, print_clock_lag
+from specproxy.lab.command import FULL, QUICK, clock_lag_by_level, print_clock_lag
 from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.spans.sink import HealthRow
 from tests.support import backend_process, free_port

@@ -1,5 +1,5 @@
-"""The `specproxy lab` examples in specproxy/README.md and the root README parse as the command's own
-options, and specproxy/README.md's option table names exactly the options the command has."""
+"""The `specproxy lab` examples in lab/README.md and the root README parse as the command's own
+options, and lab/README.md's option table names exactly the options the command has."""
 
 from __future__ import annotations
 
@@ -9,26 +9,26 @@ from pathlib import Path
 
 import pytest
 
-from specproxy.analysis.render import HEADERS
-from specproxy.lab import lab
+from specproxy.analysis.render.table import HEADERS
+from specproxy.lab.command import lab
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "specproxy" / "README.md"
+README = ROOT / "lab" / "README.md"
 
 
-def _section(readme: Path, start: str, end: str) -> str:
+def _section(readme: Path, start: str, end: str | None) -> str:
     text = readme.read_text(encoding="utf-8")
-    return text[text.index(start) : text.index(end)]
+    return text[text.index(start) : text.index(end) if end else len(text)]
 
 
 def _lab_section() -> str:
-    return _section(README, "## `specproxy lab`", "## The layout")
+    return _section(README, "## `specproxy lab`", None)
 
 
 @pytest.mark.parametrize(
     ("section", "examples"),
     [(_lab_section(), 5), (_section(ROOT / "README.md", "## What the lab runs", "## Reading a verdict"), 2)],
-    ids=["specproxy/README.md", "README.md"],
+    ids=["lab/README.md", "README.md"],
 )
 def test_readme_lab_examples_parse(section: str, examples: int) -> None:
     block = re.search(r"```bash\n(.*?)```", section, re.S)

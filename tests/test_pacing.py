@@ -17,7 +17,7 @@ from rich.console import Console
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim
-from specproxy.pacing import TIME_SCALE_CHECK, SimPacer, kept_up
+from specproxy.lab.pacing import TIME_SCALE_CHECK, SimPacer, kept_up
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LevelTrial, LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.spans.sink import HealthRow

@@ -10,14 +10,14 @@ import aiohttp
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim
-from specproxy.proxy.replay.formats import ReplayItem
-from specproxy.proxy.replay.health import (
+from specproxy.proxy.health import (
     THRESHOLDS,
     SimClock,
     histogram_quantile,
     over_threshold,
     write_delay_p99,
 )
+from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from tests.backends import BackendConfig, running_backend
 from tests.support import chat_items as items

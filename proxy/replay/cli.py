@@ -13,10 +13,10 @@ from specproxy.commandline import (
     FiniteFloat,
     RequestRates,
     experiment_or_none,
-    open_questions,
     run_async,
 )
 from specproxy.config import Arm
+from specproxy.proxy.replay.deciding import open_questions
 from specproxy.proxy.replay.formats import FORMATS, FormatError, read_items
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
 from specproxy.proxy.replay.summary import print_rounds, print_summary

@@ -1,13 +1,13 @@
 """Extra rounds: when a level's rounds left too few that passed every health check.
 
-A level whose rounds all passed every check of :mod:`.health` is judged on all of them. Once a round
-failed, the analysis judges the level on its healthy rounds only when at least ``MIN_HEALTHY_ROUNDS``
-passed (fewer cannot show the drift between rounds), else calls it UNRELIABLE. A loaded machine fails
-a round now and then while the rounds around it are fine, so after a level's planned rounds the
-runner may add rounds of the same level, at the same pace, one at a time, until enough have passed,
-the plan's ``extra_rounds`` are spent, or the extras left could no longer make enough even if all
-passed. Extra rounds are numbered after the planned ones (round 6 of a 5-round level) and labelled so
-(``c=256 r6 extra``).
+A level whose rounds all passed every check of :mod:`specproxy.proxy.health` is judged on all of
+them. Once a round failed, the analysis judges the level on its healthy rounds only when at least
+``MIN_HEALTHY_ROUNDS`` passed (fewer cannot show the drift between rounds), else calls it
+UNRELIABLE. A loaded machine fails a round now and then while the rounds around it are fine, so
+after a level's planned rounds the runner may add rounds of the same level, at the same pace, one at
+a time, until enough have passed, the plan's ``extra_rounds`` are spent, or the extras left could no
+longer make enough even if all passed. Extra rounds are numbered after the planned ones (round 6 of
+a 5-round level) and labelled so (``c=256 r6 extra``).
 
 Example::
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from specproxy.proxy.replay.health import over_threshold
+from specproxy.proxy.health import over_threshold
 from specproxy.proxy.spans.sink import HealthRow
 from specproxy.schema import MIN_HEALTHY_ROUNDS
 

@@ -23,8 +23,8 @@ every health check gets up to ``extra_rounds`` more, one at a time at the same p
 the planned ones (``c=256 r6 extra``; :mod:`.extra_rounds`); a timed loop is never rerun. With a
 ``decider``, the sweep's top level then gets up to ``deciding_rounds`` more, labelled the same way,
 while a verdict the deploy verdict reads there is unsettled on a copy of the store as written so far
-(:mod:`specproxy.analysis.settled`).
-Each round also records the measurement's health (:mod:`.health`) in table ``health``. Before
+(:mod:`specproxy.analysis.verdicts.settled`).
+Each round also records the measurement's health (:mod:`specproxy.proxy.health`) in table ``health``. Before
 anything runs, every arm's ``/v1/models`` is asked for its served model (an unreachable arm fails
 the run, naming its URL) and ``/version`` with it; both land in the run's ``stacks_json``.
 
@@ -55,10 +55,7 @@ from typing import Any, Literal, Protocol
 import aiohttp
 
 from specproxy.config import Arm, Experiment, experiment_json
-from specproxy.proxy.identity import NOT_COMPARABLE, compare, is_comparable
-from specproxy.proxy.replay.extra_rounds import LevelRounds, extra_round_due, failed_rounds, why_extra
-from specproxy.proxy.replay.formats import ItemSet, ReplayItem
-from specproxy.proxy.replay.health import (
+from specproxy.proxy.health import (
     LoopLagSampler,
     clock_lag,
     health_rows,
@@ -67,6 +64,9 @@ from specproxy.proxy.replay.health import (
     read_sim_clocks,
     write_delay_p99,
 )
+from specproxy.proxy.identity import NOT_COMPARABLE, compare, is_comparable
+from specproxy.proxy.replay.extra_rounds import LevelRounds, extra_round_due, failed_rounds, why_extra
+from specproxy.proxy.replay.formats import ItemSet, ReplayItem
 from specproxy.proxy.replay.loadgen import LoadStats, closed_loop, open_loop, poisson_offsets, timed_offsets
 from specproxy.proxy.replay.progress import ReplayProgress
 from specproxy.proxy.spans.sink import HealthRow, SpanSink
@@ -131,7 +131,7 @@ class LoadPlan:
     # than MIN_HEALTHY_ROUNDS that passed every health check (:mod:`.extra_rounds`).
     extra_rounds: int = 0
     # Closed loop and rates: at most this many rounds added to the sweep's top level while the
-    # ``decider`` finds a verdict read there unsettled (:mod:`specproxy.analysis.settled`).
+    # ``decider`` finds a verdict read there unsettled (:mod:`specproxy.analysis.verdicts.settled`).
     deciding_rounds: int = 0
     # No extra or deciding round starts that would end after this time (``time.monotonic()``; None: no
     # limit), a caller's time budget (the quick lab's); a round is expected to last as long as the last

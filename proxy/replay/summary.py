@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.markup import escape
 
+from specproxy.proxy.health import ACHIEVED_RATE, RATE_SHORTFALL, over_threshold
 from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.replay.formats import ItemSet
-from specproxy.proxy.replay.health import ACHIEVED_RATE, RATE_SHORTFALL, over_threshold
 from specproxy.proxy.replay.runner import ReplayResult
 from specproxy.proxy.spans.sink import HealthRow
 from specproxy.schema import rate_label

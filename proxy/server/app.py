@@ -45,8 +45,8 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 from specproxy.config import Arm, Experiment, experiment_json
+from specproxy.proxy.health import read_sim_clocks
 from specproxy.proxy.identity import is_comparable
-from specproxy.proxy.replay.health import read_sim_clocks
 from specproxy.proxy.server.capture import CaptureWriter
 from specproxy.proxy.server.errors import (
     Handler,

@@ -4,7 +4,7 @@ Every ``interval_s`` (and once more at shutdown) :class:`ServeHealth` writes row
 with no concurrency level or round (the analysis shows them as level ``live``):
 
     event_loop_lag_share   the proxy loop's P99 lag over the median decode time of the calls that ended
-                           in the interval (the checks of :mod:`specproxy.proxy.replay.health`)
+                           in the interval (the checks of :mod:`specproxy.proxy.health`)
     event_loop_lag_p99_s   the lag itself (shown, never gates)
     proxy_queue_p99_s      per arm: from the proxy having the request (or handing a copy over) to its
                            upstream request being sent
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import NamedTuple
 
-from specproxy.proxy.replay.health import (
+from specproxy.proxy.health import (
     PROXY_QUEUE,
     THRESHOLDS,
     LoopLagSampler,

@@ -114,7 +114,7 @@ class HealthRow(NamedTuple):
     arm: str | None  # None: a check of the client side (load generator, event loop, proxy)
     concurrency_level: int | None
     round: int | None
-    check_name: str  # engine_clock_lag | event_loop_lag_share | ...: proxy/replay/health.py
+    check_name: str  # engine_clock_lag | event_loop_lag_share | ...: proxy/health.py
     value: float | None
     threshold: float | None  # the limit applied; above it the level is not trusted
     measured_at: datetime  # tz-aware UTC

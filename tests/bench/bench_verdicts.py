@@ -17,7 +17,7 @@ own runner, in this process) of a small
 mixed workload over the levels, ``--rounds`` rounds each of max(c, ``--per-round``) items, so every arm
 gets the same items, into a fresh span store, with up to ``--deciding-rounds`` more rounds of each
 group's top level while the null or EAGLE3 arm's verdict there is open (as the lab does:
-:mod:`specproxy.analysis.settled`), and ``specproxy analyze --format json`` on it (a subprocess). It
+:mod:`specproxy.analysis.verdicts.settled`), and ``specproxy analyze --format json`` on it (a subprocess). It
 prints each target's detail with ``met`` / ``NOT met`` and a Wilson 95 % interval on the share:
 
 - A/A, judged on each null arm on its own (each ≤ 5 %), the two pooled printed beside but not judged:
@@ -86,13 +86,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import duckdb
 
 from specproxy.analysis.stats import wilson_interval
-from specproxy.commandline import open_questions, run_async
+from specproxy.commandline import run_async
 from specproxy.config import load_experiment
 from specproxy.engines.profiles import load_profile
 from specproxy.engines.sim.api_request import parse_request
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.engine import EngineCore, RequestSpec
 from specproxy.engines.sim.text import request_key
+from specproxy.proxy.replay.deciding import open_questions
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.replay.workload import mixed_workload

@@ -13,12 +13,20 @@ from html import escape
 from typing import Any
 
 from specproxy import __version__
-from specproxy.analysis.evaluation import CategoryRow, RunEvaluation, Settings, level_sort_key
-from specproxy.analysis.figures import CDF_QUANTILES, itl_cdf
-from specproxy.analysis.latency_table import LATENCY_HEADERS, LATENCY_TITLE, latency_cells, latency_notes
+from specproxy.analysis.figures.provenance import MEASURED_SPEC_SOURCES
+from specproxy.analysis.figures.run_figures import CDF_QUANTILES, itl_cdf
+from specproxy.analysis.figures.validity import MIN_HEALTHY_ROUNDS
 from specproxy.analysis.levels import AXIS_LABEL, LEVEL_SQL, level_unit, run_unit
-from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES
-from specproxy.analysis.render import (
+from specproxy.analysis.render.latency_table import (
+    LATENCY_HEADERS,
+    LATENCY_TITLE,
+    latency_cells,
+    latency_notes,
+)
+from specproxy.analysis.render.report_slo import slo_section
+from specproxy.analysis.render.slo_table import headline
+from specproxy.analysis.render.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
+from specproxy.analysis.render.table import (
     CATEGORY_TITLE,
     HEADERS,
     VERDICT_SHORT,
@@ -30,12 +38,9 @@ from specproxy.analysis.render import (
     run_notes,
     run_title,
 )
-from specproxy.analysis.render_slo import headline
-from specproxy.analysis.report_slo import slo_section
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.store import SpanStore
-from specproxy.analysis.svg import PALETTE, Series, bar_chart, cdf_chart, line_chart
-from specproxy.analysis.validity import MIN_HEALTHY_ROUNDS
+from specproxy.analysis.verdicts.evaluation import CategoryRow, RunEvaluation, Settings, level_sort_key
 from specproxy.schema import level_sql
 
 MAX_MISMATCH_ROWS = 100

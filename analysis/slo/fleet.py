@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specproxy.analysis import capacity as cap
+from specproxy.analysis.slo import capacity as cap
 from specproxy.analysis.stats import Interval
 
 

@@ -34,7 +34,7 @@ scaled alike, so ratios between arms (what the verdicts use) are kept as long as
 while absolute tok/s are multiplied by X and times divided by it (the lab says so under its tables).
 A simulator that cannot keep its clock (too many streams for the cores it gets) stretches every time
 it reports, and the level's health says so. Without ``--time-scale`` the lab paces each level
-(:mod:`specproxy.pacing`): one unrecorded wave at the level first, and while the machine does not keep
+(:mod:`specproxy.lab.pacing`): one unrecorded wave at the level first, and while the machine does not keep
 up with it the simulators are slowed to half speed (down to 1/4, or 1/8 when only the client's event
 loop lags) and the wave is sent again. It prints what each level ran at and why, records the scale
 with each level's health, and the run's experiment description says how the scale was chosen.
@@ -64,7 +64,6 @@ from specproxy.commandline import (
     RequestRates,
     SloParam,
     experiment_or_none,
-    open_questions,
     run_async,
 )
 from specproxy.config import Arm, EngineSettings, Experiment, Role
@@ -72,10 +71,11 @@ from specproxy.engine_state import EngineError
 from specproxy.engines.launch.plan import SimOptions, plan_arm
 from specproxy.engines.launch.supervisor import start_arms, stop_experiment
 from specproxy.engines.profiles import ProfileError, load_profile
-from specproxy.pacing import CLOCK_LIMIT, LOOP_BUSY_LIMIT, LOOP_LIMIT, SimPacer
+from specproxy.lab.pacing import CLOCK_LIMIT, LOOP_BUSY_LIMIT, LOOP_LIMIT, SimPacer
+from specproxy.proxy.health import ENGINE_CLOCK_LAG, THRESHOLDS
+from specproxy.proxy.replay.deciding import open_questions
 from specproxy.proxy.replay.extra_rounds import LevelRounds, judged
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
-from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, THRESHOLDS
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
 from specproxy.proxy.replay.summary import print_rounds, print_summary
 from specproxy.proxy.replay.workload import mixed_workload

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from specproxy.analysis.figures import CallGroup, PairGroup, RoundFigures
+from specproxy.analysis.figures.run_figures import CallGroup, PairGroup, RoundFigures
 from specproxy.analysis.stats import (
     Blocks,
     BlockSpread,

@@ -33,7 +33,7 @@ import aiohttp
 from rich.console import Console
 
 from specproxy.config import Arm
-from specproxy.proxy.replay.health import ENGINE_CLOCK_LAG, EVENT_LOOP_LAG_SHARE, THRESHOLDS, over_threshold
+from specproxy.proxy.health import ENGINE_CLOCK_LAG, EVENT_LOOP_LAG_SHARE, THRESHOLDS, over_threshold
 from specproxy.proxy.replay.runner import LevelTrial, ReplayError
 from specproxy.proxy.spans.sink import HealthRow
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.analysis.figures.provenance import MEASURED_SPEC_SOURCES, NOT_RECORDED, SpecCounts, TokenCounts
+from specproxy.analysis.figures.resolution import TimingResolution, resolution_for, timing_resolutions
 from specproxy.analysis.levels import LEVEL_SQL, level_load, level_sort_key
-from specproxy.analysis.provenance import MEASURED_SPEC_SOURCES, NOT_RECORDED, SpecCounts, TokenCounts
-from specproxy.analysis.resolution import TimingResolution, resolution_for, timing_resolutions
 from specproxy.analysis.stats import FloatArray
 from specproxy.analysis.store import SpanStore
 from specproxy.schema import LATENCY_SAMPLE_BYTES

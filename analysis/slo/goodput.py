@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.analysis.figures import ordered
+from specproxy.analysis.figures.run_figures import ordered
 from specproxy.analysis.levels import level_sort_key
 from specproxy.analysis.stats import FloatArray, Interval
 from specproxy.analysis.store import SpanStore

@@ -30,12 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specproxy.analysis.evaluation import evaluate
 from specproxy.analysis.levels import level_load, level_unit
-from specproxy.analysis.rows import ArmOutcome, LevelRow, RunEvaluation, Settings
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.store import open_store
-from specproxy.analysis.verdict import FAILED, UNRELIABLE, check_identity, fmt_ratio, tested_around
+from specproxy.analysis.verdicts.evaluation import evaluate
+from specproxy.analysis.verdicts.rows import ArmOutcome, LevelRow, RunEvaluation, Settings
+from specproxy.analysis.verdicts.rules import FAILED, UNRELIABLE, check_identity, fmt_ratio, tested_around
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from specproxy.analysis.figures import RESOLUTION_FIELDS, LatencyFigures
-from specproxy.analysis.resolution import ArmTails, TimingResolution, resolution_note
-from specproxy.analysis.rows import LevelRow
+from specproxy.analysis.figures.resolution import ArmTails, TimingResolution, resolution_note
+from specproxy.analysis.figures.run_figures import RESOLUTION_FIELDS, LatencyFigures
+from specproxy.analysis.verdicts.rows import LevelRow
 
 DASH = "—"
 

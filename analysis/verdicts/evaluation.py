@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
-from specproxy.analysis import comparison, matched
-from specproxy.analysis.comparison import Bootstrap, Comparison
-from specproxy.analysis.figures import (
+from specproxy.analysis.figures import matched
+from specproxy.analysis.figures.provenance import estimate_note
+from specproxy.analysis.figures.run_figures import (
     BlockKey,
     CallGroup,
     IdentityCounts,
@@ -41,14 +41,21 @@ from specproxy.analysis.figures import (
     pair_groups,
     round_figures,
 )
+from specproxy.analysis.figures.validity import LevelHealth, dropped_rounds, dropped_windows, level_health
 from specproxy.analysis.levels import level_name, level_sort_key, level_unit, load_name, run_unit
-from specproxy.analysis.provenance import estimate_note
-from specproxy.analysis.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
-from specproxy.analysis.slo import SloEvaluation, SloInputs, evaluate_slo, parse_config, slo_inputs_from_run
+from specproxy.analysis.slo.answer import (
+    SloEvaluation,
+    SloInputs,
+    evaluate_slo,
+    parse_config,
+    slo_inputs_from_run,
+)
 from specproxy.analysis.stats import Interval, parallel_map, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
-from specproxy.analysis.validity import LevelHealth, dropped_rounds, dropped_windows, level_health
-from specproxy.analysis.verdict import (
+from specproxy.analysis.verdicts import comparison
+from specproxy.analysis.verdicts.comparison import Bootstrap, Comparison
+from specproxy.analysis.verdicts.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
+from specproxy.analysis.verdicts.rules import (
     FAILED,
     LOSS,
     NO_CLEAR_GAIN,
@@ -507,7 +514,7 @@ def _bootstrapped(jobs: Mapping[_Key, Callable[[], Comparison]]) -> dict[_Key, C
 
 def _lag_bounded(run: RunFigures, comp: Comparison, arm: str, level: str) -> Comparison:
     """``comp`` with the bounds of how far the arm's and the baseline's simulators fell behind their
-    clocks at the level (:func:`~specproxy.analysis.comparison.lag_bounded`)."""
+    clocks at the level (:func:`~specproxy.analysis.verdicts.comparison.lag_bounded`)."""
 
     def bounds(of: str) -> comparison.LagBounds:
         rounds = run.rounds.get((of, level))
@@ -540,7 +547,7 @@ def _margins(
     thresholds: Thresholds,
 ) -> dict[str, Margin]:
     """Per level: the default margin, raised to the replica arms' noise floor
-    (:func:`~specproxy.analysis.verdict.noise_floor`, from their ratios at the run's reliable levels).
+    (:func:`~specproxy.analysis.verdicts.rules.noise_floor`, from their ratios at the run's reliable levels).
     A replica that ran at another load than the baseline's counts with its matched-load ratios (its
     plain ones hold the load's effect, not noise), and not at all where it was not compared."""
     replicas = []

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.analysis import capacity as cap
-from specproxy.analysis.fleet import ArmFleet, Peak, arm_fleet, candidate_fleet
-from specproxy.analysis.goodput import (
+from specproxy.analysis.slo import capacity as cap
+from specproxy.analysis.slo.fleet import ArmFleet, Peak, arm_fleet, candidate_fleet
+from specproxy.analysis.slo.goodput import (
     LevelReplicates,
     SloLevelFigures,
     interval,

@@ -6,7 +6,7 @@ output re-encoded with the model's tokenizer: exact but for rare texts whose re-
 token each) are measurements. ``text_estimate`` is an estimate with a stated error
 (:data:`TEXT_ESTIMATE_ERROR`, which nine outputs in ten stay within, not a bound): decode speeds,
 throughputs and speedups built on it are marked estimated, and a level whose arm or baseline has any
-estimated count gets no WIN or LOSS from them (:func:`specproxy.analysis.verdict.level_verdict`).
+estimated count gets no WIN or LOSS from them (:func:`specproxy.analysis.verdicts.rules.level_verdict`).
 Calls without a source (stores from before the column) count as measured, as they were then.
 
 Acceptance figures (``spec_source``): the engine's per-request report (:data:`REPORTED_SPEC_SOURCES`)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from html import escape
 
-from specproxy.analysis import capacity as cap
-from specproxy.analysis.render_slo import capacity_lines, fleet_table, level_table, title
-from specproxy.analysis.slo import ArmCapacity, SloEvaluation
-from specproxy.analysis.svg import PALETTE, Series, line_chart
+from specproxy.analysis.render.slo_table import capacity_lines, fleet_table, level_table, title
+from specproxy.analysis.render.svg import PALETTE, Series, line_chart
+from specproxy.analysis.slo import capacity as cap
+from specproxy.analysis.slo.answer import ArmCapacity, SloEvaluation
 
 
 def _target_series(s: SloEvaluation, arm: str, normalised: bool) -> list[Series]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specproxy.analysis.figures import LatencyFigures
+from specproxy.analysis.figures.matched import LoadFigures
+from specproxy.analysis.figures.run_figures import LatencyFigures
+from specproxy.analysis.figures.validity import DroppedRound
 from specproxy.analysis.levels import level_load
-from specproxy.analysis.matched import LoadFigures
-from specproxy.analysis.slo import SloEvaluation
+from specproxy.analysis.slo.answer import SloEvaluation
 from specproxy.analysis.stats import Interval
-from specproxy.analysis.validity import DroppedRound
-from specproxy.analysis.verdict import Crossover, DeployVerdict, Thresholds
+from specproxy.analysis.verdicts.rules import Crossover, DeployVerdict, Thresholds
 from specproxy.slo import Slo
 
 

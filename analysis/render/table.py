@@ -16,9 +16,10 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from specproxy.analysis import render_slo
-from specproxy.analysis.evaluation import CategoryRow, LevelRow, RunEvaluation, Settings, level_sort_key
-from specproxy.analysis.latency_table import (
+from specproxy.analysis.figures.provenance import TEXT_ESTIMATE_ERROR
+from specproxy.analysis.levels import level_name
+from specproxy.analysis.render import slo_table as render_slo
+from specproxy.analysis.render.latency_table import (
     LATENCY_CSV_FIELDS,
     LATENCY_HEADERS,
     LATENCY_TITLE,
@@ -26,9 +27,14 @@ from specproxy.analysis.latency_table import (
     latency_csv,
     latency_notes,
 )
-from specproxy.analysis.levels import level_name
-from specproxy.analysis.provenance import TEXT_ESTIMATE_ERROR
 from specproxy.analysis.stats import Interval
+from specproxy.analysis.verdicts.evaluation import (
+    CategoryRow,
+    LevelRow,
+    RunEvaluation,
+    Settings,
+    level_sort_key,
+)
 
 FORMATS = ("table", "markdown", "json", "csv")
 DASH = "—"

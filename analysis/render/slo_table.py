@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from specproxy.analysis.fleet import ArmFleet, CountRange
-from specproxy.analysis.goodput import FAILED_FACTOR
-from specproxy.analysis.rows import LevelRow, RunEvaluation
-from specproxy.analysis.slo import SloEvaluation, SloLevelRow, TargetFigure
+from specproxy.analysis.slo.answer import SloEvaluation, SloLevelRow, TargetFigure
+from specproxy.analysis.slo.fleet import ArmFleet, CountRange
+from specproxy.analysis.slo.goodput import FAILED_FACTOR
 from specproxy.analysis.stats import Interval
+from specproxy.analysis.verdicts.rows import LevelRow, RunEvaluation
 
 DASH = "—"
 

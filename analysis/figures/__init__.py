@@ -1,0 +1,2 @@
+"""The span store's figures: what was measured per arm and level, where it came from, and whether
+the machine kept up."""

@@ -1,0 +1,1 @@
+"""At the user's SLO: goodput per level, each arm's capacity, and the fleet at the peak."""
