@@ -14,27 +14,32 @@ What it checks, against the same calls made directly to the two servers:
 - completion tokens: the server's own usage where it sends one (non-streamed); in streams, which
   carry none, the GGUF's own tokenizer where the arm names it (``tokenizer``: equal to the server's
   count), else a text estimate marked ``text_estimate`` and within its stated error of it;
-- acceptance: llama-cpp-python reports none, so the speculating arm says ``unknown``, never a figure.
+- acceptance: llama-cpp-python reports none, so the speculating arm says ``unknown``, never a figure;
+- a shadow stream the server cuts (data: [DONE] without a finish_reason, as it does when another request
+  arrives) is a span that says so, and ``specproxy analyze`` counts it in no identity or speed figure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from specproxy.proxy.upstream.calls import UpstreamState
+from specproxy.proxy.upstream.calls import ENGINE_CUT_ERROR, UpstreamState
 from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR
 from tests.proxies import running_proxy, spans
-from tests.support import engine_servers, gguf_model
+from tests.support import engine_servers, gguf_model, run_cli
 
 # A CPU engine on a shared machine: generous limits, and a fixture that starts two servers.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -44,6 +49,8 @@ PROMPTS = [
     "Copy this list: red, green, blue, red, green, blue",
 ]
 MAX_TOKENS = 12
+CUT_PROMPT = "Count from 1 to 100, separated by commas."
+CUT_MAX_TOKENS = 200  # long enough that the shadow copy is still generating when it is cut
 LOOKUP = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
@@ -174,3 +181,95 @@ async def test_proxy_in_front_of_real_llama_cpp_servers(
             if not same:
                 assert r["first_divergence"] is not None and r["divergence_margin"] is not None
             assert r["spec_source"] == "unknown" and r["acceptance_length"] is None
+
+
+@asynccontextmanager
+async def _watched(url: str) -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """A byte relay in front of ``url``: its own URL, and an event set when the server's first stream
+    event (``data: {``) has passed, i.e. once the server is generating that call."""
+    target = urlsplit(url)
+    generating = asyncio.Event()
+    pumps: set[asyncio.Task[None]] = set()
+
+    async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, watch: bool) -> None:
+        try:
+            while data := await src.read(65536):
+                if watch and b"data: {" in data:
+                    generating.set()
+                dst.write(data)
+                await dst.drain()
+        except ConnectionError:
+            pass
+        finally:
+            dst.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(target.hostname, target.port)
+        for task in (pump(reader, up_writer, False), pump(up_reader, writer, True)):
+            pumps.add(asyncio.create_task(task))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", generating
+    finally:
+        server.close()
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        await server.wait_closed()
+
+
+async def _streamed(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str | None:
+    """One greedy streamed chat call read to its end: its finish_reason."""
+    chunks = await client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=True,
+    )
+    return [c async for c in chunks][-1].choices[0].finish_reason
+
+
+async def test_a_shadow_stream_the_engine_cuts_is_neither_a_mismatch_nor_a_speedup(
+    tmp_path: Path, servers: dict[str, str]
+) -> None:
+    # llama-cpp-python's server serves one request at a time: a request that arrives while a stream
+    # runs makes it end that stream with data: [DONE] and no finish_reason. Here one shadow copy runs to
+    # its end and a second is cut by a direct request to the candidate's server.
+    async with _watched(servers["lookup"]) as (lookup_url, generating):
+        arms: list[dict[str, Any]] = [
+            {"name": "plain", "role": "baseline", "url": servers["plain"]},
+            {"name": "lookup", "url": lookup_url, "speculative": LOOKUP},
+        ]
+        async with running_proxy(tmp_path, arms) as p:
+            proxied = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
+            direct = openai.AsyncOpenAI(base_url=servers["lookup"] + "/v1", api_key="unused", max_retries=0)
+            assert await _streamed(proxied, PROMPTS[0], MAX_TOKENS) is not None
+            await _until_idle(p.state.upstream, lookup_url)
+            generating.clear()
+            # The client's own call (the baseline's) runs to its end; its shadow copy is cut as soon
+            # as the candidate generates it.
+            served = asyncio.create_task(_streamed(proxied, CUT_PROMPT, CUT_MAX_TOKENS))
+            async with asyncio.timeout(300):
+                await generating.wait()
+            await direct.completions.create(model="m", prompt="Hi", temperature=0, max_tokens=1)
+            assert await served is not None
+            await _until_idle(p.state.upstream, lookup_url)
+            await proxied.close()
+            await direct.close()
+
+    rows = spans(p.db, "arm = 'lookup'")
+    whole, cut = rows
+    assert whole["status"] == "ok" and whole["finish_reason"] is not None
+    assert (cut["status"], cut["error"]) == ("upstream_error", ENGINE_CUT_ERROR)
+    assert cut["finish_reason"] is None and cut["identical"] is None
+    # The analysis reads only complete calls: the cut one is in no identity or speed figure.
+    result = run_cli("analyze", str(p.db), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    (row,) = [r for r in json.loads(result.stdout)["runs"][0]["rows"] if r["arm"] == "lookup"]
+    assert (row["calls"], row["ok"], row["decode_calls"]) == (2, 1, 1)
+    assert row["compared"] == int(whole["identical"] is not None)
+    assert row["identical"] == int(whole["identical"] is True)
+    assert row["p50_decode_tok_s"] == pytest.approx(whole["decode_tok_s"])

@@ -20,7 +20,9 @@ What :func:`call_arm` does:
   are parsed and relayed inside the upstream connection's read callback (:mod:`.wire`): no task switch
   per chunk; the call's coroutine only wakes at the end, or to wait for a slow client (backpressure);
 - never raises for upstream trouble: the record's ``status`` says ``ok``, ``http_error`` (upstream
-  4xx/5xx, passed through to the relay as it is), ``upstream_error`` (refused, reset, bad stream),
+  4xx/5xx, passed through to the relay as it is), ``upstream_error`` (refused, reset, bad stream, or
+  a stream the engine cut: ``data: [DONE]`` before any ``finish_reason`` in a call with no relay, a
+  shadow copy or a replayed call, :data:`ENGINE_CUT_ERROR`),
   ``timeout`` or ``client_cancelled`` (the relay raised :class:`ClientGone`);
 - ``asyncio.CancelledError`` is never swallowed: the upstream connection is closed (vLLM then aborts
   the generation), the record says ``client_cancelled`` and the error propagates;
@@ -74,6 +76,9 @@ OFFERED_RATE_HEADER = "X-Specproxy-Offered-Rate"
 ROUND_HEADER = "X-Specproxy-Round"
 REQUEST_ID_HEADER = "X-Request-Id"
 # A UUID as text: 8-4-4-4-12 hex digits, or the same 32 without dashes.
+# The error of a stream that ended with data: [DONE] before any choice had a finish_reason.
+ENGINE_CUT_ERROR = "stream cut by the engine: data: [DONE] before any finish_reason"
+
 _UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}(-?)[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{4}\1[0-9a-fA-F]{12}")
 _REQUEST_ID_NAMESPACE = uuid.UUID("5f0c3d52-8a4e-4d6b-9a1f-7e2b6c9d0a14")
 
@@ -583,6 +588,13 @@ async def _read_answer(ex: Exchange, relay: Relay | None, strip: _Strip, result:
         if not tap.done and tap.error is None:
             record.status = "upstream_error"
             record.error = "stream ended before data: [DONE]"
+        elif relay is None and tap.done and tap.finish_reason is None and tap.error is None:
+            # The engine stopped generating mid-call (llama-cpp-python's single-slot server does so
+            # when another request arrives): a partial output, neither a mismatch nor a fast call.
+            # Only for calls nobody is relayed to (shadow copies, replay): a relayed stream's status
+            # also decides what its client is sent, and the client gets the stream as it came.
+            record.status = "upstream_error"
+            record.error = ENGINE_CUT_ERROR
     else:
         payload = await ex.read()
         now = time.perf_counter()
