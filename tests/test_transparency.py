@@ -9,6 +9,7 @@ last chat chunk, ``usage`` next to ``choices`` on its last completions chunk, ``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ class _Sink:
     def __init__(self) -> None:
         self.data = bytearray()
 
-    async def start(self, status: int, content_type: str) -> None:
+    async def start(self, status: int, content_type: str, headers: Sequence[tuple[str, str]] = ()) -> None:
         pass
 
     def send(self, data: bytes) -> bool:

@@ -36,13 +36,14 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
+from multidict import CIMultiDict
 
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.identity import is_comparable
@@ -55,6 +56,7 @@ from specproxy.proxy.server.errors import (
     openai_error,
     openai_errors,
 )
+from specproxy.proxy.server.headers import request_headers_for_arms, response_headers_for_client
 from specproxy.proxy.server.health import PhaseKey, ServeHealth
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
@@ -144,24 +146,26 @@ class ClientRelay:
     relayed token (``StreamResponse.write``) costs more CPU than everything else the proxy does for it.
     """
 
-    __slots__ = ("request", "headers", "response", "writer", "chunked", "status", "content_type", "parts")
+    __slots__ = ("request", "own", "headers", "response", "writer", "chunked", "status", "parts")
 
     def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
         self.request = request
-        self.headers = headers
+        self.own = headers  # the proxy's headers (request id, arm)
+        self.headers: CIMultiDict[str] = CIMultiDict()  # the response's: the arm's, then the proxy's
         self.response: web.StreamResponse | None = None
         self.writer: AbstractStreamWriter | None = None
         self.chunked = False
         self.status = 0
-        self.content_type = "application/json"
         self.parts: list[bytes] = []
 
-    async def start(self, status: int, content_type: str) -> None:
-        self.status, self.content_type = status, content_type
+    async def start(self, status: int, content_type: str, headers: Sequence[tuple[str, str]] = ()) -> None:
+        self.status = status
+        self.headers = response_headers_for_client(headers)
+        self.headers.update(self.own)
+        self.headers["Content-Type"] = content_type  # as the backend sent it, parameters and all
         if content_type.split(";", 1)[0].strip().lower() == "text/event-stream":
+            self.headers.setdefault("Cache-Control", "no-cache")
             resp = web.StreamResponse(status=status, headers=self.headers)
-            resp.headers["Content-Type"] = content_type  # as the backend sent it, parameters and all
-            resp.headers["Cache-Control"] = "no-cache"
             if self.request.version >= aiohttp.HttpVersion11:
                 resp.enable_chunked_encoding()  # (an HTTP/1.0 client gets the body until close)
             writer = await resp.prepare(self.request)
@@ -206,16 +210,12 @@ class ClientRelay:
                 pass
             return self.response
         if self.status:
-            return web.Response(
-                status=self.status,
-                body=b"".join(self.parts),
-                headers={**self.headers, "Content-Type": self.content_type},
-            )
+            return web.Response(status=self.status, body=b"".join(self.parts), headers=self.headers)
         if rec is not None and rec.status == "timeout":
-            return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.headers)
+            return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.own)
         arm = rec.arm if rec is not None else "?"
         error = rec.error if rec is not None else "no response"
-        return openai_error(502, f"upstream {arm} failed: {error}", headers=self.headers)
+        return openai_error(502, f"upstream {arm} failed: {error}", headers=self.own)
 
 
 async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -236,16 +236,17 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     comparable = is_comparable(checked.body)
     plan = st.router.plan(checked.body, request.headers, comparable=comparable)
     primary = plan.primary
+    to_arms = request_headers_for_arms(request.headers.items())
     pair: IdentityPair | None = None
     if plan.copies:
         pair = IdentityPair(comparable, st.metrics.observe_identity) if comparable else None
-        _send_copies(st, plan.copies, checked, endpoint, trace_id, pair, parent)
+        _send_copies(st, plan.copies, checked, to_arms, endpoint, trace_id, pair, parent)
     record = _new_span(st, primary, plan.primary_routed_as, checked, endpoint, trace_id)
     relay = ClientRelay(request, {REQUEST_ID_HEADER: checked.request_id, ARM_HEADER: primary.name})
     result: CallResult | None = None
     tap = CompletionTap(endpoint)
     try:
-        result = await _call_primary(st, primary, checked.body, endpoint, record, relay, tap)
+        result = await _call_primary(st, primary, checked.body, to_arms, endpoint, record, relay, tap)
         if st.health is not None:
             st.health.queued(primary.name, result.t_send - handed_over)
         return await relay.finish(result)
@@ -276,6 +277,7 @@ async def _call_primary(
     st: ProxyState,
     primary: Arm,
     body: dict[str, Any],
+    headers: CIMultiDict[str],
     endpoint: Endpoint,
     record: SpanRecord,
     relay: ClientRelay,
@@ -290,6 +292,7 @@ async def _call_primary(
         endpoint=endpoint,
         record=record,
         relay=relay,
+        headers=headers,
         timeout=st.primary_timeout,
         state=st.upstream,
         capture_output=st.capture is not None,
@@ -357,6 +360,7 @@ def _send_copies(
     st: ProxyState,
     copies: tuple[Copy, ...],
     checked: ClientRequest,
+    headers: CIMultiDict[str],
     endpoint: Endpoint,
     trace_id: str,
     pair: IdentityPair | None,
@@ -367,7 +371,7 @@ def _send_copies(
     assert dispatcher is not None
     for copy in copies:
         rec = _new_span(st, copy.arm, copy.routed_as, checked, endpoint, trace_id)
-        dispatcher.send(copy, checked.body, rec, endpoint=endpoint, pair=pair, parent=parent)
+        dispatcher.send(copy, checked.body, rec, endpoint=endpoint, pair=pair, parent=parent, headers=headers)
 
 
 def _after_primary(
@@ -414,12 +418,16 @@ async def models(request: web.Request) -> web.StreamResponse:
     arm = st.settings.experiment.baseline
     assert st.session is not None
     try:
+        headers = request_headers_for_arms(request.headers.items())
+        headers.update(arm_auth(arm))
+        headers["Accept-Encoding"] = "identity"  # (the body is passed on as it came, not decoded)
         async with st.session.get(
-            f"{arm.url}/v1/models", headers=arm_auth(arm), timeout=st.primary_timeout.client_timeout()
+            f"{arm.url}/v1/models", headers=headers, timeout=st.primary_timeout.client_timeout()
         ) as resp:
             payload = await resp.read()
-            content_type = resp.headers.get("Content-Type", "application/json")
-            return web.Response(status=resp.status, body=payload, headers={"Content-Type": content_type})
+            return web.Response(
+                status=resp.status, body=payload, headers=response_headers_for_client(resp.headers.items())
+            )
     except TimeoutError:
         return openai_error(504, f"baseline {arm.name} did not answer GET /v1/models in time")
     except (aiohttp.ClientError, OSError) as exc:

@@ -45,12 +45,14 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import aiohttp
 import orjson
+from multidict import CIMultiDict
 
 from specproxy.config import Arm
 from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, new_span_id, new_trace_id, traceparent
@@ -117,9 +119,10 @@ class ClientGone(Exception):
 class Relay(Protocol):
     """Where a relayed response goes (the proxy's client response)."""
 
-    async def start(self, status: int, content_type: str) -> None:
-        """Called once, before the first send, with the upstream status and its Content-Type header
-        (parameters included: ``application/json; charset=utf-8``)."""
+    async def start(self, status: int, content_type: str, headers: Sequence[tuple[str, str]] = ()) -> None:
+        """Called once, before the first send, with the upstream status, its Content-Type header
+        (parameters included: ``application/json; charset=utf-8``) and all its headers as received
+        (lower-case names, hop-by-hop ones too: the relay picks what the client gets)."""
 
     def send(self, data: bytes) -> bool:
         """Bytes for the client, in order, handed over at once (never blocks; raises
@@ -409,18 +412,20 @@ def _headers(
     arm: Arm,
     request_id: str,
     category: str | None,
-    extra: dict[str, str] | None,
+    extra: Mapping[str, str] | None,
     trace_id: str = "",
     span_id: str = "",
-) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: upstream_request_id(request_id)}
+) -> CIMultiDict[str]:
+    """The request headers of one call: ``extra`` (the client's end-to-end headers, or replay's phase
+    headers) with the proxy's own set over them."""
+    headers: CIMultiDict[str] = CIMultiDict(extra) if extra else CIMultiDict()
+    headers["Content-Type"] = "application/json"
+    headers[REQUEST_ID_HEADER] = upstream_request_id(request_id)
     if trace_id and span_id:
         # The arm's own tracing (vLLM --otlp-traces-endpoint) then nests under this call's span.
         headers[TRACEPARENT_HEADER] = traceparent(trace_id, span_id)
     if category:
         headers[CATEGORY_HEADER] = category
-    if extra:
-        headers.update(extra)
     if arm.api_key_env:
         key = os.environ.get(arm.api_key_env)
         if key:
@@ -437,7 +442,7 @@ async def call_arm(
     record: SpanRecord,
     relay: Relay | None = None,
     timeout: UpstreamTimeout | None = None,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     capture_output: bool = False,
     state: UpstreamState | None = None,
     tap: CompletionTap | None = None,
@@ -531,7 +536,7 @@ class _Asks:
 async def _exchange(
     client: UpstreamClient,
     url: str,
-    headers: dict[str, str],
+    headers: Mapping[str, str],
     body: dict[str, Any],
     timeout: UpstreamTimeout,
     relay: Relay | None,
@@ -571,7 +576,7 @@ async def _pass_http_error(ex: Exchange, err_body: bytes, relay: Relay | None, r
     result.record.status = "http_error"
     result.record.error = _error_message(err_body)
     if relay is not None:
-        await _relay_start(relay, result, ex.status, _content_type(ex))
+        await _relay_start(relay, result, ex)
         await _relay_body(relay, err_body)
 
 
@@ -591,7 +596,7 @@ async def _read_answer(ex: Exchange, relay: Relay | None, strip: _Strip, result:
             record.status = "upstream_error"
             record.error = tap.malformed or "response is not a JSON object"
         elif relay is not None:
-            await _relay_start(relay, result, ex.status, _content_type(ex))
+            await _relay_start(relay, result, ex)
             await _relay_body(relay, _strip_body(payload, strip))
     if tap.error is not None:
         record.status = "upstream_error"
@@ -640,10 +645,10 @@ def _content_type(ex: Exchange) -> str:
     return ex.headers.get("content-type") or ex.content_type
 
 
-async def _relay_start(relay: Relay, result: CallResult, status: int, content_type: str) -> None:
+async def _relay_start(relay: Relay, result: CallResult, ex: Exchange) -> None:
     result.relay_started = True
     try:
-        await relay.start(status, content_type)
+        await relay.start(ex.status, _content_type(ex), ex.header_items)
     except ConnectionError as exc:  # (aiohttp's ClientConnectionResetError is one)
         raise ClientGone() from exc
 
@@ -673,7 +678,7 @@ async def _read_stream(
     """Relay and tap a streamed body. The work per read happens in :class:`_StreamConsumer`, called from
     the connection's read callback; this coroutine only waits for the end, or for a full client."""
     if relay is not None:
-        await _relay_start(relay, result, ex.status, _content_type(ex))
+        await _relay_start(relay, result, ex)
     consumer = _StreamConsumer(tap, relay, strip)
     ex.consume(consumer)
     while not await ex.wait():
