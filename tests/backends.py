@@ -51,6 +51,7 @@ class BackendConfig:
     fail_requests: int = 0  # with fail: only the first this many requests fail (0: every one)
     # Added to every /v1/ response (an engine's own headers: Cache-Control, X-*, Retry-After with a 429).
     response_headers: tuple[tuple[str, str], ...] = ()
+    health_status: int = 200  # what /health answers (vLLM: 500 once its engine has died)
     gate: asyncio.Event | None = None  # when given, generation waits for it (a backend slow until told)
     eof_gate: asyncio.Event | None = None  # when given, the body ends after [DONE] only once it is set
     # Answer with these instead of generating: streaming, each is one event's data (then [DONE]);
@@ -426,7 +427,7 @@ async def _version(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    return web.Response(text="")
+    return web.Response(text="", status=request.app[CONFIG].health_status)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -7,6 +7,8 @@ Endpoints::
                                                  copies go to other arms (shadow / verify)
     GET  /v1/models                              the baseline's
     GET  /health                                 the proxy's own liveness
+    GET  /ready                                  readiness: 503 with the reasons while the baseline is
+                                                 unreachable or spans cannot be written (server.readiness)
     GET  /metrics                                the proxy's Prometheus metrics (server.metrics)
     POST /specproxy/scrape                       scrape every arm's /metrics now, under the phase
                                                  given ({"phase": "c=16 r1/3:before"}): how
@@ -60,6 +62,7 @@ from specproxy.proxy.server.headers import request_headers_for_arms, response_he
 from specproxy.proxy.server.health import PhaseKey, ServeHealth
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
+from specproxy.proxy.server.readiness import Readiness, SinkCounts
 from specproxy.proxy.server.routing import ArmRouter, Copy
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
 from specproxy.proxy.server.validate import ClientRequest, Rejected, expect_handler, read_request
@@ -123,6 +126,7 @@ class ProxyState:
     # arm name → its running/waiting gauges at the latest /metrics scrape (kept by the scraper)
     engine_load: dict[str, EngineLoad] = field(default_factory=dict)
     scraper: MetricsScraper | None = None  # None: --no-scrape
+    readiness: Readiness | None = None
 
     def finish(self, record: SpanRecord, parent: TraceParent | None = None) -> None:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
@@ -439,6 +443,24 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "run_id": st.run_id, "mode": st.settings.experiment.mode})
 
 
+async def ready(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.shutdown_started is not None:
+        problems = ["shutting down"]
+    else:
+        assert st.readiness is not None
+        problems = await st.readiness.problems()
+    answer = {"status": "not ready" if problems else "ready", "run_id": st.run_id, "reasons": problems}
+    return web.json_response(answer, status=503 if problems else 200)
+
+
+def _sink_counts(st: ProxyState) -> SinkCounts | None:
+    sink = st.sink
+    if sink is None:
+        return None
+    return SinkCounts(sink.written, sink.failed, sink.queue_depth, st.settings.experiment.span_queue_size)
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
@@ -575,6 +597,7 @@ def create_app(settings: ProxySettings) -> web.Application:
     app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/specproxy/scrape", scrape_phase)
     app.cleanup_ctx.append(_span_store)
@@ -650,6 +673,7 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, timeout=no_cap)
     client, shadow_client = UpstreamClient(), UpstreamClient()
     st.session, st.client = session, client
+    st.readiness = Readiness(st.settings.experiment.baseline, session, lambda: _sink_counts(st))
     st.dispatcher = ShadowDispatcher(
         shadow_client,
         timeout=st.shadow_timeout,
