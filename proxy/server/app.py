@@ -71,12 +71,12 @@ from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, TraceParent, client_
 from specproxy.proxy.upstream.calls import (
     REQUEST_ID_HEADER,
     CallResult,
-    ClientGone,
     UpstreamState,
     UpstreamTimeout,
     call_arm,
     new_record,
 )
+from specproxy.proxy.upstream.relay import ClientGone
 from specproxy.proxy.upstream.scrape import EngineLoad, MetricsScraper
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint
 from specproxy.proxy.upstream.stacks import arm_auth, arm_stacks
@@ -145,7 +145,7 @@ class ClientRelay:
     """Writes an upstream response to the client: SSE as it arrives, anything else in one piece.
 
     A stream's bytes go straight to the client's socket from the upstream connection's read callback
-    (see :class:`~specproxy.proxy.upstream.calls.Relay`): aiohttp sends the headers and, at the end, the last
+    (see :class:`~specproxy.proxy.upstream.relay.Relay`): aiohttp sends the headers and, at the end, the last
     chunk; in between this class frames each piece as an HTTP chunk itself, since a coroutine per
     relayed token (``StreamResponse.write``) costs more CPU than everything else the proxy does for it.
     """
