@@ -48,6 +48,10 @@ class BackendConfig:
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
     # | "echo400" (a 400 quoting the request, like vLLM's validation errors)
     fail: str | None = None
+    fail_requests: int = 0  # with fail: only the first this many requests fail (0: every one)
+    # Added to every /v1/ response (an engine's own headers: Cache-Control, X-*, Retry-After with a 429).
+    response_headers: tuple[tuple[str, str], ...] = ()
+    health_status: int = 200  # what /health answers (vLLM: 500 once its engine has died)
     gate: asyncio.Event | None = None  # when given, generation waits for it (a backend slow until told)
     eof_gate: asyncio.Event | None = None  # when given, the body ends after [DONE] only once it is set
     # Answer with these instead of generating: streaming, each is one event's data (then [DONE]);
@@ -114,13 +118,14 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         for key in ("stream_options", "return_token_ids"):
             if key in body:
                 return _error(400, f"Unrecognized request argument supplied: {key}")
-    if cfg.fail == "http500":
+    failing = cfg.fail if not cfg.fail_requests or stats.requests <= cfg.fail_requests else None
+    if failing == "http500":
         return _error(500, "backend exploded", "InternalServerError")
-    if cfg.fail == "echo400":  # like vLLM's validation errors: the input quoted, long values cut
+    if failing == "echo400":  # like vLLM's validation errors: the input quoted, long values cut
         quoted = repr(body.get("messages") or body.get("prompt"))
         quoted = quoted if len(quoted) <= 50 else quoted[:25] + "..." + quoted[-24:]
         return _error(400, f"1 validation error for Request: Input should be valid [input_value={quoted}]")
-    if cfg.fail == "http429":
+    if failing == "http429":
         return _error(429, "rate limited", "RateLimitError")
     invalid = _invalid(body, chat)
     if invalid is not None:
@@ -422,7 +427,7 @@ async def _version(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    return web.Response(text="")
+    return web.Response(text="", status=request.app[CONFIG].health_status)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -447,7 +452,17 @@ def make_backend_app(cfg: BackendConfig | None = None) -> web.Application:
     app.router.add_get("/version", _version)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.on_response_prepare.append(_own_headers)
     return app
+
+
+async def _own_headers(request: web.Request, response: web.StreamResponse) -> None:
+    if request.path.startswith("/v1/"):
+        extra = request.app[CONFIG].response_headers
+        for name, _ in extra:
+            response.headers.popall(name, None)  # (they replace the backend's own, Cache-Control among them)
+        for name, value in extra:
+            response.headers.add(name, value)
 
 
 @dataclass

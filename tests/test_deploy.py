@@ -102,6 +102,8 @@ def test_compose_arms_are_the_engines_plan(engine: str) -> None:
     for name, service in rendered["services"].items():
         if name == "specproxy":
             assert committed["services"][name]["command"] == service["command"]
+            assert committed["services"][name]["healthcheck"] == service["healthcheck"]
+            assert "/ready" in " ".join(service["healthcheck"]["test"])  # readiness, not liveness
             continue
         assert committed["services"][name] == service, f"{name} differs from `engines plan --format compose`"
     assert committed["configs"] == rendered["configs"]
@@ -189,6 +191,9 @@ def test_k8s_gpu_requests_and_proxy_shape() -> None:
     assert pod["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
     hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "specproxy" and hpa["spec"]["minReplicas"] >= 2
+    container = pod["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     pdb = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == proxy["spec"]["selector"]["matchLabels"]
 

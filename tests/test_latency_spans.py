@@ -14,7 +14,8 @@ import pytest
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import running_sim
-from specproxy.proxy.upstream.calls import _record_latency, new_record, upstream_request_id
+from specproxy.proxy.upstream.calls import new_record, upstream_request_id
+from specproxy.proxy.upstream.figures import record_latency
 from specproxy.proxy.upstream.latency import chunk_latency, quantile
 from specproxy.proxy.upstream.sse import CompletionTap
 from tests.proxies import running_proxy, spans, wait_for_calls
@@ -140,10 +141,10 @@ def test_a_stream_answered_in_one_chunk_has_no_tpot_or_itl() -> None:
     whole = {"choices": [{"index": 0, "delta": {"content": "a b c d"}, "token_ids": [1, 2, 3, 4]}]}
     tap.feed_data(orjson.dumps(whole), 10.2)
     record.e2e_s, record.ttft_s, record.completion_tokens = 0.5, 0.2, 4
-    _record_latency(record, tap)
+    record_latency(record, tap)
     assert record.tpot_s is None and record.chunk_gaps_us is None and record.itl_p50_s is None
     assert record.chunk_tokens == "4"
     tap.feed_data(orjson.dumps(whole), 10.4)  # a second chunk: now the time between tokens is seen
     record.completion_tokens = 8
-    _record_latency(record, tap)
+    record_latency(record, tap)
     assert record.tpot_s == pytest.approx(0.3 / 7) and record.chunk_gaps_us == "200000"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -109,7 +110,7 @@ class _Collect:
         self.status: int | None = None
         self.data = bytearray()
 
-    async def start(self, status: int, content_type: str) -> None:
+    async def start(self, status: int, content_type: str, headers: Sequence[tuple[str, str]] = ()) -> None:
         self.status = status
 
     def send(self, data: bytes) -> bool:

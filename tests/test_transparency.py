@@ -9,6 +9,7 @@ last chat chunk, ``usage`` next to ``choices`` on its last completions chunk, ``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ class _Sink:
     def __init__(self) -> None:
         self.data = bytearray()
 
-    async def start(self, status: int, content_type: str) -> None:
+    async def start(self, status: int, content_type: str, headers: Sequence[tuple[str, str]] = ()) -> None:
         pass
 
     def send(self, data: bytes) -> bool:
@@ -93,11 +94,12 @@ class _Sink:
 def test_a_held_finish_chunk_goes_out_before_done_when_no_usage_chunk_follows() -> None:
     """A backend that ignores include_usage: the finishing chunk held for its timings is released
     by the next event, [DONE], even when [DONE] arrives in a read of its own."""
-    from specproxy.proxy.upstream.calls import _StreamConsumer, _Strip
+    from specproxy.proxy.upstream.extras import Strip
+    from specproxy.proxy.upstream.relay import StreamConsumer
     from specproxy.proxy.upstream.sse import CompletionTap
 
     sink = _Sink()
-    consumer = _StreamConsumer(CompletionTap("chat"), sink, _Strip(usage=True))
+    consumer = StreamConsumer(CompletionTap("chat"), sink, Strip(usage=True))
     content = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": null}]}\n\n'
     finish = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\n\n'
     for read in (content, finish, b"data: [DONE]\n\n"):

@@ -33,7 +33,8 @@ FORMATS: tuple[Format, ...] = ("shell", "compose", "k8s")
 VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
 SPECPROXY_IMAGE = "specproxy:0.1.0"
 PROXY_PORT = 8000
-PROXY_HEALTH_PATH = "/health"
+PROXY_HEALTH_PATH = "/health"  # liveness: the process answers
+PROXY_READY_PATH = "/ready"  # readiness: the baseline answers and spans can be written
 CONFIG_MOUNT = "/etc/specproxy/experiment.toml"
 DATA_DIR = "/data"
 HF_CACHE = "/root/.cache/huggingface"
@@ -151,13 +152,13 @@ def _arm_container_args(exp: Experiment, arm: Arm, engine: Engine) -> list[str]:
     return argv
 
 
-def _health_probe_cmd(port: int) -> list[str]:
-    # Both images have Python; neither is promised to have curl.
+def _health_probe_cmd(port: int, path: str = "/health") -> list[str]:
+    # Both images have Python; neither is promised to have curl. (urlopen raises on a 503.)
     return [
         "CMD",
         "python3",
         "-c",
-        f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=5)",
+        f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=5)",
     ]
 
 
@@ -221,6 +222,14 @@ def compose_document(exp: Experiment, *, engine: Engine = "vllm") -> dict[str, A
         "ports": [f"{PROXY_PORT}:{PROXY_PORT}"],
         "volumes": [f"spans:{DATA_DIR}"],
         "depends_on": {service_name(a.name): {"condition": "service_healthy"} for a in exp.arms},
+        # Compose's "healthy" gates what depends on the proxy: its readiness, not its liveness.
+        "healthcheck": {
+            "test": _health_probe_cmd(PROXY_PORT, PROXY_READY_PATH),
+            "interval": "5s",
+            "timeout": "3s",
+            "retries": 3,
+            "start_period": "30s",
+        },
         "restart": "unless-stopped",
     }
     doc: dict[str, Any] = {
@@ -337,7 +346,8 @@ def k8s_documents(
             }
         )
     proxy_labels = _labels("specproxy")
-    proxy_probe = {"httpGet": {"path": PROXY_HEALTH_PATH, "port": PROXY_PORT}}
+    liveness = {"httpGet": {"path": PROXY_HEALTH_PATH, "port": PROXY_PORT}}
+    readiness = {"httpGet": {"path": PROXY_READY_PATH, "port": PROXY_PORT}}
     selector = {"app.kubernetes.io/name": "specproxy", "app.kubernetes.io/part-of": "specproxy"}
     docs.append(
         {
@@ -380,8 +390,10 @@ def k8s_documents(
                                     "requests": {"cpu": "1", "memory": "1Gi"},
                                     "limits": {"memory": "2Gi"},
                                 },
-                                "readinessProbe": {**proxy_probe, "periodSeconds": 5},
-                                "livenessProbe": {**proxy_probe, "periodSeconds": 20},
+                                # Out of the Service while the baseline is unreachable or spans cannot
+                                # be written; restarted only when the process stops answering.
+                                "readinessProbe": {**readiness, "periodSeconds": 5},
+                                "livenessProbe": {**liveness, "periodSeconds": 20},
                                 "securityContext": {
                                     "allowPrivilegeEscalation": False,
                                     "readOnlyRootFilesystem": True,

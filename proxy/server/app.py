@@ -7,6 +7,8 @@ Endpoints::
                                                  copies go to other arms (shadow / verify)
     GET  /v1/models                              the baseline's
     GET  /health                                 the proxy's own liveness
+    GET  /ready                                  readiness: 503 with the reasons while the baseline is
+                                                 unreachable or spans cannot be written (server.readiness)
     GET  /metrics                                the proxy's Prometheus metrics (server.metrics)
     POST /specproxy/scrape                       scrape every arm's /metrics now, under the phase
                                                  given ({"phase": "c=16 r1/3:before"}): how
@@ -36,13 +38,14 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
+from multidict import CIMultiDict
 
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.health import read_sim_clocks
@@ -55,9 +58,11 @@ from specproxy.proxy.server.errors import (
     openai_error,
     openai_errors,
 )
+from specproxy.proxy.server.headers import request_headers_for_arms, response_headers_for_client
 from specproxy.proxy.server.health import PhaseKey, ServeHealth
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specproxy.proxy.server.metrics import ProxyMetrics
+from specproxy.proxy.server.readiness import Readiness, SinkCounts
 from specproxy.proxy.server.routing import ArmRouter, Copy
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
 from specproxy.proxy.server.validate import ClientRequest, Rejected, expect_handler, read_request
@@ -66,12 +71,12 @@ from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, TraceParent, client_
 from specproxy.proxy.upstream.calls import (
     REQUEST_ID_HEADER,
     CallResult,
-    ClientGone,
     UpstreamState,
     UpstreamTimeout,
     call_arm,
     new_record,
 )
+from specproxy.proxy.upstream.relay import ClientGone
 from specproxy.proxy.upstream.scrape import EngineLoad, MetricsScraper
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint
 from specproxy.proxy.upstream.stacks import arm_auth, arm_stacks
@@ -121,6 +126,7 @@ class ProxyState:
     # arm name → its running/waiting gauges at the latest /metrics scrape (kept by the scraper)
     engine_load: dict[str, EngineLoad] = field(default_factory=dict)
     scraper: MetricsScraper | None = None  # None: --no-scrape
+    readiness: Readiness | None = None
 
     def finish(self, record: SpanRecord, parent: TraceParent | None = None) -> None:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
@@ -139,29 +145,31 @@ class ClientRelay:
     """Writes an upstream response to the client: SSE as it arrives, anything else in one piece.
 
     A stream's bytes go straight to the client's socket from the upstream connection's read callback
-    (see :class:`~specproxy.proxy.upstream.calls.Relay`): aiohttp sends the headers and, at the end, the last
+    (see :class:`~specproxy.proxy.upstream.relay.Relay`): aiohttp sends the headers and, at the end, the last
     chunk; in between this class frames each piece as an HTTP chunk itself, since a coroutine per
     relayed token (``StreamResponse.write``) costs more CPU than everything else the proxy does for it.
     """
 
-    __slots__ = ("request", "headers", "response", "writer", "chunked", "status", "content_type", "parts")
+    __slots__ = ("request", "own", "headers", "response", "writer", "chunked", "status", "parts")
 
     def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
         self.request = request
-        self.headers = headers
+        self.own = headers  # the proxy's headers (request id, arm)
+        self.headers: CIMultiDict[str] = CIMultiDict()  # the response's: the arm's, then the proxy's
         self.response: web.StreamResponse | None = None
         self.writer: AbstractStreamWriter | None = None
         self.chunked = False
         self.status = 0
-        self.content_type = "application/json"
         self.parts: list[bytes] = []
 
-    async def start(self, status: int, content_type: str) -> None:
-        self.status, self.content_type = status, content_type
+    async def start(self, status: int, content_type: str, headers: Sequence[tuple[str, str]] = ()) -> None:
+        self.status = status
+        self.headers = response_headers_for_client(headers)
+        self.headers.update(self.own)
+        self.headers["Content-Type"] = content_type  # as the backend sent it, parameters and all
         if content_type.split(";", 1)[0].strip().lower() == "text/event-stream":
+            self.headers.setdefault("Cache-Control", "no-cache")
             resp = web.StreamResponse(status=status, headers=self.headers)
-            resp.headers["Content-Type"] = content_type  # as the backend sent it, parameters and all
-            resp.headers["Cache-Control"] = "no-cache"
             if self.request.version >= aiohttp.HttpVersion11:
                 resp.enable_chunked_encoding()  # (an HTTP/1.0 client gets the body until close)
             writer = await resp.prepare(self.request)
@@ -206,16 +214,12 @@ class ClientRelay:
                 pass
             return self.response
         if self.status:
-            return web.Response(
-                status=self.status,
-                body=b"".join(self.parts),
-                headers={**self.headers, "Content-Type": self.content_type},
-            )
+            return web.Response(status=self.status, body=b"".join(self.parts), headers=self.headers)
         if rec is not None and rec.status == "timeout":
-            return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.headers)
+            return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.own)
         arm = rec.arm if rec is not None else "?"
         error = rec.error if rec is not None else "no response"
-        return openai_error(502, f"upstream {arm} failed: {error}", headers=self.headers)
+        return openai_error(502, f"upstream {arm} failed: {error}", headers=self.own)
 
 
 async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -236,16 +240,17 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     comparable = is_comparable(checked.body)
     plan = st.router.plan(checked.body, request.headers, comparable=comparable)
     primary = plan.primary
+    to_arms = request_headers_for_arms(request.headers.items())
     pair: IdentityPair | None = None
     if plan.copies:
         pair = IdentityPair(comparable, st.metrics.observe_identity) if comparable else None
-        _send_copies(st, plan.copies, checked, endpoint, trace_id, pair, parent)
+        _send_copies(st, plan.copies, checked, to_arms, endpoint, trace_id, pair, parent)
     record = _new_span(st, primary, plan.primary_routed_as, checked, endpoint, trace_id)
     relay = ClientRelay(request, {REQUEST_ID_HEADER: checked.request_id, ARM_HEADER: primary.name})
     result: CallResult | None = None
     tap = CompletionTap(endpoint)
     try:
-        result = await _call_primary(st, primary, checked.body, endpoint, record, relay, tap)
+        result = await _call_primary(st, primary, checked.body, to_arms, endpoint, record, relay, tap)
         if st.health is not None:
             st.health.queued(primary.name, result.t_send - handed_over)
         return await relay.finish(result)
@@ -276,6 +281,7 @@ async def _call_primary(
     st: ProxyState,
     primary: Arm,
     body: dict[str, Any],
+    headers: CIMultiDict[str],
     endpoint: Endpoint,
     record: SpanRecord,
     relay: ClientRelay,
@@ -290,6 +296,7 @@ async def _call_primary(
         endpoint=endpoint,
         record=record,
         relay=relay,
+        headers=headers,
         timeout=st.primary_timeout,
         state=st.upstream,
         capture_output=st.capture is not None,
@@ -357,6 +364,7 @@ def _send_copies(
     st: ProxyState,
     copies: tuple[Copy, ...],
     checked: ClientRequest,
+    headers: CIMultiDict[str],
     endpoint: Endpoint,
     trace_id: str,
     pair: IdentityPair | None,
@@ -367,7 +375,7 @@ def _send_copies(
     assert dispatcher is not None
     for copy in copies:
         rec = _new_span(st, copy.arm, copy.routed_as, checked, endpoint, trace_id)
-        dispatcher.send(copy, checked.body, rec, endpoint=endpoint, pair=pair, parent=parent)
+        dispatcher.send(copy, checked.body, rec, endpoint=endpoint, pair=pair, parent=parent, headers=headers)
 
 
 def _after_primary(
@@ -414,12 +422,16 @@ async def models(request: web.Request) -> web.StreamResponse:
     arm = st.settings.experiment.baseline
     assert st.session is not None
     try:
+        headers = request_headers_for_arms(request.headers.items())
+        headers.update(arm_auth(arm))
+        headers["Accept-Encoding"] = "identity"  # (the body is passed on as it came, not decoded)
         async with st.session.get(
-            f"{arm.url}/v1/models", headers=arm_auth(arm), timeout=st.primary_timeout.client_timeout()
+            f"{arm.url}/v1/models", headers=headers, timeout=st.primary_timeout.client_timeout()
         ) as resp:
             payload = await resp.read()
-            content_type = resp.headers.get("Content-Type", "application/json")
-            return web.Response(status=resp.status, body=payload, headers={"Content-Type": content_type})
+            return web.Response(
+                status=resp.status, body=payload, headers=response_headers_for_client(resp.headers.items())
+            )
     except TimeoutError:
         return openai_error(504, f"baseline {arm.name} did not answer GET /v1/models in time")
     except (aiohttp.ClientError, OSError) as exc:
@@ -429,6 +441,24 @@ async def models(request: web.Request) -> web.StreamResponse:
 async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
     return web.json_response({"status": "ok", "run_id": st.run_id, "mode": st.settings.experiment.mode})
+
+
+async def ready(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.shutdown_started is not None:
+        problems = ["shutting down"]
+    else:
+        assert st.readiness is not None
+        problems = await st.readiness.problems()
+    answer = {"status": "not ready" if problems else "ready", "run_id": st.run_id, "reasons": problems}
+    return web.json_response(answer, status=503 if problems else 200)
+
+
+def _sink_counts(st: ProxyState) -> SinkCounts | None:
+    sink = st.sink
+    if sink is None:
+        return None
+    return SinkCounts(sink.written, sink.failed, sink.queue_depth, st.settings.experiment.span_queue_size)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -567,6 +597,7 @@ def create_app(settings: ProxySettings) -> web.Application:
     app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/specproxy/scrape", scrape_phase)
     app.cleanup_ctx.append(_span_store)
@@ -642,6 +673,7 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, timeout=no_cap)
     client, shadow_client = UpstreamClient(), UpstreamClient()
     st.session, st.client = session, client
+    st.readiness = Readiness(st.settings.experiment.baseline, session, lambda: _sink_counts(st))
     st.dispatcher = ShadowDispatcher(
         shadow_client,
         timeout=st.shadow_timeout,

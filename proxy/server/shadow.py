@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -106,9 +106,11 @@ class ShadowDispatcher:
         endpoint: Endpoint,
         pair: IdentityPair | None,
         parent: TraceParent | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> bool:
         """Start one copy; False (and a ``dropped`` span) when the arm is at its bound or we are closing.
-        ``parent``: the trace context the copy's span belongs under (the client's traceparent)."""
+        ``parent``: the trace context the copy's span belongs under (the client's traceparent);
+        ``headers``: the client's end-to-end headers, sent on as they are to the primary."""
         arm = copy.arm
         n = self.inflight.get(arm.name, 0)
         if n >= arm.max_shadow_inflight or self._closing:
@@ -121,7 +123,7 @@ class ShadowDispatcher:
             self.emit(record, parent)
             return False
         self.inflight[arm.name] = n + 1
-        self.spawn(self._run(copy, body, record, endpoint, pair, parent, time.perf_counter()))
+        self.spawn(self._run(copy, body, record, endpoint, pair, parent, headers, time.perf_counter()))
         return True
 
     async def _run(
@@ -132,6 +134,7 @@ class ShadowDispatcher:
         endpoint: Endpoint,
         pair: IdentityPair | None,
         parent: TraceParent | None,
+        headers: Mapping[str, str] | None,
         handed_over: float,
     ) -> None:
         is_baseline = copy.arm.role == "baseline"
@@ -144,6 +147,7 @@ class ShadowDispatcher:
                 endpoint=endpoint,
                 record=record,
                 timeout=self.timeout,
+                headers=headers,
                 state=self.state,
                 capture_output=self.capture_output,
             )

@@ -1,7 +1,9 @@
 """One call to one arm: send a chat/completions request, optionally relay the response, fill its span.
 
 The proxy and ``specproxy replay`` both call arms through :func:`call_arm`, so a replayed call and a
-live one are measured the same way.
+live one are measured the same way. Its parts: :mod:`.extras` (what is asked of an arm beyond the
+client's request, and stripped again), :mod:`.relay` (the client side, and the per-read work of a
+stream), :mod:`.figures` (the span's figures once the call is over), :mod:`.wire` (the HTTP client).
 
 What :func:`call_arm` does:
 
@@ -47,23 +49,25 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import orjson
+from multidict import CIMultiDict
 
 from specproxy.config import Arm
 from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, new_span_id, new_trace_id, traceparent
-from specproxy.proxy.upstream.acceptance import MergeCalibration, speculation_for
-from specproxy.proxy.upstream.engines import engine_report
-from specproxy.proxy.upstream.latency import chunk_latency, tpot_s
+from specproxy.proxy.upstream.acceptance import MergeCalibration
+from specproxy.proxy.upstream.extras import REJECTION_MARKERS, Strip, strip_body, upstream_body
+from specproxy.proxy.upstream.figures import finish_record, record_engine_facts, record_latency
 from specproxy.proxy.upstream.redact import redact_request_text
-from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, MalformedEvent, SSEEvent, SSEParser
-from specproxy.proxy.upstream.tokens import ChunkEvidence, count_completion_tokens, load_tokenizer
+from specproxy.proxy.upstream.relay import ClientGone, Relay, StreamConsumer, relay_drain, relay_send
+from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, MalformedEvent
+from specproxy.proxy.upstream.tokens import ChunkEvidence
 from specproxy.proxy.upstream.wire import Exchange, UpstreamClient
-from specproxy.record import RoutedAs, Source, SpanRecord, decode_tok_s, fit_to_columns
+from specproxy.record import RoutedAs, Source, SpanRecord, fit_to_columns
 
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 CATEGORY_HEADER = "X-Specproxy-Category"
@@ -101,37 +105,6 @@ def upstream_request_id(request_id: str) -> str:
     name = request_id.encode("utf-8", "surrogateescape")
     digest = hashlib.sha1(_REQUEST_ID_NAMESPACE.bytes + name, usedforsecurity=False).digest()
     return str(uuid.UUID(bytes=digest[:16], version=5))
-
-
-# Words in a 400/422 body that mean "this backend does not know vLLM's extensions".
-_REJECTION_MARKERS = (
-    b"stream_options",
-    b"continuous_usage_stats",
-    b"return_token_ids",
-    b"nrecognized",
-    b"xtra",
-    b"not permitted",
-    b"unknown field",
-)
-
-
-class ClientGone(Exception):
-    """Raised by a :class:`Relay` when the client it writes to has disconnected."""
-
-
-class Relay(Protocol):
-    """Where a relayed response goes (the proxy's client response)."""
-
-    async def start(self, status: int, content_type: str) -> None:
-        """Called once, before the first send, with the upstream status and its Content-Type header
-        (parameters included: ``application/json; charset=utf-8``)."""
-
-    def send(self, data: bytes) -> bool:
-        """Bytes for the client, in order, handed over at once (never blocks; raises
-        :class:`ClientGone`). True when the client's buffer is full: await :meth:`drain` before more."""
-
-    async def drain(self) -> None:
-        """Until the client has taken what was sent (the backpressure)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,23 +156,6 @@ class UpstreamState:
 
 
 DEFAULT_STATE = UpstreamState()
-
-
-@dataclass(slots=True)
-class _Strip:
-    """What to remove from the upstream response because the proxy, not the client, asked for it."""
-
-    usage: bool = False  # client did not ask include_usage: drop the usage-only chunk and null usages
-    chunk_usage: bool = False  # client did not ask continuous stats: drop usage beside choices
-    token_ids: bool = False  # client did not ask return_token_ids
-    # vLLM sends `"token_ids": null` when not asked: the value goes back to null, the key stays.
-    # Another backend's unasked ids are removed with their key.
-    null_ids: bool = False
-    added: bool = False  # the body sent upstream holds something the client did not send
-
-    @property
-    def any(self) -> bool:
-        return self.usage or self.chunk_usage or self.token_ids
 
 
 @dataclass(slots=True)
@@ -300,102 +256,6 @@ def new_record(
     )
 
 
-def _upstream_body(
-    arm: Arm, body: dict[str, Any], *, with_extensions: bool, with_usage: bool = True
-) -> tuple[bytes, _Strip]:
-    """The body sent upstream and what must be stripped from its response for the client.
-
-    ``with_usage``: ask a stream for the standard final usage even without vLLM's extensions."""
-    strip = _Strip()
-    if not with_extensions:
-        return _with_standard_usage(body, strip) if with_usage else orjson.dumps(body), strip
-    out = dict(body)
-    if body.get("stream"):
-        opts = body.get("stream_options")
-        client_opts = opts if isinstance(opts, dict) else {}
-        strip.usage = not client_opts.get("include_usage")
-        # Per-chunk usage (tokens per chunk) only where the stream's shape is measured: arms with
-        # speculation. Other arms (the production baseline among them) only add the final usage
-        # chunk, so their chunks reach the client byte for byte and cost the server nothing extra.
-        continuous = arm.spec_method != "none" or bool(client_opts.get("continuous_usage_stats"))
-        strip.chunk_usage = continuous and not client_opts.get("continuous_usage_stats")
-        out["stream_options"] = {**client_opts, "include_usage": True, "continuous_usage_stats": continuous}
-    if arm.return_token_ids:
-        strip.token_ids = not body.get("return_token_ids")
-        out["return_token_ids"] = True
-    strip.added = out != body
-    return orjson.dumps(out), strip
-
-
-def _with_standard_usage(body: dict[str, Any], strip: _Strip) -> bytes:
-    """A stream's body asking for ``stream_options.include_usage`` (OpenAI's own option)."""
-    opts = body.get("stream_options")
-    client_opts = opts if isinstance(opts, dict) else {}
-    if not body.get("stream") or client_opts.get("include_usage"):
-        return orjson.dumps(body)
-    strip.usage = strip.added = True
-    return orjson.dumps({**body, "stream_options": {**client_opts, "include_usage": True}})
-
-
-DROP, KEEP, CHANGED = 0, 1, 2
-
-
-def _strip_chunk(obj: dict[str, Any], strip: _Strip, per_chunk_usage: bool = True) -> int:
-    """Remove what the client did not ask for from one chunk: DROP the event, KEEP it as received, or
-    send it CHANGED (re-serialised). ``per_chunk_usage``: the stream's first chunk carried a usage
-    (continuous usage); without it a usage beside choices is the engine's own final count."""
-    choices = obj.get("choices")
-    changed = False
-    if "usage" in obj:
-        if not choices:
-            if strip.usage:
-                return DROP
-        elif (strip.chunk_usage and per_chunk_usage) or (strip.usage and obj["usage"] is None):
-            # A usage beside choices that the proxy did not cause stays: llama-server ends every
-            # streamed /v1/completions with its usage there, asked or not.
-            changed = _pop(obj, "usage")
-    if strip.token_ids:
-        unset = _null if strip.null_ids or _vllm_shaped(obj) else _pop
-        changed = unset(obj, "prompt_token_ids") or changed
-        for c in choices or ():
-            changed = unset(c, "token_ids") or changed
-            changed = unset(c, "prompt_token_ids") or changed
-    return CHANGED if changed else KEEP
-
-
-def _vllm_shaped(obj: dict[str, Any]) -> bool:
-    # Fields only vLLM's response models have (ChatCompletionStreamResponse, CompletionResponse).
-    return "kv_transfer_params" in obj or "prompt_text" in obj
-
-
-def _null(d: dict[str, Any], key: str) -> bool:
-    if d.get(key) is not None:
-        d[key] = None
-        return True
-    return False
-
-
-def _pop(d: dict[str, Any], key: str) -> bool:
-    if key in d:
-        del d[key]
-        return True
-    return False
-
-
-def _strip_body(body: bytes, strip: _Strip) -> bytes:
-    """A non-streaming response without the token ids the proxy added (unchanged when nothing to do)."""
-    if not strip.token_ids:
-        return body
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return body
-    if not isinstance(obj, dict):
-        return body
-    _strip_chunk(obj, _Strip(token_ids=True, null_ids=strip.null_ids))
-    return orjson.dumps(obj)
-
-
 def _error_message(body: bytes) -> str:
     try:
         obj = orjson.loads(body)
@@ -414,18 +274,20 @@ def _headers(
     arm: Arm,
     request_id: str,
     category: str | None,
-    extra: dict[str, str] | None,
+    extra: Mapping[str, str] | None,
     trace_id: str = "",
     span_id: str = "",
-) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: upstream_request_id(request_id)}
+) -> CIMultiDict[str]:
+    """The request headers of one call: ``extra`` (the client's end-to-end headers, or replay's phase
+    headers) with the proxy's own set over them."""
+    headers: CIMultiDict[str] = CIMultiDict(extra) if extra else CIMultiDict()
+    headers["Content-Type"] = "application/json"
+    headers[REQUEST_ID_HEADER] = upstream_request_id(request_id)
     if trace_id and span_id:
         # The arm's own tracing (vLLM --otlp-traces-endpoint) then nests under this call's span.
         headers[TRACEPARENT_HEADER] = traceparent(trace_id, span_id)
     if category:
         headers[CATEGORY_HEADER] = category
-    if extra:
-        headers.update(extra)
     if arm.api_key_env:
         key = os.environ.get(arm.api_key_env)
         if key:
@@ -442,7 +304,7 @@ async def call_arm(
     record: SpanRecord,
     relay: Relay | None = None,
     timeout: UpstreamTimeout | None = None,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     capture_output: bool = False,
     state: UpstreamState | None = None,
     tap: CompletionTap | None = None,
@@ -508,15 +370,15 @@ class _Asks:
         usage = engine != "llamacpp" and not state.refuses(state.rejects_stream_options, arm.url)
         return cls(arm, state, extensions, usage)
 
-    def body(self, body: dict[str, Any]) -> tuple[bytes, _Strip]:
+    def body(self, body: dict[str, Any]) -> tuple[bytes, Strip]:
         """The body to send now and what to strip from its response."""
-        data, strip = _upstream_body(self.arm, body, with_extensions=self.extensions, with_usage=self.usage)
+        data, strip = upstream_body(self.arm, body, with_extensions=self.extensions, with_usage=self.usage)
         strip.null_ids = self.state.engine_of(self.arm) == "vllm"
         return data, strip
 
-    def drop_refused(self, status: int, err_body: bytes, strip: _Strip) -> bool:
+    def drop_refused(self, status: int, err_body: bytes, strip: Strip) -> bool:
         """Whether this error refuses something the proxy added, and the next try leaves it out."""
-        rejected = status in (400, 422) and strip.added and any(m in err_body for m in _REJECTION_MARKERS)
+        rejected = status in (400, 422) and strip.added and any(m in err_body for m in REJECTION_MARKERS)
         if rejected and self.extensions and self.arm.vllm_extensions == "auto":
             self.extensions = False
             self.left_out.append(self.state.rejects_extensions)
@@ -536,7 +398,7 @@ class _Asks:
 async def _exchange(
     client: UpstreamClient,
     url: str,
-    headers: dict[str, str],
+    headers: Mapping[str, str],
     body: dict[str, Any],
     timeout: UpstreamTimeout,
     relay: Relay | None,
@@ -576,11 +438,11 @@ async def _pass_http_error(ex: Exchange, err_body: bytes, relay: Relay | None, r
     result.record.status = "http_error"
     result.record.error = _error_message(err_body)
     if relay is not None:
-        await _relay_start(relay, result, ex.status, _content_type(ex))
+        await _relay_start(relay, result, ex)
         await _relay_body(relay, err_body)
 
 
-async def _read_answer(ex: Exchange, relay: Relay | None, strip: _Strip, result: CallResult) -> None:
+async def _read_answer(ex: Exchange, relay: Relay | None, strip: Strip, result: CallResult) -> None:
     """Relay and tap a successful response, a stream or a JSON body, and judge what it held."""
     record, tap = result.record, result.tap
     if ex.content_type == "text/event-stream":
@@ -603,8 +465,8 @@ async def _read_answer(ex: Exchange, relay: Relay | None, strip: _Strip, result:
             record.status = "upstream_error"
             record.error = tap.malformed or "response is not a JSON object"
         elif relay is not None:
-            await _relay_start(relay, result, ex.status, _content_type(ex))
-            await _relay_body(relay, _strip_body(payload, strip))
+            await _relay_start(relay, result, ex)
+            await _relay_body(relay, strip_body(payload, strip))
     if tap.error is not None:
         record.status = "upstream_error"
         record.error = _error_message(orjson.dumps({"error": tap.error}))
@@ -639,9 +501,9 @@ def _settle_record(
     record, tap = result.record, result.tap
     if record.error and not capture_output and (record.status == "http_error" or tap.error is not None):
         record.error = redact_request_text(record.error, body)  # the arm's text may quote the prompt
-    _finish_record(record, arm, tap, result.t_send, result.t_end, capture_output)
-    _record_engine_facts(record, arm, tap, state)
-    _record_latency(record, tap)
+    finish_record(record, arm, tap, result.t_send, result.t_end, capture_output)
+    record_engine_facts(record, arm, tap, state)
+    record_latency(record, tap)
     # Values from the client and the backend (a seed of 2**64 - 1, an undecodable request id) are made
     # to fit the store's columns here, each change noted in the record, so no row is lost to them.
     fit_to_columns(record)
@@ -652,254 +514,30 @@ def _content_type(ex: Exchange) -> str:
     return ex.headers.get("content-type") or ex.content_type
 
 
-async def _relay_start(relay: Relay, result: CallResult, status: int, content_type: str) -> None:
+async def _relay_start(relay: Relay, result: CallResult, ex: Exchange) -> None:
     result.relay_started = True
     try:
-        await relay.start(status, content_type)
-    except ConnectionError as exc:  # (aiohttp's ClientConnectionResetError is one)
-        raise ClientGone() from exc
-
-
-def _relay_send(relay: Relay, data: bytes) -> bool:
-    try:
-        return relay.send(data)
-    except ConnectionError as exc:  # (aiohttp's ClientConnectionResetError is one)
-        raise ClientGone() from exc
-
-
-async def _relay_drain(relay: Relay) -> None:
-    try:
-        await relay.drain()
+        await relay.start(ex.status, _content_type(ex), ex.header_items)
     except ConnectionError as exc:  # (aiohttp's ClientConnectionResetError is one)
         raise ClientGone() from exc
 
 
 async def _relay_body(relay: Relay, data: bytes) -> None:
-    if _relay_send(relay, data):
-        await _relay_drain(relay)
+    if relay_send(relay, data):
+        await relay_drain(relay)
 
 
 async def _read_stream(
-    ex: Exchange, tap: CompletionTap, relay: Relay | None, strip: _Strip, result: CallResult
+    ex: Exchange, tap: CompletionTap, relay: Relay | None, strip: Strip, result: CallResult
 ) -> None:
-    """Relay and tap a streamed body. The work per read happens in :class:`_StreamConsumer`, called from
+    """Relay and tap a streamed body. The work per read happens in :class:`StreamConsumer`, called from
     the connection's read callback; this coroutine only waits for the end, or for a full client."""
     if relay is not None:
-        await _relay_start(relay, result, ex.status, _content_type(ex))
-    consumer = _StreamConsumer(tap, relay, strip)
+        await _relay_start(relay, result, ex)
+    consumer = StreamConsumer(tap, relay, strip)
     ex.consume(consumer)
     while not await ex.wait():
         assert relay is not None  # only a relay asks to pause
-        await _relay_drain(relay)
+        await relay_drain(relay)
         ex.resume()
     consumer.flush()
-
-
-class _StreamConsumer:
-    """One read of a streamed body: forward it (or its stripped events) to the relay, feed the tap.
-
-    Runs inside the upstream connection's ``data_received``; returns True when the client's buffer is
-    full (the connection then stops reading until the client has caught up)."""
-
-    __slots__ = ("parser", "tap", "relay", "strip", "rewrite", "usage_only", "rewriter")
-
-    def __init__(self, tap: CompletionTap, relay: Relay | None, strip: _Strip) -> None:
-        self.parser = SSEParser()
-        self.tap = tap
-        self.relay = relay
-        self.strip = strip
-        self.rewrite = relay is not None and strip.any
-        # Only a usage object can need stripping when the proxy asked for nothing but the final usage: a
-        # read of whole events without one is forwarded as received (a JSON string holds `\"usage\"`,
-        # never `"usage"`).
-        self.usage_only = strip.usage and not strip.token_ids
-        self.rewriter = _EventRewriter(tap, strip)
-
-    def __call__(self, raw: bytes) -> bool:
-        now = time.perf_counter()
-        parser, tap, relay = self.parser, self.tap, self.relay
-        rewrite = self.rewrite and not (
-            self.usage_only
-            and not parser.pending
-            and raw.endswith(b"\n\n")
-            and b'"usage"' not in raw
-            and not self.rewriter.held
-            and not self.rewriter.holds_finish(raw)
-        )
-        pause = False
-        if relay is not None and not rewrite:
-            # Forward first, parse after: the client's latency does not include our parsing.
-            pause = _relay_send(relay, raw)
-        events = parser.feed(raw)
-        was_done = tap.done
-        if rewrite:
-            out = self.rewriter.events(events, now)
-            if out and relay is not None:
-                pause = _relay_send(relay, out)
-        else:
-            for ev in events:
-                if ev.data is not None:
-                    tap.feed_data(ev.data, now)
-        if tap.malformed is not None:
-            # Ends the exchange (the upstream connection closes) and the call: an upstream_error.
-            raise MalformedEvent(tap.malformed)
-        if tap.done and not was_done:
-            # The final event has reached the client (or there is no client): the call is complete.
-            tap.relayed_done = now
-        return pause
-
-    def flush(self) -> None:
-        """The end of the body: an event left without its blank line (a truncated stream)."""
-        now = time.perf_counter()
-        tap = self.tap
-        for ev in self.parser.flush():
-            was_done = tap.done
-            if ev.data is not None:
-                tap.feed_data(ev.data, now)
-            if self.rewrite and self.relay is not None:
-                _relay_send(self.relay, self.rewriter.release() + ev.raw)
-            if tap.done and not was_done:
-                tap.relayed_done = now
-        held = self.rewriter.release()
-        if held and self.relay is not None:
-            _relay_send(self.relay, held)
-        if tap.malformed is not None:
-            raise MalformedEvent(tap.malformed)
-
-
-# Keys an engine moves from a stream's last chunk onto the usage-only chunk when include_usage is asked
-# for (llama-server's `timings`): given back to the finishing chunk when the proxy drops the usage.
-_MOVED_TO_USAGE_CHUNK = ("timings",)
-
-
-class _EventRewriter:
-    """The rewritten events of a stream whose extensions the client did not ask for.
-
-    llama-server puts ``timings`` on the last chunk of a chat stream, which is the usage-only chunk
-    when ``include_usage`` was asked for (tools/server/server-task.cpp,
-    ``to_json_oaicompat_chat_stream``). So when the proxy asked for the usage and drops that chunk, the
-    chunk that finished the choice is held until the next event and gets those keys back: the client
-    sees the chunk the engine would have sent it."""
-
-    __slots__ = ("tap", "strip", "hold", "held", "held_obj")
-
-    def __init__(self, tap: CompletionTap, strip: _Strip) -> None:
-        self.tap = tap
-        self.strip = strip
-        self.hold = strip.usage and tap.endpoint == "chat"
-        self.held = b""
-        self.held_obj: dict[str, Any] | None = None
-
-    def holds_finish(self, raw: bytes) -> bool:
-        """Does this read hold a finishing chat chunk that must wait for the next event?"""
-        return self.hold and (b'"finish_reason":"' in raw or b'"finish_reason": "' in raw)
-
-    def events(self, events: list[SSEEvent], now: float) -> bytes:
-        out: list[bytes] = []
-        for ev in events:
-            obj = self.tap.feed_data(ev.data, now) if ev.data is not None else None
-            if obj is None:
-                out.append(self.release() + ev.raw)
-                continue
-            action = _strip_chunk(obj, self.strip, bool(self.tap.usage_from_first_chunk))
-            if action == DROP:
-                out.append(self._release_with(obj))
-                continue
-            data = ev.raw if action == KEEP else b"data: " + orjson.dumps(obj) + b"\n\n"
-            out.append(self.release())
-            if self.hold and any(c.get("finish_reason") for c in obj.get("choices") or ()):
-                self.held, self.held_obj = data, obj
-            else:
-                out.append(data)
-        return b"".join(out)
-
-    def release(self) -> bytes:
-        """The held chunk as it was (nothing to give back to it)."""
-        held, self.held, self.held_obj = self.held, b"", None
-        return held
-
-    def _release_with(self, dropped: dict[str, Any]) -> bytes:
-        extra = {k: dropped[k] for k in _MOVED_TO_USAGE_CHUNK if k in dropped}
-        if not extra or self.held_obj is None:
-            return self.release()
-        obj = {**self.held_obj, **extra}
-        self.held, self.held_obj = b"", None
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def _finish_record(
-    record: SpanRecord, arm: Arm, tap: CompletionTap, t_send: float, t_end: float | None, capture: bool
-) -> None:
-    end = t_end if t_end is not None else time.perf_counter()
-    record.t_start = datetime.fromtimestamp((record.t_start_ns or 0) / 1e9, UTC)
-    record.e2e_s = end - t_send
-    streamed = record.stream
-    if streamed and tap.t_first is not None:
-        record.ttft_s = tap.t_first - t_send
-        record.chunks = tap.chunks
-    record.completion_tokens = tap.completion_tokens
-    if tap.prompt_tokens is not None:
-        record.prompt_tokens = tap.prompt_tokens
-    if streamed:
-        record.decode_tok_s = decode_tok_s(record.completion_tokens, tap.t_first, tap.t_last)
-    record.finish_reason = tap.finish_reason
-    text = tap.text()
-    if text or tap.t_first is not None:
-        record.output_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    if capture:
-        record.output_text = text
-
-
-def _record_engine_facts(record: SpanRecord, arm: Arm, tap: CompletionTap, state: UpstreamState) -> None:
-    """What the engine told about the call (its name, queueing, speculation) and the completion tokens
-    with their source: the parts of a span that depend on which engine answered."""
-    if tap.engine_hint is not None and arm.url not in state.engines:
-        state.engines[arm.url] = tap.engine_hint
-    engine = arm.engine_kind if arm.engine_kind != "auto" else tap.engine_hint or state.engine_of(arm)
-    record.engine = engine
-    report = engine_report(tap, engine)
-    if report is not None:
-        record.queue_s = report.queue_s
-    tokenizer = load_tokenizer(arm.tokenizer) if arm.tokenizer else None
-    count = count_completion_tokens(
-        tap,
-        arm,
-        state.chunk_evidence,
-        tokenizer=tokenizer,
-        reported=report.completion_tokens if report is not None else None,
-        complete=record.status == "ok",
-        engine=engine,
-    )
-    record.completion_tokens, record.tokens_source = count.tokens, count.source
-    if record.stream:
-        record.decode_tok_s = decode_tok_s(record.completion_tokens, tap.t_first, tap.t_last)
-    spec, record.spec_source = speculation_for(tap, arm, report, state.merging)
-    if spec is not None:
-        record.num_drafts = spec.num_drafts
-        record.draft_tokens = spec.draft_tokens
-        record.accepted_tokens = spec.accepted_tokens
-        record.acceptance_length = spec.acceptance_length
-
-
-def _record_latency(record: SpanRecord, tap: CompletionTap) -> None:
-    """TPOT, inter-token latency and the chunk gaps and sizes of a streamed call (see .latency); after
-    :func:`_record_engine_facts`, which settles ``completion_tokens``."""
-    if not record.stream:
-        return
-    if len(tap.chunk_times) >= 2:
-        # One chunk (or a whole JSON body to a stream request) shows no time between tokens.
-        record.tpot_s = tpot_s(record.e2e_s, record.ttft_s, record.completion_tokens)
-    lat = chunk_latency(
-        tap.chunk_times, tap.tokens_per_chunk, tokens_exact=tap.count_source in _EXACT_CHUNK_COUNTS
-    )
-    record.chunk_gaps_us, record.chunk_tokens = lat.gaps_us, lat.tokens
-    record.itl_p50_s, record.itl_p95_s, record.itl_p99_s, record.itl_max_s = (
-        lat.p50_s,
-        lat.p95_s,
-        lat.p99_s,
-        lat.max_s,
-    )
-
-
-# How the tap counted tokens per chunk when each chunk's count is the engine's own (exact).
-_EXACT_CHUNK_COUNTS = ("token_ids", "continuous_usage")

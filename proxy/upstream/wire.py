@@ -104,6 +104,7 @@ class Exchange:
     __slots__ = (
         "status",
         "headers",
+        "header_items",
         "content_type",
         "_conn",
         "_head",
@@ -120,6 +121,7 @@ class Exchange:
         loop = conn.loop
         self.status = 0
         self.headers: dict[str, str] = {}  # lower-case names; a repeated header keeps its last value
+        self.header_items: list[tuple[str, str]] = []  # every header as sent, lower-case names, in order
         self.content_type = ""  # the media type, lower-case, without parameters (like aiohttp's)
         self._conn = conn
         self._head: asyncio.Future[None] = loop.create_future()
@@ -193,9 +195,10 @@ class Exchange:
 
     # -- the connection's side --------------------------------------------------------------------
 
-    def _on_headers(self, status: int, headers: dict[str, str], http11: bool) -> None:
+    def _on_headers(self, status: int, items: list[tuple[str, str]], http11: bool) -> None:
         self.status = status
-        self.headers = headers
+        self.header_items = items
+        self.headers = headers = dict(items)
         self.content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         connection = headers.get("connection", "").lower()
         self._keep_alive = http11 and "close" not in connection
@@ -309,7 +312,7 @@ class _Connection(asyncio.Protocol):
         items, self._header_items = self._header_items, []
         if 100 <= status < 200:
             return  # an interim response (100 Continue): the real one follows
-        headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in items}
+        headers = [(n.decode("latin-1").lower(), v.decode("latin-1")) for n, v in items]
         self.exchange._on_headers(status, headers, self.parser.get_http_version() == "1.1")
 
     def on_body(self, body: bytes) -> None:
@@ -448,9 +451,10 @@ class UpstreamClient:
             f"POST {target} HTTP/1.1",
             f"Host: {origin.host_header}",
             f"Content-Length: {len(body)}",
-            f"User-Agent: {USER_AGENT}",
             "Accept-Encoding: identity",
         ]
+        if "User-Agent" not in headers:  # (a client's, relayed by the proxy, replaces ours)
+            lines.append(f"User-Agent: {USER_AGENT}")
         # Values the caller took from a client (request id, category) may hold anything: what is not
         # printable ASCII is percent-encoded rather than sent as bytes a server may reject or mangle.
         lines += (f"{name}: {header_safe(value)}" for name, value in headers.items())

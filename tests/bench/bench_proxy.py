@@ -284,6 +284,13 @@ import sys, time
 import orjson
 from specproxy.config import Arm
 from specproxy.proxy.upstream import calls
+try:
+    from specproxy.proxy.upstream import extras, figures, relay
+    Consumer, Strip, finish_record = relay.StreamConsumer, extras.Strip, figures.finish_record
+    engine_facts, record_latency = figures.record_engine_facts, figures.record_latency
+except ImportError:  # a tree from before calls.py was split in three
+    Consumer, Strip, finish_record = calls._StreamConsumer, calls._Strip, calls._finish_record
+    engine_facts, record_latency = calls._record_engine_facts, getattr(calls, "_record_latency", None)
 tokens, streams = 64, int(sys.argv[1])
 head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 def event(delta, finish=None):
@@ -300,16 +307,15 @@ state = calls.UpstreamState()
 def one():
     rec = calls.new_record("r", "q", arm, body, endpoint="chat", routed_as="split")
     tap = calls.CompletionTap("chat")
-    consumer = calls._StreamConsumer(tap, None, calls._Strip())
+    consumer = Consumer(tap, None, Strip())
     t0 = time.perf_counter()
     for raw in reads:
         consumer(raw)
     consumer.flush()
-    calls._finish_record(rec, arm, tap, t0, time.perf_counter(), False)
-    calls._record_engine_facts(rec, arm, tap, state)
-    finish = getattr(calls, "_record_latency", None)
-    if finish is not None:
-        finish(rec, tap)
+    finish_record(rec, arm, tap, t0, time.perf_counter(), False)
+    engine_facts(rec, arm, tap, state)
+    if record_latency is not None:
+        record_latency(rec, tap)
 for _ in range(200):
     one()
 best = []

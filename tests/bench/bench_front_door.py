@@ -1,0 +1,658 @@
+"""The front door at production speed: what specproxy adds in front of a streaming backend, beside nginx.
+
+    python tests/bench/bench_front_door.py --out /tmp/front-door                  # the default run
+    python tests/bench/bench_front_door.py --out DIR --levels 1,64,256 --workers 4 --scaling 1,2,4,8
+
+Needs only the installed specproxy (its aiohttp/uvloop) and, for the nginx column, Debian's nginx on
+PATH (`apt-get install -y nginx`; without it that column is skipped, and the output says so). Everything
+else is in this file, in subprocesses of it:
+
+- the backend: a minimal streaming server (asyncio.Protocol, keep-alive, chunked SSE) with a 20 ms TTFT,
+  10 ms per token, 64 tokens, one token per chunk; ``--backend-procs`` processes share each port
+  (SO_REUSEPORT); the baseline's port and, for shadow, the candidate's;
+- the load generator: ``--client-procs`` processes, closed loop (c streams always in flight, spread
+  over the processes), a raw HTTP/1.1 client with one keep-alive connection per stream: the first
+  content chunk's arrival is the TTFT, every ``data: {`` event a relayed chunk;
+- the targets: ``direct`` (the backend), ``nginx`` (one worker, upstream keepalive,
+  ``proxy_buffering off``, a temp config in a temp dir), ``split`` and ``shadow`` (``specproxy serve``,
+  one process), and ``split-wN`` / ``shadow-wN`` (``--workers N``).
+
+For each round, level and target (the order rotates every round) the load runs ``--warmup`` + ``--duration``
+seconds. Per target and level it prints the medians over rounds (>= 2) of: added p50 TTFT against
+direct (the target's p50 minus direct's of the same round), p99 TTFT, relayed chunks/s, and CPU per
+request of the target's processes (nginx: master + worker; specproxy: the serve process and its
+workers; from /proc). ``--scaling 1,2,4,8`` then measures relayed chunks/s of split with N workers at
+``--scaling-concurrency`` streams with a faster backend (``--scaling-itl-ms``, sent as a request header
+the proxy relays), the load that saturates one worker, beside 0.8 x N x one worker's.
+
+Validity: the load generator, backends and targets share the machine's cores. On a machine with few
+cores the figures say how the targets compare within one run, not what each costs alone; the JSON
+records the cores, the load average before the run, and each figure's spread over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOKENS = 64
+EVENT = (
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":" w"},"logprobs":null,"finish_reason":null}]}\n\n'
+)
+LAST = EVENT.replace(b'"finish_reason":null', b'"finish_reason":"length"')
+DONE = b"data: [DONE]\n\n"
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+ITL_HEADER = b"X-Bench-Itl-Ms"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _header_value(head: bytes, name: bytes) -> bytes | None:
+    """A header's value in a lower-cased request head that ends with CRLF (None: absent)."""
+    at = head.find(b"\r\n" + name + b":")
+    if at < 0:
+        return None
+    start = at + len(name) + 3
+    return head[start : head.index(b"\r\n", start)].strip()
+
+
+class BackendStream(asyncio.Protocol):
+    """One client connection of the minimal backend: every POST gets a 64-token stream, any GET a 200."""
+
+    def __init__(self, ttft_s: float, itl_s: float) -> None:
+        self.ttft_s, self.itl_s = ttft_s, itl_s
+        self.buf = b""
+        self.timer: asyncio.TimerHandle | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # (uvloop's is not an asyncio.Transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buf[:end].lower() + b"\r\n"
+        length = int(_header_value(head, b"content-length") or 0)
+        if len(self.buf) < end + 4 + length:
+            return
+        self.buf = self.buf[end + 4 + length :]
+        assert self.transport is not None
+        if not head.startswith(b"post"):
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+            )
+            return
+        itl = _header_value(head, ITL_HEADER.lower())
+        itl_s = float(itl) / 1000 if itl else self.itl_s
+        self.transport.write(STREAM_HEAD)
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(self.ttft_s, self._token, 0, itl_s, loop)
+
+    def _token(self, i: int, itl_s: float, loop: asyncio.AbstractEventLoop) -> None:
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return
+        if i < TOKENS - 1:
+            self.transport.write(_chunk(EVENT))
+            self.timer = loop.call_later(itl_s, self._token, i + 1, itl_s, loop)
+        else:
+            self.transport.write(_chunk(LAST) + _chunk(DONE) + b"0\r\n\r\n")
+            self.timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+async def serve_backend(port: int, ttft_s: float, itl_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: BackendStream(ttft_s, itl_s), "127.0.0.1", port, reuse_port=True, backlog=4096
+    )
+    async with server:
+        await server.serve_forever()
+
+
+@dataclass
+class LoadResult:
+    ttfts: list[float] = field(default_factory=list)
+    chunks: int = 0  # relayed chunks received inside the measured window
+    requests: int = 0  # completed inside the measured window
+    all_requests: int = 0  # completed, warm-up included (for CPU per request)
+    errors: int = 0
+    duration: float = 0.0
+
+
+class ClientStream(asyncio.Protocol):
+    """One closed-loop stream: sends a request, reads its answer to the end, sends the next."""
+
+    def __init__(
+        self, request: bytes, res: LoadResult, window: tuple[float, float], done: asyncio.Future[None]
+    ):
+        self.request, self.res, self.window, self.done = request, res, window, done
+        self.transport: asyncio.Transport | None = None
+        self.tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # (uvloop's is not an asyncio.Transport)
+        self._send()
+
+    def _send(self) -> None:
+        assert self.transport is not None
+        now = time.perf_counter()
+        if now >= self.window[1]:
+            self.transport.close()
+            return
+        self.t0, self.first, self.tail, self.head_seen = now, 0.0, b"", False
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        seen = self.tail + data
+        if not self.head_seen:
+            if not seen.startswith(b"HTTP/1.1 200"):
+                self.res.errors += 1
+                assert self.transport is not None
+                self.transport.close()
+                return
+            self.head_seen = True
+        events = seen.count(b"data: {") - self.tail.count(b"data: {")
+        if events and not self.first:
+            self.first = now
+        if self.window[0] <= now < self.window[1]:
+            self.res.chunks += events
+        self.tail = seen[-24:]
+        if seen.endswith(b"0\r\n\r\n") and b"[DONE]" in seen[-40:]:  # the last event, then the last chunk
+            self._finished(now)
+
+    def _finished(self, now: float) -> None:
+        self.res.all_requests += 1
+        if self.window[0] <= self.t0 and now < self.window[1]:
+            self.res.requests += 1
+            self.res.ttfts.append(self.first - self.t0)
+        self._send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+def _stream_factory(
+    request: bytes, res: LoadResult, window: tuple[float, float], done: asyncio.Future[None]
+) -> Callable[[], ClientStream]:
+    return lambda: ClientStream(request, res, window, done)
+
+
+async def run_clients(
+    host: str, port: int, streams: int, warmup: float, duration: float, itl_ms: float
+) -> LoadResult:
+    body = b'{"model":"m","stream":true,"max_tokens":64,"messages":[{"role":"user","content":"hello"}]}'
+    extra = b"%b: %g\r\n" % (ITL_HEADER, itl_ms) if itl_ms else b""
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: %b:%d\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n%b\r\n%b" % (host.encode(), port, len(body), extra, body)
+    )
+    res = LoadResult()
+    loop = asyncio.get_running_loop()
+    start = time.perf_counter()
+    window = (start + warmup, start + warmup + duration)
+    dones: list[asyncio.Future[None]] = []
+    for _ in range(streams):
+        done = loop.create_future()
+        dones.append(done)
+        try:
+            await loop.create_connection(_stream_factory(request, res, window, done), host, port)
+        except OSError:
+            res.errors += 1
+            done.set_result(None)
+    try:
+        await asyncio.wait_for(asyncio.gather(*dones), warmup + duration + 30)
+    except TimeoutError:
+        res.errors += 1
+    res.duration = duration
+    return res
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+
+def role_main(args: argparse.Namespace) -> None:
+    """A subprocess of the bench: a backend process, or one load generator process (JSON on stdout)."""
+    _use_uvloop()
+    if args.role == "backend":
+        asyncio.run(serve_backend(args.port, args.ttft_ms / 1000, args.itl_ms / 1000))
+        return
+    res = asyncio.run(
+        run_clients("127.0.0.1", args.port, args.streams, args.warmup, args.duration, args.itl_ms)
+    )
+    print(json.dumps(asdict(res)))
+
+
+NGINX_CONF = """worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 16384; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy; fastcgi_temp_path {dir}/fcgi;
+    uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
+    upstream backend {{ server 127.0.0.1:{upstream}; keepalive 1024; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        keepalive_requests 1000000;
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"a target exited while starting ({proc.args!r}): exit status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"nothing answered on port {port} within {timeout_s:g} s")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Target:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes] | None  # None: the backend itself (direct)
+
+    def pids(self) -> list[int]:
+        return process_tree(self.proc.pid) if self.proc is not None else []
+
+
+class Bench:
+    """Owns every process of a run; :meth:`close` stops them all (also on Ctrl-C or an error)."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args, self.tmp = args, tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.notes: list[str] = []
+
+    def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        self.procs.append(proc)
+        return proc
+
+    def backend(self, port: int) -> None:
+        a = self.args
+        for _ in range(a.backend_procs):
+            self.spawn(
+                [
+                    sys.executable,
+                    __file__,
+                    "--role",
+                    "backend",
+                    "--port",
+                    str(port),
+                    "--ttft-ms",
+                    str(a.ttft_ms),
+                    "--itl-ms",
+                    str(a.itl_ms),
+                ]
+            )
+
+    def nginx(self, upstream: int) -> Target | None:
+        exe = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+        if exe is None:
+            self.notes.append("nginx is not installed (apt-get install -y nginx): its column is skipped")
+            return None
+        port, conf_dir = free_port(), self.tmp / "nginx"
+        conf_dir.mkdir()
+        (conf_dir / "nginx.conf").write_text(NGINX_CONF.format(dir=conf_dir, upstream=upstream, port=port))
+        proc = self.spawn(
+            [exe, "-p", str(conf_dir), "-c", str(conf_dir / "nginx.conf"), "-e", str(conf_dir / "error.log")]
+        )
+        wait_ready(port, proc)
+        return Target("nginx", port, proc)
+
+    def specproxy(self, name: str, mode: str, base: int, cand: int, workers: int) -> Target:
+        port = free_port()
+        weight = "weight = 1\n" if mode == "split" else ""
+        config = self.tmp / f"{name}.toml"
+        config.write_text(
+            f'[experiment]\nname = "bench-{name}"\nmode = "{mode}"\nspan_queue_size = 1000000\n\n'
+            f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://127.0.0.1:{base}"\n{weight}\n'
+            f'[[arms]]\nname = "cand"\nurl = "http://127.0.0.1:{base if mode == "split" else cand}"\n'
+            f"max_shadow_inflight = 4096\n{weight}"
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "specproxy",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--db",
+            str(self.tmp / f"{name}.duckdb"),
+            "--log-level",
+            "warning",
+            "--no-scrape",
+        ]
+        proc = self.spawn(argv + (["--workers", str(workers)] if workers > 1 else []))
+        wait_ready(port, proc)
+        return Target(name, port, proc)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def measure(target: Target, streams: int, args: argparse.Namespace, itl_ms: float = 0) -> dict[str, Any]:
+    """One closed-loop load on ``target``: ``streams`` spread over the client processes."""
+    procs = max(1, min(args.client_procs, streams))
+    shares = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
+    pids = target.pids()
+    cpu0 = cpu_s(pids)
+    clients = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                "client",
+                "--port",
+                str(target.port),
+                "--streams",
+                str(n),
+                "--warmup",
+                str(args.warmup),
+                "--duration",
+                str(args.duration),
+                "--itl-ms",
+                str(itl_ms),
+            ],
+            stdout=subprocess.PIPE,
+        )
+        for n in shares
+    ]
+    results = [json.loads(c.communicate()[0]) for c in clients]
+    cpu = cpu_s(pids) - cpu0
+    ttfts = sorted(t for r in results for t in r["ttfts"])
+    all_requests = sum(r["all_requests"] for r in results)
+    return {
+        "p50_ttft_ms": statistics.median(ttfts) * 1000 if ttfts else float("nan"),
+        "p99_ttft_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1000 if ttfts else float("nan"),
+        "chunks_per_s": sum(r["chunks"] for r in results) / args.duration,
+        "requests": sum(r["requests"] for r in results),
+        "errors": sum(r["errors"] for r in results),
+        "cpu_ms_per_request": cpu / all_requests * 1000 if pids and all_requests else float("nan"),
+    }
+
+
+def start_targets(bench: Bench, base: int, cand: int) -> list[Target]:
+    a = bench.args
+    wanted = a.targets.split(",")
+    targets = [Target("direct", base, None)]
+    if "nginx" in wanted:
+        nginx = bench.nginx(base)
+        targets += [nginx] if nginx is not None else []
+    for mode in ("split", "shadow"):
+        if mode in wanted:
+            targets.append(bench.specproxy(mode, mode, base, cand, 1))
+        if f"{mode}-w" in wanted and a.workers > 1:
+            targets.append(bench.specproxy(f"{mode}-w{a.workers}", mode, base, cand, a.workers))
+    return targets
+
+
+def rounds(bench: Bench, targets: list[Target]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every round, level and target (the order rotated each round): ``out[level][target]`` = rounds."""
+    a = bench.args
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in range(a.rounds):
+        for level in (int(c) for c in a.levels.split(",")):
+            k = r % len(targets)
+            for target in targets[k:] + targets[:k]:
+                fig = measure(target, level, a)
+                out.setdefault(str(level), {}).setdefault(target.name, []).append(fig)
+                print(
+                    f"  round {r + 1} c={level} {target.name}: p50 {fig['p50_ttft_ms']:.2f} ms, "
+                    f"{fig['chunks_per_s']:.0f} chunks/s, {fig['errors']} errors",
+                    file=sys.stderr,
+                )
+    return out
+
+
+def summarize(raw: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Medians over rounds; the added p50 TTFT pairs each round with direct's of the same round."""
+    med = statistics.median
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for level, per_target in raw.items():
+        direct = [f["p50_ttft_ms"] for f in per_target["direct"]]
+        for name, figs in per_target.items():
+            added = [f["p50_ttft_ms"] - d for f, d in zip(figs, direct, strict=True)]
+            out.setdefault(level, {})[name] = {
+                "added_p50_ttft_ms": med(added),
+                "added_p50_ttft_ms_spread": max(added) - min(added),
+                "p50_ttft_ms": med(f["p50_ttft_ms"] for f in figs),
+                "p99_ttft_ms": med(f["p99_ttft_ms"] for f in figs),
+                "chunks_per_s": med(f["chunks_per_s"] for f in figs),
+                "cpu_ms_per_request": med(f["cpu_ms_per_request"] for f in figs),
+                "errors": sum(f["errors"] for f in figs),
+            }
+    return out
+
+
+def table(summary: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    names = list(next(iter(summary.values())))
+    lines = []
+    for title, key, fmt in (
+        ("added p50 TTFT vs direct, ms", "added_p50_ttft_ms", "{:+.2f}"),
+        ("relayed chunks/s", "chunks_per_s", "{:.0f}"),
+        ("CPU per request, ms (the target's processes)", "cpu_ms_per_request", "{:.2f}"),
+        ("p99 TTFT, ms", "p99_ttft_ms", "{:.1f}"),
+    ):
+        lines += [f"{title}:", "  " + f"{'c':>5}" + "".join(f"{n:>14}" for n in names)]
+        for level, per in summary.items():
+            cells = "".join(
+                f"{fmt.format(per[n][key]) if key != 'cpu_ms_per_request' or n != 'direct' else '-':>14}"
+                for n in names
+            )
+            lines.append("  " + f"{level:>5}" + cells)
+    errors = {
+        f"c={lv} {n}": f["errors"] for lv, per in summary.items() for n, f in per.items() if f["errors"]
+    }
+    lines.append(f"errors: {errors or 'none'}")
+    return lines
+
+
+def scaling(bench: Bench, base: int) -> dict[str, Any]:
+    """Relayed chunks/s of split with N workers at a load that saturates one worker."""
+    a = bench.args
+    out: dict[str, Any] = {"concurrency": a.scaling_concurrency, "itl_ms": a.scaling_itl_ms, "workers": {}}
+    for n in (int(w) for w in a.scaling.split(",")):
+        target = bench.specproxy(f"scale-w{n}", "split", base, base, n)
+        figs = [measure(target, a.scaling_concurrency, a, itl_ms=a.scaling_itl_ms) for _ in range(a.rounds)]
+        out["workers"][str(n)] = {
+            "chunks_per_s": statistics.median(f["chunks_per_s"] for f in figs),
+            "p50_ttft_ms": statistics.median(f["p50_ttft_ms"] for f in figs),
+            "errors": sum(f["errors"] for f in figs),
+        }
+        if target.proc is not None:
+            os.killpg(target.proc.pid, signal.SIGTERM)
+            target.proc.wait(timeout=60)
+        print(
+            f"  scaling: {n} workers: {out['workers'][str(n)]['chunks_per_s']:.0f} chunks/s", file=sys.stderr
+        )
+    direct = [measure(Target("direct", base, None), a.scaling_concurrency, a, itl_ms=a.scaling_itl_ms)]
+    out["direct_chunks_per_s"] = direct[0]["chunks_per_s"]
+    return out
+
+
+def scaling_lines(result: dict[str, Any]) -> list[str]:
+    workers = result["workers"]
+    one = workers.get("1", {}).get("chunks_per_s")
+    lines = [
+        f"--workers N, split, c={result['concurrency']}, backend {result['itl_ms']:g} ms/token "
+        f"(direct: {result['direct_chunks_per_s']:.0f} chunks/s):"
+    ]
+    for n, fig in workers.items():
+        goal = f"  target >= {0.8 * int(n) * one:.0f}" if one and n != "1" else ""
+        lines.append(
+            f"  {n:>2} workers: {fig['chunks_per_s']:>9.0f} chunks/s"
+            f"  p50 TTFT {fig['p50_ttft_ms']:.1f} ms{goal}"
+        )
+    return lines
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="folder for results.json and results.txt")
+    ap.add_argument("--levels", default="1,64,256", help="concurrency levels (streams in flight)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per level and target (medians over them)")
+    ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per target, level, round")
+    ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each measurement")
+    ap.add_argument("--targets", default="nginx,split,shadow,split-w,shadow-w", help="beside direct")
+    ap.add_argument("--workers", type=int, default=4, help="N of the split-wN / shadow-wN targets")
+    ap.add_argument(
+        "--scaling", default="", help="worker counts for the scaling run, e.g. 1,2,4,8 (empty: none)"
+    )
+    ap.add_argument("--scaling-concurrency", type=int, default=1024)
+    ap.add_argument(
+        "--scaling-itl-ms", type=float, default=2.0, help="the backend's ms per token in the scaling run"
+    )
+    cores = os.cpu_count() or 2
+    ap.add_argument("--client-procs", type=int, default=max(1, cores // 4), help="load generator processes")
+    ap.add_argument(
+        "--backend-procs", type=int, default=max(1, cores // 8), help="processes per backend port"
+    )
+    ap.add_argument("--ttft-ms", type=float, default=20.0)
+    ap.add_argument("--itl-ms", type=float, default=10.0)
+    ap.add_argument("--role", choices=["backend", "client"], help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--streams", type=int, help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.role is not None:
+        role_main(args)
+        return
+    if args.out is None:
+        raise SystemExit("--out DIR is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    loadavg = os.getloadavg()
+    meta: dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "loadavg_before": os.getloadavg(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = Bench(args, Path(tmp))
+        try:
+            base, cand = free_port(), free_port()
+            bench.backend(base)
+            bench.backend(cand)
+            for port in (base, cand):
+                wait_ready(port, bench.procs[0])
+            targets = start_targets(bench, base, cand)
+            summary = summarize(rounds(bench, targets)) if args.levels else {}
+            scale = scaling(bench, base) if args.scaling else None
+        finally:
+            bench.close()
+    meta["loadavg_after"] = os.getloadavg()
+    lines = [
+        f"bench_front_door: {meta['cores']} cores, load average before {loadavg[0]:.1f}, "
+        f"{args.rounds} rounds x {args.duration:g} s (+{args.warmup:g} s warm-up), medians over rounds"
+    ]
+    lines += [f"note: {n}" for n in bench.notes]
+    lines += table(summary) if summary else []
+    lines += scaling_lines(scale) if scale else []
+    text = "\n".join(lines)
+    print(text)
+    (args.out / "results.txt").write_text(text + "\n")
+    (args.out / "results.json").write_text(
+        json.dumps({"meta": meta, "levels": summary, "scaling": scale, "notes": bench.notes}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
