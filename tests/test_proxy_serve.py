@@ -37,7 +37,10 @@ def _write_config(path: Path, base_url: str, cand_url: str | None, db: Path) -> 
     return path
 
 
-async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+async def test_a_stop_signal_under_load_finishes_requests_and_writes_every_span(
+    tmp_path: Path, stop_signal: signal.Signals
+) -> None:
     db = tmp_path / "spans.duckdb"
     n = 24
     release = asyncio.Event()  # the backends generate once the proxy has been told to stop
@@ -63,7 +66,7 @@ async def test_sigterm_under_load_finishes_requests_and_writes_every_span(tmp_pa
                     lambda: base.stats.active == n and cand.stats.active == n,
                     f"all {n} requests and their shadow copies in flight",
                 )
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(stop_signal)
                 health = f"http://127.0.0.1:{port}/health"
                 stopping = "the proxy to stop taking connections"
                 await asyncio.to_thread(wait_until_sync, lambda: not http_ok(health), stopping)

@@ -107,8 +107,8 @@ def serve(
     upstream call to the DuckDB span store.
 
     Clients talk to it as to any OpenAI-compatible server (POST /v1/chat/completions, /v1/completions;
-    GET /v1/models, /health, /metrics). SIGTERM or Ctrl-C: stop accepting, let in-flight requests
-    finish (shutdown_grace_s), write every span, exit.
+    GET /v1/models, /health, /metrics). SIGTERM, SIGHUP or Ctrl-C: stop accepting, let in-flight
+    requests finish (shutdown_grace_s), write every span, exit.
 
     Example: specproxy serve --config exp.toml --port 8000
     """
@@ -158,8 +158,13 @@ def serve(
     )
 
 
+# The signals a proxy gets in normal operation (a supervisor's stop, Ctrl-C, a closed terminal): each
+# ends in the same graceful, accounted shutdown (SIGHUP's default action would kill it on the spot).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class _EarlyStop:
-    """SIGTERM/SIGINT that arrive while the proxy is still starting (imports, opening the span store):
+    """Stop signals that arrive while the proxy is still starting (imports, opening the span store):
     remembered, so that startup completes and the proxy then shuts down cleanly, its run recorded."""
 
     requested = False
@@ -182,8 +187,8 @@ def _run_one(
     db_memory: str,
     parent_pid: int | None = None,
 ) -> None:
-    signal.signal(signal.SIGTERM, _EarlyStop.note)
-    signal.signal(signal.SIGINT, _EarlyStop.note)
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _EarlyStop.note)
     if parent_pid is not None:
         _stop_with_parent(parent_pid)
     from specproxy.proxy.server.app import ProxySettings
@@ -212,7 +217,7 @@ async def _serve(settings: ProxySettings, host: str, port: int, *, reuse_port: b
     exp = settings.experiment
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     if _EarlyStop.requested:
         stop.set()
@@ -309,8 +314,8 @@ def _run_workers(
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, forward)
     for i in range(workers):
         argv = [
             sys.executable,
