@@ -12,6 +12,7 @@ with pyproject.toml's [tool.mypy] settings, and errors reported at the real path
 from __future__ import annotations
 
 import sys
+import tomllib
 from pathlib import Path
 
 from mypy import build
@@ -20,7 +21,7 @@ from mypy.main import process_options
 from mypy.modulefinder import BuildSource
 
 REPO = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("proxy", "engines", "analysis", "lab")
+SUBPACKAGES = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["specproxy"]["subpackages"]
 
 
 def installed_name(path: Path) -> str | None:

@@ -9,6 +9,7 @@ layering rules too, since it is still a dependency.
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ FOLDERS = {
     "analysis": "analysis",
     "lab": "lab",
 }
-ROOMS = ("proxy", "engines", "analysis", "lab")
+ROOMS = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["specproxy"]["subpackages"])
 
 # Rooms still over the size limits, each with its size today: a split is owed; none may grow, and
 # none may be added. (Remove a line once its room is split.)
@@ -127,7 +128,8 @@ def test_the_server_does_not_import_the_load_generator() -> None:
 def test_only_the_cli_table_names_the_lab() -> None:
     cli = (ROOT / "specproxy" / "cli.py").read_text(encoding="utf-8")
     assert '"specproxy.lab.command"' in cli  # the lazy command table names it as a string
-    assert {room(name) for name in MODULES if name.startswith("specproxy.lab")} == {"lab"}
+    assert "specproxy.lab.command" in MODULES  # ... a module that exists
+    # (that no room imports the lab is test_what_a_room_may_import's)
 
 
 def test_no_import_cycles() -> None:
