@@ -205,6 +205,11 @@ def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
             "6",
             "--max-tokens",
             "6",
+            # the call counts below are the planned rounds'; a busy machine would add extra ones
+            "--extra-rounds",
+            "0",
+            "--deciding-rounds",
+            "0",
             "--out",
             str(tmp_path / "o"),
             timeout=60,
