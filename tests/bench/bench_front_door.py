@@ -251,7 +251,10 @@ def role_main(args: argparse.Namespace) -> None:
     res = asyncio.run(
         run_clients("127.0.0.1", args.port, args.streams, args.warmup, args.duration, args.itl_ms)
     )
-    print(json.dumps(asdict(res)))
+    # Through a buffered binary writer: under PYTHONUNBUFFERED the text layer writes straight to the
+    # raw pipe and drops what a partial write leaves over (results are often larger than a pipe's 64 KiB).
+    with os.fdopen(sys.stdout.fileno(), "wb", closefd=False) as out:
+        out.write(json.dumps(asdict(res)).encode() + b"\n")
 
 
 NGINX_CONF = """worker_processes 1;
