@@ -40,7 +40,6 @@ OVERSIZE = {
     "engines/calibrate/fit.py::build_profile": 100,
     "engines/launch/render.py::k8s_documents": 206,
     "engines/sim/api_request.py::parse_request": 152,
-    "engines/sim/metrics.py::collect": 102,
     "proxy/replay/cli.py::replay": 109,
     "specproxy/config.py::parse_experiment": 95,
     "lab/command.py::lab": 149,
