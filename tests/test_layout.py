@@ -37,7 +37,6 @@ OVERSIZE = {
     "analysis/cli.py::settings_options": 94,
     "analysis/verdicts/evaluation.py::_level_row": 83,
     "analysis/figures/run_figures.py::pair_groups": 82,
-    "engines/calibrate/fit.py::build_profile": 100,
     "engines/launch/render.py::k8s_documents": 206,
     "engines/sim/api_request.py::parse_request": 152,
     "proxy/replay/cli.py::replay": 109,
