@@ -35,7 +35,6 @@ OVERSIZE = {
     "analysis/cli.py::settings_options": 94,
     "analysis/verdicts/evaluation.py::_level_row": 83,
     "analysis/figures/run_figures.py::pair_groups": 82,
-    "engines/launch/render.py::k8s_documents": 206,
     "engines/sim/api_request.py::parse_request": 152,
     "proxy/replay/cli.py::replay": 109,
     "specproxy/config.py::parse_experiment": 95,
