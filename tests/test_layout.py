@@ -37,7 +37,6 @@ OVERSIZE = {
     "analysis/figures/run_figures.py::pair_groups": 82,
     "engines/sim/api_request.py::parse_request": 152,
     "proxy/replay/cli.py::replay": 109,
-    "specproxy/config.py::parse_experiment": 95,
     "lab/command.py::lab": 149,
 }
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 700, 300, 80
