@@ -138,14 +138,21 @@ def rate_label(rate_per_s: float) -> str:
     return "r=" + repr(float(rate_per_s)).removesuffix(".0")
 
 
+def start_s_sql(alias: str = "") -> str:
+    """The SQL expression of a call's start in seconds since the epoch: from ``t_start_ns`` when the
+    span has it (exact), else from ``t_start`` (microseconds). ``alias``: the table alias to qualify
+    the columns with."""
+    p = f"{alias}." if alias else ""
+    return f"coalesce({p}t_start_ns / 1e9, epoch_us({p}t_start) / 1e6)"
+
+
 # The level label before open-loop levels had one (views of migrations 2-9).
 _LEVEL_SQL_V2 = "coalesce(CAST({p}concurrency_level AS VARCHAR), 'live')"
 
 # Views (migration 2): the analysis' building blocks, kept in the file so the DuckDB CLI sees them too.
 # specproxy.analysis creates the same views over the union of several files. A level is named by
 # level_sql(): the concurrency as text, 'r=<rate>' for an open-loop level, 'live' for serve's traffic.
-# Times in seconds since the epoch come from t_start_ns when present (exact), else from t_start
-# (microseconds).
+# A call's start in seconds since the epoch is start_s_sql().
 ARM_SUMMARY_VIEW_TEMPLATE = """
 CREATE OR REPLACE VIEW arm_summary AS
 WITH calls AS (
@@ -153,7 +160,7 @@ WITH calls AS (
            num_drafts, draft_tokens, accepted_tokens, acceptance_length, spec_source,
            {offered_rate}concurrency_level,
            {level} AS level,
-           coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
+           {start_s} AS start_s
     FROM requests
 ), agg AS (
     SELECT run_id, arm, level,
@@ -203,7 +210,7 @@ WITH calls AS NOT MATERIALIZED (
     SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
            {offered_rate}status, decode_tok_s, ttft_s, e2e_s, completion_tokens, identical, first_divergence,
            divergence_margin, output_text, t_start, t_start_ns, span_id, round,
-           coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s,
+           {start_s} AS start_s,
            temperature = 0 AS greedy, hash(output_sha256) AS output_hash
     FROM requests
 ), ranked AS (
@@ -462,6 +469,7 @@ def _arm_summary_view(*, with_rate: bool) -> str:
         level=level_sql() if with_rate else _LEVEL_SQL_V2.format(p=""),
         offered_rate="offered_rate, " if with_rate else "",
         any_offered_rate="any_value(offered_rate) AS offered_rate,\n           " if with_rate else "",
+        start_s=start_s_sql(),
     )
 
 
@@ -470,6 +478,7 @@ def _pairs_view(*, with_rate: bool) -> str:
         offered_rate="offered_rate, " if with_rate else "",
         c_level=level_sql("c") if with_rate else _LEVEL_SQL_V2.format(p="c."),
         c_offered_rate="c.offered_rate, " if with_rate else "",
+        start_s=start_s_sql(),
     )
 
 
@@ -496,8 +505,8 @@ SELECT run_id, arm, arm_role, request_id, span_id, round, category,
        CASE WHEN offered_rate IS NOT NULL THEN 'rate'
             WHEN concurrency_level IS NOT NULL THEN 'concurrency' ELSE '' END AS load_axis,
        status, status = 'ok' AS ok,
-       coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s,
-       coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) + coalesce(e2e_s, 0) AS end_s,
+       {start_s_sql()} AS start_s,
+       {start_s_sql()} + coalesce(e2e_s, 0) AS end_s,
        ttft_s, tpot_s, itl_p50_s, itl_p95_s, itl_p99_s, itl_max_s, e2e_s,
        coalesce(completion_tokens, 0) AS completion_tokens
 FROM requests WHERE status <> 'dropped'
