@@ -32,11 +32,9 @@ OVERSIZE = {
     "proxy/server/app.py": 743,
     "lab/command.py": 814,
     "proxy/upstream/sse.py::CompletionTap": 364,
-    "analysis/cli.py::settings_options": 94,
     "analysis/verdicts/evaluation.py::_level_row": 83,
     "analysis/figures/run_figures.py::pair_groups": 82,
     "engines/sim/api_request.py::parse_request": 152,
-    "proxy/replay/cli.py::replay": 109,
     "lab/command.py::lab": 149,
 }
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 700, 300, 80
