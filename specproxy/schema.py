@@ -314,34 +314,9 @@ FROM pairs
 GROUP BY run_id, arm, level
 """
 
-# Speculative-decoding counters per run, arm and level, from backend_metrics. A window is a phase
-# pair 'X:before' / 'X:after' (replay's 'c=16', or one round of it, 'c=16 r2/3' or an extra round
-# 'c=16 r4 extra' → level '16') or every scrape of one other phase ('periodic' → level 'live'). Each
-# series (name + labels, so each `engine`) contributes its increase in each window, Prometheus-style:
-# a drop means the counter restarted from zero, so the new value is the increase. Then windows and
-# series are summed per level (over rounds, `engine` and any other label).
-ACCEPTANCE_VIEW_TEMPLATE = """
-CREATE OR REPLACE VIEW acceptance AS
-WITH samples AS (
-    SELECT run_id, arm, scraped_at, {name_column}labels_json, value,
-           CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
-                THEN regexp_replace(phase, ':(before|after)$', '')
-                ELSE coalesce(phase, 'periodic') END AS win,
-           json_extract_string(labels_json, '$.position') AS position
-    FROM backend_metrics
-    WHERE name IN ({names})
-), steps AS (
-    SELECT *, regexp_replace(win, '{round_suffix}', '') AS phase,
-           lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
-    FROM samples
-), series AS (
-    SELECT run_id, arm, phase, name, position,
-           sum(CASE WHEN previous IS NULL THEN 0
-                    WHEN value >= previous THEN value - previous
-                    ELSE value END) AS increase
-    FROM steps
-    GROUP BY run_id, arm, phase, win, name, labels_json, position
-), totals AS (
+# What every version of the acceptance view does with the counters' increases: totals and the
+# per-position shares per run, arm and phase, then the level each phase is of ({p}: the names' prefix).
+_ACCEPTANCE_TOTALS = """), totals AS (
     SELECT run_id, arm, phase,
            sum(increase) FILTER (WHERE name = '{p}spec_decode_num_drafts_total') AS drafts,
            sum(increase) FILTER (WHERE name = '{p}spec_decode_num_draft_tokens_total') AS draft_tokens,
@@ -370,6 +345,38 @@ SELECT t.run_id, t.arm, t.phase,
 FROM totals t
 LEFT JOIN positions p USING (run_id, arm, phase)
 """
+
+# Speculative-decoding counters per run, arm and level, from backend_metrics. A window is a phase
+# pair 'X:before' / 'X:after' (replay's 'c=16', or one round of it, 'c=16 r2/3' or an extra round
+# 'c=16 r4 extra' → level '16') or every scrape of one other phase ('periodic' → level 'live'). Each
+# series (name + labels, so each `engine`) contributes its increase in each window, Prometheus-style:
+# a drop means the counter restarted from zero, so the new value is the increase. Then windows and
+# series are summed per level (over rounds, `engine` and any other label).
+ACCEPTANCE_VIEW_TEMPLATE = (
+    """
+CREATE OR REPLACE VIEW acceptance AS
+WITH samples AS (
+    SELECT run_id, arm, scraped_at, {name_column}labels_json, value,
+           CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
+                THEN regexp_replace(phase, ':(before|after)$', '')
+                ELSE coalesce(phase, 'periodic') END AS win,
+           json_extract_string(labels_json, '$.position') AS position
+    FROM backend_metrics
+    WHERE name IN ({names})
+), steps AS (
+    SELECT *, regexp_replace(win, '{round_suffix}', '') AS phase,
+           lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
+    FROM samples
+), series AS (
+    SELECT run_id, arm, phase, name, position,
+           sum(CASE WHEN previous IS NULL THEN 0
+                    WHEN value >= previous THEN value - previous
+                    ELSE value END) AS increase
+    FROM steps
+    GROUP BY run_id, arm, phase, win, name, labels_json, position
+"""
+    + _ACCEPTANCE_TOTALS
+)
 
 
 # A round's suffix of a replay phase: ' r2/3', and from migration 14 also an extra round's ' r6 extra'.
@@ -433,35 +440,7 @@ WITH samples AS (
                     ELSE value END) AS increase
     FROM steps
     GROUP BY run_id, arm, phase, name, labels_json, position
-), totals AS (
-    SELECT run_id, arm, phase,
-           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_drafts_total') AS drafts,
-           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_draft_tokens_total') AS draft_tokens,
-           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_accepted_tokens_total') AS accepted_tokens
-    FROM series
-    GROUP BY run_id, arm, phase
-), positions AS (
-    SELECT s.run_id, s.arm, s.phase,
-           list(s.increase / nullif(t.drafts, 0) ORDER BY TRY_CAST(s.position AS INTEGER))
-               AS acceptance_per_position
-    FROM (SELECT run_id, arm, phase, position, sum(increase) AS increase
-          FROM series
-          WHERE name = 'vllm:spec_decode_num_accepted_tokens_per_pos_total'
-          GROUP BY run_id, arm, phase, position) s
-    JOIN totals t USING (run_id, arm, phase)
-    GROUP BY s.run_id, s.arm, s.phase
-)
-SELECT t.run_id, t.arm, t.phase,
-       CASE WHEN t.phase LIKE 'c=%' THEN substr(t.phase, 3)
-            WHEN t.phase = 'periodic' THEN 'live'
-            ELSE t.phase END AS level,
-       t.drafts, t.draft_tokens, t.accepted_tokens,
-       t.accepted_tokens / nullif(t.draft_tokens, 0) AS acceptance_rate,
-       1 + t.accepted_tokens / nullif(t.drafts, 0) AS acceptance_length,
-       p.acceptance_per_position
-FROM totals t
-LEFT JOIN positions p USING (run_id, arm, phase)
-"""
+""" + _ACCEPTANCE_TOTALS.format(p="vllm:")
 
 
 def _arm_summary_view(*, with_rate: bool) -> str:
