@@ -195,6 +195,23 @@ SELECT run_id, arm, arm_role, spec_method, level, concurrency_level, calls, ok, 
 FROM agg
 """
 
+# The pairs view's columns beside each call's kind, and its join to the baseline call (every version).
+_PAIR_COLUMNS = """       b.arm AS baseline_arm,
+       c.status, b.status AS baseline_status,
+       c.decode_tok_s, b.decode_tok_s AS baseline_decode_tok_s,
+       c.decode_tok_s / nullif(b.decode_tok_s, 0) AS decode_speedup,
+       c.ttft_s, b.ttft_s AS baseline_ttft_s,
+       c.e2e_s, b.e2e_s AS baseline_e2e_s,
+       c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
+       coalesce(c.identical,
+                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.greedy AND b.greedy
+                     THEN c.output_hash = b.output_hash END) AS identical,
+       c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
+       c.output_text, b.output_text AS baseline_output_text
+FROM others c
+JOIN base b ON c.run_id = b.run_id AND c.request_id = b.request_id
+"""
+
 # Each call beside the baseline call of the same request_id in the same replay round (the first ok
 # one). kind says what the comparison measures: 'candidate' (a speculative arm), 'replica' (an arm with
 # role 'replica', or any non-speculative arm beside the baseline: Diffy's secondary) or 'repeat' (the
@@ -204,7 +221,8 @@ FROM agg
 # Columns are listed, not `*`: DuckDB does not prune unused columns through the window, and the view
 # over 10 M spans is twice as fast for it. `calls` is used twice and DuckDB would materialise it (all
 # spans, in memory): NOT MATERIALIZED halves peak memory.
-PAIRS_VIEW_TEMPLATE = """
+PAIRS_VIEW_TEMPLATE = (
+    """
 CREATE OR REPLACE VIEW pairs AS
 WITH calls AS NOT MATERIALIZED (
     SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
@@ -235,25 +253,15 @@ SELECT c.run_id, c.request_id,
        CASE WHEN c.arm_role = 'baseline' THEN 'repeat'
             WHEN c.arm_role = 'replica' OR coalesce(c.spec_method, 'none') IN ('none', '') THEN 'replica'
             ELSE 'candidate' END AS kind,
-       b.arm AS baseline_arm,
-       c.status, b.status AS baseline_status,
-       c.decode_tok_s, b.decode_tok_s AS baseline_decode_tok_s,
-       c.decode_tok_s / nullif(b.decode_tok_s, 0) AS decode_speedup,
-       c.ttft_s, b.ttft_s AS baseline_ttft_s,
-       c.e2e_s, b.e2e_s AS baseline_e2e_s,
-       c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
-       coalesce(c.identical,
-                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.greedy AND b.greedy
-                     THEN c.output_hash = b.output_hash END) AS identical,
-       c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
-       c.output_text, b.output_text AS baseline_output_text
-FROM others c
-JOIN base b ON c.run_id = b.run_id AND c.request_id = b.request_id
-            AND c.round IS NOT DISTINCT FROM b.round
 """
+    + _PAIR_COLUMNS
+    + """            AND c.round IS NOT DISTINCT FROM b.round
+"""
+)
 
 # The pairs view of migrations 2-7 (before calls carried a replay round), kept as those migrations ran it.
-PAIRS_VIEW_V2 = """
+PAIRS_VIEW_V2 = (
+    """
 CREATE OR REPLACE VIEW pairs AS
 WITH calls AS NOT MATERIALIZED (
     SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
@@ -282,21 +290,9 @@ SELECT c.run_id, c.request_id,
        CASE WHEN c.arm_role = 'baseline' THEN 'repeat'
             WHEN coalesce(c.spec_method, 'none') IN ('none', '') THEN 'replica'
             ELSE 'candidate' END AS kind,
-       b.arm AS baseline_arm,
-       c.status, b.status AS baseline_status,
-       c.decode_tok_s, b.decode_tok_s AS baseline_decode_tok_s,
-       c.decode_tok_s / nullif(b.decode_tok_s, 0) AS decode_speedup,
-       c.ttft_s, b.ttft_s AS baseline_ttft_s,
-       c.e2e_s, b.e2e_s AS baseline_e2e_s,
-       c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
-       coalesce(c.identical,
-                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.greedy AND b.greedy
-                     THEN c.output_hash = b.output_hash END) AS identical,
-       c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
-       c.output_text, b.output_text AS baseline_output_text
-FROM others c
-JOIN base b ON c.run_id = b.run_id AND c.request_id = b.request_id
 """
+    + _PAIR_COLUMNS
+)
 
 # Identity per run, arm and level. A mismatch is a near-tie when the logprob margin (top-1 minus
 # top-2) at the first divergence is at most 0.5 nats (numerics can flip such a token), gross above it.
