@@ -34,7 +34,7 @@ class RoundLoop:
         self.stop = stop
         self._round_s = 0.0  # how long the last measured round took (a deciding round's expected cost)
 
-    async def level(
+    async def run_level(
         self,
         base: str,
         planned: int,

@@ -141,7 +141,7 @@ class ReplayRunner:
                 calls = self.planner.calls(f"c{phase.level}", self.planner.round_order(items, phase), phase)
                 await driver.phase(phase, calls, drive)
 
-            await self.rounds.level(f"c={level}", plan.level_rounds(level), measure, level=level)
+            await self.rounds.run_level(f"c={level}", plan.level_rounds(level), measure, level=level)
             if self.stop.is_set():
                 return
             if self.s.pacer is not None:
@@ -170,7 +170,7 @@ class ReplayRunner:
                 )
                 lags.extend(await self._open_phase(phase, calls, offsets))
 
-            await self.rounds.level(label, plan.rounds, measure, rate=rate)
+            await self.rounds.run_level(label, plan.rounds, measure, rate=rate)
         self.result.lag_p99_s = p99(lags)
 
     async def _timed(self) -> None:
