@@ -13,8 +13,11 @@ from specproxy.commandline import (
     FiniteFloat,
     RequestRates,
     db_option,
+    deciding_rounds_option,
     experiment_or_none,
+    extra_rounds_option,
     no_progress_option,
+    rounds_option,
     run_async,
 )
 from specproxy.config import Arm
@@ -104,35 +107,9 @@ from specproxy.proxy.spans.sink import SpanSinkError
     help="Stop sending after S seconds (per level of a sweep; a rate level sends arrivals for S "
     "seconds, cycling the items).",
 )
-@click.option(
-    "--rounds",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    metavar="N",
-    help="Measure each level (or the timed loop) N times, the arms' order rotated and the items "
-    "shuffled each round; the analysis reads the spread between rounds (a level measured once gets "
-    "no WIN or LOSS on speed: one round cannot see the drift between runs).",
-)
-@click.option(
-    "--extra-rounds",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="Add up to N rounds to a level whose rounds left too few that passed every health check "
-    "(3 once one failed), one at a time at the same pace; a --timed loop is never rerun.",
-)
-@click.option(
-    "--deciding-rounds",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="Add up to N rounds to the top level (the highest concurrency or rate) while a figure the "
-    "deploy verdict reads there has an interval reaching across a margin line; each look copies the "
-    "span store (--db) and analyses the run so far.",
-)
+@rounds_option(3, note=" (or the timed loop)")
+@extra_rounds_option(0, note="; a --timed loop is never rerun")
+@deciding_rounds_option(0)
 @click.option(
     "--warmup",
     type=click.IntRange(min=0),
