@@ -25,7 +25,7 @@ from specproxy.analysis.render.table import FORMATS
 from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
 from specproxy.analysis.verdicts.evaluation import Settings
 from specproxy.analysis.verdicts.rules import Thresholds
-from specproxy.commandline import SLO_HELP, FiniteFloat, SloParam
+from specproxy.commandline import FiniteFloat, operating_point_options
 
 DEFAULT_DB = "specproxy.duckdb"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,49 +36,8 @@ def _dbs(paths: Sequence[str]) -> list[str]:
 
 
 def settings_options(func: F) -> F:
-    """The verdict and bootstrap options shared by analyze and report."""
+    """The operating point, verdict and bootstrap options shared by analyze and report."""
     options = [
-        click.option(
-            "--run", "run", metavar="NAME", help="Only this run (its name or run_id); default: every run."
-        ),
-        click.option(
-            "--at-concurrency",
-            type=click.IntRange(1),
-            metavar="N",
-            help="The concurrency you run at: the deploy verdict answers there (default: the experiment "
-            "file's at_concurrency, else the lowest tested level, said so).",
-        ),
-        click.option(
-            "--peak-concurrency",
-            type=click.IntRange(1),
-            metavar="N",
-            help="Your peak concurrency: throughput there must not be lower, and the fleet at the SLO "
-            "is sized for it (default: the experiment file's peak_concurrency, else the highest "
-            "tested level, said so; a level that failed its health checks makes the deploy verdict "
-            "UNRELIABLE).",
-        ),
-        click.option(
-            "--at-rate",
-            type=FiniteFloat(min=0, min_open=True),
-            metavar="R",
-            help="For a sweep of request rates (replay --rates): the rate you run at, in requests/s "
-            "(default: the experiment file's at_rate, else the lowest tested rate, said so).",
-        ),
-        click.option(
-            "--peak-rate",
-            type=FiniteFloat(min=0, min_open=True),
-            metavar="R",
-            help="For a sweep of request rates: your peak, in requests/s; the fleet at the SLO is sized "
-            "for it (default: the experiment file's peak_rate, else the highest tested rate, said so).",
-        ),
-        click.option("--slo", type=SloParam(), default=None, help=SLO_HELP),
-        click.option(
-            "--gpu-hour-usd",
-            type=FiniteFloat(0, min_open=True),
-            metavar="X",
-            help="Price of one GPU-hour: the fleet's cost per hour and per million output tokens "
-            "(default: the experiment file's gpu_hour_usd).",
-        ),
         click.option(
             "--margin",
             type=FiniteFloat(0, 100),
@@ -128,7 +87,11 @@ def settings_options(func: F) -> F:
     ]
     for option in reversed(options):
         func = option(func)
-    return func
+    func = operating_point_options(func)
+    run = click.option(
+        "--run", "run", metavar="NAME", help="Only this run (its name or run_id); default: every run."
+    )
+    return run(func)
 
 
 def _settings(kw: dict[str, Any]) -> Settings:

@@ -150,9 +150,8 @@ class SpanStore:
                 SELECT * FROM ({requests}) q WHERE NOT EXISTS (
                     SELECT 1 FROM left_out_windows x
                     WHERE x.run_id = q.run_id AND x.level = {schema.level_sql("q")}
-                      AND coalesce(q.t_start_ns / 1e9, epoch_us(q.t_start) / 1e6) < x.end_s
-                      AND coalesce(q.t_start_ns / 1e9, epoch_us(q.t_start) / 1e6) + coalesce(q.e2e_s, 0)
-                          > x.start_s)
+                      AND {schema.start_s_sql("q")} < x.end_s
+                      AND {schema.start_s_sql("q")} + coalesce(q.e2e_s, 0) > x.start_s)
             """
         if left_out:
             self.conn.execute(

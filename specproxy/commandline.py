@@ -1,10 +1,11 @@
-"""What every command shares: running a coroutine on uvloop, option types, loading the experiment file."""
+"""What every command shares: running a coroutine on uvloop, option types, the options several commands
+take (declared once here, so their help reads the same in every command), loading the experiment file."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,6 +15,7 @@ from specproxy.config import ConfigError, Experiment, load_experiment
 from specproxy.slo import Slo, SloError, parse_slo
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
@@ -144,6 +146,107 @@ class FiniteFloat(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return super().convert(number, param, ctx)
+
+
+def operating_point_options(func: F) -> F:
+    """Where the deploy verdict answers and what the fleet is sized for: --at-concurrency,
+    --peak-concurrency, --at-rate, --peak-rate, --slo and --gpu-hour-usd."""
+    options = [
+        click.option(
+            "--at-concurrency",
+            type=click.IntRange(1),
+            metavar="N",
+            help="The concurrency you run at: the deploy verdict answers there (default: the experiment "
+            "file's at_concurrency, else the lowest tested level, said so).",
+        ),
+        click.option(
+            "--peak-concurrency",
+            type=click.IntRange(1),
+            metavar="N",
+            help="Your peak concurrency: throughput there must not be lower, and the fleet at the SLO "
+            "is sized for it (default: the experiment file's peak_concurrency, else the highest "
+            "tested level, said so; a level that failed its health checks makes the deploy verdict "
+            "UNRELIABLE).",
+        ),
+        click.option(
+            "--at-rate",
+            type=FiniteFloat(min=0, min_open=True),
+            metavar="R",
+            help="For a sweep of request rates (replay --rates): the rate you run at, in requests/s "
+            "(default: the experiment file's at_rate, else the lowest tested rate, said so).",
+        ),
+        click.option(
+            "--peak-rate",
+            type=FiniteFloat(min=0, min_open=True),
+            metavar="R",
+            help="For a sweep of request rates: your peak, in requests/s; the fleet at the SLO is sized "
+            "for it (default: the experiment file's peak_rate, else the highest tested rate, said so).",
+        ),
+        click.option("--slo", type=SloParam(), default=None, help=SLO_HELP),
+        click.option(
+            "--gpu-hour-usd",
+            type=FiniteFloat(0, min_open=True),
+            metavar="X",
+            help="Price of one GPU-hour: the fleet's cost per hour and per million output tokens "
+            "(default: the experiment file's gpu_hour_usd).",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+# The span store a command writes; the parameter is ``db_path``.
+db_option = click.option(
+    "--db",
+    "db_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Span store (default: the experiment's db, else specproxy.duckdb).",
+)
+no_progress_option = click.option("--no-progress", is_flag=True, help="No live progress display.")
+
+
+# A sweep's rounds (replay, lab): one declaration each, the command adding what differs (its default,
+# what a round of it is) in ``note``.
+def rounds_option(default: int | None, note: str = "") -> Callable[[F], F]:
+    """--rounds N: each level measured N times."""
+    return click.option(
+        "--rounds",
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=default is not None,
+        metavar="N",
+        help="Measure each level" + note + " N times, the arms' order rotated and the items shuffled each "
+        "round; the analysis reads the spread between rounds (a level measured once gets no WIN or LOSS "
+        "on speed: one round cannot see the drift between runs).",
+    )
+
+
+def extra_rounds_option(default: int | None, note: str = "") -> Callable[[F], F]:
+    """--extra-rounds N: rounds added to a level whose rounds too often failed a health check."""
+    return click.option(
+        "--extra-rounds",
+        type=click.IntRange(min=0),
+        default=default,
+        show_default=default is not None,
+        metavar="N",
+        help="Add up to N rounds to a level whose rounds left too few that passed every health check "
+        "(3 once one failed), one at a time at the same pace" + note + ".",
+    )
+
+
+def deciding_rounds_option(default: int | None, note: str = "") -> Callable[[F], F]:
+    """--deciding-rounds N: rounds added to the top level while a deploy-verdict figure is unsettled."""
+    return click.option(
+        "--deciding-rounds",
+        type=click.IntRange(min=0),
+        default=default,
+        show_default=default is not None,
+        metavar="N",
+        help="Add up to N rounds to the top level (the highest concurrency or rate) while a figure the "
+        "deploy verdict reads there has an interval reaching across a margin line; each look copies the "
+        "span store and analyses the run so far" + note + ".",
+    )
 
 
 def experiment_or_none(path: Path | None) -> Experiment | None:

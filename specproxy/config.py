@@ -408,6 +408,54 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
     if mode not in ("shadow", "split"):
         raise r.fail("mode", f"must be 'shadow' or 'split', got {mode!r}")
     arms = tuple(_load_arm(where, t, i) for i, t in enumerate(arms_list))
+    _check_arms(where, arms, mode)
+    sticky = r.get("sticky_key", str, "")
+    if sticky not in ("", "user") and not (sticky.startswith("header:") and len(sticky) > 7):
+        raise r.fail("sticky_key", f"must be '', 'user' or 'header:NAME', got {sticky!r}")
+    vf = float(r.get("verify_fraction", (int, float), 0.0))
+    if not 0 <= vf <= 1:
+        raise r.fail("verify_fraction", "must be between 0 and 1")
+
+    tokenizer = _tokenizer_path(r, where)
+    if tokenizer is not None:  # the arms without their own tokenizer use the experiment's
+        arms = tuple(a if a.tokenizer else dataclasses.replace(a, tokenizer=tokenizer) for a in arms)
+    at_concurrency, peak_concurrency, at_rate, peak_rate = _operating_points(r)
+
+    exp = Experiment(
+        name=name,
+        arms=arms,
+        mode=mode,
+        db=r.get("db", str, "specproxy.duckdb"),
+        model=r.get("model", str, None),
+        description=r.get("description", str, ""),
+        sticky_key=sticky,
+        verify_fraction=vf,
+        upstream_connect_timeout_s=float(_positive(r, "upstream_connect_timeout_s", 10.0)),
+        upstream_read_timeout_s=_positive(r, "upstream_read_timeout_s", 600.0),
+        shadow_timeout_s=float(_positive(r, "shadow_timeout_s", 600.0)),
+        max_body_bytes=int(_positive(r, "max_body_bytes", 32 * 1024 * 1024)),
+        client_header_timeout_s=float(_positive(r, "client_header_timeout_s", 30.0)),
+        client_body_timeout_s=float(_positive(r, "client_body_timeout_s", 60.0)),
+        max_client_connections=_optional_int(_positive(r, "max_client_connections", None)),
+        shutdown_grace_s=float(_positive(r, "shutdown_grace_s", 30.0)),
+        span_queue_size=int(_positive(r, "span_queue_size", 100_000)),
+        scrape_interval_s=float(_positive(r, "scrape_interval_s", 5.0)),
+        otlp_endpoint=r.get("otlp_endpoint", str, None),
+        source_path=None if where.startswith("<") else where,
+        tokenizer=tokenizer,
+        at_concurrency=at_concurrency,
+        peak_concurrency=peak_concurrency,
+        at_rate=float(at_rate) if at_rate is not None else None,
+        peak_rate=float(peak_rate) if peak_rate is not None else None,
+        slo=slo,
+        gpu_hour_usd=_optional_float(_positive(r, "gpu_hour_usd", None)),
+    )
+    r.check_unknown(r.used)
+    return exp
+
+
+def _check_arms(where: str, arms: tuple[Arm, ...], mode: str) -> None:
+    """ConfigError unless there is an arm, exactly one baseline, no name twice, and (split) a weight."""
     if not arms:
         raise ConfigError(f"{where}: arms: at least one arm is required")
     baselines = [i for i, a in enumerate(arms) if a.role == "baseline"]
@@ -422,74 +470,38 @@ def parse_experiment(data: Mapping[str, Any], where: str = "<experiment>") -> Ex
         seen.add(a.name)
     if mode == "split" and sum(a.weight for a in arms) <= 0:
         raise ConfigError(f"{where}: arms: split mode needs at least one arm with weight > 0")
-    sticky = r.get("sticky_key", str, "")
-    if sticky not in ("", "user") and not (sticky.startswith("header:") and len(sticky) > 7):
-        raise r.fail("sticky_key", f"must be '', 'user' or 'header:NAME', got {sticky!r}")
-    vf = float(r.get("verify_fraction", (int, float), 0.0))
-    if not 0 <= vf <= 1:
-        raise r.fail("verify_fraction", "must be between 0 and 1")
 
-    def positive(key: str, default: float | None) -> Any:
-        v = r.get(key, (int, float), default)
-        if v is not None and v <= 0:
-            raise r.fail(key, "must be > 0")
-        return v
 
-    tokenizer = _tokenizer_path(r, where)
-    if tokenizer is not None:  # the arms without their own tokenizer use the experiment's
-        arms = tuple(a if a.tokenizer else dataclasses.replace(a, tokenizer=tokenizer) for a in arms)
+def _positive(r: _Reader, key: str, default: float | None) -> Any:
+    v = r.get(key, (int, float), default)
+    if v is not None and v <= 0:
+        raise r.fail(key, "must be > 0")
+    return v
 
-    def concurrency(key: str) -> int | None:
-        v = r.get(key, int, None)
-        if v is not None and v < 1:
-            raise r.fail(key, f"must be a concurrency ≥ 1, got {v}")
-        return int(v) if v is not None else None
 
-    at_concurrency = concurrency("at_concurrency")
-    peak_concurrency = concurrency("peak_concurrency")
+def _concurrency(r: _Reader, key: str) -> int | None:
+    v = r.get(key, int, None)
+    if v is not None and v < 1:
+        raise r.fail(key, f"must be a concurrency ≥ 1, got {v}")
+    return int(v) if v is not None else None
+
+
+def _operating_points(r: _Reader) -> tuple[int | None, int | None, Any, Any]:
+    """The experiment's at/peak concurrency and at/peak rate, each peak at least its 'at'."""
+    at_concurrency = _concurrency(r, "at_concurrency")
+    peak_concurrency = _concurrency(r, "peak_concurrency")
     if at_concurrency is not None and peak_concurrency is not None and peak_concurrency < at_concurrency:
         raise r.fail(
             "peak_concurrency",
             "must be ≥ at_concurrency (the peak is the busiest you run): "
             f"{peak_concurrency} < {at_concurrency}",
         )
-    at_rate, peak_rate = positive("at_rate", None), positive("peak_rate", None)
+    at_rate, peak_rate = _positive(r, "at_rate", None), _positive(r, "peak_rate", None)
     if at_rate is not None and peak_rate is not None and peak_rate < at_rate:
         raise r.fail(
             "peak_rate", f"must be ≥ at_rate (the peak is the busiest you run): {peak_rate} < {at_rate}"
         )
-
-    exp = Experiment(
-        name=name,
-        arms=arms,
-        mode=mode,
-        db=r.get("db", str, "specproxy.duckdb"),
-        model=r.get("model", str, None),
-        description=r.get("description", str, ""),
-        sticky_key=sticky,
-        verify_fraction=vf,
-        upstream_connect_timeout_s=float(positive("upstream_connect_timeout_s", 10.0)),
-        upstream_read_timeout_s=positive("upstream_read_timeout_s", 600.0),
-        shadow_timeout_s=float(positive("shadow_timeout_s", 600.0)),
-        max_body_bytes=int(positive("max_body_bytes", 32 * 1024 * 1024)),
-        client_header_timeout_s=float(positive("client_header_timeout_s", 30.0)),
-        client_body_timeout_s=float(positive("client_body_timeout_s", 60.0)),
-        max_client_connections=_optional_int(positive("max_client_connections", None)),
-        shutdown_grace_s=float(positive("shutdown_grace_s", 30.0)),
-        span_queue_size=int(positive("span_queue_size", 100_000)),
-        scrape_interval_s=float(positive("scrape_interval_s", 5.0)),
-        otlp_endpoint=r.get("otlp_endpoint", str, None),
-        source_path=None if where.startswith("<") else where,
-        tokenizer=tokenizer,
-        at_concurrency=at_concurrency,
-        peak_concurrency=peak_concurrency,
-        at_rate=float(at_rate) if at_rate is not None else None,
-        peak_rate=float(peak_rate) if peak_rate is not None else None,
-        slo=slo,
-        gpu_hour_usd=_optional_float(positive("gpu_hour_usd", None)),
-    )
-    r.check_unknown(r.used)
-    return exp
+    return at_concurrency, peak_concurrency, at_rate, peak_rate
 
 
 def _load_slo(where: str, table: Mapping[str, Any] | None) -> Slo | None:

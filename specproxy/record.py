@@ -188,11 +188,13 @@ def _fits(record: SpanRecord) -> bool:
     return (
         max(map(abs, filter(None, values[_INT32_SLICE])), default=0) <= _INT32[1]
         and max(map(abs, filter(None, values[_INT64_SLICE])), default=0) <= _INT64[1]
-        and _encodable("".join(filter(None, values[_STR_SLICE])))
+        and encodes_as_utf8("".join(filter(None, values[_STR_SLICE])))
     )
 
 
-def _encodable(text: str) -> bool:
+def encodes_as_utf8(text: str) -> bool:
+    """Whether ``text`` can be stored as it is (it has no lone surrogate); an ASCII scan first, the
+    common case, then an encode."""
     if text.isascii():
         return True
     try:
@@ -253,7 +255,7 @@ def fitted(name: str, value: Any) -> tuple[Any, str | None]:
             return value, None
         why = "is not a boolean"
     elif type(value) is str:
-        if _encodable(value):
+        if encodes_as_utf8(value):
             return value, None
         return valid_utf8(value), f"{name} was not valid UTF-8: what could not be encoded is stored as U+FFFD"
     else:

@@ -138,14 +138,21 @@ def rate_label(rate_per_s: float) -> str:
     return "r=" + repr(float(rate_per_s)).removesuffix(".0")
 
 
+def start_s_sql(alias: str = "") -> str:
+    """The SQL expression of a call's start in seconds since the epoch: from ``t_start_ns`` when the
+    span has it (exact), else from ``t_start`` (microseconds). ``alias``: the table alias to qualify
+    the columns with."""
+    p = f"{alias}." if alias else ""
+    return f"coalesce({p}t_start_ns / 1e9, epoch_us({p}t_start) / 1e6)"
+
+
 # The level label before open-loop levels had one (views of migrations 2-9).
 _LEVEL_SQL_V2 = "coalesce(CAST({p}concurrency_level AS VARCHAR), 'live')"
 
 # Views (migration 2): the analysis' building blocks, kept in the file so the DuckDB CLI sees them too.
 # specproxy.analysis creates the same views over the union of several files. A level is named by
 # level_sql(): the concurrency as text, 'r=<rate>' for an open-loop level, 'live' for serve's traffic.
-# Times in seconds since the epoch come from t_start_ns when present (exact), else from t_start
-# (microseconds).
+# A call's start in seconds since the epoch is start_s_sql().
 ARM_SUMMARY_VIEW_TEMPLATE = """
 CREATE OR REPLACE VIEW arm_summary AS
 WITH calls AS (
@@ -153,7 +160,7 @@ WITH calls AS (
            num_drafts, draft_tokens, accepted_tokens, acceptance_length, spec_source,
            {offered_rate}concurrency_level,
            {level} AS level,
-           coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
+           {start_s} AS start_s
     FROM requests
 ), agg AS (
     SELECT run_id, arm, level,
@@ -188,6 +195,23 @@ SELECT run_id, arm, arm_role, spec_method, level, concurrency_level, calls, ok, 
 FROM agg
 """
 
+# The pairs view's columns beside each call's kind, and its join to the baseline call (every version).
+_PAIR_COLUMNS = """       b.arm AS baseline_arm,
+       c.status, b.status AS baseline_status,
+       c.decode_tok_s, b.decode_tok_s AS baseline_decode_tok_s,
+       c.decode_tok_s / nullif(b.decode_tok_s, 0) AS decode_speedup,
+       c.ttft_s, b.ttft_s AS baseline_ttft_s,
+       c.e2e_s, b.e2e_s AS baseline_e2e_s,
+       c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
+       coalesce(c.identical,
+                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.greedy AND b.greedy
+                     THEN c.output_hash = b.output_hash END) AS identical,
+       c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
+       c.output_text, b.output_text AS baseline_output_text
+FROM others c
+JOIN base b ON c.run_id = b.run_id AND c.request_id = b.request_id
+"""
+
 # Each call beside the baseline call of the same request_id in the same replay round (the first ok
 # one). kind says what the comparison measures: 'candidate' (a speculative arm), 'replica' (an arm with
 # role 'replica', or any non-speculative arm beside the baseline: Diffy's secondary) or 'repeat' (the
@@ -197,13 +221,14 @@ FROM agg
 # Columns are listed, not `*`: DuckDB does not prune unused columns through the window, and the view
 # over 10 M spans is twice as fast for it. `calls` is used twice and DuckDB would materialise it (all
 # spans, in memory): NOT MATERIALIZED halves peak memory.
-PAIRS_VIEW_TEMPLATE = """
+PAIRS_VIEW_TEMPLATE = (
+    """
 CREATE OR REPLACE VIEW pairs AS
 WITH calls AS NOT MATERIALIZED (
     SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
            {offered_rate}status, decode_tok_s, ttft_s, e2e_s, completion_tokens, identical, first_divergence,
            divergence_margin, output_text, t_start, t_start_ns, span_id, round,
-           coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s,
+           {start_s} AS start_s,
            temperature = 0 AS greedy, hash(output_sha256) AS output_hash
     FROM requests
 ), ranked AS (
@@ -228,25 +253,15 @@ SELECT c.run_id, c.request_id,
        CASE WHEN c.arm_role = 'baseline' THEN 'repeat'
             WHEN c.arm_role = 'replica' OR coalesce(c.spec_method, 'none') IN ('none', '') THEN 'replica'
             ELSE 'candidate' END AS kind,
-       b.arm AS baseline_arm,
-       c.status, b.status AS baseline_status,
-       c.decode_tok_s, b.decode_tok_s AS baseline_decode_tok_s,
-       c.decode_tok_s / nullif(b.decode_tok_s, 0) AS decode_speedup,
-       c.ttft_s, b.ttft_s AS baseline_ttft_s,
-       c.e2e_s, b.e2e_s AS baseline_e2e_s,
-       c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
-       coalesce(c.identical,
-                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.greedy AND b.greedy
-                     THEN c.output_hash = b.output_hash END) AS identical,
-       c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
-       c.output_text, b.output_text AS baseline_output_text
-FROM others c
-JOIN base b ON c.run_id = b.run_id AND c.request_id = b.request_id
-            AND c.round IS NOT DISTINCT FROM b.round
 """
+    + _PAIR_COLUMNS
+    + """            AND c.round IS NOT DISTINCT FROM b.round
+"""
+)
 
 # The pairs view of migrations 2-7 (before calls carried a replay round), kept as those migrations ran it.
-PAIRS_VIEW_V2 = """
+PAIRS_VIEW_V2 = (
+    """
 CREATE OR REPLACE VIEW pairs AS
 WITH calls AS NOT MATERIALIZED (
     SELECT run_id, request_id, arm, arm_role, spec_method, routed_as, category, concurrency_level,
@@ -275,21 +290,9 @@ SELECT c.run_id, c.request_id,
        CASE WHEN c.arm_role = 'baseline' THEN 'repeat'
             WHEN coalesce(c.spec_method, 'none') IN ('none', '') THEN 'replica'
             ELSE 'candidate' END AS kind,
-       b.arm AS baseline_arm,
-       c.status, b.status AS baseline_status,
-       c.decode_tok_s, b.decode_tok_s AS baseline_decode_tok_s,
-       c.decode_tok_s / nullif(b.decode_tok_s, 0) AS decode_speedup,
-       c.ttft_s, b.ttft_s AS baseline_ttft_s,
-       c.e2e_s, b.e2e_s AS baseline_e2e_s,
-       c.completion_tokens, b.completion_tokens AS baseline_completion_tokens,
-       coalesce(c.identical,
-                CASE WHEN c.status = 'ok' AND b.status = 'ok' AND c.greedy AND b.greedy
-                     THEN c.output_hash = b.output_hash END) AS identical,
-       c.first_divergence, abs(c.divergence_margin) AS divergence_margin,
-       c.output_text, b.output_text AS baseline_output_text
-FROM others c
-JOIN base b ON c.run_id = b.run_id AND c.request_id = b.request_id
 """
+    + _PAIR_COLUMNS
+)
 
 # Identity per run, arm and level. A mismatch is a near-tie when the logprob margin (top-1 minus
 # top-2) at the first divergence is at most 0.5 nats (numerics can flip such a token), gross above it.
@@ -307,34 +310,9 @@ FROM pairs
 GROUP BY run_id, arm, level
 """
 
-# Speculative-decoding counters per run, arm and level, from backend_metrics. A window is a phase
-# pair 'X:before' / 'X:after' (replay's 'c=16', or one round of it, 'c=16 r2/3' or an extra round
-# 'c=16 r4 extra' → level '16') or every scrape of one other phase ('periodic' → level 'live'). Each
-# series (name + labels, so each `engine`) contributes its increase in each window, Prometheus-style:
-# a drop means the counter restarted from zero, so the new value is the increase. Then windows and
-# series are summed per level (over rounds, `engine` and any other label).
-ACCEPTANCE_VIEW_TEMPLATE = """
-CREATE OR REPLACE VIEW acceptance AS
-WITH samples AS (
-    SELECT run_id, arm, scraped_at, {name_column}labels_json, value,
-           CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
-                THEN regexp_replace(phase, ':(before|after)$', '')
-                ELSE coalesce(phase, 'periodic') END AS win,
-           json_extract_string(labels_json, '$.position') AS position
-    FROM backend_metrics
-    WHERE name IN ({names})
-), steps AS (
-    SELECT *, regexp_replace(win, '{round_suffix}', '') AS phase,
-           lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
-    FROM samples
-), series AS (
-    SELECT run_id, arm, phase, name, position,
-           sum(CASE WHEN previous IS NULL THEN 0
-                    WHEN value >= previous THEN value - previous
-                    ELSE value END) AS increase
-    FROM steps
-    GROUP BY run_id, arm, phase, win, name, labels_json, position
-), totals AS (
+# What every version of the acceptance view does with the counters' increases: totals and the
+# per-position shares per run, arm and phase, then the level each phase is of ({p}: the names' prefix).
+_ACCEPTANCE_TOTALS = """), totals AS (
     SELECT run_id, arm, phase,
            sum(increase) FILTER (WHERE name = '{p}spec_decode_num_drafts_total') AS drafts,
            sum(increase) FILTER (WHERE name = '{p}spec_decode_num_draft_tokens_total') AS draft_tokens,
@@ -363,6 +341,38 @@ SELECT t.run_id, t.arm, t.phase,
 FROM totals t
 LEFT JOIN positions p USING (run_id, arm, phase)
 """
+
+# Speculative-decoding counters per run, arm and level, from backend_metrics. A window is a phase
+# pair 'X:before' / 'X:after' (replay's 'c=16', or one round of it, 'c=16 r2/3' or an extra round
+# 'c=16 r4 extra' → level '16') or every scrape of one other phase ('periodic' → level 'live'). Each
+# series (name + labels, so each `engine`) contributes its increase in each window, Prometheus-style:
+# a drop means the counter restarted from zero, so the new value is the increase. Then windows and
+# series are summed per level (over rounds, `engine` and any other label).
+ACCEPTANCE_VIEW_TEMPLATE = (
+    """
+CREATE OR REPLACE VIEW acceptance AS
+WITH samples AS (
+    SELECT run_id, arm, scraped_at, {name_column}labels_json, value,
+           CASE WHEN phase LIKE '%:before' OR phase LIKE '%:after'
+                THEN regexp_replace(phase, ':(before|after)$', '')
+                ELSE coalesce(phase, 'periodic') END AS win,
+           json_extract_string(labels_json, '$.position') AS position
+    FROM backend_metrics
+    WHERE name IN ({names})
+), steps AS (
+    SELECT *, regexp_replace(win, '{round_suffix}', '') AS phase,
+           lag(value) OVER (PARTITION BY run_id, arm, win, name, labels_json ORDER BY scraped_at) AS previous
+    FROM samples
+), series AS (
+    SELECT run_id, arm, phase, name, position,
+           sum(CASE WHEN previous IS NULL THEN 0
+                    WHEN value >= previous THEN value - previous
+                    ELSE value END) AS increase
+    FROM steps
+    GROUP BY run_id, arm, phase, win, name, labels_json, position
+"""
+    + _ACCEPTANCE_TOTALS
+)
 
 
 # A round's suffix of a replay phase: ' r2/3', and from migration 14 also an extra round's ' r6 extra'.
@@ -426,35 +436,7 @@ WITH samples AS (
                     ELSE value END) AS increase
     FROM steps
     GROUP BY run_id, arm, phase, name, labels_json, position
-), totals AS (
-    SELECT run_id, arm, phase,
-           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_drafts_total') AS drafts,
-           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_draft_tokens_total') AS draft_tokens,
-           sum(increase) FILTER (WHERE name = 'vllm:spec_decode_num_accepted_tokens_total') AS accepted_tokens
-    FROM series
-    GROUP BY run_id, arm, phase
-), positions AS (
-    SELECT s.run_id, s.arm, s.phase,
-           list(s.increase / nullif(t.drafts, 0) ORDER BY TRY_CAST(s.position AS INTEGER))
-               AS acceptance_per_position
-    FROM (SELECT run_id, arm, phase, position, sum(increase) AS increase
-          FROM series
-          WHERE name = 'vllm:spec_decode_num_accepted_tokens_per_pos_total'
-          GROUP BY run_id, arm, phase, position) s
-    JOIN totals t USING (run_id, arm, phase)
-    GROUP BY s.run_id, s.arm, s.phase
-)
-SELECT t.run_id, t.arm, t.phase,
-       CASE WHEN t.phase LIKE 'c=%' THEN substr(t.phase, 3)
-            WHEN t.phase = 'periodic' THEN 'live'
-            ELSE t.phase END AS level,
-       t.drafts, t.draft_tokens, t.accepted_tokens,
-       t.accepted_tokens / nullif(t.draft_tokens, 0) AS acceptance_rate,
-       1 + t.accepted_tokens / nullif(t.drafts, 0) AS acceptance_length,
-       p.acceptance_per_position
-FROM totals t
-LEFT JOIN positions p USING (run_id, arm, phase)
-"""
+""" + _ACCEPTANCE_TOTALS.format(p="vllm:")
 
 
 def _arm_summary_view(*, with_rate: bool) -> str:
@@ -462,6 +444,7 @@ def _arm_summary_view(*, with_rate: bool) -> str:
         level=level_sql() if with_rate else _LEVEL_SQL_V2.format(p=""),
         offered_rate="offered_rate, " if with_rate else "",
         any_offered_rate="any_value(offered_rate) AS offered_rate,\n           " if with_rate else "",
+        start_s=start_s_sql(),
     )
 
 
@@ -470,6 +453,7 @@ def _pairs_view(*, with_rate: bool) -> str:
         offered_rate="offered_rate, " if with_rate else "",
         c_level=level_sql("c") if with_rate else _LEVEL_SQL_V2.format(p="c."),
         c_offered_rate="c.offered_rate, " if with_rate else "",
+        start_s=start_s_sql(),
     )
 
 
@@ -496,8 +480,8 @@ SELECT run_id, arm, arm_role, request_id, span_id, round, category,
        CASE WHEN offered_rate IS NOT NULL THEN 'rate'
             WHEN concurrency_level IS NOT NULL THEN 'concurrency' ELSE '' END AS load_axis,
        status, status = 'ok' AS ok,
-       coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s,
-       coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) + coalesce(e2e_s, 0) AS end_s,
+       {start_s_sql()} AS start_s,
+       {start_s_sql()} + coalesce(e2e_s, 0) AS end_s,
        ttft_s, tpot_s, itl_p50_s, itl_p95_s, itl_p99_s, itl_max_s, e2e_s,
        coalesce(completion_tokens, 0) AS completion_tokens
 FROM requests WHERE status <> 'dropped'

@@ -49,6 +49,7 @@ import numpy.typing as npt
 from specproxy.analysis.levels import LEVEL_SQL
 from specproxy.analysis.stats import Blocks, FloatArray, Interval, percentile_interval, widen_for_blocks
 from specproxy.analysis.store import SpanStore
+from specproxy.schema import start_s_sql
 
 UNEQUAL_LOAD = 1.10
 UNEQUAL_CALLS = 1.0
@@ -245,7 +246,7 @@ _CALLS_SQL = """
                    WHERE k.run_id = q.run_id AND k.arm = q.arm AND k.request_id = q.request_id
                      AND k.round IS NOT DISTINCT FROM q.round
                      AND k.t_start IS NOT DISTINCT FROM q.t_start) AS kept
-    FROM (SELECT *, coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s FROM ({every_call})
+    FROM (SELECT *, {start_s} AS start_s FROM ({every_call})
           WHERE run_id = ? AND arm = ? AND status <> 'dropped') q
     WHERE start_s IS NOT NULL
 """
@@ -254,7 +255,7 @@ _CALLS_SQL = """
 def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dict[tuple[str, str], ArmCalls]:
     """Every call of ``arm`` in the run that was sent (any status but ``dropped``) makes its load; the
     ok ones are returned per level, with the load each saw (per engine, of ``engines`` sharing them)."""
-    sql = _CALLS_SQL.format(level=LEVEL_SQL, every_call=store.views["requests"])
+    sql = _CALLS_SQL.format(level=LEVEL_SQL, start_s=start_s_sql(), every_call=store.views["requests"])
     # as columns: a live store's arm can have millions of calls, too many to convert row by row
     cols = store.conn.execute(sql, [run_id, arm]).fetchnumpy()
     if not len(cols["level"]):

@@ -19,7 +19,7 @@ from specproxy.analysis.figures.resolution import TimingResolution, resolution_f
 from specproxy.analysis.levels import LEVEL_SQL, level_load, level_sort_key
 from specproxy.analysis.stats import FloatArray
 from specproxy.analysis.store import SpanStore
-from specproxy.schema import LATENCY_SAMPLE_BYTES
+from specproxy.schema import LATENCY_SAMPLE_BYTES, start_s_sql
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def round_figures(store: SpanStore, run_id: str) -> dict[tuple[str, str], RoundF
         f"""
         WITH calls AS (
             SELECT arm, {LEVEL_SQL} AS level, round, status,
-                   completion_tokens, e2e_s, coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
+                   completion_tokens, e2e_s, {start_s_sql()} AS start_s
             FROM requests WHERE run_id = ? AND round IS NOT NULL
         )
         SELECT arm, level, round, count(*) FILTER (WHERE status = 'ok') AS ok,
@@ -434,7 +434,7 @@ def call_groups(
                                               < k.p * 1000000007) AS sample
         FROM (SELECT *, {LEVEL_SQL} AS level,
                      coalesce(category, '(none)') AS cat,
-                     coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
+                     {start_s_sql()} AS start_s
               FROM requests WHERE run_id = $run AND status = 'ok') r
         JOIN block_keys k ON k.arm = r.arm AND k.level = r.level
         GROUP BY GROUPING SETS ((r.arm, r.level), (r.arm, r.level, r.cat))

@@ -331,31 +331,12 @@ def _of(points: Sequence[Point], kind: str) -> list[Point]:
     return [p for p in points if p.kind == kind]
 
 
-def build_profile(
-    points: Sequence[Point],
-    stack: Mapping[str, Any],
-    name: str,
-    model: str = "meta-llama/Llama-3.1-8B-Instruct",
-    date: str = "",
-) -> dict[str, Any]:
-    """Fit every part of the profile that the points cover and return the profile as a dict.
-
-    Needs `target` points; drafter and prefill sections are filled where their points exist.
-    `stack` is the calibrator's stack record (GPU name, weight bytes read per step, ...).
-    """
-    target_pts = _of(points, "target")
-    if len(target_pts) < 4:
-        raise ValueError(f"need at least 4 target points to fit a profile, got {len(target_pts)}")
-    target = fit_forward(
-        [p.batched_tokens for p in target_pts],
-        [p.kv_tokens for p in target_pts],
-        [p.median_s for p in target_pts],
-    )
+def _fit_drafters(
+    points: Sequence[Point], fit_notes: list[str]
+) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """The profile's drafters (each fitted where its points exist, the CPU-side lookups kept at the
+    H100 profile's fraction) and the EAGLE heads' chain-form fits; what was done goes to ``fit_notes``."""
     drafters: dict[str, Any] = {}
-    fit_notes: list[str] = [
-        f"target: {target.n} points (B x query tokens x context), relative-error least squares, "
-        f"r2={target.r2:.4f}, max_rel_err={target.max_rel_err:.3f}, knee at T={target.knee_batched_tokens}."
-    ]
     eagle_fits: dict[str, DrafterFit] = {}
     chain_fits: dict[str, dict[str, float]] = {}
     for kind in ("eagle3", "eagle"):
@@ -406,6 +387,34 @@ def build_profile(
         "step_overhead_s: scheduler/sampler/Python time per engine step is host CPU work that forward "
         "timing cannot see and that does not scale with HBM bandwidth; kept at the H100 fit's value."
     )
+    return drafters, chain_fits
+
+
+def build_profile(
+    points: Sequence[Point],
+    stack: Mapping[str, Any],
+    name: str,
+    model: str = "meta-llama/Llama-3.1-8B-Instruct",
+    date: str = "",
+) -> dict[str, Any]:
+    """Fit every part of the profile that the points cover and return the profile as a dict.
+
+    Needs `target` points; drafter and prefill sections are filled where their points exist.
+    `stack` is the calibrator's stack record (GPU name, weight bytes read per step, ...).
+    """
+    target_pts = _of(points, "target")
+    if len(target_pts) < 4:
+        raise ValueError(f"need at least 4 target points to fit a profile, got {len(target_pts)}")
+    target = fit_forward(
+        [p.batched_tokens for p in target_pts],
+        [p.kv_tokens for p in target_pts],
+        [p.median_s for p in target_pts],
+    )
+    fit_notes: list[str] = [
+        f"target: {target.n} points (B x query tokens x context), relative-error least squares, "
+        f"r2={target.r2:.4f}, max_rel_err={target.max_rel_err:.3f}, knee at T={target.knee_batched_tokens}."
+    ]
+    drafters, chain_fits = _fit_drafters(points, fit_notes)
     graphs = ", CUDA graphs" if stack.get("cuda_graphs") else ""
     profile: dict[str, Any] = {
         "name": name,

@@ -265,167 +265,184 @@ def k8s_documents(
 ) -> list[dict[str, Any]]:
     """Kubernetes objects for this experiment (vLLM arms only: simulated arms need no cluster)."""
     meta_ns = {"namespace": namespace} if namespace else {}
-    docs: list[dict[str, Any]] = []
     config_name = f"specproxy-{service_name(exp.name)[4:]}-experiment"
-    docs.append(
+    docs: list[dict[str, Any]] = [
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {"name": config_name, "labels": _labels("specproxy"), **meta_ns},
             "data": {"experiment.toml": experiment_toml(in_cluster_experiment(exp))},
         }
-    )
+    ]
     for arm in exp.arms:
-        name = service_name(arm.name)
-        port = arm_port(arm)
-        labels = _labels("vllm", arm.name)
-        env = [
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": True}},
-            }
-        ]
-        env += [{"name": k, "value": v} for k, v in arm.engine.env.items()]
-        gpus = str(_gpu_count(arm))
-        probe = {"httpGet": {"path": "/health", "port": port}}
-        docs.append(
-            {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "metadata": {"name": name, "labels": labels, **meta_ns},
+        docs += _k8s_arm_documents(exp, arm, meta_ns)
+    docs.append(_k8s_proxy_deployment(exp, config_name, proxy_replicas, meta_ns))
+    docs += _k8s_proxy_companions(proxy_replicas, meta_ns)
+    return docs
+
+
+def _k8s_arm_documents(exp: Experiment, arm: Arm, meta_ns: dict[str, str]) -> list[dict[str, Any]]:
+    """An arm's vLLM Deployment and its Service."""
+    name = service_name(arm.name)
+    port = arm_port(arm)
+    labels = _labels("vllm", arm.name)
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels, **meta_ns},
+        "spec": {
+            "replicas": 1,
+            # A GPU pod cannot overlap with its successor: the node has no spare GPU for both.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": {"specproxy.io/arm": arm.name, "app.kubernetes.io/name": "vllm"}},
+            "template": {
+                "metadata": {"labels": labels},
                 "spec": {
-                    "replicas": 1,
-                    # A GPU pod cannot overlap with its successor: the node has no spare GPU for both.
-                    "strategy": {"type": "Recreate"},
-                    "selector": {
-                        "matchLabels": {"specproxy.io/arm": arm.name, "app.kubernetes.io/name": "vllm"}
-                    },
-                    "template": {
-                        "metadata": {"labels": labels},
-                        "spec": {
-                            "containers": [
-                                {
-                                    "name": "vllm",
-                                    "image": VLLM_IMAGE,
-                                    "command": ["vllm", "serve"],
-                                    "args": _arm_container_args(exp, arm, "vllm"),
-                                    "ports": [{"name": "http", "containerPort": port}],
-                                    "env": env,
-                                    "resources": {
-                                        "limits": {"nvidia.com/gpu": gpus},
-                                        "requests": {"nvidia.com/gpu": gpus},
-                                    },
-                                    # Loading weights and compiling take minutes: allow up to 30 min to start.
-                                    "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
-                                    "readinessProbe": {**probe, "periodSeconds": 10},
-                                    "livenessProbe": {**probe, "periodSeconds": 30, "failureThreshold": 5},
-                                    "volumeMounts": [
-                                        {"name": "shm", "mountPath": "/dev/shm"},
-                                        {"name": "hf-cache", "mountPath": HF_CACHE},
-                                    ],
-                                }
-                            ],
-                            "volumes": [
-                                {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
-                                {"name": "hf-cache", "emptyDir": {}},
-                            ],
-                        },
-                    },
-                },
-            }
-        )
-        docs.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": name, "labels": labels, **meta_ns},
-                "spec": {
-                    "selector": {"specproxy.io/arm": arm.name, "app.kubernetes.io/name": "vllm"},
-                    "ports": [{"name": "http", "port": port, "targetPort": port}],
-                },
-            }
-        )
-    proxy_labels = _labels("specproxy")
-    liveness = {"httpGet": {"path": PROXY_HEALTH_PATH, "port": PROXY_PORT}}
-    readiness = {"httpGet": {"path": PROXY_READY_PATH, "port": PROXY_PORT}}
-    selector = {"app.kubernetes.io/name": "specproxy", "app.kubernetes.io/part-of": "specproxy"}
-    docs.append(
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "specproxy", "labels": proxy_labels, **meta_ns},
-            "spec": {
-                "replicas": proxy_replicas,
-                "selector": {"matchLabels": selector},
-                "template": {
-                    "metadata": {"labels": proxy_labels},
-                    "spec": {
-                        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
-                        # In-flight requests get the proxy's shutdown grace (30 s by default) to finish.
-                        "terminationGracePeriodSeconds": max(45, int(exp.shutdown_grace_s) + 15),
-                        "containers": [
-                            {
-                                "name": "specproxy",
-                                "image": SPECPROXY_IMAGE,
-                                # One span store per replica (DuckDB allows one writer per file), side by
-                                # side on a shared volume: `specproxy analyze /data/*.duckdb` reads the union.
-                                "args": proxy_args(db=f"{DATA_DIR}/$(POD_NAME).duckdb"),
-                                "ports": [{"name": "http", "containerPort": PROXY_PORT}],
-                                "env": [
-                                    # Spans of every replica also go over OTLP to one collector.
-                                    {
-                                        "name": "OTEL_EXPORTER_OTLP_ENDPOINT",
-                                        "value": "http://otel-collector:4318",
-                                    },
-                                    {
-                                        "name": "POD_NAME",
-                                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
-                                    },
-                                    {
-                                        "name": "OTEL_RESOURCE_ATTRIBUTES",
-                                        "value": "service.instance.id=$(POD_NAME)",
-                                    },
-                                ],
-                                "resources": {
-                                    "requests": {"cpu": "1", "memory": "1Gi"},
-                                    "limits": {"memory": "2Gi"},
-                                },
-                                # Out of the Service while the baseline is unreachable or spans cannot
-                                # be written; restarted only when the process stops answering.
-                                "readinessProbe": {**readiness, "periodSeconds": 5},
-                                "livenessProbe": {**liveness, "periodSeconds": 20},
-                                "securityContext": {
-                                    "allowPrivilegeEscalation": False,
-                                    "readOnlyRootFilesystem": True,
-                                    "capabilities": {"drop": ["ALL"]},
-                                },
-                                "volumeMounts": [
-                                    {"name": "experiment", "mountPath": "/etc/specproxy", "readOnly": True},
-                                    {"name": "data", "mountPath": DATA_DIR},
-                                    {"name": "tmp", "mountPath": "/tmp"},
-                                ],
-                            }
-                        ],
-                        "volumes": [
-                            {"name": "experiment", "configMap": {"name": config_name}},
-                            {"name": "data", "persistentVolumeClaim": {"claimName": "specproxy-spans"}},
-                            {"name": "tmp", "emptyDir": {}},
-                        ],
-                    },
+                    "containers": [
+                        _k8s_arm_container(exp, arm, port),
+                    ],
+                    "volumes": [
+                        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                        {"name": "hf-cache", "emptyDir": {}},
+                    ],
                 },
             },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels, **meta_ns},
+        "spec": {
+            "selector": {"specproxy.io/arm": arm.name, "app.kubernetes.io/name": "vllm"},
+            "ports": [{"name": "http", "port": port, "targetPort": port}],
+        },
+    }
+    return [deployment, service]
+
+
+def _k8s_arm_container(exp: Experiment, arm: Arm, port: int) -> dict[str, Any]:
+    env: list[dict[str, Any]] = [
+        {
+            "name": "HF_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": True}},
         }
-    )
-    docs.append(
+    ]
+    env += [{"name": k, "value": v} for k, v in arm.engine.env.items()]
+    gpus = str(_gpu_count(arm))
+    probe = {"httpGet": {"path": "/health", "port": port}}
+    return {
+        "name": "vllm",
+        "image": VLLM_IMAGE,
+        "command": ["vllm", "serve"],
+        "args": _arm_container_args(exp, arm, "vllm"),
+        "ports": [{"name": "http", "containerPort": port}],
+        "env": env,
+        "resources": {
+            "limits": {"nvidia.com/gpu": gpus},
+            "requests": {"nvidia.com/gpu": gpus},
+        },
+        # Loading weights and compiling take minutes: allow up to 30 min to start.
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {**probe, "periodSeconds": 10},
+        "livenessProbe": {**probe, "periodSeconds": 30, "failureThreshold": 5},
+        "volumeMounts": [
+            {"name": "shm", "mountPath": "/dev/shm"},
+            {"name": "hf-cache", "mountPath": HF_CACHE},
+        ],
+    }
+
+
+def _k8s_proxy_deployment(
+    exp: Experiment, config_name: str, proxy_replicas: int, meta_ns: dict[str, str]
+) -> dict[str, Any]:
+    proxy_labels = _labels("specproxy")
+    selector = {"app.kubernetes.io/name": "specproxy", "app.kubernetes.io/part-of": "specproxy"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "specproxy", "labels": proxy_labels, **meta_ns},
+        "spec": {
+            "replicas": proxy_replicas,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": proxy_labels},
+                "spec": {
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+                    # In-flight requests get the proxy's shutdown grace (30 s by default) to finish.
+                    "terminationGracePeriodSeconds": max(45, int(exp.shutdown_grace_s) + 15),
+                    "containers": [
+                        _k8s_proxy_container(),
+                    ],
+                    "volumes": [
+                        {"name": "experiment", "configMap": {"name": config_name}},
+                        {"name": "data", "persistentVolumeClaim": {"claimName": "specproxy-spans"}},
+                        {"name": "tmp", "emptyDir": {}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _k8s_proxy_container() -> dict[str, Any]:
+    liveness = {"httpGet": {"path": PROXY_HEALTH_PATH, "port": PROXY_PORT}}
+    readiness = {"httpGet": {"path": PROXY_READY_PATH, "port": PROXY_PORT}}
+    return {
+        "name": "specproxy",
+        "image": SPECPROXY_IMAGE,
+        # One span store per replica (DuckDB allows one writer per file), side by
+        # side on a shared volume: `specproxy analyze /data/*.duckdb` reads the union.
+        "args": proxy_args(db=f"{DATA_DIR}/$(POD_NAME).duckdb"),
+        "ports": [{"name": "http", "containerPort": PROXY_PORT}],
+        "env": [
+            # Spans of every replica also go over OTLP to one collector.
+            {
+                "name": "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "value": "http://otel-collector:4318",
+            },
+            {
+                "name": "POD_NAME",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+            },
+            {
+                "name": "OTEL_RESOURCE_ATTRIBUTES",
+                "value": "service.instance.id=$(POD_NAME)",
+            },
+        ],
+        "resources": {
+            "requests": {"cpu": "1", "memory": "1Gi"},
+            "limits": {"memory": "2Gi"},
+        },
+        # Out of the Service while the baseline is unreachable or spans cannot
+        # be written; restarted only when the process stops answering.
+        "readinessProbe": {**readiness, "periodSeconds": 5},
+        "livenessProbe": {**liveness, "periodSeconds": 20},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "experiment", "mountPath": "/etc/specproxy", "readOnly": True},
+            {"name": "data", "mountPath": DATA_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+
+
+def _k8s_proxy_companions(proxy_replicas: int, meta_ns: dict[str, str]) -> list[dict[str, Any]]:
+    """The proxy's span volume, Service, autoscaler and disruption budget."""
+    proxy_labels = _labels("specproxy")
+    selector = {"app.kubernetes.io/name": "specproxy", "app.kubernetes.io/part-of": "specproxy"}
+    return [
         {
             "apiVersion": "v1",
             "kind": "PersistentVolumeClaim",
             "metadata": {"name": "specproxy-spans", "labels": proxy_labels, **meta_ns},
             # Every replica writes its own file here, so the claim must be mountable by many pods.
             "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}},
-        }
-    )
-    docs.append(
+        },
         {
             "apiVersion": "v1",
             "kind": "Service",
@@ -434,9 +451,7 @@ def k8s_documents(
                 "selector": selector,
                 "ports": [{"name": "http", "port": PROXY_PORT, "targetPort": PROXY_PORT}],
             },
-        }
-    )
-    docs.append(
+        },
         {
             "apiVersion": "autoscaling/v2",
             "kind": "HorizontalPodAutoscaler",
@@ -455,17 +470,14 @@ def k8s_documents(
                     }
                 ],
             },
-        }
-    )
-    docs.append(
+        },
         {
             "apiVersion": "policy/v1",
             "kind": "PodDisruptionBudget",
             "metadata": {"name": "specproxy", "labels": proxy_labels, **meta_ns},
             "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}},
-        }
-    )
-    return docs
+        },
+    ]
 
 
 def render_k8s(exp: Experiment, *, namespace: str | None = None) -> str:

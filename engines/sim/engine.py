@@ -222,6 +222,53 @@ class Sequence:
             text = text[: len(text) - self.trim_chars] if self.trim_chars < len(text) else ""
         return text
 
+    def emit(self, count: int) -> None:
+        """Add up to ``count`` tokens to the output, cut at EOS, ``max_tokens`` or a stop string (which
+        set ``finish_reason``)."""
+        spec = self.spec
+        start = self.n_out
+        end = min(start + count, spec.max_tokens)
+        target = self.target
+        target.ensure(end)
+        ids = target.ids
+        reason: str | None = None
+        for pos in range(start, end):
+            if ids[pos] == EOS_ID and not spec.ignore_eos and pos + 1 > spec.min_tokens:
+                end = pos + 1
+                reason = "stop"
+                break
+        self.n_out = end
+        if spec.stop and self.n_out > start:
+            self._check_stop(start)
+            if self.finish_reason is not None:
+                return
+        if reason is None and self.n_out >= spec.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.finish_reason = reason
+
+    def _check_stop(self, start: int) -> None:
+        spec = self.spec
+        pieces = self.target.pieces
+        if self.n_out <= spec.min_tokens:
+            self._text_tail = (self._text_tail + "".join(pieces[start : self.n_out]))[-256:]
+            return
+        tail = self._text_tail
+        for pos in range(start, self.n_out):
+            tail += pieces[pos]
+            for stop in spec.stop:
+                at = tail.find(stop)
+                if at >= 0:
+                    # Output ends with the token that completed the stop string; text is cut before it.
+                    self.n_out = pos + 1
+                    keep_to = at + (len(stop) if spec.include_stop_str_in_output else 0)
+                    self.trim_chars = len(tail) - keep_to
+                    self.finish_reason = "stop"
+                    self.stop_reason = stop
+                    return
+            tail = tail[-256:]
+        self._text_tail = tail
+
 
 @dataclass
 class StepPlan:
@@ -426,39 +473,9 @@ class EngineCore:
                 emitted = 1  # the step that completes prefill samples the first token
             else:
                 truth.decode_steps += 1
-                n_drafts = seq.n_drafts
-                accepted = 0
-                if n_drafts:
-                    if lookup:
-                        target = seq.target
-                        target.ensure(seq.n_out + n_drafts)
-                        ids = target.ids
-                        base = seq.n_out
-                        for i, tok in enumerate(seq.drafts[:n_drafts]):
-                            if ids[base + i] != tok:
-                                break
-                            accepted += 1
-                    else:
-                        accepted = draw_accepted(seq.rng, seq.rates, n_drafts)
-                    # Counted before the EOS/stop/max_tokens trim, as vLLM counts them.
-                    truth.num_drafts += 1
-                    truth.draft_tokens += n_drafts
-                    truth.accepted_tokens += accepted
-                    truth.acceptance_histogram[accepted] += 1
-                    if self.config.per_request_spec_decode_metrics == "detailed":
-                        truth.per_step_accepted.append(accepted)
-                        truth.per_step_drafted.append(n_drafts)
-                    m.spec_drafts += 1
-                    m.spec_draft_tokens += n_drafts
-                    m.spec_accepted += accepted
-                    per_pos = m.spec_accepted_per_pos
-                    truth_pos = truth.accepted_per_pos
-                    for i in range(accepted):
-                        per_pos[i] += 1
-                        truth_pos[i] += 1
-                emitted = accepted + 1
+                emitted = self._verify(seq, lookup) + 1
             before = seq.n_out
-            self._emit(seq, emitted, now)
+            seq.emit(emitted)
             new = seq.n_out - before
             m.generation_tokens += new
             if new:
@@ -489,50 +506,41 @@ class EngineCore:
         m.kv_usage = min(1.0, sum(s.prompt_len + s.n_out for s in self.running) / self.kv_capacity)
         return touched
 
-    def _emit(self, seq: Sequence, count: int, now: float) -> None:
-        spec = seq.spec
-        start = seq.n_out
-        end = min(start + count, spec.max_tokens)
-        target = seq.target
-        target.ensure(end)
-        ids = target.ids
-        reason: str | None = None
-        for pos in range(start, end):
-            if ids[pos] == EOS_ID and not spec.ignore_eos and pos + 1 > spec.min_tokens:
-                end = pos + 1
-                reason = "stop"
-                break
-        seq.n_out = end
-        if spec.stop and seq.n_out > start:
-            self._check_stop(seq, start)
-            if seq.finish_reason is not None:
-                return
-        if reason is None and seq.n_out >= spec.max_tokens:
-            reason = "length"
-        if reason is not None:
-            seq.finish_reason = reason
-
-    def _check_stop(self, seq: Sequence, start: int) -> None:
-        spec = seq.spec
-        pieces = seq.target.pieces
-        if seq.n_out <= spec.min_tokens:
-            seq._text_tail = (seq._text_tail + "".join(pieces[start : seq.n_out]))[-256:]
-            return
-        tail = seq._text_tail
-        for pos in range(start, seq.n_out):
-            tail += pieces[pos]
-            for stop in spec.stop:
-                at = tail.find(stop)
-                if at >= 0:
-                    # Output ends with the token that completed the stop string; text is cut before it.
-                    seq.n_out = pos + 1
-                    keep_to = at + (len(stop) if spec.include_stop_str_in_output else 0)
-                    seq.trim_chars = len(tail) - keep_to
-                    seq.finish_reason = "stop"
-                    seq.stop_reason = stop
-                    return
-            tail = tail[-256:]
-        seq._text_tail = tail
+    def _verify(self, seq: Sequence, lookup: bool) -> int:
+        """Verify a decode step's drafts: how many the target accepted (counted in the metrics)."""
+        truth = seq.truth
+        m = self.metrics
+        n_drafts = seq.n_drafts
+        accepted = 0
+        if n_drafts:
+            if lookup:
+                target = seq.target
+                target.ensure(seq.n_out + n_drafts)
+                ids = target.ids
+                base = seq.n_out
+                for i, tok in enumerate(seq.drafts[:n_drafts]):
+                    if ids[base + i] != tok:
+                        break
+                    accepted += 1
+            else:
+                accepted = draw_accepted(seq.rng, seq.rates, n_drafts)
+            # Counted before the EOS/stop/max_tokens trim, as vLLM counts them.
+            truth.num_drafts += 1
+            truth.draft_tokens += n_drafts
+            truth.accepted_tokens += accepted
+            truth.acceptance_histogram[accepted] += 1
+            if self.config.per_request_spec_decode_metrics == "detailed":
+                truth.per_step_accepted.append(accepted)
+                truth.per_step_drafted.append(n_drafts)
+            m.spec_drafts += 1
+            m.spec_draft_tokens += n_drafts
+            m.spec_accepted += accepted
+            per_pos = m.spec_accepted_per_pos
+            truth_pos = truth.accepted_per_pos
+            for i in range(accepted):
+                per_pos[i] += 1
+                truth_pos[i] += 1
+        return accepted
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         if seq.finish_reason is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -158,6 +158,58 @@ class EngineMetrics:
         return bytes(generate_latest(registry))
 
 
+# The families /metrics shows, in vLLM's order and words: (name, help, the EngineMetrics attribute).
+_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", "running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
+)
+_COUNTERS = (
+    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "preemptions"),
+    (
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "prefix_cache_queries",
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        "prefix_cache_hits",
+    ),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+)
+_SPEC_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_accepted"),
+)
+_HISTOGRAMS = (
+    ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", "iteration_tokens"),
+    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "request_prompt_tokens"),
+    ("vllm:request_generation_tokens", "Number of generation tokens processed.", "request_generation_tokens"),
+    ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
+    ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", "itl"),
+    (
+        "vllm:request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.",
+        "tpot",
+    ),
+    ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", "e2e"),
+    ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", "queue"),
+    (
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        "prefill_time",
+    ),
+    (
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        "decode_time",
+    ),
+)
+
+
 class _Collector(Collector):
     def __init__(self, metrics: EngineMetrics) -> None:
         self._m = metrics
@@ -167,100 +219,39 @@ class _Collector(Collector):
         labels = ["model_name", "engine"]
         values = [m.model_name, "0"]
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value, created=m.created)
+        def counters(table: tuple[tuple[str, str, str], ...]) -> Iterator[Metric]:
+            for name, doc, attr in table:
+                family = CounterMetricFamily(name, doc, labels=labels)
+                family.add_metric(values, getattr(m, attr), created=m.created)
+                yield family
+
+        def labelled(name: str, doc: str, label: str, counts: Iterable[tuple[str, float]]) -> Metric:
+            family = CounterMetricFamily(name, doc, labels=[*labels, label])
+            for value, count in counts:
+                family.add_metric([*values, value], count, created=m.created)
             return family
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
-
-        def histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
-            family = HistogramMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, h.buckets(), h.total)
-            return family
-
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", m.running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m.waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage)
-        yield counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", m.preemptions
-        )
-        yield counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            m.prefix_cache_queries,
-        )
-        yield counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            m.prefix_cache_hits,
-        )
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens)
-        success = CounterMetricFamily(
+        for name, doc, attr in _GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, getattr(m, attr))
+            yield gauge
+        yield from counters(_COUNTERS)
+        yield labelled(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            labels=[*labels, "finished_reason"],
+            "finished_reason",
+            m.success.items(),
         )
-        for reason, count in m.success.items():
-            success.add_metric([*values, reason], count, created=m.created)
-        yield success
         if m.num_spec_tokens is not None:
-            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", m.spec_drafts)
-            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", m.spec_draft_tokens)
-            yield counter(
-                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", m.spec_accepted
-            )
-            per_pos = CounterMetricFamily(
+            yield from counters(_SPEC_COUNTERS)
+            yield labelled(
                 "vllm:spec_decode_num_accepted_tokens_per_pos",
                 "Accepted tokens per draft position.",
-                labels=[*labels, "position"],
+                "position",
+                ((str(pos), count) for pos, count in enumerate(m.spec_accepted_per_pos)),
             )
-            for pos, count in enumerate(m.spec_accepted_per_pos):
-                per_pos.add_metric([*values, str(pos)], count, created=m.created)
-            yield per_pos
-        yield histogram(
-            "vllm:iteration_tokens_total",
-            "Histogram of number of tokens per engine_step.",
-            m.iteration_tokens,
-        )
-        yield histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", m.request_prompt_tokens
-        )
-        yield histogram(
-            "vllm:request_generation_tokens",
-            "Number of generation tokens processed.",
-            m.request_generation_tokens,
-        )
-        yield histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft
-        )
-        yield histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl
-        )
-        yield histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            m.tpot,
-        )
-        yield histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m.e2e
-        )
-        yield histogram(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            m.queue,
-        )
-        yield histogram(
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            m.prefill_time,
-        )
-        yield histogram(
-            "vllm:request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.",
-            m.decode_time,
-        )
+        for name, doc, attr in _HISTOGRAMS:
+            h: Histogram = getattr(m, attr)
+            histogram = HistogramMetricFamily(name, doc, labels=labels)
+            histogram.add_metric(values, h.buckets(), h.total)
+            yield histogram

@@ -12,12 +12,17 @@ from specproxy.commandline import (
     ConcurrencyLevels,
     FiniteFloat,
     RequestRates,
+    db_option,
+    deciding_rounds_option,
     experiment_or_none,
+    extra_rounds_option,
+    no_progress_option,
+    rounds_option,
     run_async,
 )
 from specproxy.config import Arm
 from specproxy.proxy.replay.deciding import open_questions
-from specproxy.proxy.replay.formats import FORMATS, FormatError, read_items
+from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, read_items
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
 from specproxy.proxy.replay.summary import print_rounds, print_summary
 from specproxy.proxy.spans.sink import SpanSinkError
@@ -102,35 +107,9 @@ from specproxy.proxy.spans.sink import SpanSinkError
     help="Stop sending after S seconds (per level of a sweep; a rate level sends arrivals for S "
     "seconds, cycling the items).",
 )
-@click.option(
-    "--rounds",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    metavar="N",
-    help="Measure each level (or the timed loop) N times, the arms' order rotated and the items "
-    "shuffled each round; the analysis reads the spread between rounds (a level measured once gets "
-    "no WIN or LOSS on speed: one round cannot see the drift between runs).",
-)
-@click.option(
-    "--extra-rounds",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="Add up to N rounds to a level whose rounds left too few that passed every health check "
-    "(3 once one failed), one at a time at the same pace; a --timed loop is never rerun.",
-)
-@click.option(
-    "--deciding-rounds",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="Add up to N rounds to the top level (the highest concurrency or rate) while a figure the "
-    "deploy verdict reads there has an interval reaching across a margin line; each look copies the "
-    "span store (--db) and analyses the run so far.",
-)
+@rounds_option(3, note=" (or the timed loop)")
+@extra_rounds_option(0, note="; a --timed loop is never rerun")
+@deciding_rounds_option(0)
 @click.option(
     "--warmup",
     type=click.IntRange(min=0),
@@ -138,12 +117,7 @@ from specproxy.proxy.spans.sink import SpanSinkError
     help="Unrecorded calls per arm before each level (default: one per slot, one per rate level; "
     "none with --target, where the proxy would record them).",
 )
-@click.option(
-    "--db",
-    "db_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Span store (default: the experiment's db, else specproxy.duckdb).",
-)
+@db_option
 @click.option("--run-name", default=None, help="Name of the run in the span store (default: the log's name).")
 @click.option("--model", default=None, help="Model name to send (default: each arm's first served model).")
 @click.option(
@@ -161,7 +135,7 @@ from specproxy.proxy.spans.sink import SpanSinkError
     help="A bad input record: stop with file:line, or skip it and count it.",
 )
 @click.option("--capture-output", is_flag=True, help="Store each response's text in the span store.")
-@click.option("--no-progress", is_flag=True, help="No live progress display.")
+@no_progress_option
 def replay(
     logs: Path,
     config_path: Path | None,
@@ -204,32 +178,10 @@ def replay(
     console = Console(stderr=True, soft_wrap=True)
     if (config_path is None) == (target is None):
         raise click.UsageError("give exactly one of --config exp.toml (the arms) or --target URL (a proxy)")
-    if rate is not None and rates is not None:
-        raise click.UsageError("--rate R is a sweep of one rate: give --rate or --rates, not both")
-    if rate is not None:
-        rates = (rate,)
-    if rates is not None and timed:
-        raise click.UsageError("--rates and --timed are two different load shapes; choose one")
+    rates = _swept_rates(rate, rates, timed)
     experiment = experiment_or_none(config_path)
-    if experiment is not None:
-        arms = experiment.arms
-    else:
-        assert target is not None
-        if not target.startswith(("http://", "https://")):
-            raise click.BadParameter(
-                f"must start with http:// or https://, got {target!r}", param_hint="--target"
-            )
-        if mode == "split":
-            raise click.UsageError(
-                "--mode split needs the arms of --config; a --target proxy splits by itself"
-            )
-        arms = (Arm(name="target", url=target.rstrip("/"), role="baseline"),)
-    try:
-        items = read_items(
-            logs, fmt, on_error="skip" if on_error == "skip" else "stop", limit=limit, seed=seed
-        )
-    except FormatError as exc:
-        raise click.ClickException(str(exc)) from None
+    arms = experiment.arms if experiment is not None else _target_arms(target, mode)
+    items = _read(logs, fmt, on_error, limit, seed)
     load = LoadPlan(
         kind="rate" if rates is not None else "timed" if timed else "closed",
         levels=levels,
@@ -262,6 +214,46 @@ def replay(
         f"{', '.join(a.name for a in arms)} ({mode})",
         highlight=False,
     )
+    _run(settings, items, console)
+
+
+def _swept_rates(
+    rate: float | None, rates: tuple[float, ...] | None, timed: bool
+) -> tuple[float, ...] | None:
+    """The open loop's rates (--rate is a sweep of one); UsageError for load shapes that exclude each
+    other."""
+    if rate is not None and rates is not None:
+        raise click.UsageError("--rate R is a sweep of one rate: give --rate or --rates, not both")
+    if rate is not None:
+        rates = (rate,)
+    if rates is not None and timed:
+        raise click.UsageError("--rates and --timed are two different load shapes; choose one")
+    return rates
+
+
+def _target_arms(target: str | None, mode: str) -> tuple[Arm, ...]:
+    """The one arm of --target: the proxy (or server) at its URL."""
+    assert target is not None
+    if not target.startswith(("http://", "https://")):
+        raise click.BadParameter(
+            f"must start with http:// or https://, got {target!r}", param_hint="--target"
+        )
+    if mode == "split":
+        raise click.UsageError("--mode split needs the arms of --config; a --target proxy splits by itself")
+    return (Arm(name="target", url=target.rstrip("/"), role="baseline"),)
+
+
+def _read(logs: Path, fmt: str, on_error: str, limit: int | None, seed: int) -> ItemSet:
+    try:
+        return read_items(
+            logs, fmt, on_error="skip" if on_error == "skip" else "stop", limit=limit, seed=seed
+        )
+    except FormatError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _run(settings: ReplaySettings, items: ItemSet, console: Console) -> None:
+    """Run the replay, print its summary; exit 130 when it was interrupted."""
     try:
         result = run_async(replay_until_stopped(settings, items))
     except (ReplayError, SpanSinkError) as exc:

@@ -33,6 +33,10 @@ if an insert still fails on a row, the batch is split until only that row is lef
 store refuses (a full disk) is left out whole. Every span left out is counted in
 :attr:`SpanSink.dropped` and logged.
 
+Its parts: the bounded queue (:mod:`.pending`), opening the file and the rows written on the main
+connection (:mod:`.store`), the side tables' rows (:mod:`.rows`), whether and where spans go over OTLP
+(:mod:`.export_config`), and the requests table the writer fills (:mod:`.table`).
+
 Exceptions (translated from DuckDB's at this boundary)::
 
     SpanSinkError                 the span store cannot be used (a sentence saying why and what to do)
@@ -42,29 +46,31 @@ Exceptions (translated from DuckDB's at this boundary)::
 from __future__ import annotations
 
 import logging
-import os
-import re
-import socket
 import threading
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-import numpy as np
 
-from specproxy import __version__, schema
-from specproxy.proxy.spans.table import (
-    T_START_NS,
-    RequestsTable,
-    Row,
-    column_array,
-    epoch_us_to_timestamptz,
-    insert_columns,
-    record_row,
+from specproxy.proxy.spans.export_config import (
+    OtlpTarget,
+    otlp_export,
+    otlp_target,
+    span_export,
 )
+from specproxy.proxy.spans.pending import PendingWrites
+from specproxy.proxy.spans.rows import BackendMetricRow, HealthRow, epoch_ns, insert_backend_metrics
+from specproxy.proxy.spans.store import (
+    DEFAULT_CHECKPOINT_THRESHOLD,
+    DEFAULT_MEMORY_LIMIT,
+    RunRows,
+    SpanSinkError,
+    SpanStoreLocked,
+    open_store,
+)
+from specproxy.proxy.spans.table import T_START_NS, RequestsTable, Row, record_row
 from specproxy.proxy.spans.trace import TraceParent, is_span_id, is_trace_id, new_span_id, new_trace_id
 from specproxy.record import SpanRecord
 
@@ -76,179 +82,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 8192
-# DuckDB's own default is 80 % of the machine's RAM, and it keeps what it writes cached up to that: a
-# proxy running for days would grow without bound. 256 MB holds a checkpoint's worth of spans (64 MB of
-# WAL) several times over; beyond it DuckDB evicts written blocks (and spills to <db>.tmp if it must).
-DEFAULT_MEMORY_LIMIT = "256MB"
-# WAL size at which DuckDB folds new rows into the file (its default is 16MB); see open_store().
-DEFAULT_CHECKPOINT_THRESHOLD = "64MB"
 DEFAULT_FLUSH_INTERVAL_S = 0.5
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-OTLP_EXTRA_HINT = "pip install 'specproxy[otlp]'"
-
-
-class SpanSinkError(RuntimeError):
-    """The span store cannot be opened or written; the message says why and what to do."""
-
-
-class SpanStoreLocked(SpanSinkError):
-    """Another process holds the DuckDB file open for writing (DuckDB allows one writer per file)."""
-
-
-class BackendMetricRow(NamedTuple):
-    """One row of table ``backend_metrics``: one scraped series of one arm at one moment."""
-
-    run_id: str | None
-    arm: str
-    scraped_at: datetime  # tz-aware UTC
-    phase: str  # 'periodic', or replay's 'c=16:before' / 'c=16:after'
-    name: str  # e.g. vllm:spec_decode_num_drafts_total
-    labels_json: str  # sorted JSON of the labels, `engine` included
-    value: float
-
-
-class HealthRow(NamedTuple):
-    """One row of table ``health``: one check of the measurement itself at one level and round."""
-
-    run_id: str
-    arm: str | None  # None: a check of the client side (load generator, event loop, proxy)
-    concurrency_level: int | None
-    round: int | None
-    check_name: str  # engine_clock_lag | event_loop_lag_share | ...: proxy/health.py
-    value: float | None
-    threshold: float | None  # the limit applied; above it the level is not trusted
-    measured_at: datetime  # tz-aware UTC
-    offered_rate: float | None = None  # an open-loop level's offered load (requests/s); None otherwise
-
-
-def _epoch_us(t: datetime) -> int:
-    t = t if t.tzinfo else t.replace(tzinfo=UTC)
-    d = t - _EPOCH
-    return (d.days * 86_400 + d.seconds) * 1_000_000 + d.microseconds
-
-
-def _epoch_ns(t: datetime) -> int:
-    # Integer arithmetic: a float timestamp would lose the microseconds.
-    return _epoch_us(t) * 1_000
-
-
-class OtlpTarget(NamedTuple):
-    """Where OTLP export goes: ``url`` (…/v1/traces), or None for the exporter's own ``OTEL_*`` settings;
-    ``why``: what configured it, for messages."""
-
-    url: str | None
-    why: str
-
-
-def otlp_target(endpoint: str | None) -> OtlpTarget | None:
-    """Whether to export spans over OTLP/HTTP (protobuf), and where; None for no export.
-
-    - ``endpoint`` given (the experiment's ``otlp_endpoint``, or ``--otlp-endpoint``): export there. A
-      base URL such as ``http://collector:4318`` gets ``/v1/traces`` appended, as the OTel spec does for
-      ``OTEL_EXPORTER_OTLP_ENDPOINT``; a URL already ending in ``/v1/traces`` is used as it is.
-    - otherwise ``OTEL_TRACES_EXPORTER`` containing ``otlp`` turns it on; ``none`` (or any value without
-      ``otlp``) keeps it off;
-    - otherwise, a set ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT`` turns it on;
-    - ``OTEL_SDK_DISABLED=true`` turns it off whatever else says.
-    Headers, timeout, compression and certificates come from the standard ``OTEL_EXPORTER_OTLP_*``
-    variables, read by the exporter itself. Only the http/protobuf protocol is supported.
-    """
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    if endpoint:
-        url = endpoint.rstrip("/")
-        return OtlpTarget(
-            url if url.endswith("/v1/traces") else url + "/v1/traces", f"otlp_endpoint {endpoint}"
-        )
-    chosen = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    env_endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    if chosen:
-        if "otlp" not in {c.strip() for c in chosen.split(",")}:
-            return None
-        return OtlpTarget(None, "OTEL_TRACES_EXPORTER=otlp")
-    return OtlpTarget(None, "OTEL_EXPORTER_OTLP_ENDPOINT") if env_endpoint else None
-
-
-def _span_export(service_name: str | None, wanted: str) -> SpanExport:
-    """The OTel side, imported only now: it needs the SDK (the ``otlp`` extra). ``wanted``: what asks
-    for it, for the message."""
-    try:
-        from specproxy.proxy.spans.otel import SpanExport
-    except ImportError as exc:
-        raise _not_installed(wanted, exc) from exc
-    return SpanExport(service_name)
-
-
-def _not_installed(wanted: str, exc: ImportError) -> SpanSinkError:
-    return SpanSinkError(
-        f"{wanted}, but the OpenTelemetry SDK or its OTLP exporter is not installed "
-        f"({exc.name or exc}): install them with {OTLP_EXTRA_HINT}"
-    )
-
-
-class _PendingWrites:
-    """The bounded hand-off between emitters and the writer thread; producers never block."""
-
-    def __init__(self, capacity: int, batch_size: int) -> None:
-        self._lock = threading.Lock()
-        self.wake = threading.Event()
-        self._capacity = capacity
-        self._batch_size = batch_size
-        self._rows: list[Row] = []
-        self._parents: list[TraceParent | None] = []
-        self._metric_rows: list[BackendMetricRow] = []
-        self._closed = False
-        self.dropped = 0
-        self.dropped_metric_rows = 0
-
-    def offer(self, row: Row, parent: TraceParent | None) -> bool:
-        with self._lock:
-            if self._closed or len(self._rows) >= self._capacity:
-                self.dropped += 1
-                return False
-            self._rows.append(row)
-            self._parents.append(parent)
-            full_batch = len(self._rows) == self._batch_size
-        if full_batch:
-            self.wake.set()
-        return True
-
-    def count_dropped(self, n: int = 1) -> None:
-        with self._lock:
-            self.dropped += n
-
-    def offer_metrics(self, rows: Sequence[BackendMetricRow]) -> bool:
-        with self._lock:
-            if self._closed or len(self._metric_rows) + len(rows) > self._capacity:
-                self.dropped_metric_rows += len(rows)
-                return False
-            self._metric_rows.extend(rows)
-        self.wake.set()
-        return True
-
-    def take(self, max_rows: int) -> tuple[list[Row], list[TraceParent | None], list[BackendMetricRow]]:
-        with self._lock:
-            rows, parents = self._rows[:max_rows], self._parents[:max_rows]
-            del self._rows[:max_rows], self._parents[:max_rows]
-            metric_rows, self._metric_rows = self._metric_rows, []
-        return rows, parents, metric_rows
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        self.wake.set()
-
-    @property
-    def depth(self) -> int:
-        return len(self._rows)
-
-    @property
-    def settled(self) -> bool:
-        """Nothing queued."""
-        with self._lock:
-            return not self._rows and not self._metric_rows
 
 
 class SpanSink:
@@ -273,12 +107,12 @@ class SpanSink:
         self.checkpoint_threshold = checkpoint_threshold
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
-        self._pending = _PendingWrites(queue_size, batch_size)
+        self._pending = PendingWrites(queue_size, batch_size)
         self._written = 0
         self._metric_rows_written = 0
         self._failed = 0
         self._conn: Any = None
-        self._runs_lock = threading.Lock()
+        self._runs: RunRows | None = None  # the runs and health rows, on the main connection
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._busy = False  # the writer holds rows it took but has not written yet (flush() waits)
@@ -289,22 +123,14 @@ class SpanSink:
         self._otlp = False
         target = otlp_target(otlp_endpoint)
         if target is not None:
-            wanted = f"{target.why} asks for OTLP export of spans"
-            self._export = _span_export(service_name, wanted)
-            try:
-                from specproxy.proxy.spans.otel import otlp_processor
-
-                self._export.add(otlp_processor(target.url))
-            except ImportError as exc:
-                raise _not_installed(wanted, exc) from exc
+            self._export = otlp_export(target, service_name)
             self._otlp = True
-            _warn_about_protocol()
 
     def add_span_processor(self, processor: SpanProcessor) -> None:
         """Also hand every span written from now on, as a finished OTel span, to ``processor`` (on the
         writer thread). Needs the OpenTelemetry SDK."""
         if self._export is None:
-            self._export = _span_export(self._service_name, "add_span_processor needs OTel spans")
+            self._export = span_export(self._service_name, "add_span_processor needs OTel spans")
         self._export.add(processor)
 
     @property
@@ -351,13 +177,14 @@ class SpanSink:
             self._conn = open_store(
                 self.db_path, memory_limit=self.memory_limit, checkpoint_threshold=self.checkpoint_threshold
             )
+            self._runs = RunRows(self._conn, self.db_path)
             # The writer's own connection to the file, made here so that a failure surfaces in start().
             try:
                 cursor = self._conn.cursor()
                 table = RequestsTable(cursor)
             except (duckdb.Error, ValueError) as exc:
                 self._conn.close()
-                self._conn = None
+                self._conn = self._runs = None
                 where = self.db_path
                 raise SpanSinkError(f"the span store {where} has no usable requests table: {exc}") from exc
         self._thread = threading.Thread(
@@ -369,48 +196,23 @@ class SpanSink:
         self, run_id: str, *, name: str, mode: str, source: str, config_json: str, stacks_json: str
     ) -> None:
         """Add the ``runs`` row of a run (started_at = now). A no-op without a span store."""
-        if self._conn is None:
+        if self._runs is None:
             self._require_started()
             return
-        with self._runs_lock:
-            cur = self._conn.cursor()
-            try:
-                cur.execute(
-                    "INSERT INTO runs (run_id, name, mode, source, started_at, config_json, stacks_json, "
-                    "host, specproxy_version) VALUES (?, ?, ?, ?, now(), ?, ?, ?, ?)",
-                    [run_id, name, mode, source, config_json, stacks_json, socket.gethostname(), __version__],
-                )
-            except duckdb.ConstraintException as exc:
-                raise SpanSinkError(f"run {run_id!r} is already in {self.db_path}; use a new run id") from exc
-            finally:
-                cur.close()
+        self._runs.begin_run(
+            run_id, name=name, mode=mode, source=source, config_json=config_json, stacks_json=stacks_json
+        )
 
     def end_run(self, run_id: str) -> None:
         """Set the run's ``ended_at`` to now."""
-        if self._conn is None:
-            return
-        with self._runs_lock:
-            cur = self._conn.cursor()
-            try:
-                cur.execute("UPDATE runs SET ended_at = now() WHERE run_id = ?", [run_id])
-            finally:
-                cur.close()
+        if self._runs is not None:
+            self._runs.end_run(run_id)
 
     def write_health(self, rows: Sequence[HealthRow]) -> None:
         """Insert ``health`` rows now, on the caller's thread (a handful per level and round, written
         between phases: call it off the event loop). A no-op without a span store."""
-        if self._conn is None or not rows:
-            return
-        with self._runs_lock:
-            cur = self._conn.cursor()
-            try:
-                cur.executemany(
-                    "INSERT INTO health (run_id, arm, concurrency_level, round, check_name, value, "
-                    "threshold, measured_at, offered_rate) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [list(r) for r in rows],
-                )
-            finally:
-                cur.close()
+        if self._runs is not None and rows:
+            self._runs.write_health(rows)
 
     def emit(self, record: SpanRecord, parent: TraceParent | None = None) -> bool:
         """Queue one span record; thread-safe and never blocking. False when it was dropped (counted).
@@ -429,7 +231,7 @@ class SpanSink:
                 record.span_id = new_span_id()
             row: Row = record_row(record)
             if row[T_START_NS] is None:
-                start = _epoch_ns(record.t_start) if record.t_start is not None else time.time_ns()
+                start = epoch_ns(record.t_start) if record.t_start is not None else time.time_ns()
                 row = (*row[:T_START_NS], start, *row[T_START_NS + 1 :])
         except Exception:
             # A malformed record must not fail the request that produced it.
@@ -470,23 +272,11 @@ class SpanSink:
         analysis can open while this sink keeps writing (DuckDB lets no other connection in this
         process attach a file that a connection has open). Costs a copy of the whole store: meant for a
         store of one run, as a lab's is. SpanSinkError when there is no store or the copy fails."""
-        if self._conn is None:
+        if self._runs is None:
             raise SpanSinkError("this span sink has no span store to copy")
         if not self.flush(timeout):
             raise SpanSinkError(f"the span writer did not catch up within {timeout:.0f} s; no snapshot")
-        with self._runs_lock:
-            cur = self._conn.cursor()
-            try:
-                (name,) = cur.execute("SELECT current_database()").fetchone()
-                cur.execute(f"ATTACH {schema.sql_literal(str(dest))} AS specproxy_snapshot")
-                try:
-                    cur.execute(f'COPY FROM DATABASE "{name}" TO specproxy_snapshot')
-                finally:
-                    cur.execute("DETACH specproxy_snapshot")
-            except duckdb.Error as exc:
-                raise SpanSinkError(f"cannot copy the span store {self.db_path} to {dest}: {exc}") from exc
-            finally:
-                cur.close()
+        self._runs.copy_to(dest)
 
     def close(self, timeout: float | None = None) -> None:
         """Write every accepted span and metric row, stop the writer, close the file, flush OTLP.
@@ -509,9 +299,9 @@ class SpanSink:
                     self.db_path,
                 )
                 return
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if self._runs is not None:
+            self._runs.close()
+            self._conn = self._runs = None
         # After the file is released: an unreachable collector retries for up to its timeout (10 s).
         if self._export is not None:
             self._export.shutdown(timeout or 30.0)
@@ -556,7 +346,7 @@ class SpanSink:
                 log.exception("could not hand %d spans to OpenTelemetry", len(rows))
         if metric_rows and cursor is not None:
             try:
-                _insert_backend_metrics(cursor, metric_rows)
+                insert_backend_metrics(cursor, metric_rows)
                 self._metric_rows_written += len(metric_rows)
             except Exception:
                 log.exception("could not write %d backend metric rows to %s", len(metric_rows), self.db_path)
@@ -611,29 +401,6 @@ def _insert_splitting(
     _insert_splitting(table, rows[half:], written, errors)
 
 
-def _warn_about_protocol() -> None:
-    protocol = (
-        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or ""
-    )
-    if protocol and protocol != "http/protobuf":
-        log.warning("OTLP protocol %r is not supported; exporting spans with http/protobuf instead", protocol)
-
-
-def _insert_backend_metrics(conn: Any, rows: Sequence[BackendMetricRow]) -> None:
-    columns = {
-        "run_id": column_array([r.run_id for r in rows], "VARCHAR"),
-        "arm": column_array([r.arm for r in rows], "VARCHAR"),
-        "phase": column_array([r.phase for r in rows], "VARCHAR"),
-        "name": column_array([r.name for r in rows], "VARCHAR"),
-        "labels_json": column_array([r.labels_json for r in rows], "VARCHAR"),
-        "value": column_array([float(r.value) for r in rows], "DOUBLE"),
-        "_scraped_us": (np.array([_epoch_us(r.scraped_at) for r in rows], dtype=np.int64), None),
-    }
-    insert_columns(conn, "backend_metrics", columns, {"scraped_at": epoch_us_to_timestamptz("_scraped_us")})
-
-
 # Errors that come from a value in a row rather than from the store: the batch is split to find the row.
 _BAD_ROW_ERRORS = (
     ValueError,
@@ -644,65 +411,18 @@ _BAD_ROW_ERRORS = (
     duckdb.InvalidInputException,
 )
 
-_LOCK_PID = re.compile(r"\(PID (\d+)\)")
-
-
-def open_store(
-    path: Path,
-    *,
-    memory_limit: str = DEFAULT_MEMORY_LIMIT,
-    checkpoint_threshold: str = DEFAULT_CHECKPOINT_THRESHOLD,
-) -> Any:
-    """Open (or create) a span store for writing, with the sink's settings, and migrate its schema.
-
-    ``memory_limit`` caps DuckDB's memory on this connection (a DuckDB size: ``"256MB"``, ``"1GB"``).
-    DuckDB's errors become :class:`SpanSinkError` / :class:`SpanStoreLocked` with a sentence.
-    """
-    try:
-        conn = duckdb.connect(str(path))
-    except duckdb.IOException as exc:
-        text = str(exc)
-        if "lock" in text.lower():
-            pid = _LOCK_PID.search(text)
-            holder = f"process {pid.group(1)}" if pid else "another process"
-            raise SpanStoreLocked(
-                f"the span store {path} is open for writing in {holder}; DuckDB allows one writer per "
-                f"file: stop that process, or give this one another file (--db)"
-            ) from exc
-        raise SpanSinkError(f"cannot open the span store {path}: {text}") from exc
-    except duckdb.Error as exc:
-        raise SpanSinkError(
-            f"cannot open the span store {path} ({exc}); is it a DuckDB file written by specproxy?"
-        ) from exc
-    try:
-        # DuckDB checkpoints its WAL into the file every 16 MB by default, each time rewriting the last,
-        # partly filled row group; at bulk span rates (replay, ingest) that is most of the writer's time.
-        # 64 MB (~130k spans held in memory until checkpointed) makes sustained ingest ~40% faster;
-        # close() checkpoints. serve, at a few hundred spans/s, uses a small threshold instead: memory
-        # stays flat rather than climbing for the minutes it takes to reach 64 MB.
-        conn.execute("SET checkpoint_threshold = ?", [checkpoint_threshold])
-        try:
-            conn.execute("SET memory_limit = ?", [memory_limit])
-        except duckdb.Error as exc:
-            raise SpanSinkError(
-                f"span store memory limit {memory_limit!r} is not a DuckDB size such as '256MB' or '1GB' "
-                f"({exc})"
-            ) from exc
-        schema.migrate(conn)
-    except RuntimeError as exc:
-        conn.close()
-        raise SpanSinkError(str(exc)) from exc
-    except duckdb.Error as exc:
-        conn.close()
-        raise SpanSinkError(f"cannot set up the schema of the span store {path}: {exc}") from exc
-    return conn
-
-
+# The sink's names, wherever they are defined (the rest of specproxy imports them here).
 __all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_CHECKPOINT_THRESHOLD",
+    "DEFAULT_FLUSH_INTERVAL_S",
+    "DEFAULT_MEMORY_LIMIT",
     "BackendMetricRow",
     "HealthRow",
+    "OtlpTarget",
     "SpanSink",
     "open_store",
+    "otlp_target",
     "SpanSinkError",
     "SpanStoreLocked",
 ]

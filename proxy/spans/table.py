@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.record import COLUMNS, REQUIRED_FIELDS, fitted
+from specproxy.record import COLUMNS, REQUIRED_FIELDS, encodes_as_utf8, fitted
 
 record_row = attrgetter(*COLUMNS)
 """A record's row: its values in COLUMNS order, as one tuple (a C-level call, ~1 µs)."""
@@ -141,13 +141,7 @@ def _all_text(values: np.ndarray[Any, Any]) -> bool:
         text = "".join(filter(None, values))
     except TypeError:
         return False
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return encodes_as_utf8(text)
 
 
 def _fit_each(
