@@ -10,6 +10,14 @@ measured at the scale its last wave ran at; the next level starts from there, si
 along the sweep, and from half of it when a measured round of the level still failed a health check
 (a wave is one sample of a machine whose load can change from one minute to the next).
 
+With ``skip_unmeasurable`` (the lab), a level above the sweep's first whose wave at the slowest scale
+was over a round's own health limit (:func:`would_fail`) is not measured at all, nor is any level
+above it: its rounds would fail as the wave did, each at a round's cost, and the time goes to the
+levels that can be judged (:mod:`specproxy.lab.peak` then says where the peak was judged instead). A
+level whose wave there was within the limit but short of room to spare is measured in the fewest
+rounds it can be judged on (``MIN_HEALTHY_ROUNDS``), leaving time for the extra rounds that replace a
+failed one. :meth:`SimPacer.rounds` says how many a level gets.
+
 A wave also counts as not kept up when it kept the client's event loop busy over
 :data:`LOOP_BUSY_LIMIT` of its time (never slowed below ``slowest`` for that alone): the rounds after it
 have more to do than the wave had.
@@ -36,6 +44,7 @@ from specproxy.config import Arm
 from specproxy.proxy.health import ENGINE_CLOCK_LAG, EVENT_LOOP_LAG_SHARE, THRESHOLDS, over_threshold
 from specproxy.proxy.replay.runner import LevelTrial, ReplayError
 from specproxy.proxy.spans.sink import HealthRow
+from specproxy.schema import MIN_HEALTHY_ROUNDS
 
 TIME_SCALE_CHECK = "sim_time_scale"
 TRIAL_MARGIN = 0.5
@@ -66,6 +75,14 @@ def kept_up(trial: LevelTrial) -> bool:
     return trial.worst_engine_lag <= CLOCK_LIMIT and _loop_ok(trial) and busy_ok
 
 
+def would_fail(trial: LevelTrial) -> bool:
+    """Was a wave over a round's own health limit (not only short of room to spare)? A round like it
+    would fail its checks."""
+    loop_limit = THRESHOLDS[EVENT_LOOP_LAG_SHARE] or 0.02
+    loop_over = trial.loop_lag_share is not None and trial.loop_lag_share > loop_limit
+    return trial.worst_engine_lag > (THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02) or loop_over
+
+
 def describe(trial: LevelTrial) -> str:
     """``clock lag 3.1 % (ngram), loop lag 0.8 % of decode``"""
     worst = max(trial.engine_lag.items(), key=lambda kv: kv[1], default=None)
@@ -81,11 +98,21 @@ class LevelPace:
     time_scale: float
     trials: tuple[tuple[float, LevelTrial], ...]  # (time scale, what its wave saw), in order
 
+    def kept_up(self) -> bool:
+        """Did the level's last wave leave room to spare?"""
+        return bool(self.trials) and kept_up(self.trials[-1][1])
+
     def sentence(self) -> str:
         tried = "; ".join(f"{describe(t)} at {scale:g}" for scale, t in self.trials)
-        last_ok = bool(self.trials) and kept_up(self.trials[-1][1])
-        verdict = "" if last_ok else " (still short of room to spare at the slowest scale tried)"
+        verdict = "" if self.kept_up() else " (still short of room to spare at the slowest scale tried)"
         return f"c={self.level} at time scale {self.time_scale:g}{verdict}: {tried}"
+
+    def why_skipped(self) -> str:
+        """``a wave at time scale 0.25 saw clock lag 5.9% (replica), ...``"""
+        if not self.trials:
+            return "a lower level could not be measured"
+        scale, seen = self.trials[-1]
+        return f"a wave at time scale {scale:g} saw {describe(seen)}"
 
 
 async def set_time_scale(session: aiohttp.ClientSession, arms: Sequence[Arm], scale: float) -> None:
@@ -114,6 +141,8 @@ class SimPacer:
         slowest: float,
         console: Console,
         slowest_for_client: float | None = None,
+        *,
+        skip_unmeasurable: bool = False,
     ) -> None:
         self.arms = tuple(arms)
         self.scale = start
@@ -123,6 +152,14 @@ class SimPacer:
         self.slowest_for_client = min(slowest, slowest_for_client or slowest)
         self.console = console
         self.paces: list[LevelPace] = []
+        # Levels not measured: their wave at the slowest scale was over a round's health limit (their
+        # rounds would fail as it did, at a round's cost each), and every level above the first of
+        # them (load only grows along the sweep). A level whose wave there was within the limit but
+        # short of room to spare is shortened to the fewest rounds it can be judged on, leaving time
+        # for the extra rounds that replace a failed one.
+        self.skip_unmeasurable = skip_unmeasurable
+        self.skipped: list[LevelPace] = []
+        self.shortened: set[int] = set()
 
     def _floor(self, seen: LevelTrial) -> float:
         """The slowest scale a wave that saw ``seen`` may be slowed to (below ``slowest`` only for the
@@ -131,6 +168,9 @@ class SimPacer:
         return self.slowest_for_client if client_lag_only else self.slowest
 
     async def settle(self, level: int, trial: Callable[[], Awaitable[LevelTrial]]) -> Mapping[str, float]:
+        if self.skipped:
+            self.skipped.append(LevelPace(level, self.scale, ()))
+            return {TIME_SCALE_CHECK: self.scale}
         scale = self.scale
         trials: list[tuple[float, LevelTrial]] = []
         async with aiohttp.ClientSession() as session:
@@ -144,8 +184,25 @@ class SimPacer:
                 self.console.print(f"{said}; slowing to {scale / 2:g}", highlight=False)
                 scale /= 2
         self.scale = scale
-        self.paces.append(LevelPace(level, scale, tuple(trials)))
+        pace = LevelPace(level, scale, tuple(trials))
+        # The sweep's first level is always measured: it is where the deploy verdict answers by default.
+        if self.skip_unmeasurable and self.paces and would_fail(seen):
+            self.skipped.append(pace)
+            self.console.print(
+                f"c={level}: {pace.why_skipped()} at the slowest scale: skipped", highlight=False
+            )
+            return {TIME_SCALE_CHECK: scale}
+        if self.skip_unmeasurable and self.paces and not pace.kept_up():
+            self.shortened.add(level)
+        self.paces.append(pace)
         return {TIME_SCALE_CHECK: scale}
+
+    def rounds(self, level: int, planned: int) -> int:
+        """A level's rounds: none for a level skipped (:attr:`skipped`), at most MIN_HEALTHY_ROUNDS for
+        one shortened, else ``planned``."""
+        if any(p.level == level for p in self.skipped):
+            return 0
+        return min(planned, MIN_HEALTHY_ROUNDS) if level in self.shortened else planned
 
     def measured(self, level: int, health: Sequence[HealthRow]) -> None:
         # ``health`` holds every round of the level, its extra rounds too. A level that extra rounds

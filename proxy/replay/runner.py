@@ -758,8 +758,9 @@ class ReplayRunner:
                 self._level_notes = await self.s.pacer.settle(
                     level, functools.partial(self._trial, level, items)
                 )
-                # The trial sent one wave; a level whose rounds send more still has prompts to warm.
-                await self._warm_level(items, 0, level)
+                if plan.level_rounds(level) == 0:  # the pacer found this level cannot be measured here
+                    continue
+                await self._warm_level(items, 0, level)  # prompts the trial's one wave did not send
             else:
                 await self._warm_level(items, n_warm, level)
 
@@ -844,10 +845,9 @@ class ReplayRunner:
 
     def _is_top(self, level: int | None, rate: float | None) -> bool:
         """Is this the sweep's top level (the highest concurrency, or rate)?"""
-        plan = self.s.load
         if level is not None:
-            return level == max(plan.levels)
-        return rate is not None and rate == max(plan.rates, default=rate)
+            return level == max(self.s.load.levels)
+        return rate is not None and rate == max(self.s.load.rates, default=rate)
 
     async def _deciding_rounds(
         self,
