@@ -113,6 +113,10 @@ DECIDING_ROUNDS = 12
 # analysis and the report after the sweep (5-10 s), it stays within 3 minutes. Its planned rounds take
 # 140-146 s on two cores (c=256 at 1/4), so this leaves room for one more round of c=256 (about 17 s).
 QUICK_TIME_BUDGET_S = 160.0
+# ... and, on a machine so busy that its planned rounds would run longer, cuts the rounds of a level
+# (never below the 3 it can be judged on) that would end after this: with the analysis and the report
+# it stays within 3 minutes. On a quiet machine the planned rounds end by 140-155 s and none is cut.
+QUICK_ROUNDS_BUDGET_S = 170.0
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
 # REPLICA is a plain copy of it.
@@ -161,6 +165,8 @@ class LabPlan:
     # none starting that would end after the lab has run ``time_budget_s`` (None: no limit).
     deciding_rounds: int = 0
     time_budget_s: float | None = None
+    # No level's planned rounds beyond what ends within this (None: no limit; see QUICK_ROUNDS_BUDGET_S).
+    rounds_budget_s: float | None = None
     # Open-loop sweeps: default rates as shares of the baseline's estimated capacity, and how many
     # seconds of arrivals a rate level sends per round.
     rate_shares: tuple[float, ...] = (1 / 32, 1 / 8, 1 / 2, 1.0)
@@ -201,6 +207,7 @@ QUICK = LabPlan(
     extra_rounds=EXTRA_ROUNDS,
     deciding_rounds=DECIDING_ROUNDS,
     time_budget_s=QUICK_TIME_BUDGET_S,
+    rounds_budget_s=QUICK_ROUNDS_BUDGET_S,
 )
 FULL = LabPlan(
     levels=(1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -404,8 +411,9 @@ def _load_plan(
     plan: LabPlan, rates: tuple[float, ...] | None, started: float, pacer: SimPacer | None
 ) -> LoadPlan:
     """The replay's load for the lab's plan; ``started``: when the lab began (``time.monotonic()``);
-    a level the ``pacer`` skipped gets no rounds."""
+    a level the ``pacer`` skipped gets no rounds, and none that would end past the rounds' budget."""
     until = None if plan.time_budget_s is None else started + plan.time_budget_s
+    rounds_until = None if plan.rounds_budget_s is None else started + plan.rounds_budget_s
     if rates is None:
         return LoadPlan(
             kind="closed",
@@ -414,7 +422,9 @@ def _load_plan(
             rounds=plan.rounds,
             rounds_per_level=plan.level_rounds
             if pacer is None
-            else lambda c: pacer.rounds(c, plan.level_rounds(c)),
+            else lambda c: pacer.rounds(
+                c, plan.level_rounds(c), waves=plan.items_per_round(c) / c, until=rounds_until
+            ),
             extra_rounds=plan.extra_rounds,
             deciding_rounds=plan.deciding_rounds,
             added_until=until,
@@ -648,6 +658,7 @@ def lab(
         extra_rounds=base.extra_rounds if extra_rounds is None else extra_rounds,
         deciding_rounds=base.deciding_rounds if deciding_rounds is None else deciding_rounds,
         time_budget_s=base.time_budget_s,
+        rounds_budget_s=base.rounds_budget_s,
     )
     experiment = experiment_or_none(config_path)
     if at_concurrency is not None and peak_concurrency is not None and peak_concurrency < at_concurrency:

@@ -34,6 +34,7 @@ several times as long.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -160,6 +161,8 @@ class SimPacer:
         self.skip_unmeasurable = skip_unmeasurable
         self.skipped: list[LevelPace] = []
         self.shortened: set[int] = set()
+        self.wave_s = 0.0  # how long the last wave took: a round of w waves takes about w times that
+        self._rounds: dict[int, int] = {}  # each settled level's rounds, decided once
 
     def _floor(self, seen: LevelTrial) -> float:
         """The slowest scale a wave that saw ``seen`` may be slowed to (below ``slowest`` only for the
@@ -176,7 +179,9 @@ class SimPacer:
         async with aiohttp.ClientSession() as session:
             while True:
                 await set_time_scale(session, self.arms, scale)
+                began = time.monotonic()
                 seen = await trial()
+                self.wave_s = time.monotonic() - began
                 trials.append((scale, seen))
                 if kept_up(seen) or scale / 2 < self._floor(seen):
                     break
@@ -197,12 +202,38 @@ class SimPacer:
         self.paces.append(pace)
         return {TIME_SCALE_CHECK: scale}
 
-    def rounds(self, level: int, planned: int) -> int:
+    def rounds(self, level: int, planned: int, *, waves: float = 1.0, until: float | None = None) -> int:
         """A level's rounds: none for a level skipped (:attr:`skipped`), at most MIN_HEALTHY_ROUNDS for
-        one shortened, else ``planned``."""
+        one shortened, else ``planned``; and with a deadline (``until``, ``time.monotonic()``) no more
+        than would end by it, at ``waves`` waves a round, but never fewer than the level can be judged
+        on. Decided once a level is settled; ``planned`` before."""
+        if level in self._rounds:
+            return self._rounds[level]
+        if not any(p.level == level for p in (*self.paces, *self.skipped)):
+            return planned
         if any(p.level == level for p in self.skipped):
-            return 0
-        return min(planned, MIN_HEALTHY_ROUNDS) if level in self.shortened else planned
+            n = 0
+        else:
+            n = min(planned, MIN_HEALTHY_ROUNDS) if level in self.shortened else planned
+            n = self._within(level, n, planned, self.wave_s * waves, until)
+        self._rounds[level] = n
+        return n
+
+    def _within(self, level: int, n: int, planned: int, round_s: float, until: float | None) -> int:
+        """``n`` rounds, or as many as end by ``until`` at ``round_s`` each (never fewer than the level
+        can be judged on)."""
+        if until is None or round_s <= 0 or n <= MIN_HEALTHY_ROUNDS:
+            return n
+        fits = int((until - time.monotonic()) / round_s)
+        if fits >= n:
+            return n
+        cut = max(MIN_HEALTHY_ROUNDS, fits)
+        self.console.print(
+            f"c={level}: {cut} of {planned} rounds (about {round_s:.0f} s each): more would end past the "
+            "lab's time budget",
+            highlight=False,
+        )
+        return cut
 
     def measured(self, level: int, health: Sequence[HealthRow]) -> None:
         # ``health`` holds every round of the level, its extra rounds too. A level that extra rounds

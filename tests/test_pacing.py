@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -216,3 +217,20 @@ def test_the_peak_moves_to_the_highest_level_measured_soundly_with_a_label() -> 
     assert judged_peak((1, 16), [LevelRounds("c=1", 3, 3, 3), LevelRounds("c=16", 5, 5, 4)], pacer) is None
     # no level measured soundly: nothing to move to
     assert judged_peak((1, 16), [LevelRounds("c=1", 3, 3, 1), LevelRounds("c=16", 3, 3, 0)], None) is None
+
+
+def test_a_level_s_rounds_are_cut_to_end_within_the_budget_but_never_below_three() -> None:
+    """Rounds of about 10 s (a 5 s wave, 2 waves a round) with 35 s left: 3 of 5, not fewer; with room,
+    all 5; a level not yet settled keeps its plan (asked before the sweep starts)."""
+    said = io.StringIO()
+    pacer = SimPacer((), 0.25, 0.25, Console(file=said, width=300), skip_unmeasurable=True)
+    assert pacer.rounds(64, 5, waves=2, until=time.monotonic() + 1) == 5
+    pacer.paces.append(LevelPace(64, 0.25, ((0.25, LevelTrial({"base": 0.001}, 0.001)),)))
+    pacer.paces.append(LevelPace(256, 0.25, ((0.25, LevelTrial({"base": 0.001}, 0.001)),)))
+    pacer.wave_s = 5.0
+    assert pacer.rounds(64, 5, waves=2, until=time.monotonic() + 200) == 5
+    assert pacer.rounds(256, 5, waves=2, until=time.monotonic() + 35) == 3
+    assert pacer.rounds(256, 5, waves=2, until=time.monotonic() + 500) == 3  # decided once
+    assert (
+        "c=256: 3 of 5 rounds (about 10 s each): more would end past the lab's time budget" in said.getvalue()
+    )
