@@ -691,7 +691,7 @@ def lab(
                     slowest,
                     console,
                     slowest_for_client=plan.time_scale * SLOWEST_CLIENT_PACED_SCALE,
-                    skip_unmeasurable=True,
+                    skip_unmeasurable=peak_concurrency is None,  # a peak you gave is measured
                 )
             scale_note = pace_note(pacer, plan.time_scale, given=time_scale is not None)
             click.echo(f"lab: {scale_note}")

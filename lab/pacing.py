@@ -10,11 +10,12 @@ measured at the scale its last wave ran at; the next level starts from there, si
 along the sweep, and from half of it when a measured round of the level still failed a health check
 (a wave is one sample of a machine whose load can change from one minute to the next).
 
-With ``skip_unmeasurable`` (the lab), a level above the sweep's first whose wave at the slowest scale
-was over a round's own health limit (:func:`would_fail`) is not measured at all, nor is any level
-above it: its rounds would fail as the wave did, each at a round's cost, and the time goes to the
-levels that can be judged (:mod:`specproxy.lab.peak` then says where the peak was judged instead). A
-level whose wave there was within the limit but short of room to spare is measured in the fewest
+With ``skip_unmeasurable`` (the lab, when no peak was given), a level above the sweep's first whose
+wave at the slowest scale was over a round's own health limit (:func:`would_fail`) is not measured
+at all, nor is any level above it: its rounds would fail as the wave did, each at a round's cost, and
+the time goes to the levels that can be judged (:mod:`specproxy.lab.peak` then says where the peak
+was judged instead). A level above the first whose wave there was short of room to spare (and not
+skipped) is measured in the fewest
 rounds it can be judged on (``MIN_HEALTHY_ROUNDS``), leaving time for the extra rounds that replace a
 failed one. :meth:`SimPacer.rounds` says how many a level gets.
 
@@ -197,8 +198,13 @@ class SimPacer:
                 f"c={level}: {pace.why_skipped()} at the slowest scale: skipped", highlight=False
             )
             return {TIME_SCALE_CHECK: scale}
-        if self.skip_unmeasurable and self.paces and not pace.kept_up():
+        if self.paces and not pace.kept_up():
             self.shortened.add(level)
+            self.console.print(
+                f"c={level}: {pace.why_skipped()} at the slowest scale, short of room to spare: at most "
+                f"{MIN_HEALTHY_ROUNDS} rounds",
+                highlight=False,
+            )
         self.paces.append(pace)
         return {TIME_SCALE_CHECK: scale}
 

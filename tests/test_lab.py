@@ -276,12 +276,20 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
             "SELECT count(*) FILTER (identical), count(identical) FROM requests WHERE arm_role <> 'baseline'"
         ).fetchone()  # type: ignore[misc]
     assert compared > 0 and same == compared  # outputs identical
+    # a level the machine could not measure even at the slowest pace is skipped, with those above it,
+    # and the peak judged at the highest level measured soundly, said so
+    skipped = {int(c) for c in re.findall(r"^c=(\d+): .* at the slowest scale: skipped$", res.stderr, re.M)}
+    measured = [c for c in (1, 4, 16, 64, 256) if c not in skipped]
     assert sorted(levels) == [
-        (arm, [1, 4, 16, 64, 256]) for arm in ("baseline", "draft_model", "eagle3", "ngram", "replica")
+        (arm, measured) for arm in ("baseline", "draft_model", "eagle3", "ngram", "replica")
     ]
+    if skipped:
+        assert f"lab: judged at c={max(measured)}: c=256 could not be measured on this machine" in res.stdout
     # the top level, where the peak throughput is read, in 5 rounds; the others in 3; each with up to 3
-    # extra rounds where too few rounds passed every health check
-    planned = [(1, 3), (4, 3), (16, 3), (64, 3), (256, 5)]
+    # extra rounds where too few rounds passed every health check; fewer where the lab said it cut them
+    cut = {int(c): int(n) for c, n in re.findall(r"^c=(\d+): (\d+) of \d+ rounds", res.stderr, re.M)}
+    cut |= {int(c): 3 for c in re.findall(r"^c=(\d+): .* at most 3 rounds$", res.stderr, re.M)}
+    planned = [(c, cut.get(c, 5 if c == 256 else 3)) for c in measured]
     assert [c for c, _ in per_level_rounds] == [c for c, _ in planned]
     # and up to 12 deciding rounds at the top level while a verdict read there was open
     deciding = deciding_rounds(res.stderr)
@@ -295,6 +303,8 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
     # too busy for the figures to mean anything and the outcome is not checked.
     if max(float(x) for x in re.findall(r"([0-9.]+)%", lag_line)) > 20:
         pytest.skip(f"the machine was too busy for the simulators to keep their clocks: {lag_line}")
+    if 256 in skipped:
+        return  # the checks below are of c=256
     doc = json.loads(analyze_text([db], run=run_id, fmt="json"))["runs"][0]
     rows = {(r["concurrency_level"], r["arm"]): r for r in doc["rows"]}
     by_category = {(c["arm"], c["concurrency_level"], c["category"]): c for c in doc["categories"]}
