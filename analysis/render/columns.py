@@ -176,12 +176,16 @@ def parse_columns(text: str) -> tuple[str, ...]:
 
 def chosen_columns(keys: Sequence[str], rows: Sequence[LevelRow]) -> list[Column]:
     """The columns to print: the default ones (with the rounds or the loads where they tell rows
-    apart), the named ones, or (:data:`WIDE`) every column that holds a figure in some row."""
+    apart), the named ones, or (:data:`WIDE`) every column that holds a figure in some row (the
+    per-request acceptance length only where it differs from the engine counters')."""
     if tuple(keys) == WIDE:
+        # the per-request acceptance length only where it says something the /metrics one does not
+        same = all(fmt_req_acceptance(r) == fmt_num(r.acceptance_length, 2) for r in rows)
         return [
             c
             for c in COLUMNS
             if c.key in KEY_COLUMNS or c.key == "verdict" or any(c.cell(r) != DASH for r in rows)
+            if not (same and c.key == "req_accept_len")
         ]
     if keys:
         return [BY_KEY[k] for k in keys]
