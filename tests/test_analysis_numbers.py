@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from specproxy.analysis import Settings, analyze_text
 from specproxy.analysis.stats import wilson_interval
 from specproxy.record import SpanRecord
 from tests.spanfactory import ArmSpec, SyntheticRun, make_run, write_db
@@ -212,6 +213,22 @@ def test_the_default_table_fits_120_columns_and_wide_shows_every_figure(
     assert "load P50 arm/base" not in cells  # a replay has no live loads: the column would be all —
     bad = _cli("analyze", path, "--columns", "agg_toks")
     assert bad.returncode == 2 and "unknown column 'agg_toks'; known: level, arm, calls" in bad.stderr
+
+
+def test_a_peak_the_lab_moved_is_labelled_in_the_titles(synthetic: tuple[Path, SyntheticRun]) -> None:
+    """The lab's label for a peak judged below its top level stands in the run's title and the deploy
+    verdicts' title, and every deploy verdict reads the peak there."""
+    label = "judged at c=4: c=16 could not be measured on this machine"
+    settings = Settings(peak_concurrency=4, peak_source=label, bootstrap_iterations=200)
+    text = analyze_text([synthetic[0]], settings=settings)
+    assert f"peak c=4 ({label})" in next(line for line in text.splitlines() if line.startswith("run "))
+    title = next(line for line in text.splitlines() if line.startswith("deploy verdict"))
+    assert title.endswith(f"; {label})") and "peak = highest tested level" not in title
+    deploy = [line for line in text.splitlines() if "at peak (" in line]
+    assert deploy and all("at peak (c=4)" in line for line in deploy)
+    # a peak given on the command line says so, with no label
+    plain = analyze_text([synthetic[0]], settings=Settings(peak_concurrency=4, bootstrap_iterations=200))
+    assert "peak c=4 (command line)" in plain and "could not be measured" not in plain
 
 
 def _rule(d: dict[str, Any], t: dict[str, Any], identity: dict[str, Any] | None, md: float, mt: float) -> str:
