@@ -237,7 +237,8 @@ def _interval_notes(ev: RunEvaluation, settings: Settings, shown: Collection[str
         )
         lines.append(
             f"intervals: {settings.confidence:.0%} jointly over the levels each arm's deploy verdict reads "
-            f"(operating point and peak; Bonferroni, {each}), widened by the spread between rounds"
+            f"(operating point and peak; Bonferroni, {each}), widened by the spread between rounds "
+            "(or time blocks)"
         )
     # The margin is often run-wide (the replicas' median deviation over the levels): said once for the
     # levels that share it, then for each level whose own replica interval set another.
