@@ -691,7 +691,8 @@ def lab(
                     slowest,
                     console,
                     slowest_for_client=plan.time_scale * SLOWEST_CLIENT_PACED_SCALE,
-                    skip_unmeasurable=peak_concurrency is None,  # a peak you gave is measured
+                    skip_unmeasurable=peak_concurrency is None,  # a peak or operating point you gave
+                    never_skip=(at_concurrency,) if at_concurrency else (),  # is always measured
                 )
             scale_note = pace_note(pacer, plan.time_scale, given=time_scale is not None)
             click.echo(f"lab: {scale_note}")

@@ -36,7 +36,7 @@ several times as long.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -145,6 +145,7 @@ class SimPacer:
         slowest_for_client: float | None = None,
         *,
         skip_unmeasurable: bool = False,
+        never_skip: Collection[int] = (),
     ) -> None:
         self.arms = tuple(arms)
         self.scale = start
@@ -160,6 +161,7 @@ class SimPacer:
         # short of room to spare is shortened to the fewest rounds it can be judged on, leaving time
         # for the extra rounds that replace a failed one.
         self.skip_unmeasurable = skip_unmeasurable
+        self.never_skip = frozenset(never_skip)  # levels the user named (the operating point)
         self.skipped: list[LevelPace] = []
         self.shortened: set[int] = set()
         self.wave_s = 0.0  # how long the last wave took: a round of w waves takes about w times that
@@ -192,7 +194,7 @@ class SimPacer:
         self.scale = scale
         pace = LevelPace(level, scale, tuple(trials))
         # The sweep's first level is always measured: it is where the deploy verdict answers by default.
-        if self.skip_unmeasurable and self.paces and would_fail(seen):
+        if self.skip_unmeasurable and self.paces and would_fail(seen) and level not in self.never_skip:
             self.skipped.append(pace)
             self.console.print(
                 f"c={level}: {pace.why_skipped()} at the slowest scale: skipped", highlight=False

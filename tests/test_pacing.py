@@ -196,6 +196,15 @@ async def test_a_level_whose_wave_fails_at_the_slowest_scale_is_skipped_and_so_i
     assert [pacer.rounds(c, 5) for c in waves] == [5, 5, 3, 0, 0]
     assert "c=256: a wave at time scale 0.25 saw clock lag 3.0% (ngram)" in said.getvalue()
     assert [p.level for p in pacer.skipped] == [256, 512] and pacer.shortened == {64}
+    # a level the user named (the operating point) is measured whatever its wave saw
+    named = SimPacer((), 0.25, 0.25, Console(file=io.StringIO()), skip_unmeasurable=True, never_skip=(256,))
+    for level in (1, 256):
+
+        async def failing() -> LevelTrial:
+            return LevelTrial({"ngram": 0.03}, 0.001)
+
+        await named.settle(level, failing)
+    assert named.skipped == [] and named.rounds(256, 5) == 3
 
 
 def test_the_peak_moves_to_the_highest_level_measured_soundly_with_a_label() -> None:
