@@ -21,6 +21,7 @@ import click
 import duckdb
 
 from specproxy import schema
+from specproxy.analysis.render.columns import BY_KEY, WIDE, parse_columns
 from specproxy.analysis.render.table import FORMATS
 from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
 from specproxy.analysis.verdicts.evaluation import Settings
@@ -117,6 +118,17 @@ def _settings(kw: dict[str, Any]) -> Settings:
     )
 
 
+def _columns(wide: bool, columns: str | None) -> tuple[str, ...]:
+    if wide and columns is not None:
+        raise click.UsageError("--wide shows every column; --columns names some: choose one")
+    if columns is None:
+        return WIDE if wide else ()
+    try:
+        return parse_columns(columns)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--columns") from None
+
+
 @click.command()
 @click.argument("dbs", nargs=-1, metavar="[DB]...")
 @click.option(
@@ -133,8 +145,21 @@ def _settings(kw: dict[str, Any]) -> Settings:
     help="Also print the latency table: TPOT, inter-token latency and the largest stall, E2E, queueing "
     "and tokens per chunk, per arm and level (json and csv always carry these figures).",
 )
+@click.option(
+    "--wide",
+    is_flag=True,
+    help="Every column of the table that holds a figure: tok/s, TTFT, acceptance, rounds, margin, load "
+    "(the default shows level, arm, calls, identity, the two ratios and the verdict, in 120 columns).",
+)
+@click.option(
+    "--columns",
+    metavar="LIST",
+    help=f"The table's columns, comma-separated, from: {', '.join(BY_KEY)} (level and arm always).",
+)
 @settings_options
-def analyze(dbs: tuple[str, ...], fmt: str, latency: bool, **kw: Any) -> None:
+def analyze(
+    dbs: tuple[str, ...], fmt: str, latency: bool, wide: bool, columns: str | None, **kw: Any
+) -> None:
     """The verdict table: per run, arm and level (a concurrency, or a request rate); then by workload
     category, and each arm's deploy verdict at your operating point (aggregate throughput at your peak
     not lower).
@@ -146,7 +171,7 @@ def analyze(dbs: tuple[str, ...], fmt: str, latency: bool, **kw: Any) -> None:
     from specproxy.analysis import analyze as analyze_stores
 
     try:
-        settings = dataclasses.replace(_settings(kw), latency_table=latency)
+        settings = dataclasses.replace(_settings(kw), latency_table=latency, columns=_columns(wide, columns))
         result = analyze_stores(_dbs(dbs), kw["run"], fmt, settings)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc

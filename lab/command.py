@@ -71,22 +71,25 @@ from specproxy.engine_state import EngineError
 from specproxy.engines.launch.plan import SimOptions, plan_arm
 from specproxy.engines.launch.supervisor import start_arms, stop_experiment
 from specproxy.engines.profiles import ProfileError, load_profile
+from specproxy.lab.health_lines import (
+    clock_lag_by_level,
+    print_clock_lag,
+    print_given_scale,
+    print_health,
+    print_pace,
+)
 from specproxy.lab.pacing import CLOCK_LIMIT, LOOP_BUSY_LIMIT, LOOP_LIMIT, SimPacer
-from specproxy.proxy.health import ENGINE_CLOCK_LAG, THRESHOLDS
+from specproxy.lab.peak import PeakMove, judged_peak
 from specproxy.proxy.replay.deciding import open_questions
-from specproxy.proxy.replay.extra_rounds import LevelRounds, judged
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
 from specproxy.proxy.replay.summary import print_rounds, print_summary
 from specproxy.proxy.replay.workload import mixed_workload
-from specproxy.proxy.spans.sink import HealthRow, SpanSinkError
-from specproxy.schema import rate_label
+from specproxy.proxy.spans.sink import SpanSinkError
 from specproxy.slo import Slo
 
 LAB_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_PROFILE = "h100-llama3.1-8b"
-# Above this share of busy time behind its clock, a simulator's figures are stretched by the machine.
-MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02
 # Pacing never slows the simulators below this share of their starting speed (the lab's time budget).
 SLOWEST_PACED_SCALE = 1 / 4
 # ... and, when only the client's event loop lags (the simulators keep up), one halving further: at
@@ -110,6 +113,10 @@ DECIDING_ROUNDS = 12
 # analysis and the report after the sweep (5-10 s), it stays within 3 minutes. Its planned rounds take
 # 140-146 s on two cores (c=256 at 1/4), so this leaves room for one more round of c=256 (about 17 s).
 QUICK_TIME_BUDGET_S = 160.0
+# ... and, on a machine so busy that its planned rounds would run longer, cuts the rounds of a level
+# (never below the 3 it can be judged on) that would end after this: with the analysis and the report
+# it stays within 3 minutes. On a quiet machine the planned rounds end by 140-155 s and none is cut.
+QUICK_ROUNDS_BUDGET_S = 170.0
 
 # The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
 # REPLICA is a plain copy of it.
@@ -158,6 +165,8 @@ class LabPlan:
     # none starting that would end after the lab has run ``time_budget_s`` (None: no limit).
     deciding_rounds: int = 0
     time_budget_s: float | None = None
+    # No level's planned rounds beyond what ends within this (None: no limit; see QUICK_ROUNDS_BUDGET_S).
+    rounds_budget_s: float | None = None
     # Open-loop sweeps: default rates as shares of the baseline's estimated capacity, and how many
     # seconds of arrivals a rate level sends per round.
     rate_shares: tuple[float, ...] = (1 / 32, 1 / 8, 1 / 2, 1.0)
@@ -198,6 +207,7 @@ QUICK = LabPlan(
     extra_rounds=EXTRA_ROUNDS,
     deciding_rounds=DECIDING_ROUNDS,
     time_budget_s=QUICK_TIME_BUDGET_S,
+    rounds_budget_s=QUICK_ROUNDS_BUDGET_S,
 )
 FULL = LabPlan(
     levels=(1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -290,98 +300,25 @@ def pace_note(pacer: SimPacer | None, time_scale: float, *, given: bool = True) 
     )
 
 
-def print_pace(pacer: SimPacer, profile: str, console: Console) -> None:
-    """What each level ran at and why, and how to read its absolute figures."""
-    for sentence in pacer.sentences():
-        console.print(f"pace: {sentence}", highlight=False)
-    slowed = {level: scale for level, scale in pacer.scales().items() if scale != 1}
-    if slowed:
-        cells = ", ".join(f"c={level} {scale:g}x" for level, scale in slowed.items())
-        console.print(
-            f"note: some levels ran slower than the {profile} clock ({cells}): divide their tok/s by that "
-            "factor and multiply their times by it; ratios are unaffected",
-            highlight=False,
-        )
-
-
-def clock_lag_by_level(health: Sequence[HealthRow]) -> dict[str, dict[int, tuple[float, str]]]:
-    """level ('c=16', 'r=2') → round → the worst engine clock lag over the arms in that round, and that
-    arm (round 0: calls recorded without one); concurrency levels first, then rates, each by load."""
-    worst: dict[tuple[int, float], dict[int, tuple[float, str]]] = {}
-    for row in health:
-        if row.check_name != ENGINE_CLOCK_LAG or row.value is None:
-            continue
-        if row.concurrency_level is not None:
-            key = (0, float(row.concurrency_level))
-        elif row.offered_rate is not None:
-            key = (1, row.offered_rate)
-        else:
-            continue
-        rounds = worst.setdefault(key, {})
-        r = row.round or 0
-        if r not in rounds or row.value > rounds[r][0]:
-            rounds[r] = (row.value, row.arm or "?")
-    return {
-        (f"c={int(load)}" if kind == 0 else rate_label(load)): rounds
-        for (kind, load), rounds in sorted(worst.items())
-    }
-
-
-def print_clock_lag(
-    lag: dict[str, dict[int, tuple[float, str]]], levels: Sequence[LevelRounds], console: Console
-) -> None:
-    """Each level's worst clock lag, and for a level with rounds over the limit what became of it: those
-    rounds dropped and the level judged on the rest, or the level UNRELIABLE (the analysis's own rule,
-    :func:`~specproxy.proxy.replay.extra_rounds.judged`)."""
-    if not lag:
-        return
-    cells = [
-        f"{level} {value:.1%} ({arm})"
-        for level, rounds in lag.items()
-        for value, arm in [max(rounds.values())]
-    ]
-    console.print(
-        "simulator clock lag by level (worst arm and round; share of busy time behind the profile's "
-        "clock): " + ", ".join(cells),
-        highlight=False,
-    )
-    by_name = {lv.level: lv for lv in levels}
-    for level, rounds in lag.items():
-        late = {r: v for r, v in rounds.items() if v[0] > MAX_CLOCK_LAG}
-        if not late:
-            continue
-        names = ", ".join(
-            f"round {r} {value:.1%} ({arm})" if r else f"{value:.1%} ({arm})"
-            for r, (value, arm) in sorted(late.items())
-        )
-        lv = by_name.get(level)
-        if lv is not None and lv.healthy < lv.ran and judged(lv.ran, lv.healthy):
-            console.print(
-                f"{level}: {names} behind the clock (over {MAX_CLOCK_LAG:.0%}): dropped, for every arm; the "
-                f"level is judged on the {lv.healthy} of {lv.ran} rounds that passed every check",
-                highlight=False,
-            )
-            continue
-        console.print(
-            f"[yellow]warning: {level}: {names} behind the clock (over {MAX_CLOCK_LAG:.0%}; this machine "
-            "could not keep up) and too few rounds passed: the level is UNRELIABLE; rerun on a quieter "
-            "machine or with a smaller --time-scale[/yellow]"
-        )
-
-
 # -- results -------------------------------------------------------------------------------------
 
 
-def analysis_outputs(db_path: Path, out: Path, run: str, console: Console) -> Path | None:
-    """The analyze table on stdout and report.html in ``out``; None when analysis is not available."""
+def analysis_outputs(
+    db_path: Path, out: Path, run: str, console: Console, peak: PeakMove | None
+) -> Path | None:
+    """The analyze table on stdout and report.html in ``out`` (the peak judged at ``peak``'s level, said
+    so, when the top level could not be measured soundly); None when analysis is not available."""
     try:
-        from specproxy.analysis import StoreError, analyze_text, write_report
+        from specproxy.analysis import Settings, StoreError, analyze_text, write_report
     except ImportError:
         console.print("(specproxy.analysis is not available in this build: no verdict table or report)")
         return None
+    settings = Settings(peak_concurrency=peak.level, peak_source=peak.label) if peak else None
+    if peak is not None:
+        click.echo(f"lab: {peak.label} ({peak.why}); `analyze --peak-concurrency {peak.level}` judges it so")
     try:
-        click.echo(analyze_text([db_path], run=run, fmt="table"))
-        return write_report([db_path], out / "report.html", run=run)
+        click.echo(analyze_text([db_path], run=run, fmt="table", settings=settings))
+        return write_report([db_path], out / "report.html", run=run, settings=settings)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -470,16 +407,24 @@ def default_rates(capacity: float, shares: Sequence[float]) -> tuple[float, ...]
     return tuple(sorted({float(f"{capacity * share:.2g}") for share in shares}))
 
 
-def _load_plan(plan: LabPlan, rates: tuple[float, ...] | None, started: float) -> LoadPlan:
-    """The replay's load for the lab's plan; ``started``: when the lab began (``time.monotonic()``)."""
+def _load_plan(
+    plan: LabPlan, rates: tuple[float, ...] | None, started: float, pacer: SimPacer | None
+) -> LoadPlan:
+    """The replay's load for the lab's plan; ``started``: when the lab began (``time.monotonic()``);
+    a level the ``pacer`` skipped gets no rounds, and none that would end past the rounds' budget."""
     until = None if plan.time_budget_s is None else started + plan.time_budget_s
+    rounds_until = None if plan.rounds_budget_s is None else started + plan.rounds_budget_s
     if rates is None:
         return LoadPlan(
             kind="closed",
             levels=plan.levels,
             items_per_level=plan.items_per_round,
             rounds=plan.rounds,
-            rounds_per_level=plan.level_rounds,
+            rounds_per_level=plan.level_rounds
+            if pacer is None
+            else lambda c: pacer.rounds(
+                c, plan.level_rounds(c), waves=plan.items_per_round(c) / c, until=rounds_until
+            ),
             extra_rounds=plan.extra_rounds,
             deciding_rounds=plan.deciding_rounds,
             added_until=until,
@@ -713,6 +658,7 @@ def lab(
         extra_rounds=base.extra_rounds if extra_rounds is None else extra_rounds,
         deciding_rounds=base.deciding_rounds if deciding_rounds is None else deciding_rounds,
         time_budget_s=base.time_budget_s,
+        rounds_budget_s=base.rounds_budget_s,
     )
     experiment = experiment_or_none(config_path)
     if at_concurrency is not None and peak_concurrency is not None and peak_concurrency < at_concurrency:
@@ -745,6 +691,8 @@ def lab(
                     slowest,
                     console,
                     slowest_for_client=plan.time_scale * SLOWEST_CLIENT_PACED_SCALE,
+                    skip_unmeasurable=peak_concurrency is None,  # a peak or operating point you gave
+                    never_skip=(at_concurrency,) if at_concurrency else (),  # is always measured
                 )
             scale_note = pace_note(pacer, plan.time_scale, given=time_scale is not None)
             click.echo(f"lab: {scale_note}")
@@ -770,7 +718,7 @@ def lab(
             db_path=db_path,
             run_name="lab-quick" if quick else "lab",
             mode="paired",
-            load=_load_plan(plan, rates, t0),
+            load=_load_plan(plan, rates, t0, pacer),
             temperature=0.0,
             max_tokens=max_tokens,
             seed=seed,
@@ -787,28 +735,23 @@ def lab(
             raise click.ClickException(f"{exc}{hint}") from None
         except SpanSinkError as exc:
             raise click.ClickException(str(exc)) from None
-    print_summary(result, None, console)
+    print_summary(result, None, console, compact=True)
+    print_health(result.health, result.levels, console)
     console.print(f"measured in {time.monotonic() - t0:.0f} s", highlight=False)
     if result.interrupted:
         console.print("interrupted: what was measured so far is analysed below", highlight=False)
     if pacer is not None:
         print_pace(pacer, profile, console)
     elif simulated and plan.time_scale != 1:
-        console.print(
-            f"note: the simulated arms ran {plan.time_scale:g}x as fast as the {profile} clock: "
-            f"divide tok/s by {plan.time_scale:g} and multiply times by it; ratios are unaffected",
-            highlight=False,
-        )
-        if rates is not None:
-            # An open loop's load is relative to the engine's speed: a slower clock serves fewer req/s.
-            console.print(
-                f"note: a rate level r=R loaded the simulators as R / {plan.time_scale:g} req/s would on "
-                f"the {profile} clock",
-                highlight=False,
-            )
+        print_given_scale(plan.time_scale, profile, rates is not None, console)
     print_rounds(result.levels, console, say_none=plan.extra_rounds > 0 or plan.deciding_rounds > 0)
-    print_clock_lag(clock_lag_by_level(result.health), result.levels, console)
-    report = analysis_outputs(db_path, out, result.run_id, console)
+    print_clock_lag(clock_lag_by_level(result.health), console)
+    moved = (
+        judged_peak(plan.levels, result.levels, pacer)
+        if rates is None and not experiment.peak_concurrency
+        else None
+    )
+    report = analysis_outputs(db_path, out, result.run_id, console, moved)
     console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)
     if result.interrupted:
         sys.exit(130)

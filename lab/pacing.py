@@ -10,6 +10,15 @@ measured at the scale its last wave ran at; the next level starts from there, si
 along the sweep, and from half of it when a measured round of the level still failed a health check
 (a wave is one sample of a machine whose load can change from one minute to the next).
 
+With ``skip_unmeasurable`` (the lab, when no peak was given), a level above the sweep's first whose
+wave at the slowest scale was over a round's own health limit (:func:`would_fail`) is not measured
+at all, nor is any level above it: its rounds would fail as the wave did, each at a round's cost, and
+the time goes to the levels that can be judged (:mod:`specproxy.lab.peak` then says where the peak
+was judged instead). A level above the first whose wave there was short of room to spare (and not
+skipped) is measured in the fewest
+rounds it can be judged on (``MIN_HEALTHY_ROUNDS``), leaving time for the extra rounds that replace a
+failed one. :meth:`SimPacer.rounds` says how many a level gets.
+
 A wave also counts as not kept up when it kept the client's event loop busy over
 :data:`LOOP_BUSY_LIMIT` of its time (never slowed below ``slowest`` for that alone): the rounds after it
 have more to do than the wave had.
@@ -26,7 +35,8 @@ several times as long.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -36,6 +46,7 @@ from specproxy.config import Arm
 from specproxy.proxy.health import ENGINE_CLOCK_LAG, EVENT_LOOP_LAG_SHARE, THRESHOLDS, over_threshold
 from specproxy.proxy.replay.runner import LevelTrial, ReplayError
 from specproxy.proxy.spans.sink import HealthRow
+from specproxy.schema import MIN_HEALTHY_ROUNDS
 
 TIME_SCALE_CHECK = "sim_time_scale"
 TRIAL_MARGIN = 0.5
@@ -66,6 +77,14 @@ def kept_up(trial: LevelTrial) -> bool:
     return trial.worst_engine_lag <= CLOCK_LIMIT and _loop_ok(trial) and busy_ok
 
 
+def would_fail(trial: LevelTrial) -> bool:
+    """Was a wave over a round's own health limit (not only short of room to spare)? A round like it
+    would fail its checks."""
+    loop_limit = THRESHOLDS[EVENT_LOOP_LAG_SHARE] or 0.02
+    loop_over = trial.loop_lag_share is not None and trial.loop_lag_share > loop_limit
+    return trial.worst_engine_lag > (THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02) or loop_over
+
+
 def describe(trial: LevelTrial) -> str:
     """``clock lag 3.1 % (ngram), loop lag 0.8 % of decode``"""
     worst = max(trial.engine_lag.items(), key=lambda kv: kv[1], default=None)
@@ -81,11 +100,21 @@ class LevelPace:
     time_scale: float
     trials: tuple[tuple[float, LevelTrial], ...]  # (time scale, what its wave saw), in order
 
+    def kept_up(self) -> bool:
+        """Did the level's last wave leave room to spare?"""
+        return bool(self.trials) and kept_up(self.trials[-1][1])
+
     def sentence(self) -> str:
         tried = "; ".join(f"{describe(t)} at {scale:g}" for scale, t in self.trials)
-        last_ok = bool(self.trials) and kept_up(self.trials[-1][1])
-        verdict = "" if last_ok else " (still short of room to spare at the slowest scale tried)"
+        verdict = "" if self.kept_up() else " (still short of room to spare at the slowest scale tried)"
         return f"c={self.level} at time scale {self.time_scale:g}{verdict}: {tried}"
+
+    def why_skipped(self) -> str:
+        """``a wave at time scale 0.25 saw clock lag 5.9% (replica), ...``"""
+        if not self.trials:
+            return "a lower level could not be measured"
+        scale, seen = self.trials[-1]
+        return f"a wave at time scale {scale:g} saw {describe(seen)}"
 
 
 async def set_time_scale(session: aiohttp.ClientSession, arms: Sequence[Arm], scale: float) -> None:
@@ -114,6 +143,9 @@ class SimPacer:
         slowest: float,
         console: Console,
         slowest_for_client: float | None = None,
+        *,
+        skip_unmeasurable: bool = False,
+        never_skip: Collection[int] = (),
     ) -> None:
         self.arms = tuple(arms)
         self.scale = start
@@ -123,6 +155,17 @@ class SimPacer:
         self.slowest_for_client = min(slowest, slowest_for_client or slowest)
         self.console = console
         self.paces: list[LevelPace] = []
+        # Levels not measured: their wave at the slowest scale was over a round's health limit (their
+        # rounds would fail as it did, at a round's cost each), and every level above the first of
+        # them (load only grows along the sweep). A level whose wave there was within the limit but
+        # short of room to spare is shortened to the fewest rounds it can be judged on, leaving time
+        # for the extra rounds that replace a failed one.
+        self.skip_unmeasurable = skip_unmeasurable
+        self.never_skip = frozenset(never_skip)  # levels the user named (the operating point)
+        self.skipped: list[LevelPace] = []
+        self.shortened: set[int] = set()
+        self.wave_s = 0.0  # how long the last wave took: a round of w waves takes about w times that
+        self._rounds: dict[int, int] = {}  # each settled level's rounds, decided once
 
     def _floor(self, seen: LevelTrial) -> float:
         """The slowest scale a wave that saw ``seen`` may be slowed to (below ``slowest`` only for the
@@ -131,12 +174,17 @@ class SimPacer:
         return self.slowest_for_client if client_lag_only else self.slowest
 
     async def settle(self, level: int, trial: Callable[[], Awaitable[LevelTrial]]) -> Mapping[str, float]:
+        if self.skipped:
+            self.skipped.append(LevelPace(level, self.scale, ()))
+            return {TIME_SCALE_CHECK: self.scale}
         scale = self.scale
         trials: list[tuple[float, LevelTrial]] = []
         async with aiohttp.ClientSession() as session:
             while True:
                 await set_time_scale(session, self.arms, scale)
+                began = time.monotonic()
                 seen = await trial()
+                self.wave_s = time.monotonic() - began
                 trials.append((scale, seen))
                 if kept_up(seen) or scale / 2 < self._floor(seen):
                     break
@@ -144,8 +192,56 @@ class SimPacer:
                 self.console.print(f"{said}; slowing to {scale / 2:g}", highlight=False)
                 scale /= 2
         self.scale = scale
-        self.paces.append(LevelPace(level, scale, tuple(trials)))
+        pace = LevelPace(level, scale, tuple(trials))
+        # The sweep's first level is always measured: it is where the deploy verdict answers by default.
+        if self.skip_unmeasurable and self.paces and would_fail(seen) and level not in self.never_skip:
+            self.skipped.append(pace)
+            self.console.print(
+                f"c={level}: {pace.why_skipped()} at the slowest scale: skipped", highlight=False
+            )
+            return {TIME_SCALE_CHECK: scale}
+        if self.paces and not pace.kept_up():
+            self.shortened.add(level)
+            self.console.print(
+                f"c={level}: {pace.why_skipped()} at the slowest scale, short of room to spare: at most "
+                f"{MIN_HEALTHY_ROUNDS} rounds",
+                highlight=False,
+            )
+        self.paces.append(pace)
         return {TIME_SCALE_CHECK: scale}
+
+    def rounds(self, level: int, planned: int, *, waves: float = 1.0, until: float | None = None) -> int:
+        """A level's rounds: none for a level skipped (:attr:`skipped`), at most MIN_HEALTHY_ROUNDS for
+        one shortened, else ``planned``; and with a deadline (``until``, ``time.monotonic()``) no more
+        than would end by it, at ``waves`` waves a round, but never fewer than the level can be judged
+        on. Decided once a level is settled; ``planned`` before."""
+        if level in self._rounds:
+            return self._rounds[level]
+        if not any(p.level == level for p in (*self.paces, *self.skipped)):
+            return planned
+        if any(p.level == level for p in self.skipped):
+            n = 0
+        else:
+            n = min(planned, MIN_HEALTHY_ROUNDS) if level in self.shortened else planned
+            n = self._within(level, n, planned, self.wave_s * waves, until)
+        self._rounds[level] = n
+        return n
+
+    def _within(self, level: int, n: int, planned: int, round_s: float, until: float | None) -> int:
+        """``n`` rounds, or as many as end by ``until`` at ``round_s`` each (never fewer than the level
+        can be judged on)."""
+        if until is None or round_s <= 0 or n <= MIN_HEALTHY_ROUNDS:
+            return n
+        fits = int((until - time.monotonic()) / round_s)
+        if fits >= n:
+            return n
+        cut = max(MIN_HEALTHY_ROUNDS, fits)
+        self.console.print(
+            f"c={level}: {cut} of {planned} rounds (about {round_s:.0f} s each): more would end past the "
+            "lab's time budget",
+            highlight=False,
+        )
+        return cut
 
     def measured(self, level: int, health: Sequence[HealthRow]) -> None:
         # ``health`` holds every round of the level, its extra rounds too. A level that extra rounds

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from specproxy.analysis import Settings, analyze_text
 from specproxy.analysis.stats import wilson_interval
 from specproxy.record import SpanRecord
 from tests.spanfactory import ArmSpec, SyntheticRun, make_run, write_db
@@ -157,7 +158,8 @@ def _fmt(value: float | None, digits: int, scale: float = 1.0, suffix: str = "")
 
 def test_printed_table_matches_to_the_last_digit(synthetic: tuple[Path, SyntheticRun]) -> None:
     path, run = synthetic
-    result = _cli("analyze", str(path))
+    figures = "calls,agg_tok_s,p50_decode,p50_ttft,p95_ttft,accept_rate,accept_len,req_accept_len"
+    result = _cli("analyze", str(path), "--columns", figures + ",identical,decode_speedup,throughput_ratio")
     assert result.returncode == 0, result.stderr
     expected = expected_figures(run)
     lines = result.stdout.splitlines()
@@ -183,6 +185,50 @@ def test_printed_table_matches_to_the_last_digit(synthetic: tuple[Path, Syntheti
             assert cells[12].startswith(f"{exp['throughput_ratio']:.2f}x [")
         checked += 1
     assert checked == len(expected) == 12
+
+
+def test_the_default_table_fits_120_columns_and_wide_shows_every_figure(
+    synthetic: tuple[Path, SyntheticRun],
+) -> None:
+    """The default table: level, arm, calls, identity, the two ratios, the verdict (and the rounds,
+    since this run's levels were measured once); --wide every column that holds a figure."""
+    path = str(synthetic[0])
+    default = _cli("analyze", path).stdout.splitlines()
+    header = next(i for i, line in enumerate(default) if line.startswith("level"))
+    rows = [line for line in default[header:] if line.startswith(("level", "c="))]
+    assert len(rows) == 13 and max(len(line) for line in rows) <= 120
+    assert re.split(r"\s{2,}", rows[0]) == [
+        "level",
+        "arm",
+        "ok/calls",
+        "identical",
+        "decode speedup [95% CI]",
+        "throughput ratio [95% CI]",
+        "rounds",
+        "verdict",
+    ]
+    wide = _cli("analyze", path, "--wide").stdout.splitlines()
+    cells = re.split(r"\s{2,}", next(line for line in wide if line.startswith("level")))
+    assert "agg tok/s" in cells and "P95 TTFT ms" in cells and "margin" in cells
+    assert "load P50 arm/base" not in cells  # a replay has no live loads: the column would be all —
+    bad = _cli("analyze", path, "--columns", "agg_toks")
+    assert bad.returncode == 2 and "unknown column 'agg_toks'; known: level, arm, calls" in bad.stderr
+
+
+def test_a_peak_the_lab_moved_is_labelled_in_the_titles(synthetic: tuple[Path, SyntheticRun]) -> None:
+    """The lab's label for a peak judged below its top level stands in the run's title and the deploy
+    verdicts' title, and every deploy verdict reads the peak there."""
+    label = "judged at c=4: c=16 could not be measured on this machine"
+    settings = Settings(peak_concurrency=4, peak_source=label, bootstrap_iterations=200)
+    text = analyze_text([synthetic[0]], settings=settings)
+    assert f"peak c=4 ({label})" in next(line for line in text.splitlines() if line.startswith("run "))
+    title = next(line for line in text.splitlines() if line.startswith("deploy verdict"))
+    assert title.endswith(f"; {label})") and "peak = highest tested level" not in title
+    deploy = [line for line in text.splitlines() if "at peak (" in line]
+    assert deploy and all("at peak (c=4)" in line for line in deploy)
+    # a peak given on the command line says so, with no label
+    plain = analyze_text([synthetic[0]], settings=Settings(peak_concurrency=4, bootstrap_iterations=200))
+    assert "peak c=4 (command line)" in plain and "could not be measured" not in plain
 
 
 def _rule(d: dict[str, Any], t: dict[str, Any], identity: dict[str, Any] | None, md: float, mt: float) -> str:

@@ -169,6 +169,8 @@ def test_report_from_a_real_replay(replayed: Path, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     html = out.read_text()
-    assert "run simrun" in html and "TTFT CDF at c=4" in html and "<svg" in html
+    assert "run simrun" in html and "<svg" in html
+    # a level the busy machine could not measure soundly is left out of every chart, said so
+    assert "TTFT CDF at c=4" in html or "c=4 UNRELIABLE: " in html
     # each arm's stack as captured by replay (the simulator answers /version like vLLM)
     assert "0.33.0" in html

@@ -74,7 +74,7 @@ def test_estimated_candidate_counts_give_no_win(tmp_path: Path) -> None:
     assert "estimated" in outcome.deploy.text
     assert not _row(ev, "baseline").own_tokens_estimated
 
-    table = _cli("analyze", str(path))
+    table = _cli("analyze", "--wide", str(path))
     assert table.returncode == 0, table.stderr
     line = next(x for x in table.stdout.splitlines() if x.startswith("c=1") and " eagle3 " in x)
     assert "NO CLEAR GAIN (estimated tokens)" in line
@@ -155,7 +155,7 @@ def test_acceptance_says_where_it_came_from(
     path, ev = _evaluate(tmp_path, [BASELINE, ArmSpec("eagle3", speedup=1.8, spec_source=source)])
     row = _row(ev, "eagle3")
     assert row.req_acceptance_source == shown
-    table = _cli("analyze", str(path)).stdout
+    table = _cli("analyze", "--wide", str(path)).stdout
     line = next(x for x in table.splitlines() if x.startswith("c=1") and " eagle3 " in x)
     if measured:
         assert row.req_acceptance_length is not None and 2.0 < row.req_acceptance_length < 3.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,7 +18,9 @@ from rich.console import Console
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim
-from specproxy.lab.pacing import TIME_SCALE_CHECK, SimPacer, kept_up
+from specproxy.lab.pacing import TIME_SCALE_CHECK, LevelPace, SimPacer, kept_up
+from specproxy.lab.peak import judged_peak
+from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LevelTrial, LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.spans.sink import HealthRow
@@ -166,3 +169,77 @@ async def test_a_lagging_or_busy_client_is_slowed_down_to_its_floor(
 
     await pacer.settle(256, wave)
     assert [scale for scale, _ in pacer.paces[0].trials] == scales
+
+
+async def test_a_level_whose_wave_fails_at_the_slowest_scale_is_skipped_and_so_is_every_level_above() -> None:
+    """Over a round's own limit at the slowest scale: the level's rounds would fail as its wave did, so
+    it gets none, nor does any level above it; short of room to spare but within the limit: measured
+    in the fewest rounds it can be judged on; the sweep's first level always in full."""
+    said = io.StringIO()
+    pacer = SimPacer((), 0.25, 0.25, Console(file=said, width=300), skip_unmeasurable=True)
+    waves = {
+        1: LevelTrial({"base": 0.05}, 0.001),  # over the limit, but the first level
+        16: LevelTrial({"base": 0.001}, 0.001),  # kept up
+        64: LevelTrial({"base": 0.015}, 0.001),  # within the 2 % limit, over the 1 % trial margin
+        256: LevelTrial({"ngram": 0.03}, 0.001),  # over the limit
+        512: LevelTrial({"base": 0.0}, 0.0),  # never sent: a lower level could not be measured
+    }
+    sent: list[int] = []
+    for level, trial in waves.items():
+
+        async def wave(trial: LevelTrial = trial, level: int = level) -> LevelTrial:
+            sent.append(level)
+            return trial
+
+        await pacer.settle(level, wave)
+    assert sent == [1, 16, 64, 256]
+    assert [pacer.rounds(c, 5) for c in waves] == [5, 5, 3, 0, 0]
+    assert "c=256: a wave at time scale 0.25 saw clock lag 3.0% (ngram)" in said.getvalue()
+    assert [p.level for p in pacer.skipped] == [256, 512] and pacer.shortened == {64}
+    # a level the user named (the operating point) is measured whatever its wave saw
+    named = SimPacer((), 0.25, 0.25, Console(file=io.StringIO()), skip_unmeasurable=True, never_skip=(256,))
+    for level in (1, 256):
+
+        async def failing() -> LevelTrial:
+            return LevelTrial({"ngram": 0.03}, 0.001)
+
+        await named.settle(level, failing)
+    assert named.skipped == [] and named.rounds(256, 5) == 3
+
+
+def test_the_peak_moves_to_the_highest_level_measured_soundly_with_a_label() -> None:
+    pacer = SimPacer((), 0.25, 0.25, Console(file=io.StringIO()), skip_unmeasurable=True)
+    pacer.skipped.append(LevelPace(256, 0.25, ((0.25, LevelTrial({"ngram": 0.03}, 0.001)),)))
+    rounds = [
+        LevelRounds("c=1", 3, 3, 3),
+        LevelRounds("c=16", 3, 3, 3),
+        LevelRounds("c=64", 3, 6, 2),  # too few passed, extra rounds spent
+    ]
+    moved = judged_peak((1, 16, 64, 256), rounds, pacer)
+    assert moved is not None and moved.level == 16
+    assert moved.label == "judged at c=16: c=64, c=256 could not be measured on this machine"
+    assert moved.why == (
+        "c=64: 2 of 6 rounds passed the health checks; c=256: a wave at time scale 0.25 saw clock lag 3.0% "
+        "(ngram), loop lag 0.1% of decode: skipped"
+    )
+    # the top level measured soundly (a round dropped, the rest judged): the question stays the same
+    assert judged_peak((1, 16), [LevelRounds("c=1", 3, 3, 3), LevelRounds("c=16", 5, 5, 4)], pacer) is None
+    # no level measured soundly: nothing to move to
+    assert judged_peak((1, 16), [LevelRounds("c=1", 3, 3, 1), LevelRounds("c=16", 3, 3, 0)], None) is None
+
+
+def test_a_level_s_rounds_are_cut_to_end_within_the_budget_but_never_below_three() -> None:
+    """Rounds of about 10 s (a 5 s wave, 2 waves a round) with 35 s left: 3 of 5, not fewer; with room,
+    all 5; a level not yet settled keeps its plan (asked before the sweep starts)."""
+    said = io.StringIO()
+    pacer = SimPacer((), 0.25, 0.25, Console(file=said, width=300), skip_unmeasurable=True)
+    assert pacer.rounds(64, 5, waves=2, until=time.monotonic() + 1) == 5
+    pacer.paces.append(LevelPace(64, 0.25, ((0.25, LevelTrial({"base": 0.001}, 0.001)),)))
+    pacer.paces.append(LevelPace(256, 0.25, ((0.25, LevelTrial({"base": 0.001}, 0.001)),)))
+    pacer.wave_s = 5.0
+    assert pacer.rounds(64, 5, waves=2, until=time.monotonic() + 200) == 5
+    assert pacer.rounds(256, 5, waves=2, until=time.monotonic() + 35) == 3
+    assert pacer.rounds(256, 5, waves=2, until=time.monotonic() + 500) == 3  # decided once
+    assert (
+        "c=256: 3 of 5 rounds (about 10 s each): more would end past the lab's time budget" in said.getvalue()
+    )

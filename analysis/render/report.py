@@ -119,7 +119,8 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
     decode: list[Series] = []
     agg: list[Series] = []
     for arm in arms:
-        rows = [r for r in numeric if r.arm == arm]
+        # an UNRELIABLE level's figures are no evidence: plotted beside the others they would read as some
+        rows = [r for r in numeric if r.arm == arm and r.reliable]
         color = colors[arm]
         decode.append(
             Series(
@@ -142,8 +143,7 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
         if arm == ev.baseline:
             continue
         for target, attr in ((speed, "decode_speedup"), (thr, "throughput_speedup")):
-            # an UNRELIABLE level's interval is no evidence: plotted beside the others it would read as one
-            ivs = [(r.level_load, getattr(r, attr)) for r in rows if r.level_load and r.reliable]
+            ivs = [(r.level_load, getattr(r, attr)) for r in rows if r.level_load]
             ivs = [(c, iv) for c, iv in ivs if iv is not None]
             target.append(_interval_series(arm, ivs, color))
     charts = [
@@ -163,8 +163,18 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
             reference_y=1.0,
             y_from_zero=False,
         ),
-        line_chart(decode, title="P50 decode tok/s per request", x_label=x_label, y_label="tok/s"),
-        line_chart(agg, title="Aggregate tok/s (all requests)", x_label=x_label, y_label="tok/s"),
+        line_chart(
+            decode,
+            title="P50 decode tok/s per request (UNRELIABLE levels left out)",
+            x_label=x_label,
+            y_label="tok/s",
+        ),
+        line_chart(
+            agg,
+            title="Aggregate tok/s, all requests (UNRELIABLE levels left out)",
+            x_label=x_label,
+            y_label="tok/s",
+        ),
     ]
     return '<div class="charts">' + "".join(charts) + "</div>"
 
@@ -190,9 +200,11 @@ def _ttft_charts(store: SpanStore, ev: RunEvaluation, colors: dict[str, str]) ->
         [ev.run_id],
     )
     order = _arm_order(colors)
-    levels = sorted({r["level"] for r in rows}, key=level_sort_key)
+    # an UNRELIABLE level's latencies show the machine, not the arms
+    levels = sorted({r["level"] for r in rows} - set(ev.unreliable_levels), key=level_sort_key)
     if not levels:
-        return '<p class="muted">No TTFT measured (no streamed calls).</p>'
+        why = "every level with one was UNRELIABLE" if rows else "no streamed calls"
+        return f'<p class="muted">No TTFT chart ({why}).</p>'
     shown = (
         levels
         if len(levels) <= MAX_CDF_LEVELS
@@ -396,10 +408,12 @@ def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
     # small multiples: one chart per category, decode speedup vs load per arm with its CI band
     order = _arm_order(colors)
     arms = sorted({c.arm for c in ev.categories}, key=lambda a: (order.get(a, len(order)), a))
-    # one y axis for every category, so the panels compare at a glance
+    # one y axis for every category, so the panels compare at a glance; UNRELIABLE levels left out, as
+    # in the level charts (their intervals are no evidence, and would set the axis)
+    judged = [c for c in ev.categories if c.verdict != "UNRELIABLE"]
     extent = [
         v
-        for c in ev.categories
+        for c in judged
         if c.level_load and c.decode_speedup is not None
         for v in (c.decode_speedup.point, c.decode_speedup.low, c.decode_speedup.high)
         if v is not None
@@ -411,7 +425,7 @@ def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
         for arm in arms:
             ivs = [
                 (c.level_load, c.decode_speedup)
-                for c in ev.categories
+                for c in judged
                 if c.arm == arm and c.category == cat and c.level_load and c.decode_speedup is not None
             ]
             series.append(_interval_series(arm, ivs, colors.get(arm, "#000")))
@@ -419,7 +433,7 @@ def _categories(ev: RunEvaluation, colors: dict[str, str]) -> str:
             charts.append(
                 line_chart(
                     series,
-                    title=f"{cat}: P50 decode speedup (95% CI)",
+                    title=f"{cat}: P50 decode speedup (95% CI; UNRELIABLE levels left out)",
                     x_label=AXIS_LABEL[run_unit(c.level for c in ev.categories)],
                     y_label="speedup (x)",
                     reference_y=1.0,

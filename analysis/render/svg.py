@@ -2,6 +2,12 @@
 
 No JavaScript and no library: each function returns one ``<svg>`` element as a string. Axes are
 linear, or log2 for concurrency; ticks are the data's own levels or "nice" round numbers.
+
+Text must stay inside its chart, with no font to measure it by: :func:`text_width` estimates a
+string's width from per-character widths of a common sans-serif (on the wide side), a title too
+wide for one line is split in two, and a label that would still not fit is given an SVG
+``textLength`` (the browser squeezes it to that width). The report's test checks the result in a
+real browser where one is installed.
 """
 
 from __future__ import annotations
@@ -10,6 +16,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html import escape
+
+# Font sizes (px) of the text classes, as the report's CSS sets them.
+FONT_SIZE = {"title": 13.0, "tick": 11.0, "label": 12.0}
+_NARROW, _SLIM, _WIDE = set("ijlI.,:;'|!"), set("frt()[] -"), set("mwMWOQGD@%")
+TEXT_PAD = 6.0  # room kept between text and the chart's edge
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 WIDTH, HEIGHT = 560, 300
@@ -46,6 +57,53 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     if ticks[-1] < hi:
         ticks.append(round(t, 10))
     return ticks
+
+
+def text_width(text: str, size: float, bold: bool = False) -> float:
+    """An estimate of ``text``'s width in px at font ``size``, on the wide side for common sans-serif
+    faces (DejaVu Sans, the widest of them, and Arial: narrow letters about 0.3 em, slim ones 0.42,
+    capitals 0.76, wide ones 0.95, the rest 0.64; bold 12 % wider)."""
+
+    def em(c: str) -> float:
+        if c in _NARROW:
+            return 0.3
+        if c in _SLIM:
+            return 0.42
+        if c in _WIDE:
+            return 0.95
+        return 0.76 if c.isupper() else 0.64
+
+    return sum(em(c) for c in text) * size * (1.12 if bold else 1.0)
+
+
+def fitted_text(x: float, y: float, text: str, cls: str, room: float, anchor: str = "middle") -> str:
+    """A ``<text>`` element; squeezed to ``room`` px (``textLength``) when its estimate is wider."""
+    width = text_width(text, FONT_SIZE[cls], bold=cls == "title")
+    fit = f' textLength="{room:.0f}" lengthAdjust="spacingAndGlyphs"' if width > room else ""
+    return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" class="{cls}"{fit}>{escape(text)}</text>'
+
+
+def title_lines(title: str) -> list[str]:
+    """The title in one line, or two when one would not fit the chart: split before its parenthesis,
+    else at the space nearest the middle."""
+    room = WIDTH - 2 * TEXT_PAD
+    if text_width(title, FONT_SIZE["title"], bold=True) <= room or " " not in title:
+        return [title]
+    cut = title.find(" (")
+    if cut < 0:
+        spaces = [i for i, c in enumerate(title) if c == " "]
+        cut = min(spaces, key=lambda i: abs(i - len(title) / 2))
+    return [title[:cut], title[cut + 1 :]]
+
+
+def _title(title: str) -> list[str]:
+    """The title centred over the whole chart; a second line, smaller, under it."""
+    room = WIDTH - 2 * TEXT_PAD
+    lines = title_lines(title)
+    out = [fitted_text(WIDTH / 2, 16 if len(lines) > 1 else 18, lines[0], "title", room)]
+    if len(lines) > 1:
+        out.append(fitted_text(WIDTH / 2, 29, lines[1], "tick", room))
+    return out
 
 
 def _fmt_tick(v: float) -> str:
@@ -95,10 +153,7 @@ class _Frame:
 
 
 def _axes(frame: _Frame, title: str, x_label: str, y_label: str, x_tick_fmt: str = "{}") -> list[str]:
-    out = [
-        f'<text x="{WIDTH / 2 - MARGIN_R / 2:.0f}" y="18" class="title" text-anchor="middle">'
-        f"{escape(title)}</text>"
-    ]
+    out = _title(title)
     left, right = MARGIN_L, WIDTH - MARGIN_R
     top, bottom = MARGIN_T, HEIGHT - MARGIN_B
     for t in frame.y_ticks:
@@ -133,7 +188,7 @@ def _legend(series: Sequence[Series]) -> list[str]:
         y = MARGIN_T + 8 + i * 18
         x = WIDTH - MARGIN_R + 14
         out.append(f'<rect x="{x}" y="{y - 8}" width="12" height="12" fill="{s.color}"/>')
-        out.append(f'<text x="{x + 18}" y="{y + 2}" class="tick">{escape(s.name)}</text>')
+        out.append(fitted_text(x + 18, y + 2, s.name, "tick", WIDTH - x - 18 - TEXT_PAD, anchor="start"))
     return out
 
 
@@ -202,8 +257,12 @@ def _vertical_markers(frame: _Frame, markers: Sequence[tuple[float, str]]) -> li
         out.append(
             f'<line x1="{px:.1f}" y1="{MARGIN_T}" x2="{px:.1f}" y2="{HEIGHT - MARGIN_B}" class="ref marker"/>'
         )
+        # a label that would run past the plot's right edge goes on the line's left
+        fits = px + 4 + text_width(label, FONT_SIZE["tick"]) <= WIDTH - MARGIN_R
+        anchor, at = ("start", px + 4) if fits else ("end", px - 4)
         out.append(
-            f'<text x="{px + 4:.1f}" y="{MARGIN_T + 12 + 13 * i}" class="tick marker">{escape(label)}</text>'
+            f'<text x="{at:.1f}" y="{MARGIN_T + 12 + 13 * i}" text-anchor="{anchor}" class="tick marker">'
+            f"{escape(label)}</text>"
         )
     return out
 
@@ -242,10 +301,7 @@ def bar_chart(
     bar = slot * 0.8 / max(len(series), 1)
     for j, g in enumerate(groups):
         cx = MARGIN_L + slot * (j + 0.5)
-        body.append(
-            f'<text x="{cx:.1f}" y="{HEIGHT - MARGIN_B + 17}" text-anchor="middle" class="tick">'
-            f"{escape(g)}</text>"
-        )
+        body.append(fitted_text(cx, HEIGHT - MARGIN_B + 17, g, "tick", slot - 4))
         for i, s in enumerate(series):
             for x, y in s.points:
                 if int(x) != j:

@@ -11,14 +11,25 @@ import csv
 import io
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
 from specproxy.analysis.figures.provenance import TEXT_ESTIMATE_ERROR
-from specproxy.analysis.levels import level_name
 from specproxy.analysis.render import slo_table as render_slo
+from specproxy.analysis.render.columns import (
+    ALL_KEYS,
+    DASH,
+    ESTIMATED,
+    HEADERS,
+    chosen_columns,
+    fmt_interval,
+    fmt_level,
+    row_cells,
+    slowed_note,
+    table_cells,
+)
 from specproxy.analysis.render.latency_table import (
     LATENCY_CSV_FIELDS,
     LATENCY_HEADERS,
@@ -27,144 +38,16 @@ from specproxy.analysis.render.latency_table import (
     latency_csv,
     latency_notes,
 )
-from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdicts.evaluation import (
     CategoryRow,
-    LevelRow,
     RunEvaluation,
     Settings,
     level_sort_key,
 )
 
 FORMATS = ("table", "markdown", "json", "csv")
-DASH = "—"
-
-HEADERS = (
-    "level",
-    "arm",
-    "ok/calls",
-    "agg tok/s",
-    "P50 decode tok/s",
-    "P50 TTFT ms",
-    "P95 TTFT ms",
-    "accept rate",
-    "accept len",
-    "req accept len",
-    "identical",
-    "decode speedup [95% CI]",
-    "throughput ratio [95% CI]",
-    "rounds",
-    "margin",
-    "load P50 arm/base",
-    "verdict",
-)
-
-
-def fmt_num(value: float | None, digits: int, scale: float = 1.0, suffix: str = "") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return DASH
-    return f"{value * scale:.{digits}f}{suffix}"
-
-
-def fmt_interval(iv: Interval | None) -> str:
-    if iv is None:
-        return DASH
-    if iv.low is None or iv.high is None:
-        return f"{iv.point:.2f}x"
-    return f"{iv.point:.2f}x [{iv.low:.2f}, {iv.high:.2f}]"
-
-
-def fmt_level(level: str) -> str:
-    return level_name(level)
-
-
-def fmt_margin(row: LevelRow) -> str:
-    """The margin a bound must clear: one figure, or decode/throughput when they differ."""
-    if row.decode_margin is None or row.throughput_margin is None:
-        return DASH
-    if round(row.decode_margin, 3) == round(row.throughput_margin, 3):
-        return f"{row.decode_margin:.1%}"
-    return f"{row.decode_margin:.1%}/{row.throughput_margin:.1%}"
-
-
-def fmt_rounds(row: LevelRow) -> str:
-    """Rounds the level is judged on: ``3``, ``1*`` (one round: no drift between runs seen), ``4 of 5``
-    (a round dropped for failing the measurement's health checks)."""
-    if row.rounds is None:
-        return DASH
-    if row.rounds_dropped:
-        return f"{row.rounds} of {row.rounds_measured}"
-    return f"{row.rounds}*" if row.drift_note else str(row.rounds)
-
-
-def fmt_load(row: LevelRow) -> str:
-    load = row.load
-    if load is None or load.p50 is None or load.baseline_p50 is None:
-        return DASH
-    return f"{load.p50:.1f}/{load.baseline_p50:.1f}" + (" unequal" if load.unequal else "")
-
-
-ESTIMATED = "~"  # before a figure built on token counts estimated from the text
-
-
-def fmt_speed(value: float | None, row: LevelRow) -> str:
-    """The arm's own tok/s, marked when its token counts are estimated."""
-    text = fmt_num(value, 1)
-    return ESTIMATED + text if row.own_tokens_estimated and text != DASH else text
-
-
-def fmt_speedup(iv: Interval | None, row: LevelRow) -> str:
-    text = fmt_interval(iv)
-    return ESTIMATED + text if row.tokens_estimated and text != DASH else text
-
-
-def fmt_req_acceptance(row: LevelRow) -> str:
-    """The per-request acceptance length, "est" when estimated from the stream shape, "not measured"
-    when the arm's calls carried no measured figure."""
-    if row.req_acceptance_length is None:
-        return f"{DASH} not measured" if row.req_acceptance_not_measured else DASH
-    text = f"{row.req_acceptance_length:.2f}"
-    return text + " est" if "estimated" in row.req_acceptance_source else text
-
-
-def fmt_verdict(row: LevelRow) -> str:
-    if row.verdict is None:
-        return "baseline" if row.role == "baseline" else DASH
-    return row.verdict + (" (estimated tokens)" if row.tokens_estimated else "")
-
-
-def per_call_suffix(row: LevelRow) -> str:
-    return " (per call)" if row.throughput_basis == "per call" else ""
-
-
-def decode_suffix(row: LevelRow) -> str:
-    if row.decode_speedup is None:
-        return ""
-    if row.unmatched_decode_speedup is not None:
-        return " (matched load)"
-    return " (unpaired)" if row.paired is False else ""
-
-
-def row_cells(row: LevelRow) -> list[str]:
-    return [
-        fmt_level(row.level),
-        row.arm,
-        f"{row.ok}/{row.calls}",
-        fmt_speed(row.agg_tok_s, row),
-        fmt_speed(row.p50_decode_tok_s, row),
-        fmt_num(row.p50_ttft_s, 1, 1000.0),
-        fmt_num(row.p95_ttft_s, 1, 1000.0),
-        fmt_num(row.acceptance_rate, 1, 100.0, "%"),
-        fmt_num(row.acceptance_length, 2),
-        fmt_req_acceptance(row),
-        f"{row.identical}/{row.compared}" if row.compared else DASH,
-        fmt_speedup(row.decode_speedup, row) + decode_suffix(row),
-        fmt_speedup(row.throughput_speedup, row) + per_call_suffix(row),
-        fmt_rounds(row),
-        fmt_margin(row),
-        fmt_load(row),
-        fmt_verdict(row),
-    ]
+# Names other modules read here, defined in .columns.
+__all__ = ["FORMATS", "HEADERS", "fmt_interval", "fmt_level", "render", "row_cells"]
 
 
 def _aligned(headers: Sequence[str], rows: list[list[str]], left: set[int] | None = None) -> str:
@@ -237,26 +120,41 @@ def category_matrix(ev: RunEvaluation) -> tuple[list[str], list[list[str]]]:
     return ["arm", "category", *(fmt_level(lv) for lv in levels)], rows
 
 
-def deploy_lines(ev: RunEvaluation) -> list[str]:
-    """Each arm's overall verdict at the operating point, peak throughput included; with an SLO, its
-    capacity at the SLO first."""
+def deploy_lines(ev: RunEvaluation, indent: str = "    ") -> list[str]:
+    """Each arm's overall verdict at the operating point, peak throughput included, in at most two
+    lines: the verdict and what to do (with an SLO, its capacity there first), then the per-level
+    verdicts and the two points it rests on, ``indent`` deeper. What was assumed is in the title."""
     lines = []
     for a in ev.arms:
         capacity = render_slo.headline(ev, a.arm)
-        verdict = f"{a.deploy.verdict} — {a.deploy.text}" if a.deploy is not None else ""
+        d = a.deploy
+        first = f"{d.verdict} — {d.action or d.text}" if d is not None else ""
         if capacity:
-            lines.append(f"{capacity}. {verdict}" if verdict else capacity)
-        elif verdict:
-            lines.append(f"{a.arm}: {verdict}")
+            lines.append(f"{capacity}. {first}" if first else capacity)
+        elif first:
+            lines.append(f"{a.arm}: {first}")
+        if d is not None and d.summary:
+            lines[-1] += f"\n{indent}{d.summary}"
     return lines
 
 
-def deploy_title(ev: RunEvaluation) -> str:
+def _assumed(ev: RunEvaluation) -> str:
+    """What the deploy verdicts assumed (the same for every arm of a run), to say once."""
+    assumed = sorted({a.deploy.assumed for a in ev.arms if a.deploy is not None and a.deploy.assumed})
+    return f"; assumed: {'; '.join(assumed)}" if assumed else ""
+
+
+def deploy_title(ev: RunEvaluation, settings: Settings | None = None) -> str:
+    """The deploy verdicts' title: what they assumed, and where the peak was moved to and why (the
+    lab's label, when it could not measure its top level soundly)."""
+    said = _assumed(ev)
+    if settings is not None and settings.peak_concurrency and settings.peak_source != Settings.peak_source:
+        said += f"; {settings.peak_source}"
     if ev.slo is None:
-        return "deploy verdict (at the operating point, peak throughput included)"
+        return f"deploy verdict (at the operating point, peak throughput included{said})"
     return (
         f"deploy verdict at your SLO: {ev.slo.slo.describe()} (capacity at the SLO, then the verdict at "
-        "the operating point, peak throughput included)"
+        f"the operating point, peak throughput included{said})"
     )
 
 
@@ -276,9 +174,12 @@ def slo_block(ev: RunEvaluation, markdown: bool) -> str:
     return text + (f"\n{_aligned(fleet_headers, fleet_rows, left={0})}" if fleet_rows else "")
 
 
-def run_notes(ev: RunEvaluation, settings: Settings, all_reasons: bool = True) -> list[str]:
+def run_notes(
+    ev: RunEvaluation, settings: Settings, all_reasons: bool = True, shown: Collection[str] | None = None
+) -> list[str]:
     """Crossover, identity triage and verdict reasons, one line each (``all_reasons=False``: the
-    reasons of WIN rows, which only restate the rule, are left out)."""
+    reasons of WIN rows, which only restate the rule, are left out; ``shown``: the keys of the columns
+    printed, whose notes are kept; None: every column)."""
     lines: list[str] = list(ev.failed_arms)
     floor = ev.noise_floor
     floor_text = (
@@ -291,9 +192,27 @@ def run_notes(ev: RunEvaluation, settings: Settings, all_reasons: bool = True) -
         if arm.kind == "baseline":
             continue
         lines.append(f"crossover {arm.arm}: {arm.crossover_text}")
-    for arm in ev.arms:
-        if arm.compared == 0 or arm.kind == "baseline":
-            continue
+    lines += _identity_notes(ev, settings, floor)
+    lines.append(floor_text)
+    lines += _interval_notes(ev, settings, ALL_KEYS if shown is None else shown)
+    for row in ev.rows:
+        if row.verdict and (all_reasons or row.verdict != "WIN"):
+            # the margin's source is said once, in the margin note
+            reason = (
+                row.reason.replace(f" (margin {row.margin_source})", "") if row.margin_source else row.reason
+            )
+            lines.append(f"{row.arm} {fmt_level(row.level)}: {row.verdict}: {reason}")
+    return lines + ev.notes
+
+
+def _identity_notes(ev: RunEvaluation, settings: Settings, floor: float | None) -> list[str]:
+    """Each candidate's mismatches and their triage; one line when none mismatched."""
+    checked = [a for a in ev.arms if a.compared and a.kind != "baseline"]
+    if len(checked) > 1 and not any(a.mismatched for a in checked):
+        counts = ", ".join(f"{a.arm} 0/{a.compared}" for a in checked)
+        return [f"identity: no candidate output differs from the baseline's ({counts} mismatched)"]
+    lines = []
+    for arm in checked:
         rate = arm.mismatched / arm.compared
         vs = f", {rate / floor:.1f}x the noise floor" if floor else ""
         unknown = arm.mismatched - arm.near_tie - arm.gross
@@ -302,24 +221,24 @@ def run_notes(ev: RunEvaluation, settings: Settings, all_reasons: bool = True) -
             f"{arm.near_tie} near-tie (margin ≤ {settings.near_tie_margin:g}), {arm.gross} gross, "
             f"{unknown} without margin"
         )
-    lines.append(floor_text)
-    lines += _interval_notes(ev, settings)
-    for row in ev.rows:
-        if row.verdict and (all_reasons or row.verdict != "WIN"):
-            lines.append(f"{row.arm} {fmt_level(row.level)}: {row.verdict}: {row.reason}")
-    return lines + ev.notes
+    return lines
 
 
-def _interval_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
+def _interval_notes(ev: RunEvaluation, settings: Settings, shown: Collection[str]) -> list[str]:
     """What the intervals and margins are, once per run."""
     lines = []
     per_arm = sorted({(r.arm, r.confidence) for r in ev.rows if r.confidence is not None})
     if per_arm:
-        levels = ", ".join(f"{arm} {conf:.2%}" for arm, conf in per_arm)
+        confs = {conf for _, conf in per_arm}
+        each = (
+            f"{confs.pop():.2%} each"
+            if len(confs) == 1
+            else "each interval at: " + ", ".join(f"{arm} {conf:.2%}" for arm, conf in per_arm)
+        )
         lines.append(
             f"intervals: {settings.confidence:.0%} jointly over the levels each arm's deploy verdict reads "
-            f"(the operating point's and the peak's; Bonferroni; "
-            f"each interval at: {levels}), widened by the spread between rounds (or time blocks)"
+            f"(operating point and peak; Bonferroni, {each}), widened by the spread between rounds "
+            "(or time blocks)"
         )
     # The margin is often run-wide (the replicas' median deviation over the levels): said once for the
     # levels that share it, then for each level whose own replica interval set another.
@@ -331,13 +250,14 @@ def _interval_notes(ev: RunEvaluation, settings: Settings) -> list[str]:
         named = ", ".join(fmt_level(lv) for lv in sharing)
         where = "every level" if len(sharing) == len(margins) > 1 else named
         lines.append(f"margin {where}: {source}")
-    if any(r.drift_note for r in ev.rows):
+    if any(r.drift_note for r in ev.rows) and "rounds" in shown:
         lines.append("rounds: * = 1 round: cannot see between-run drift")
-    return lines + _source_notes(ev)
+    return lines + _source_notes(ev, shown)
 
 
-def _source_notes(ev: RunEvaluation) -> list[str]:
-    """Where the token counts and acceptance figures came from, where that is not plain measurement."""
+def _source_notes(ev: RunEvaluation, shown: Collection[str]) -> list[str]:
+    """Where the token counts and acceptance figures came from, where that is not plain measurement
+    (the acceptance columns' source only when they are ``shown``)."""
     lines = []
     if any(r.tokens_estimated for r in ev.rows):
         lines.append(
@@ -346,12 +266,13 @@ def _source_notes(ev: RunEvaluation) -> list[str]:
             "usage and tokenizer counts are exact; chunk counts are used only for arms whose chunks "
             "were seen to hold one token"
         )
-    if any(r.acceptance_length is not None or r.req_acceptance_source for r in ev.rows):
+    accept = {"accept_rate", "accept_len", "req_accept_len"} & set(shown)
+    if accept and any(r.acceptance_length is not None or r.req_acceptance_source for r in ev.rows):
         lines.append(
             "accept rate, accept len: the engines' own /metrics counters; req accept len: the per-request "
             "figures the engine reported, 'est' where estimated from the stream shape"
         )
-    for r in ev.rows:
+    for r in ev.rows if "req_accept_len" in shown else ():
         where = f"{r.arm} {fmt_level(r.level)}"
         if r.req_acceptance_source and "estimated" in r.req_acceptance_source:
             lines.append(f"req accept len {where}: {r.req_acceptance_source}, not reported by the engine")
@@ -368,19 +289,25 @@ def _run_block(ev: RunEvaluation, settings: Settings, markdown: bool) -> str:
     """One run's table, its notes and the tables under it, as Markdown or as aligned text. The text
     form leaves out the reasons of WIN rows, which only restate the rule."""
     bullet = "- " if markdown else "  "
-    rows = [row_cells(r) for r in ev.rows]
-    notes = "\n".join(bullet + n for n in run_notes(ev, settings, all_reasons=markdown))
+    columns = chosen_columns(settings.columns, ev.rows)
+    headers = [c.header for c in columns]
+    rows = [table_cells(columns, r, ev.time_scales.get(r.level)) for r in ev.rows]
+    marked = slowed_note(columns, ev.time_scales)
+    notes = "\n".join(
+        bullet + n
+        for n in ([marked] if marked else []) + run_notes(ev, settings, markdown, [c.key for c in columns])
+    )
     if markdown:
-        block = f"### {run_title(ev)}\n\n{_markdown(HEADERS, rows)}\n\n{notes}"
+        block = f"### {run_title(ev)}\n\n{_markdown(headers, rows)}\n\n{notes}"
     else:
-        block = f"{run_title(ev)}\n{_aligned(HEADERS, rows)}\n{notes}"
+        block = f"{run_title(ev)}\n{_aligned(headers, rows)}\n{notes}"
     cat_headers, cat_rows = category_matrix(ev)
     if cat_rows:
         block += _titled(CATEGORY_TITLE, _table(cat_headers, cat_rows, markdown), markdown)
     block += slo_block(ev, markdown=markdown)
-    deploy = deploy_lines(ev)
-    if deploy:
-        block += _titled(deploy_title(ev), "\n".join(bullet + d for d in deploy), markdown)
+    if any(a.deploy is not None or render_slo.headline(ev, a.arm) for a in ev.arms):
+        lines = deploy_lines(ev, indent="  " if markdown else "    ")
+        block += _titled(deploy_title(ev, settings), "\n".join(bullet + d for d in lines), markdown)
     if settings.latency_table:
         lat_rows = [latency_cells(r) for r in ev.rows]
         block += _titled(LATENCY_TITLE, _table(LATENCY_HEADERS, lat_rows, markdown), markdown)

@@ -239,6 +239,7 @@ def _evaluate_run(
         at_rate=point.at if point.unit == "r" else None,
         peak_rate=point.peak if point.unit == "r" else None,
         operating_point=point_text,
+        time_scales={lv: h.time_scale for lv, h in run.health.items() if h.time_scale not in (None, 1.0)},
         unreliable_levels=sorted((lv for lv, h in run.health.items() if not h.reliable), key=level_sort_key),
         failed_arms=list(failed.values()),
         slo=_at_slo(store, run, info, settings, arms, point),
@@ -462,8 +463,7 @@ def _round_count(run: RunFigures, arm: str, level: str) -> int | None:
 
 
 def _rounds_of(run: RunFigures, s: LevelSummary) -> tuple[int, ...]:
-    """The replay rounds the arm's calls at the level name (after any dropped ones were left out);
-    calls from before rounds were recorded are one round, as :func:`_round_count` counts them."""
+    """The replay rounds of the arm's calls at the level, dropped ones left out (older calls: one)."""
     if s.level_load is None:
         return ()
     r = run.rounds.get((s.arm, s.level))
@@ -840,7 +840,7 @@ def _operating_point(settings: Settings, info: dict[str, Any], unit: str) -> tup
 
     def pick(given: float | None, key: str) -> tuple[float | None, str]:
         if given is not None:
-            return given, "command line"
+            return given, settings.peak_source if key.startswith("peak") else "command line"
         value = experiment.get(key)
         wanted = int if unit == "c" else (int, float)
         if isinstance(value, wanted) and not isinstance(value, bool) and value > 0:

@@ -46,6 +46,12 @@ class Settings:
     slo: Slo | None = None
     gpu_hour_usd: float | None = None
     latency_table: bool = False  # print the latency table after the verdict table (text, Markdown)
+    # the text and Markdown table's columns (keys of :mod:`.render.columns`): () the default ones,
+    # ("all",) every one that holds a figure
+    columns: tuple[str, ...] = ()
+    # where a given peak came from, as the run's title says it (the lab's label when it moved the peak
+    # to the highest level it measured soundly)
+    peak_source: str = "command line"
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,8 @@ class RunEvaluation:
     failed_arms: list[str] = field(default_factory=list)
     # goodput, capacity and fleet at the SLO, when one was given
     slo: SloEvaluation | None = None
+    # level → the time scale the lab's simulators ran at there, where not 1 (tok/s scale with it)
+    time_scales: dict[str, float] = field(default_factory=dict)
 
     @property
     def noise_floor(self) -> float | None:

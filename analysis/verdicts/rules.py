@@ -352,6 +352,10 @@ class DeployVerdict:
     # the operating point and peak of an open-loop sweep (req/s), instead of the concurrencies
     at_rate: float | None = None
     peak_rate: float | None = None
+    # ``text`` in two parts, the assumption left out (said once for all arms): what to do, and the
+    # per-level verdicts and the two points it rests on
+    action: str = ""
+    summary: str = ""
 
 
 def tested_around(target: float, tested: Sequence[float]) -> list[float]:
@@ -500,13 +504,21 @@ def deploy_verdict(
     assumption = f" (assumed: {', '.join(assumed)})" if assumed else ""
     head = (
         f"{per_level}; at the operating point ({at.text}) {_at_verdict(at)}; at peak ({peak.text}) "
-        f"throughput {_peak_text(peak_j)}{assumption}"
+        f"throughput {_peak_text(peak_j)}"
     )
     v, why = _deploy_rule(levels, at, peak, peak_j, identity, unit)
-    text = f"{head}: {why}"
+    text = f"{head}{assumption}: {why}"
     if unit == "r":
-        return DeployVerdict(v, text, assumed=", ".join(assumed), at_rate=at_load, peak_rate=peak_load)
-    return DeployVerdict(v, text, int(at_load), int(peak_load), ", ".join(assumed))
+        return DeployVerdict(
+            v,
+            text,
+            assumed=", ".join(assumed),
+            at_rate=at_load,
+            peak_rate=peak_load,
+            action=why,
+            summary=head,
+        )
+    return DeployVerdict(v, text, int(at_load), int(peak_load), ", ".join(assumed), action=why, summary=head)
 
 
 def _deploy_rule(

@@ -127,8 +127,9 @@ class ReplayRunner:
                 self.recorder.level_notes = await self.s.pacer.settle(
                     level, functools.partial(driver.trial, level, items)
                 )
-                # The trial sent one wave; a level whose rounds send more still has prompts to warm.
-                await driver.warm_level(items, 0, level)
+                if plan.level_rounds(level) == 0:  # the pacer found this level cannot be measured here
+                    continue
+                await driver.warm_level(items, 0, level)  # prompts the trial's one wave did not send
             else:
                 await driver.warm_level(items, n_warm, level)
 

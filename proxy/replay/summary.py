@@ -15,14 +15,19 @@ from specproxy.proxy.spans.sink import HealthRow
 from specproxy.schema import rate_label
 
 
-def print_summary(result: ReplayResult, items: ItemSet | None, console: Console) -> None:
-    """What the run did, per arm, and where its spans are."""
-    for arm, t in result.per_arm.items():
-        ident = f"  identical {t.compared - t.mismatches}/{t.compared}" if t.compared else ""
-        console.print(
-            f"  {arm:<14} ok {t.ok:>6}  errors {t.errors:>4}  tokens {t.completion_tokens:>8}{ident}",
-            highlight=False,
-        )
+def print_summary(
+    result: ReplayResult, items: ItemSet | None, console: Console, *, compact: bool = False
+) -> None:
+    """What the run did, per arm, and where its spans are. ``compact``: arms that all served the same
+    calls without an error in one line, and the rounds over a health limit left to the caller (the
+    lab says them one line per level)."""
+    if not (compact and _print_alike(result, console)):
+        for arm, t in result.per_arm.items():
+            ident = f"  identical {t.compared - t.mismatches}/{t.compared}" if t.compared else ""
+            console.print(
+                f"  {arm:<14} ok {t.ok:>6}  errors {t.errors:>4}  tokens {t.completion_tokens:>8}{ident}",
+                highlight=False,
+            )
     if items is not None and items.skipped:
         console.print(f"skipped {items.skipped} bad record(s); first: {items.first_skip}", highlight=False)
     if result.lag_p99_s is not None:
@@ -33,7 +38,7 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
             f"(sends behind schedule by {shortfall:.1%} at most)",
             highlight=False,
         )
-    for row in over_threshold(result.health):
+    for row in () if compact else over_threshold(result.health):
         if row.concurrency_level is not None:
             level = f"c={row.concurrency_level}"
         else:
@@ -55,6 +60,22 @@ def print_summary(result: ReplayResult, items: ItemSet | None, console: Console)
     console.print(
         f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}", highlight=False
     )
+
+
+def _print_alike(result: ReplayResult, console: Console) -> bool:
+    """One line for arms that all served the same calls and tokens without an error; False if not."""
+    totals = list(result.per_arm.values())
+    if not totals or any(t.errors for t in totals) or len({(t.ok, t.completion_tokens) for t in totals}) > 1:
+        return False
+    ident = ", ".join(
+        f"{arm} {t.compared - t.mismatches}/{t.compared}" for arm, t in result.per_arm.items() if t.compared
+    )
+    console.print(
+        f"  every arm: ok {totals[0].ok}, errors 0, tokens {totals[0].completion_tokens}"
+        + (f"; identical to the baseline: {ident}" if ident else ""),
+        highlight=False,
+    )
+    return True
 
 
 def print_rounds(levels: Sequence[LevelRounds], console: Console, *, say_none: bool = False) -> None:

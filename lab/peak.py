@@ -1,0 +1,60 @@
+"""Where the lab judges the peak when this machine could not measure its top level soundly.
+
+Without ``--peak-concurrency`` the deploy verdict reads peak throughput at the sweep's top level. On
+a busy machine that level can fail: its pacing wave at the slowest time scale still found the machine
+short of room (the lab then skips it, see :class:`~specproxy.lab.pacing.SimPacer`), or too few of its
+rounds passed the health checks. The lab then judges the peak at the highest level it measured
+soundly and says so in a label that stands in the run's title, beside the deploy verdicts and on the
+lab's own lines ("judged at c=64: c=256 could not be measured on this machine (...)"): the question
+changes only in the open. A peak the user gave is never moved: its verdict stays UNRELIABLE, with the
+way to judge elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specproxy.lab.pacing import SimPacer
+from specproxy.proxy.replay.extra_rounds import LevelRounds, judged
+
+
+@dataclass(frozen=True, slots=True)
+class PeakMove:
+    """The level the peak is judged at instead of the sweep's top one, and why."""
+
+    level: int
+    label: str  # judged at c=64: c=256 could not be measured on this machine
+    why: str  # what each level above it showed
+
+
+def _failed(level: int, rounds: LevelRounds | None, pacer: SimPacer | None) -> str:
+    """Why a level was not measured soundly."""
+    skipped = next((p for p in pacer.skipped if p.level == level), None) if pacer is not None else None
+    if skipped is not None:
+        return f"{skipped.why_skipped()}: skipped"
+    if rounds is None or rounds.ran == 0:
+        return "not measured"
+    return f"{rounds.healthy} of {rounds.ran} rounds passed the health checks"
+
+
+def judged_peak(
+    planned: Sequence[int], measured: Sequence[LevelRounds], pacer: SimPacer | None
+) -> PeakMove | None:
+    """The highest level of the closed-loop sweep ``planned`` that was measured soundly, when the top
+    one was not; None when the top one was, or when no level was (then nothing can be judged)."""
+    by_level = {int(lv.level[2:]): lv for lv in measured if lv.level.startswith("c=")}
+    sound = [c for c, lv in by_level.items() if c in planned and lv.ran > 0 and judged(lv.ran, lv.healthy)]
+    top = max(planned)
+    if not sound or top in sound:
+        return None
+    peak = max(sound)
+    failed = [c for c in sorted(planned) if c > peak]
+    levels = ", ".join(f"c={c}" for c in failed)
+    why = "; ".join(
+        f"c={c}: {_failed(c, by_level.get(c), pacer)}"
+        if len(failed) > 1
+        else _failed(c, by_level.get(c), pacer)
+        for c in failed
+    )
+    return PeakMove(peak, f"judged at c={peak}: {levels} could not be measured on this machine", why)
