@@ -153,7 +153,7 @@ WITH calls AS (
            num_drafts, draft_tokens, accepted_tokens, acceptance_length, spec_source,
            {offered_rate}concurrency_level,
            {level} AS level,
-           coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s
+           coalesce(t_start_ns / 1e9, epoch_us(t_start) / 1e6) AS start_s{busy_calls}
     FROM requests
 ), agg AS (
     SELECT run_id, arm, level,
@@ -173,13 +173,12 @@ WITH calls AS (
            sum(accepted_tokens) FILTER (WHERE status = 'ok') AS req_accepted_tokens,
            sum(draft_tokens) FILTER (WHERE status = 'ok') AS req_draft_tokens,
            sum(num_drafts) FILTER (WHERE status = 'ok') AS req_num_drafts,
-           avg(acceptance_length) FILTER (WHERE status = 'ok') AS req_mean_acceptance_length
+           avg(acceptance_length) FILTER (WHERE status = 'ok') AS req_mean_acceptance_length{busy_agg}
     FROM calls
     GROUP BY run_id, arm, level
 )
 SELECT run_id, arm, arm_role, spec_method, level, concurrency_level, calls, ok, calls - ok AS failed,
-       completion_tokens, {offered_rate}first_start_s, last_end_s, last_end_s - first_start_s AS wall_s,
-       completion_tokens / nullif(last_end_s - first_start_s, 0) AS agg_tok_s,
+       completion_tokens, {offered_rate}first_start_s, last_end_s, {rate},
        decode_calls, p50_decode_tok_s, ttft_q[1] AS p50_ttft_s, ttft_q[2] AS p95_ttft_s,
        req_accepted_tokens / nullif(req_draft_tokens, 0) AS req_acceptance_rate,
        -- vLLM's definition (1 + accepted / drafts) where drafts were reported, else the per-request mean
@@ -457,11 +456,41 @@ LEFT JOIN positions p USING (run_id, arm, phase)
 """
 
 
-def _arm_summary_view(*, with_rate: bool) -> str:
+def _arm_summary_view(*, with_rate: bool, visits: bool = False) -> str:
+    """The arm_summary view; from migration 15 (``visits``) wall_s sums the arm's visits of the level
+    (:func:`visit_part_sql`), not first start to last end, and shadow_calls counts its shadow copies."""
+    part = visit_part_sql("run_id, arm, level")
     return ARM_SUMMARY_VIEW_TEMPLATE.format(
         level=level_sql() if with_rate else _LEVEL_SQL_V2.format(p=""),
         offered_rate="offered_rate, " if with_rate else "",
         any_offered_rate="any_value(offered_rate) AS offered_rate,\n           " if with_rate else "",
+        busy_calls=f",\n           routed_as, start_s + coalesce(e2e_s, 0) AS end_s, {part} AS part"
+        if visits
+        else "",
+        busy_agg=",\n           sum(part) AS busy_s, count(*) FILTER (WHERE routed_as = 'shadow') AS shadows"
+        if visits
+        else "",
+        rate="busy_s AS wall_s, completion_tokens / nullif(busy_s, 0) AS agg_tok_s, shadows AS shadow_calls"
+        if visits
+        else "last_end_s - first_start_s AS wall_s,\n       "
+        "completion_tokens / nullif(last_end_s - first_start_s, 0) AS agg_tok_s",
+    )
+
+
+IDLE_GAP_S = 10.0  # a longer pause with nothing in flight, outside replay rounds, ends a visit
+
+
+def visit_part_sql(partition: str) -> str:
+    """Per call (columns start_s, end_s, status, round), its share of its ``partition``'s time visited:
+    summed, each replay round's first start to last end (a round is a visit, as a benchmark client's
+    run is) and, outside rounds, each stretch whose pauses with nothing in flight last at most
+    IDLE_GAP_S (a client's turnaround, an arrival gap). Calls not sent ('dropped') count nothing."""
+    end = "CASE WHEN status <> 'dropped' THEN end_s END"
+    order = "ORDER BY start_s, end_s ROWS UNBOUNDED PRECEDING EXCLUDE CURRENT ROW"
+    covered = f"max({end}) OVER (PARTITION BY {partition}, round {order})"
+    return (
+        f"CASE WHEN {covered} IS NULL OR (round IS NULL AND start_s - {covered} > {IDLE_GAP_S!r}) "
+        f"THEN {end} - start_s ELSE greatest(0, {end} - {covered}) END"
     )
 
 
@@ -476,7 +505,8 @@ def _pairs_view(*, with_rate: bool) -> str:
 # The views as migrations 2-9 created them (before open-loop levels had a label).
 _ARM_SUMMARY_VIEW_V2 = _arm_summary_view(with_rate=False)
 _PAIRS_VIEW_V8 = _pairs_view(with_rate=False)
-ARM_SUMMARY_VIEW = _arm_summary_view(with_rate=True)
+_ARM_SUMMARY_VIEW_V10 = _arm_summary_view(with_rate=True)
+ARM_SUMMARY_VIEW = _arm_summary_view(with_rate=True, visits=True)
 PAIRS_VIEW = _pairs_view(with_rate=True)
 
 # The current views (the analysis creates these over the stores it attaches).
@@ -484,7 +514,7 @@ VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_
 # The views as migrations 2-6, 8 and 10 created them: a migration's statements never change once shipped.
 VIEWS_DDL_V2: list[str] = [_ARM_SUMMARY_VIEW_V2, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW_V2]
 VIEWS_DDL_V8: list[str] = [_ARM_SUMMARY_VIEW_V2, _PAIRS_VIEW_V8, IDENTITY_VIEW, ACCEPTANCE_VIEW]
-VIEWS_DDL_V10: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
+VIEWS_DDL_V10: list[str] = [_ARM_SUMMARY_VIEW_V10, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
 
 # Every call (shadow copies never sent left out) with its load and the per-call latencies an SLO is
 # checked on: goodput at any SLO is a filter and a count over it (analysis/README.md shows how).
@@ -628,6 +658,8 @@ MIGRATIONS: list[list[str]] = [
     [LATENCY_VIEW],
     # 14: acceptance counts a level's extra rounds ('c=256 r6 extra') toward the level
     [ACCEPTANCE_VIEW_EXTRA_ROUNDS],
+    # 15: arm_summary's wall_s and agg_tok_s over the arm's visits of the level, and shadow_calls
+    [ARM_SUMMARY_VIEW],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -35,6 +35,7 @@ from specproxy.analysis.verdicts.evaluation import (
     Settings,
     level_sort_key,
 )
+from specproxy.analysis.verdicts.rules import SHADOW_BASIS
 
 FORMATS = ("table", "markdown", "json", "csv")
 DASH = "—"
@@ -134,7 +135,8 @@ def fmt_verdict(row: LevelRow) -> str:
 
 
 def per_call_suffix(row: LevelRow) -> str:
-    return " (per call)" if row.throughput_basis == "per call" else ""
+    """How the throughput ratio was read: per call, or not at all for shadow copies (the notes say why)."""
+    return {"per call": " (per call)", SHADOW_BASIS: " (shadow)"}.get(row.throughput_basis, "")
 
 
 def decode_suffix(row: LevelRow) -> str:

@@ -30,6 +30,7 @@ from specproxy.analysis.figures.run_figures import ordered
 from specproxy.analysis.levels import level_sort_key
 from specproxy.analysis.stats import FloatArray, Interval
 from specproxy.analysis.store import SpanStore
+from specproxy.schema import visit_part_sql
 from specproxy.slo import Slo
 
 # A failed call's value in a percentile, as a multiple of the target's threshold.
@@ -84,6 +85,7 @@ def _call_columns(slo: Slo) -> str:
     return f"""
         WITH sizes AS (SELECT unnest($sizes, recursive := true)), raw AS (
             SELECT arm, level, load, load_axis AS axis, coalesce(round, 0) AS block, ok, start_s, e2e_s,
+                   {visit_part_sql("arm, level")} AS part,
                    completion_tokens AS tokens, hash(request_id, span_id, $seed) AS h,
                    {values}
             FROM slo_calls WHERE run_id = $run
@@ -96,7 +98,7 @@ def _aggregates(slo: Slo) -> str:
         "any_value(load) AS load, any_value(axis) AS axis, count(*) AS calls",
         "count(*) FILTER (WHERE ok) AS ok, count(*) FILTER (WHERE met) AS met",
         "coalesce(sum(tokens) FILTER (WHERE met), 0) AS met_tokens",
-        "max(start_s + coalesce(e2e_s, 0)) - min(start_s) AS wall_s",
+        "sum(part) AS wall_s",  # each round's span; outside rounds, the visits (schema.visit_part_sql)
     ]
     for i, t in enumerate(slo.targets):
         parts.append(f"quantile_cont(v{i}, {t.percentile / 100!r}) AS p{i}")
