@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from specproxy.analysis import evaluate, open_store
 from specproxy.analysis.verdicts.rows import RunEvaluation
 from tests.spanfactory import ArmSpec, SyntheticRun, make_run, write_db
-from tests.support import run_cli
+from tests.support import replay_target_argv, run_cli, serving, simulators
 
 BASELINE = ArmSpec("baseline", "baseline", "none")
 
@@ -106,3 +109,46 @@ def test_table_and_json_do_not_show_shadow_throughput_as_a_comparison(tmp_path: 
     doc = json.loads(run_cli("analyze", str(path), "--format", "json").stdout)
     rows = [r for run in doc["runs"] for r in run["rows"] if r["arm"] == "ngram"]
     assert rows and all(r["throughput_speedup"] is None and r["throughput_basis"] == "shadow" for r in rows)
+
+
+@pytest.mark.slow
+def test_real_shadow_traffic_shows_no_throughput_comparison(tmp_path: Path) -> None:
+    """The real pieces: a baseline and an n-gram `specproxy sim` behind `specproxy serve` in shadow
+    mode, `specproxy replay --target` through it at c=2 and c=16 in three rounds. serve's store knows
+    the n-gram arm only through copies sent at the baseline's pace: no throughput ratio at any level,
+    and whatever its per-call speed, no deploy WIN and no "enable"."""
+    db = tmp_path / "shadow.duckdb"
+    with simulators(baseline=["--time-scale", "4"], ngram=["--time-scale", "4", "--method", "ngram"]) as urls:
+        config = tmp_path / "shadow.toml"
+        config.write_text(
+            f'[experiment]\nname = "ngram-shadow"\nmode = "shadow"\ndb = "{db}"\n\n'
+            f'[[arms]]\nname = "baseline"\nrole = "baseline"\nurl = "{urls["baseline"]}"\n\n'
+            f'[[arms]]\nname = "ngram"\nurl = "{urls["ngram"]}"\n'
+            'speculative = { method = "ngram", num_speculative_tokens = 4 }\n'
+        )
+        log = tmp_path / "items.jsonl"
+        log.write_text(
+            "".join(
+                json.dumps({"question_id": i, "turns": [f"Repeat after me: {i} {i} {i}"]}) + "\n"
+                for i in range(32)
+            )
+        )
+        with serving(config) as proxy:
+            argv = replay_target_argv(log, proxy.url, tmp_path / "client.duckdb", "--concurrency", "2,16")
+            replay = subprocess.run(
+                [*argv, "--rounds", "3", "--max-tokens", "48"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            assert replay.returncode == 0, replay.stderr
+        assert proxy.returncode == 0, proxy.output
+    result = run_cli("analyze", str(db), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    (run,) = json.loads(result.stdout)["runs"]
+    rows = [r for r in run["rows"] if r["arm"] == "ngram"]
+    assert {r["level"] for r in rows} == {"2", "16"}
+    assert all(r["throughput_speedup"] is None and r["throughput_basis"] == "shadow" for r in rows), rows
+    (arm,) = [a for a in run["arms"] if a["arm"] == "ngram"]
+    assert arm["deploy"]["verdict"] != "WIN" and "enable:" not in arm["deploy"]["text"], arm["deploy"]
