@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from specproxy.visits import visits_sql
+
 
 def sql_literal(text: str) -> str:
     """``text`` as a DuckDB string literal, for the statements that take no parameters (ATTACH, COPY
@@ -148,7 +150,7 @@ _LEVEL_SQL_V2 = "coalesce(CAST({p}concurrency_level AS VARCHAR), 'live')"
 # (microseconds).
 ARM_SUMMARY_VIEW_TEMPLATE = """
 CREATE OR REPLACE VIEW arm_summary AS
-WITH calls AS (
+WITH calls AS {not_materialized}(
     SELECT run_id, arm, arm_role, spec_method, status, completion_tokens, decode_tok_s, ttft_s, e2e_s,
            num_drafts, draft_tokens, accepted_tokens, acceptance_length, spec_source,
            {offered_rate}concurrency_level,
@@ -184,7 +186,7 @@ SELECT run_id, arm, arm_role, spec_method, level, concurrency_level, calls, ok, 
        -- vLLM's definition (1 + accepted / drafts) where drafts were reported, else the per-request mean
        coalesce(1 + req_accepted_tokens / nullif(req_num_drafts, 0), req_mean_acceptance_length)
            AS req_acceptance_length
-FROM agg
+FROM agg{busy_join}
 """
 
 # Each call beside the baseline call of the same request_id in the same replay round (the first ok
@@ -457,40 +459,21 @@ LEFT JOIN positions p USING (run_id, arm, phase)
 
 
 def _arm_summary_view(*, with_rate: bool, visits: bool = False) -> str:
-    """The arm_summary view; from migration 15 (``visits``) wall_s sums the arm's visits of the level
-    (:func:`visit_part_sql`), not first start to last end, and shadow_calls counts its shadow copies."""
-    part = visit_part_sql("run_id, arm, level")
+    """The arm_summary view; from migration 15 (``visits``) wall_s is the time the arm spent at the
+    level (:mod:`specproxy.visits`), not first start to last end, and shadow_calls its shadow copies."""
     return ARM_SUMMARY_VIEW_TEMPLATE.format(
         level=level_sql() if with_rate else _LEVEL_SQL_V2.format(p=""),
         offered_rate="offered_rate, " if with_rate else "",
         any_offered_rate="any_value(offered_rate) AS offered_rate,\n           " if with_rate else "",
-        busy_calls=f",\n           routed_as, start_s + coalesce(e2e_s, 0) AS end_s, {part} AS part"
-        if visits
-        else "",
-        busy_agg=",\n           sum(part) AS busy_s, count(*) FILTER (WHERE routed_as = 'shadow') AS shadows"
-        if visits
-        else "",
-        rate="busy_s AS wall_s, completion_tokens / nullif(busy_s, 0) AS agg_tok_s, shadows AS shadow_calls"
+        not_materialized="NOT MATERIALIZED " if visits else "",
+        busy_calls=",\n           routed_as, round, start_s + coalesce(e2e_s, 0) AS end_s" if visits else "",
+        busy_agg=",\n           count(*) FILTER (WHERE routed_as = 'shadow') AS shadows" if visits else "",
+        rate="v.busy_s AS wall_s, completion_tokens / nullif(v.busy_s, 0) AS agg_tok_s, "
+        "shadows AS shadow_calls"
         if visits
         else "last_end_s - first_start_s AS wall_s,\n       "
         "completion_tokens / nullif(last_end_s - first_start_s, 0) AS agg_tok_s",
-    )
-
-
-IDLE_GAP_S = 10.0  # a longer pause with nothing in flight, outside replay rounds, ends a visit
-
-
-def visit_part_sql(partition: str) -> str:
-    """Per call (columns start_s, end_s, status, round), its share of its ``partition``'s time visited:
-    summed, each replay round's first start to last end (a round is a visit, as a benchmark client's
-    run is) and, outside rounds, each stretch whose pauses with nothing in flight last at most
-    IDLE_GAP_S (a client's turnaround, an arrival gap). Calls not sent ('dropped') count nothing."""
-    end = "CASE WHEN status <> 'dropped' THEN end_s END"
-    order = "ORDER BY start_s, end_s ROWS UNBOUNDED PRECEDING EXCLUDE CURRENT ROW"
-    covered = f"max({end}) OVER (PARTITION BY {partition}, round {order})"
-    return (
-        f"CASE WHEN {covered} IS NULL OR (round IS NULL AND start_s - {covered} > {IDLE_GAP_S!r}) "
-        f"THEN {end} - start_s ELSE greatest(0, {end} - {covered}) END"
+        busy_join=f" LEFT JOIN ({visits_sql('calls')}) v USING (run_id, arm, level)" if visits else "",
     )
 
 

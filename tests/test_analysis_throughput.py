@@ -11,11 +11,11 @@ from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
-from specproxy import schema
 from specproxy.analysis import evaluate, open_store
 from specproxy.analysis.slo.goodput import slo_level_figures
 from specproxy.record import SpanRecord
 from specproxy.slo import parse_slo
+from specproxy.visits import IDLE_GAP_S
 from tests.spanfactory import EPOCH, ArmSpec, make_run, write_db
 
 ARMS = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
@@ -68,7 +68,7 @@ def test_live_agg_tok_s_leaves_out_the_idle_hour_between_two_bursts(tmp_path: Pa
     for row in ev.rows:
         mine = by_arm[row.arm]
         tokens = sum(s.completion_tokens or 0 for s in mine if s.status == "ok")
-        visits = _visits_s(mine, schema.IDLE_GAP_S)
+        visits = _visits_s(mine, IDLE_GAP_S)
         sent = [s for s in mine if s.status != "dropped"]
         span = max(_start_s(s) + (s.e2e_s or 0) for s in sent) - min(_start_s(s) for s in sent)
         assert row.wall_s is not None and abs(row.wall_s - visits) < 1e-6

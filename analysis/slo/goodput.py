@@ -30,8 +30,8 @@ from specproxy.analysis.figures.run_figures import ordered
 from specproxy.analysis.levels import level_sort_key
 from specproxy.analysis.stats import FloatArray, Interval
 from specproxy.analysis.store import SpanStore
-from specproxy.schema import visit_part_sql
 from specproxy.slo import Slo
+from specproxy.visits import visits_sql
 
 # A failed call's value in a percentile, as a multiple of the target's threshold.
 FAILED_FACTOR = 10.0
@@ -85,7 +85,6 @@ def _call_columns(slo: Slo) -> str:
     return f"""
         WITH sizes AS (SELECT unnest($sizes, recursive := true)), raw AS (
             SELECT arm, level, load, load_axis AS axis, coalesce(round, 0) AS block, ok, start_s, e2e_s,
-                   {visit_part_sql("arm, level")} AS part,
                    completion_tokens AS tokens, hash(request_id, span_id, $seed) AS h,
                    {values}
             FROM slo_calls WHERE run_id = $run
@@ -98,7 +97,7 @@ def _aggregates(slo: Slo) -> str:
         "any_value(load) AS load, any_value(axis) AS axis, count(*) AS calls",
         "count(*) FILTER (WHERE ok) AS ok, count(*) FILTER (WHERE met) AS met",
         "coalesce(sum(tokens) FILTER (WHERE met), 0) AS met_tokens",
-        "sum(part) AS wall_s",  # each round's span; outside rounds, the visits (schema.visit_part_sql)
+        "max(start_s + coalesce(e2e_s, 0)) - min(start_s) AS wall_s",
     ]
     for i, t in enumerate(slo.targets):
         parts.append(f"quantile_cont(v{i}, {t.percentile / 100!r}) AS p{i}")
@@ -154,16 +153,18 @@ def slo_level_figures(
     )
     blocks: dict[tuple[str, str], list[BlockFigures]] = {}
     levels = [r for r in rows if r["whole_level"] or not several]
+    unrounded = _unrounded_walls(store, run_id)
     for r in rows:
         if r["whole_level"]:
             continue
+        wall = unrounded.get((r["arm"], r["level"])) if r["block"] == 0 else None
         blocks.setdefault((r["arm"], r["level"]), []).append(
             BlockFigures(
                 int(r["block"]),
                 int(r["calls"]),
                 int(r["met"]),
                 float(r["met_tokens"]),
-                float(r["wall_s"] or 0.0),
+                float(r["wall_s"] or 0.0) if wall is None else wall,
                 _percentiles(r, k),
             )
         )
@@ -171,6 +172,14 @@ def slo_level_figures(
         _level(r, k, sorted(blocks.get((r["arm"], r["level"]), []), key=lambda b: b.block)) for r in levels
     ]
     return sorted(out, key=lambda f: (level_sort_key(f.level), f.arm))
+
+
+def _unrounded_walls(store: SpanStore, run_id: str) -> dict[tuple[str, str], float]:
+    """Per arm and level, the time its calls without a round (serve's traffic) spent at the level,
+    over their visits (:mod:`specproxy.visits`): their block's wall time. A round's is its span."""
+    source = "(SELECT * FROM slo_calls WHERE run_id = $run AND round IS NULL)"
+    rows = store.query(visits_sql(source, "arm, level"), {"run": run_id})
+    return {(r["arm"], r["level"]): float(r["busy_s"] or 0.0) for r in rows}
 
 
 def _percentiles(r: dict[str, Any], k: int) -> tuple[float | None, ...]:
