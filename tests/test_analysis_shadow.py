@@ -98,8 +98,8 @@ def test_live_shadow_win_is_per_call_only(tmp_path: Path) -> None:
 
 
 def test_table_and_json_do_not_show_shadow_throughput_as_a_comparison(tmp_path: Path) -> None:
-    """What a user reads: `analyze` marks the throughput cell `— (shadow)` with the note saying why, and
-    the JSON has no ratio (null, basis "shadow")."""
+    """What a user reads: `analyze` marks the throughput cell `— (shadow)` with the note saying why, the
+    JSON has no ratio (null, basis "shadow"), and the report says so and leaves the capacity open."""
     path = write_db(tmp_path / "shadow.duckdb", [_run([BASELINE, _ngram({2: 1.6, 64: 1.0})], "shadow")])
     table = run_cli("analyze", str(path))
     assert table.returncode == 0, table.stderr
@@ -109,6 +109,13 @@ def test_table_and_json_do_not_show_shadow_throughput_as_a_comparison(tmp_path: 
     doc = json.loads(run_cli("analyze", str(path), "--format", "json").stdout)
     rows = [r for run in doc["runs"] for r in run["rows"] if r["arm"] == "ngram"]
     assert rows and all(r["throughput_speedup"] is None and r["throughput_basis"] == "shadow" for r in rows)
+    report = tmp_path / "report.html"
+    assert run_cli("report", str(path), "-o", str(report)).returncode == 0
+    html = report.read_text()
+    assert (
+        "capacity at the peak is open" in html
+        and "shadow copies reach it at the baseline&#x27;s pace" in html
+    )
 
 
 @pytest.mark.slow
