@@ -46,6 +46,13 @@ already decides it: a LOSS at the operating point, or peak throughput surely low
 WIN needs every level between the two measured soundly (a loss there would not show). A level whose
 token counts are estimated gives no WIN there and no LOSS on its throughput.
 
+Shadow traffic (``shadow``: the arm's calls were copies of the baseline's, sent when the baseline got
+them) measures per-call speed, acceptance and identity, never capacity: its throughput is the
+baseline's by construction. A shadow level's WIN rests on the decode speedup and identity alone
+(:data:`SHADOW_THROUGHPUT`); the deploy verdict reads no throughput at its peak, so a shadow arm that
+wins at the operating point is NO CLEAR GAIN with the capacity question open (:data:`CAPACITY_OPEN`),
+and one that loses anywhere up to the peak, or whose outputs differ, still gets no WIN or a LOSS.
+
 Levels are loads on one axis, ``unit`` 'c' (concurrency) or 'r' (offered requests/s): the crossover
 and the deploy verdict read them the same way and name them ``c=16`` or ``r=2``.
 """
@@ -62,6 +69,10 @@ from specproxy.analysis.stats import Interval, wilson_interval
 
 WIN = "WIN"
 LOSS = "LOSS"
+NO_CLEAR_GAIN = "NO CLEAR GAIN"
+UNRELIABLE = "UNRELIABLE"
+FAILED = "FAILED"  # every call of the arm (at a level, or in the run) failed: nothing to judge
+_RANK = {LOSS: 0, NO_CLEAR_GAIN: 1, WIN: 2}
 SHADOW_BASIS = "shadow"  # a row's throughput basis where its arm got shadow copies: no ratio shown
 SHADOW_THROUGHPUT = (
     "throughput not compared: shadow copies reach it at the baseline's pace, so its throughput is the "
@@ -71,10 +82,6 @@ CAPACITY_OPEN = (
     "capacity at the peak is open: shadow traffic cannot show it (copies reach the arm at the "
     "baseline's pace); answer it with a replay sweep or `specproxy lab` against the same arms, or a split"
 )
-NO_CLEAR_GAIN = "NO CLEAR GAIN"
-UNRELIABLE = "UNRELIABLE"
-FAILED = "FAILED"  # every call of the arm (at a level, or in the run) failed: nothing to judge
-_RANK = {LOSS: 0, NO_CLEAR_GAIN: 1, WIN: 2}
 
 
 @dataclass(frozen=True)
