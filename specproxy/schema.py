@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from specproxy.visits import visits_sql
+
 
 def sql_literal(text: str) -> str:
     """``text`` as a DuckDB string literal, for the statements that take no parameters (ATTACH, COPY
@@ -155,12 +157,12 @@ _LEVEL_SQL_V2 = "coalesce(CAST({p}concurrency_level AS VARCHAR), 'live')"
 # A call's start in seconds since the epoch is start_s_sql().
 ARM_SUMMARY_VIEW_TEMPLATE = """
 CREATE OR REPLACE VIEW arm_summary AS
-WITH calls AS (
+WITH calls AS {not_materialized}(
     SELECT run_id, arm, arm_role, spec_method, status, completion_tokens, decode_tok_s, ttft_s, e2e_s,
            num_drafts, draft_tokens, accepted_tokens, acceptance_length, spec_source,
            {offered_rate}concurrency_level,
            {level} AS level,
-           {start_s} AS start_s
+           {start_s} AS start_s{busy_calls}
     FROM requests
 ), agg AS (
     SELECT run_id, arm, level,
@@ -180,19 +182,18 @@ WITH calls AS (
            sum(accepted_tokens) FILTER (WHERE status = 'ok') AS req_accepted_tokens,
            sum(draft_tokens) FILTER (WHERE status = 'ok') AS req_draft_tokens,
            sum(num_drafts) FILTER (WHERE status = 'ok') AS req_num_drafts,
-           avg(acceptance_length) FILTER (WHERE status = 'ok') AS req_mean_acceptance_length
+           avg(acceptance_length) FILTER (WHERE status = 'ok') AS req_mean_acceptance_length{busy_agg}
     FROM calls
     GROUP BY run_id, arm, level
 )
 SELECT run_id, arm, arm_role, spec_method, level, concurrency_level, calls, ok, calls - ok AS failed,
-       completion_tokens, {offered_rate}first_start_s, last_end_s, last_end_s - first_start_s AS wall_s,
-       completion_tokens / nullif(last_end_s - first_start_s, 0) AS agg_tok_s,
+       completion_tokens, {offered_rate}first_start_s, last_end_s, {rate},
        decode_calls, p50_decode_tok_s, ttft_q[1] AS p50_ttft_s, ttft_q[2] AS p95_ttft_s,
        req_accepted_tokens / nullif(req_draft_tokens, 0) AS req_acceptance_rate,
        -- vLLM's definition (1 + accepted / drafts) where drafts were reported, else the per-request mean
        coalesce(1 + req_accepted_tokens / nullif(req_num_drafts, 0), req_mean_acceptance_length)
            AS req_acceptance_length
-FROM agg
+FROM agg{busy_join}
 """
 
 # The pairs view's columns beside each call's kind, and its join to the baseline call (every version).
@@ -439,12 +440,23 @@ WITH samples AS (
 """ + _ACCEPTANCE_TOTALS.format(p="vllm:")
 
 
-def _arm_summary_view(*, with_rate: bool) -> str:
+def _arm_summary_view(*, with_rate: bool, visits: bool = False) -> str:
+    """The arm_summary view; from migration 15 (``visits``) wall_s is the time the arm spent at the
+    level (:mod:`specproxy.visits`), not first start to last end, and shadow_calls its shadow copies."""
     return ARM_SUMMARY_VIEW_TEMPLATE.format(
         level=level_sql() if with_rate else _LEVEL_SQL_V2.format(p=""),
         offered_rate="offered_rate, " if with_rate else "",
         any_offered_rate="any_value(offered_rate) AS offered_rate,\n           " if with_rate else "",
         start_s=start_s_sql(),
+        not_materialized="NOT MATERIALIZED " if visits else "",
+        busy_calls=",\n           routed_as, round, start_s + coalesce(e2e_s, 0) AS end_s" if visits else "",
+        busy_agg=",\n           count(*) FILTER (WHERE routed_as = 'shadow') AS shadows" if visits else "",
+        rate="v.busy_s AS wall_s, completion_tokens / nullif(v.busy_s, 0) AS agg_tok_s, "
+        "shadows AS shadow_calls"
+        if visits
+        else "last_end_s - first_start_s AS wall_s,\n       "
+        "completion_tokens / nullif(last_end_s - first_start_s, 0) AS agg_tok_s",
+        busy_join=f" LEFT JOIN ({visits_sql('calls')}) v USING (run_id, arm, level)" if visits else "",
     )
 
 
@@ -460,7 +472,8 @@ def _pairs_view(*, with_rate: bool) -> str:
 # The views as migrations 2-9 created them (before open-loop levels had a label).
 _ARM_SUMMARY_VIEW_V2 = _arm_summary_view(with_rate=False)
 _PAIRS_VIEW_V8 = _pairs_view(with_rate=False)
-ARM_SUMMARY_VIEW = _arm_summary_view(with_rate=True)
+_ARM_SUMMARY_VIEW_V10 = _arm_summary_view(with_rate=True)
+ARM_SUMMARY_VIEW = _arm_summary_view(with_rate=True, visits=True)
 PAIRS_VIEW = _pairs_view(with_rate=True)
 
 # The current views (the analysis creates these over the stores it attaches).
@@ -468,7 +481,7 @@ VIEWS_DDL: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_
 # The views as migrations 2-6, 8 and 10 created them: a migration's statements never change once shipped.
 VIEWS_DDL_V2: list[str] = [_ARM_SUMMARY_VIEW_V2, PAIRS_VIEW_V2, IDENTITY_VIEW, ACCEPTANCE_VIEW_V2]
 VIEWS_DDL_V8: list[str] = [_ARM_SUMMARY_VIEW_V2, _PAIRS_VIEW_V8, IDENTITY_VIEW, ACCEPTANCE_VIEW]
-VIEWS_DDL_V10: list[str] = [ARM_SUMMARY_VIEW, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
+VIEWS_DDL_V10: list[str] = [_ARM_SUMMARY_VIEW_V10, PAIRS_VIEW, IDENTITY_VIEW, ACCEPTANCE_VIEW]
 
 # Every call (shadow copies never sent left out) with its load and the per-call latencies an SLO is
 # checked on: goodput at any SLO is a filter and a count over it (analysis/README.md shows how).
@@ -612,6 +625,8 @@ MIGRATIONS: list[list[str]] = [
     [LATENCY_VIEW],
     # 14: acceptance counts a level's extra rounds ('c=256 r6 extra') toward the level
     [ACCEPTANCE_VIEW_EXTRA_ROUNDS],
+    # 15: arm_summary's wall_s and agg_tok_s over the arm's visits of the level, and shadow_calls
+    [ARM_SUMMARY_VIEW],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -199,7 +199,8 @@ def test_identical_engines_at_unequal_load_are_compared_at_matched_load(tmp_path
     cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
     assert cand["verdict"] == "NO CLEAR GAIN"
     assert 0.95 <= cand["decode_speedup"]["point"] <= 1.06
-    assert 0.95 <= cand["throughput_speedup"]["point"] <= 1.06
+    # shadow copies reach it at the baseline's pace: no throughput ratio (tests/test_analysis_shadow.py)
+    assert cand["throughput_speedup"] is None and cand["throughput_basis"] == "shadow"
     # what a per-call comparison at unequal load says, kept beside it
     assert cand["unmatched_decode_speedup"]["point"] > 1.2
     load = cand["load"]

@@ -50,6 +50,13 @@ class LevelSummary:
     req_acceptance_length: float | None
     tokens: TokenCounts = TokenCounts({})
     spec: SpecCounts = SpecCounts({}, None, None, None, None)
+    shadow_calls: int = 0  # its calls that were shadow copies (paced by the baseline's traffic)
+
+    @property
+    def shadow(self) -> bool:
+        """Most of its calls here were shadow copies: they reached it at the baseline's pace, so its
+        wall-clock throughput is the baseline's by construction (its capacity is not measured)."""
+        return 2 * self.shadow_calls > self.calls
 
     @property
     def level_load(self) -> float | None:
@@ -63,6 +70,10 @@ def level_summaries(store: SpanStore, run_id: str) -> list[LevelSummary]:
         (r["arm"], r["level"]): r for r in store.query("SELECT * FROM acceptance WHERE run_id = ?", [run_id])
     }
     tokens, spec = _sources(store, run_id)
+    # copies routed_as 'shadow' are serve's in shadow mode (a synthetic paired replay may call its
+    # candidates' calls that too: they were sent at each arm's own pace)
+    modes = store.query("SELECT DISTINCT mode FROM runs WHERE run_id = ?", [run_id])
+    shadow_mode = any(m["mode"] == "shadow" for m in modes)
     out = []
     for r in store.query("SELECT * FROM arm_summary WHERE run_id = ?", [run_id]):
         acc = acceptance.get((r["arm"], r["level"]), {})
@@ -93,6 +104,7 @@ def level_summaries(store: SpanStore, run_id: str) -> list[LevelSummary]:
                 req_acceptance_length=measured.acceptance_length,
                 tokens=tokens.get(key, TokenCounts({})),
                 spec=measured,
+                shadow_calls=int(r["shadow_calls"] or 0) if shadow_mode else 0,
             )
         )
     out.sort(key=lambda s: (level_sort_key(s.level), s.role != "baseline", s.arm))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from specproxy.analysis.levels import level_name
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdicts.rows import LevelRow
+from specproxy.analysis.verdicts.rules import SHADOW_BASIS
 
 DASH = "—"
 ESTIMATED = "~"  # before a figure built on token counts estimated from the text
@@ -93,7 +94,8 @@ def fmt_verdict(row: LevelRow) -> str:
 
 
 def per_call_suffix(row: LevelRow) -> str:
-    return " (per call)" if row.throughput_basis == "per call" else ""
+    """How the throughput ratio was read: per call, or not at all for shadow copies (the notes say why)."""
+    return {"per call": " (per call)", SHADOW_BASIS: " (shadow)"}.get(row.throughput_basis, "")
 
 
 def decode_suffix(row: LevelRow) -> str:

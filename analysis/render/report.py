@@ -171,7 +171,7 @@ def _level_charts(ev: RunEvaluation, colors: dict[str, str]) -> str:
         ),
         line_chart(
             agg,
-            title="Aggregate tok/s, all requests (UNRELIABLE levels left out)",
+            title="Aggregate tok/s over the time at each level (UNRELIABLE levels left out)",
             x_label=x_label,
             y_label="tok/s",
         ),
@@ -596,6 +596,36 @@ def _stacks(ev: RunEvaluation) -> str:
     return "".join(rows)
 
 
+def _rules_text(settings: Settings) -> str:
+    """The verdict rules, in one paragraph at the top of the report."""
+    t = settings.thresholds
+    return (
+        f"Per arm and level: WIN when the decode speedup's lower bound is above 1 + margin, the throughput "
+        f"ratio's lower bound is not below 1 − margin and identity holds; LOSS when the decode speedup's or "
+        f"the throughput ratio's upper bound is below 1 − margin, or the mismatch rate is surely above "
+        f"{1 - t.identity_min:.0%} (Wilson interval); NO CLEAR GAIN otherwise; UNRELIABLE when the level "
+        f"failed the measurement's health checks (no verdict, left out of crossovers; a level with a round "
+        f"that failed is judged on the rounds that passed when at least {MIN_HEALTHY_ROUNDS} did and no "
+        f"check of the whole level failed). A level whose token counts (the arm's or the baseline's) were "
+        f"estimated from the text gets no WIN or LOSS on its speeds (marked ~); FAILED when every call of "
+        f"the arm failed (its first error is listed). The margin is {t.min_margin:.0%}, or when larger the "
+        f"replica arms' measured noise floor: the median of their deviations from 1x over the run's reliable "
+        f"levels, or how far a replica's interval at the level lies from 1x. The deploy verdict answers at "
+        f"the operating point, with aggregate throughput at the peak surely not lower beyond the margin "
+        f"(WIN) or surely lower (LOSS); not given, they are the lowest and the highest tested level, and a "
+        f"point at a level that failed its health checks makes it UNRELIABLE unless the other already gives "
+        f"a LOSS. Shadow traffic (a candidate's copies reach it at the baseline's pace, so its throughput "
+        f"is the baseline's by construction) shows no throughput ratio: its WIN rests on the decode "
+        f"speedup and identity, and its deploy verdict never passes the peak throughput test (capacity "
+        f"stays open: a replay sweep, the lab or a split answers it). Aggregate tok/s is the tokens over "
+        f"the time the arm spent at the level, summed over its visits. Intervals: "
+        f"{settings.confidence:.0%} jointly over the levels each arm's deploy verdict "
+        f"reads, the operating point's and the peak's (Bonferroni), "
+        f"bootstrap ({settings.bootstrap_iterations} resamples, seed {settings.bootstrap_seed}) widened by "
+        f"the spread between replay rounds (or time blocks of a one-round level)."
+    )
+
+
 def build_report(
     store: SpanStore, evals: Sequence[RunEvaluation], settings: Settings, skipped: Sequence[str] = ()
 ) -> str:
@@ -640,27 +670,7 @@ def build_report(
 <h3>Stacks</h3>
 {_stacks(ev)}
 </section>""")
-    t = settings.thresholds
-    rules = (
-        f"Per arm and level: WIN when the decode speedup's lower bound is above 1 + margin, the throughput "
-        f"ratio's lower bound is not below 1 − margin and identity holds; LOSS when the decode speedup's or "
-        f"the throughput ratio's upper bound is below 1 − margin, or the mismatch rate is surely above "
-        f"{1 - t.identity_min:.0%} (Wilson interval); NO CLEAR GAIN otherwise; UNRELIABLE when the level "
-        f"failed the measurement's health checks (no verdict, left out of crossovers; a level with a round "
-        f"that failed is judged on the rounds that passed when at least {MIN_HEALTHY_ROUNDS} did and no "
-        f"check of the whole level failed). A level whose token counts (the arm's or the baseline's) were "
-        f"estimated from the text gets no WIN or LOSS on its speeds (marked ~); FAILED when every call of "
-        f"the arm failed (its first error is listed). The margin is {t.min_margin:.0%}, or when larger the "
-        f"replica arms' measured noise floor: the median of their deviations from 1x over the run's reliable "
-        f"levels, or how far a replica's interval at the level lies from 1x. The deploy verdict answers at "
-        f"the operating point, with aggregate throughput at the peak surely not lower beyond the margin "
-        f"(WIN) or surely lower (LOSS); not given, they are the lowest and the highest tested level, and a "
-        f"point at a level that failed its health checks makes it UNRELIABLE unless the other already gives "
-        f"a LOSS. Intervals: {settings.confidence:.0%} jointly over the levels each arm's deploy verdict "
-        f"reads, the operating point's and the peak's (Bonferroni), "
-        f"bootstrap ({settings.bootstrap_iterations} resamples, seed {settings.bootstrap_seed}) widened by "
-        f"the spread between replay rounds (or time blocks of a one-round level)."
-    )
+    rules = _rules_text(settings)
     files = ", ".join(escape(str(p)) for p in store.paths)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return f"""<!DOCTYPE html>

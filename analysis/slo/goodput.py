@@ -31,6 +31,7 @@ from specproxy.analysis.levels import level_sort_key
 from specproxy.analysis.stats import FloatArray, Interval
 from specproxy.analysis.store import SpanStore
 from specproxy.slo import Slo
+from specproxy.visits import visits_sql
 
 # A failed call's value in a percentile, as a multiple of the target's threshold.
 FAILED_FACTOR = 10.0
@@ -152,16 +153,18 @@ def slo_level_figures(
     )
     blocks: dict[tuple[str, str], list[BlockFigures]] = {}
     levels = [r for r in rows if r["whole_level"] or not several]
+    unrounded = _unrounded_walls(store, run_id)
     for r in rows:
         if r["whole_level"]:
             continue
+        wall = unrounded.get((r["arm"], r["level"])) if r["block"] == 0 else None
         blocks.setdefault((r["arm"], r["level"]), []).append(
             BlockFigures(
                 int(r["block"]),
                 int(r["calls"]),
                 int(r["met"]),
                 float(r["met_tokens"]),
-                float(r["wall_s"] or 0.0),
+                float(r["wall_s"] or 0.0) if wall is None else wall,
                 _percentiles(r, k),
             )
         )
@@ -169,6 +172,14 @@ def slo_level_figures(
         _level(r, k, sorted(blocks.get((r["arm"], r["level"]), []), key=lambda b: b.block)) for r in levels
     ]
     return sorted(out, key=lambda f: (level_sort_key(f.level), f.arm))
+
+
+def _unrounded_walls(store: SpanStore, run_id: str) -> dict[tuple[str, str], float]:
+    """Per arm and level, the time its calls without a round (serve's traffic) spent at the level,
+    over their visits (:mod:`specproxy.visits`): their block's wall time. A round's is its span."""
+    source = "(SELECT * FROM slo_calls WHERE run_id = $run AND round IS NULL)"
+    rows = store.query(visits_sql(source, "arm, level"), {"run": run_id})
+    return {(r["arm"], r["level"]): float(r["busy_s"] or 0.0) for r in rows}
 
 
 def _percentiles(r: dict[str, Any], k: int) -> tuple[float | None, ...]:

@@ -52,7 +52,7 @@ from specproxy.analysis.slo.answer import (
 )
 from specproxy.analysis.stats import Interval, parallel_map, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
-from specproxy.analysis.verdicts import comparison
+from specproxy.analysis.verdicts import comparison, rules
 from specproxy.analysis.verdicts.comparison import Bootstrap, Comparison
 from specproxy.analysis.verdicts.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
 from specproxy.analysis.verdicts.rules import (
@@ -618,12 +618,12 @@ def _level_row(
     health = run.health.get(s.level)
     margin = margins[s.level]
     decode, throughput = (comp.decode, comp.throughput) if comp else (None, None)
-    basis = comp.throughput_basis if comp else "wall"
+    basis = rules.SHADOW_BASIS if s.shadow else comp.throughput_basis if comp else "wall"
     # At unequal loads only the matched figures are shown: none where the arms were not compared (the
     # plain ones, kept as unmatched_*, hold the load's own effect on speed).
     unequal = load is not None and load.figures.unequal
     if load is not None and unequal:
-        decode, throughput, basis = load.decode, load.throughput, "per call"
+        decode, throughput, basis = load.decode, load.throughput, basis if s.shadow else "per call"
     check = check_identity(counts.identical, counts.compared, confidence[s.arm], settings.thresholds)
     base = run.summary(run.baseline, s.level) if s.arm != run.baseline else None
     estimated = estimate_note(s.tokens, base.tokens if base is not None else None)
@@ -658,7 +658,7 @@ def _level_row(
         paired=comp.paired if comp else (None if s.arm == run.baseline else False),
         pairs=comp.pairs if comp else 0,
         decode_speedup=decode,
-        throughput_speedup=throughput,
+        throughput_speedup=None if s.shadow else throughput,  # no comparison: rules.SHADOW_THROUGHPUT
         throughput_basis=basis,
         verdict=verdict,
         reason=reason,
@@ -678,7 +678,7 @@ def _level_row(
         health_checks=health.checks if health is not None else 0,
         load=load.figures if load is not None else None,
         unmatched_decode_speedup=comp.decode if comp and unequal else None,
-        unmatched_throughput_speedup=comp.throughput if comp and unequal else None,
+        unmatched_throughput_speedup=comp.throughput if comp and unequal and not s.shadow else None,
         tokens_source=s.tokens.describe(),
         own_tokens_estimated=s.tokens.estimated > 0,
         tokens_estimated=bool(estimated),
@@ -711,7 +711,7 @@ def _row_verdict(
         return UNRELIABLE, f"the measurement failed its health checks: {health.describe()}"
     if load is not None and load.decode is None and load.note:
         return NO_CLEAR_GAIN, load.note
-    verdict, reason = level_verdict(decode, throughput, identity, margin, estimated)
+    verdict, reason = level_verdict(decode, throughput, identity, margin, estimated, shadow=s.shadow)
     if load is not None and load.note:
         reason += f"; {load.note}"
     if _round_count(run, s.arm, s.level) == 1:
@@ -803,7 +803,7 @@ def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, threshold
         # no wall-clock throughput of its own, and an arm that lowers the level's throughput costs
         # every category's users.
         verdict, reason = level_verdict(
-            fig.comparison.decode, row.throughput_speedup, check, margin, row.estimate_note
+            fig.comparison.decode, row.throughput_speedup, check, margin, row.estimate_note, shadow=row.shadow
         )
         if row.rounds == 1:
             verdict, reason = _one_round(verdict, reason, check)
@@ -902,6 +902,7 @@ def _arm_outcome(
                 # the worst failure only: the note under the table lists the rest
                 run.health[r.level].describe(limit=1) if r.level in run.health else "",
                 r.rounds == 1,
+                r.shadow,
             )
             for r in judged
             if r.level_load is not None and level_unit(r.level) == point.unit
@@ -913,9 +914,7 @@ def _arm_outcome(
             deploy = deploy_verdict(levels, point, check)
         else:
             live = judged[0]
-            deploy = DeployVerdict(
-                live.verdict or NO_CLEAR_GAIN, f"{live.verdict} on live traffic ({live.reason})"
-            )
+            deploy = rules.live_deploy_verdict(live.verdict or NO_CLEAR_GAIN, live.reason, shadow=live.shadow)
     return ArmOutcome(
         arm=arm,
         role=first.role,
@@ -979,6 +978,7 @@ def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
                 f"{r.arm} {level_name(r.level)}: {how or f'compared at matched load ({at})'}; no by-category "
                 "figures (its calls ran at another load than the baseline's)"
             )
+    notes += [rules.shadow_note(arm) for arm in sorted({r.arm for r in rows if r.shadow})]
     for r in rows:
         if r.own_tokens_estimated:
             notes.append(

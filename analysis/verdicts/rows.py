@@ -12,7 +12,7 @@ from specproxy.analysis.figures.validity import DroppedRound
 from specproxy.analysis.levels import level_load
 from specproxy.analysis.slo.answer import SloEvaluation
 from specproxy.analysis.stats import Interval
-from specproxy.analysis.verdicts.rules import Crossover, DeployVerdict, Thresholds
+from specproxy.analysis.verdicts.rules import SHADOW_BASIS, Crossover, DeployVerdict, Thresholds
 from specproxy.slo import Slo
 
 
@@ -100,7 +100,8 @@ class LevelRow:
     decode_speedup: Interval | None = None
     throughput_speedup: Interval | None = None
     # "wall": agg tok/s ratio (closed-loop replay levels); "per call": Σ tokens / Σ e2e ratio (live
-    # traffic, split traffic), where wall-clock rates reflect arrivals and traffic shares, not speed
+    # traffic, split traffic), where wall-clock rates reflect arrivals and traffic shares, not speed;
+    # "shadow": none (shadow copies reach the arm at the baseline's pace: rules.SHADOW_THROUGHPUT)
     throughput_basis: str = "wall"
     verdict: str | None = None
     reason: str = ""
@@ -133,6 +134,11 @@ class LevelRow:
     @property
     def identical_rate(self) -> float | None:
         return self.identical / self.compared if self.compared else None
+
+    @property
+    def shadow(self) -> bool:
+        """The arm got shadow copies here: no throughput ratio (``throughput_basis`` "shadow")."""
+        return self.throughput_basis == SHADOW_BASIS
 
     @property
     def level_load(self) -> float | None:

@@ -46,6 +46,13 @@ already decides it: a LOSS at the operating point, or peak throughput surely low
 WIN needs every level between the two measured soundly (a loss there would not show). A level whose
 token counts are estimated gives no WIN there and no LOSS on its throughput.
 
+Shadow traffic (``shadow``: the arm's calls were copies of the baseline's, sent when the baseline got
+them) measures per-call speed, acceptance and identity, never capacity: its throughput is the
+baseline's by construction. A shadow level's WIN rests on the decode speedup and identity alone
+(:data:`SHADOW_THROUGHPUT`); the deploy verdict reads no throughput at its peak, so a shadow arm that
+wins at the operating point is NO CLEAR GAIN with the capacity question open (:data:`CAPACITY_OPEN`),
+and one that loses anywhere up to the peak, or whose outputs differ, still gets no WIN or a LOSS.
+
 Levels are loads on one axis, ``unit`` 'c' (concurrency) or 'r' (offered requests/s): the crossover
 and the deploy verdict read them the same way and name them ``c=16`` or ``r=2``.
 """
@@ -66,6 +73,15 @@ NO_CLEAR_GAIN = "NO CLEAR GAIN"
 UNRELIABLE = "UNRELIABLE"
 FAILED = "FAILED"  # every call of the arm (at a level, or in the run) failed: nothing to judge
 _RANK = {LOSS: 0, NO_CLEAR_GAIN: 1, WIN: 2}
+SHADOW_BASIS = "shadow"  # a row's throughput basis where its arm got shadow copies: no ratio shown
+SHADOW_THROUGHPUT = (
+    "throughput not compared: shadow copies reach it at the baseline's pace, so its throughput is the "
+    "baseline's by construction"
+)
+CAPACITY_OPEN = (
+    "capacity at the peak is open: shadow traffic cannot show it (copies reach the arm at the "
+    "baseline's pace); answer it with a replay sweep or `specproxy lab` against the same arms, or a split"
+)
 
 
 @dataclass(frozen=True)
@@ -213,13 +229,19 @@ def level_verdict(
     identity: IdentityCheck,
     margin: Margin,
     estimated: str = "",
+    *,
+    shadow: bool = False,
 ) -> tuple[str, str]:
     """(verdict, reason) for one arm at one level (or one category at one level); ``estimated``: why the
-    speeds rest on estimated token counts ("" when they do not)."""
+    speeds rest on estimated token counts ("" when they do not); ``shadow``: the arm got shadow copies
+    at the baseline's pace, so ``throughput`` is no comparison and is not read (:data:`SHADOW_THROUGHPUT`):
+    the verdict rests on the per-call decode speed and identity."""
     if estimated:
         if identity.fails:
             return LOSS, identity.text
         return NO_CLEAR_GAIN, f"{estimated}: no WIN or LOSS on estimated token counts"
+    if shadow:
+        throughput = None
     floor_d, floor_t = 1.0 - margin.decode, 1.0 - margin.throughput
     losses: list[str] = []
     if decode is not None and decode.high is not None and decode.high < floor_d:
@@ -236,6 +258,12 @@ def level_verdict(
         return NO_CLEAR_GAIN, (
             f"decode speedup CI lower {decode.low:.3f} ≤ {1 + margin.decode:.3f} (margin {margin.source})"
         )
+    note = f" ({identity.text})" if identity.mismatch is None else ""
+    if shadow:
+        return WIN, (
+            f"decode speedup CI lower {decode.low:.3f} > {1 + margin.decode:.3f} (margin {margin.source}), "
+            f"per call; {SHADOW_THROUGHPUT}" + note
+        )
     if throughput is None or throughput.low is None:
         return NO_CLEAR_GAIN, "no throughput interval"
     if throughput.low < floor_t:
@@ -244,7 +272,6 @@ def level_verdict(
             f"lower {throughput.low:.3f} < {floor_t:.3f}: it may be lower beyond the margin (margin "
             f"{margin.source})"
         )
-    note = f" ({identity.text})" if identity.mismatch is None else ""
     return WIN, (
         f"decode speedup CI lower {decode.low:.3f} > {1 + margin.decode:.3f}, throughput CI lower "
         f"{throughput.low:.3f} ≥ {floor_t:.3f} (margin {margin.source})" + note
@@ -338,6 +365,7 @@ class LevelJudgement:
     estimated: bool = False
     health: str = ""  # why the level is UNRELIABLE: the checks it failed
     one_round: bool = False  # measured once: its interval cannot see the drift between runs
+    shadow: bool = False  # shadow copies at the baseline's pace: its throughput (capacity) is not measured
 
 
 @dataclass(frozen=True)
@@ -356,6 +384,19 @@ class DeployVerdict:
     # per-level verdicts and the two points it rests on
     action: str = ""
     summary: str = ""
+
+
+def shadow_note(arm: str) -> str:
+    """The note under the table for an arm that got shadow copies."""
+    return f"{arm}: shadow traffic: throughput ratio — ({SHADOW_THROUGHPUT}); deploy: {CAPACITY_OPEN}"
+
+
+def live_deploy_verdict(verdict: str, reason: str, *, shadow: bool) -> DeployVerdict:
+    """The deploy verdict of live traffic (one level, no load axis): its level's verdict, except that a
+    shadow arm's WIN rests on its per-call speed alone, and its capacity is open: NO CLEAR GAIN."""
+    if shadow and verdict == WIN:
+        return DeployVerdict(NO_CLEAR_GAIN, f"WIN per call on live traffic ({reason}); {CAPACITY_OPEN}")
+    return DeployVerdict(verdict, f"{verdict} on live traffic ({reason})")
 
 
 def tested_around(target: float, tested: Sequence[float]) -> list[float]:
@@ -464,6 +505,8 @@ def _peak_text(peak_j: LevelJudgement | None) -> str:
     thr = peak_j.throughput if peak_j is not None else None
     if peak_j is None:
         return UNRELIABLE
+    if peak_j.shadow:
+        return "not measured (shadow)"
     text = "not estimable" if thr is None or thr.high is None else fmt_ratio(thr)
     if peak_j.estimated and thr is not None:
         return text + " (estimated token counts)"
@@ -535,8 +578,10 @@ def _deploy_rule(
     thr = peak_j.throughput if peak_j is not None else None
     if identity.fails:
         return LOSS, f"{identity.text}: do not enable"
-    if peak_j is not None and (peak_j.estimated or peak_j.one_round):
-        thr = None  # an interval on estimated token counts, or blind to drift, is not evidence either way
+    if peak_j is not None and (peak_j.estimated or peak_j.one_round or peak_j.shadow):
+        # an interval on estimated token counts, blind to drift, or of shadow copies paced by the
+        # baseline's traffic is not evidence either way
+        thr = None
     if thr is not None and thr.high is not None and peak_j is not None:
         if thr.high < 1.0 - peak_j.throughput_margin:
             return LOSS, "do not enable for peak load (throughput lower beyond the margin)"
@@ -557,6 +602,11 @@ def _deploy_rule(
 
 def _no_gain(at: _Point, peak_j: LevelJudgement, *, at_wins: bool) -> tuple[str, str]:
     """Why there is no clear gain: what the figures could not show, else no gain at the point."""
+    if peak_j.shadow:
+        lead = (
+            "it wins per call at the operating point" if at_wins else "no clear gain at the operating point"
+        )
+        return NO_CLEAR_GAIN, f"{lead}; {CAPACITY_OPEN}"
     if any(j.estimated for j in at.levels):
         return NO_CLEAR_GAIN, "token counts at the operating point are estimated: no WIN or LOSS"
     if at_wins and peak_j.estimated:
