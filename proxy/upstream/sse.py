@@ -57,6 +57,14 @@ class MalformedEvent(ValueError):
 # What a field of the wrong type raises while a chunk is read; the tap turns each into `malformed`.
 _SHAPE_ERRORS = (MalformedEvent, TypeError, ValueError, AttributeError, KeyError, OverflowError)
 
+# Past this many bytes without the blank line that ends it, an event is not one an engine sends (vLLM's
+# largest, a first chunk carrying a 1M-token prompt's ids, is under 8 MiB): the stream is cut.
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+class EventTooLarge(MalformedEvent):
+    """An event grew past :data:`MAX_EVENT_BYTES` without its end."""
+
 
 @dataclass(slots=True)
 class SSEEvent:
@@ -70,51 +78,75 @@ class SSEEvent:
 
 
 class SSEParser:
-    """Incremental SSE splitter. ``feed(bytes) -> [SSEEvent]``; call :meth:`flush` at end of stream."""
+    """Incremental SSE splitter. ``feed(bytes) -> [SSEEvent]``; call :meth:`flush` at end of stream.
 
-    __slots__ = ("_buf",)
+    Linear in what it is fed: each read is normalised and scanned once (a held partial event is never
+    rescanned), and an event longer than ``max_event`` bytes raises :class:`EventTooLarge`.
+    """
 
-    def __init__(self) -> None:
-        self._buf = b""
+    __slots__ = ("_buf", "_scanned", "_cr", "max_event")
+
+    def __init__(self, max_event: int = MAX_EVENT_BYTES) -> None:
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already searched for the blank line
+        self._cr = False  # the last read ended with a CR: a LF at the start of the next one is its pair
+        self.max_event = max_event
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if self._cr:
+            self._cr = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        if b"\r" in chunk:
+            # CRLF or bare CR line endings (allowed by the SSE spec); vLLM sends plain LF. A CR at the
+            # very end may be the first half of a CRLF split across reads: the LF is dropped next feed.
+            self._cr = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buf = self._buf
         if (
-            not self._buf
+            not buf
             and chunk.startswith(b"data: ")
             and chunk.endswith(b"\n\n")
             and chunk.find(b"\n") == len(chunk) - 2
-            and b"\r" not in chunk
         ):
             # The common read: exactly one one-line `data: {...}` event (how vLLM flushes a chunk).
             return [SSEEvent(chunk, chunk[6:-2])]
-        buf = self._buf + chunk if self._buf else chunk
-        held = b""
-        if b"\r" in buf:
-            # CRLF or bare CR line endings (allowed by the SSE spec); vLLM sends plain LF. A CR at the
-            # very end may be the first half of a CRLF split across reads: keep it for the next feed.
-            if buf.endswith(b"\r"):
-                buf, held = buf[:-1], b"\r"
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         events: list[SSEEvent] = []
-        start = 0
+        if not buf:
+            data: bytes | bytearray = chunk
+            start = 0
+        else:
+            buf += chunk
+            data = buf
+            start = 0
+        # A separator may straddle the old and new bytes: search from one byte before the new ones.
+        pos = max(self._scanned - 1, 0)
         while True:
-            end = buf.find(b"\n\n", start)
+            end = data.find(b"\n\n", pos)
             if end < 0:
                 break
-            block = buf[start:end]
-            start = end + 2
+            block = bytes(data[start:end])
+            start = pos = end + 2
             if block:
-                # Inlined fast path of _data_of: the one-line `data: {...}` event vLLM sends.
                 if block.startswith(b"data: ") and b"\n" not in block:
-                    events.append(SSEEvent(buf[start - 2 - len(block) : start], block[6:]))
+                    events.append(SSEEvent(block + b"\n\n", block[6:]))
                 else:
                     events.append(SSEEvent(block + b"\n\n", _data_of(block)))
-        self._buf = buf[start:] + held
+        if data is buf:
+            del buf[:start]
+        else:
+            buf += memoryview(chunk)[start:]
+        self._scanned = len(buf)
+        if len(buf) > self.max_event:
+            self._buf = bytearray()
+            self._scanned = 0
+            raise EventTooLarge(f"event over {self.max_event} bytes")
         return events
 
     def flush(self) -> list[SSEEvent]:
         """The last event when the stream ended without its blank line (a truncated stream)."""
-        block, self._buf = self._buf.replace(b"\r", b"\n").strip(b"\n"), b""
+        block = bytes(self._buf).strip(b"\n")
+        self._buf, self._scanned, self._cr = bytearray(), 0, False
         return [SSEEvent(block + b"\n\n", _data_of(block))] if block else []
 
     @property
