@@ -1,0 +1,69 @@
+"""What the proxy cuts says that the proxy cut it: answers that are not completions, events past their
+cap, requests refused at the connection cap, streams ended by shutdown, half-closed clients.
+
+Real sockets on 127.0.0.1 throughout: raw asyncio servers where a backend must misbehave in ways the
+aiohttp test backend cannot (no Content-Type at all), the in-process proxy otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.backends import BackendConfig, running_backend
+from tests.proxies import running_proxy, spans, wait_for_calls
+from tests.test_proxy_hardening import no_tracebacks, post, raw_exchange
+
+
+@asynccontextmanager
+async def raw_backend(answer: bytes) -> AsyncIterator[str]:
+    """A backend that reads a request head and body, then sends ``answer`` as it is."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
+        await reader.readexactly(length)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_candidates_endless_event_is_cut_at_the_cap_and_costs_the_client_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        running_backend(BackendConfig(tokens=6)) as base,
+        running_backend(BackendConfig(tokens=6, fail="endless_event")) as cand,
+        running_proxy(
+            tmp_path,
+            [{"name": "base", "role": "baseline", "url": base.url}, {"name": "cand", "url": cand.url}],
+            shadow_timeout_s=600,
+        ) as p,
+    ):
+        body = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        out = await raw_exchange(p.url, post("/v1/chat/completions", body))
+        assert out.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in out and b'"error"' not in out
+        await wait_for_calls(p, 2)
+    by_arm = {s["arm"]: (s["status"], s["error"]) for s in spans(p.db)}
+    assert by_arm == {"base": ("ok", None), "cand": ("upstream_error", "event over 16777216 bytes")}
+    no_tracebacks(caplog)
