@@ -17,7 +17,7 @@ import pytest
 
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans, wait_for_calls
-from tests.test_proxy_hardening import no_tracebacks, post, raw_exchange
+from tests.test_proxy_hardening import CHAT, no_tracebacks, post, raw_exchange, status_and_error
 
 
 @asynccontextmanager
@@ -46,6 +46,35 @@ async def raw_backend(answer: bytes) -> AsyncIterator[str]:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_200_empty_object_without_content_type_is_a_502_not_passed_through(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        raw_backend(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}") as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base}]) as p,
+    ):
+        out = await raw_exchange(p.url, post("/v1/chat/completions", CHAT))
+        status, err = status_and_error(out)
+        assert status == 502 and "the body has no choices" in err["message"], out[:300]
+    assert [(s["status"], s["error"]) for s in spans(p.db)] == [
+        ("upstream_error", "malformed response from upstream: the body has no choices")
+    ]
+    no_tracebacks(caplog)
+
+
+async def test_a_completion_without_content_type_gets_one_not_an_empty_header(tmp_path: Path) -> None:
+    body = orjson.dumps({"choices": [{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}]})
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(body), body)
+    async with (
+        raw_backend(answer) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base}]) as p,
+    ):
+        out = await raw_exchange(p.url, post("/v1/chat/completions", CHAT))
+    head = out.partition(b"\r\n\r\n")[0].lower()
+    assert out.startswith(b"HTTP/1.1 200") and b"content-type: application/octet-stream" in head, out[:300]
+    assert b"content-type: \r\n" not in head + b"\r\n"
 
 
 async def test_a_candidates_endless_event_is_cut_at_the_cap_and_costs_the_client_nothing(

@@ -166,7 +166,7 @@ class ClientRelay:
         self.status = status
         self.headers = response_headers_for_client(headers)
         self.headers.update(self.own)
-        self.headers["Content-Type"] = content_type  # as the backend sent it, parameters and all
+        self.headers["Content-Type"] = content_type or "application/octet-stream"  # as sent (or none)
         if content_type.split(";", 1)[0].strip().lower() == "text/event-stream":
             self.headers.setdefault("Cache-Control", "no-cache")
             resp = web.StreamResponse(status=status, headers=self.headers)

@@ -405,7 +405,7 @@ class CompletionTap:
         if obj.get("metrics"):
             self._take_metrics(obj["metrics"])
         self._take_extras(obj)
-        for choice in _list_or_none(obj.get("choices"), "choices") or ():
+        for choice in _body_choices(obj):
             if not isinstance(choice, dict):
                 raise MalformedEvent("a choice is not an object")
             self._take_choice_extras(choice)
@@ -589,6 +589,14 @@ def _engine_signal(obj: dict[str, Any]) -> str | None:
     if isinstance(model, str) and model.lower().endswith(".gguf"):
         return "llamacpp"  # llama-cpp-python's server names the model by its GGUF path
     return None
+
+
+def _body_choices(obj: dict[str, Any]) -> list[Any]:
+    """A whole response's choices: a completion has a list of them (``{}`` is not a completion)."""
+    choices = _list_or_none(obj.get("choices"), "choices")
+    if choices is None:
+        raise MalformedEvent("the body has no choices")
+    return choices
 
 
 def _int_or_none(v: Any) -> int | None:
