@@ -117,6 +117,22 @@ _REFUSAL = (
 )
 
 
+# Where aiohttp's parser errors start quoting what the client sent (b'...', a caret line under it).
+_QUOTE_STARTS = ("b'", 'b"', "'", '"', "\n")
+
+
+def without_quoted_bytes(message: str) -> str:
+    """What an HTTP parser error says was wrong, cut before the bytes it quotes: those may be an
+    Authorization value or prompt text, and go neither to the log nor back in the error body.
+
+    >>> without_quoted_bytes("Invalid header value char:\n\n  b'Authorization: Bearer sk-1\\x01'")
+    'Invalid header value char'
+    """
+    cut = min((i for i in map(message.find, _QUOTE_STARTS) if i >= 0), default=len(message))
+    text = " ".join(message[:cut].split()).rstrip(" :,")
+    return text[:120] or "unparseable request"
+
+
 class GuardedRequestHandler(web.RequestHandler):
     """aiohttp's protocol for one client connection, counted by :class:`ClientConnections` and
     answering bad HTTP in OpenAI's shape with one log line."""
@@ -147,7 +163,7 @@ class GuardedRequestHandler(web.RequestHandler):
         if isinstance(exc, web.RequestPayloadError | HttpProcessingError):
             # A body the client broke (a Content-Encoding it does not have, a bad chunk), met when
             # aiohttp drains it after the answer: the client's problem, one line.
-            log.info("bad request body from a client: %s", " ".join(str(exc).split())[:200])
+            log.info("bad request body from a client: %s", without_quoted_bytes(str(exc)))
             return
         super().log_exception(*args, **kwargs)
 
@@ -161,7 +177,7 @@ class GuardedRequestHandler(web.RequestHandler):
         if isinstance(exc, HttpProcessingError):
             # The client's bytes are not HTTP we accept: its problem, one line for the operator.
             status = exc.code if 400 <= exc.code < 500 else status
-            what = " ".join((exc.message or str(exc)).split())[:200]
+            what = without_quoted_bytes(exc.message or str(exc))
             log.info("bad HTTP from %s: %d %s", request.remote, status, what)
             text = f"bad HTTP request: {what}"
         else:
