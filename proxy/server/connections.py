@@ -122,10 +122,10 @@ _QUOTE_STARTS = ("b'", 'b"', "'", '"', "\n")
 
 
 def without_quoted_bytes(message: str) -> str:
-    """What an HTTP parser error says was wrong, cut before the bytes it quotes: those may be an
+    r"""What an HTTP parser error says was wrong, cut before the bytes it quotes: those may be an
     Authorization value or prompt text, and go neither to the log nor back in the error body.
 
-    >>> without_quoted_bytes("Invalid header value char:\n\n  b'Authorization: Bearer sk-1\\x01'")
+    >>> without_quoted_bytes("Invalid header value char:\n\n  b'Authorization: Bearer sk-1\x01'")
     'Invalid header value char'
     """
     cut = min((i for i in map(message.find, _QUOTE_STARTS) if i >= 0), default=len(message))
