@@ -32,7 +32,6 @@ OVERSIZE = {
     "proxy/spans/sink.py": 708,
     "engines/calibrate/measure.py": 951,
     "analysis/verdicts/evaluation.py": 1004,
-    "proxy/server/app.py": 743,
     "lab/command.py": 814,
     "proxy/replay/runner.py::ReplayRunner": 674,
     "proxy/spans/sink.py::SpanSink": 338,
