@@ -17,6 +17,7 @@ import pytest
 
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans, wait_for_calls
+from tests.support import wait_until
 from tests.test_proxy_hardening import CHAT, no_tracebacks, post, raw_exchange, status_and_error
 
 
@@ -95,4 +96,34 @@ async def test_a_candidates_endless_event_is_cut_at_the_cap_and_costs_the_client
         await wait_for_calls(p, 2)
     by_arm = {s["arm"]: (s["status"], s["error"]) for s in spans(p.db)}
     assert by_arm == {"base": ("ok", None), "cand": ("upstream_error", "event over 16777216 bytes")}
+    no_tracebacks(caplog)
+
+
+async def test_at_the_connection_cap_a_whole_request_gets_a_503_with_retry_after_and_is_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = asyncio.Event()
+    async with (
+        running_backend(BackendConfig(gate=gate)) as base,
+        running_proxy(
+            tmp_path, [{"name": "b", "role": "baseline", "url": base.url}], max_client_connections=2
+        ) as p,
+    ):
+        held = [
+            asyncio.create_task(raw_exchange(p.url, post("/v1/chat/completions", CHAT))) for _ in range(2)
+        ]
+        await wait_until(lambda: base.stats.active == 2, "two requests held by the backend")
+        refused = await asyncio.gather(
+            *(raw_exchange(p.url, post("/v1/chat/completions", CHAT)) for _ in range(20))
+        )
+        for out in refused:
+            status, err = status_and_error(out)
+            assert status == 503 and "limit of client connections" in err["message"], out[:300]
+            assert b"\r\nretry-after: 1\r\n" in out.partition(b"\r\n\r\n")[0].lower() + b"\r\n"
+        metrics = p.state.metrics.render()  # (a /metrics request would be refused too)
+        gate.set()
+        assert all(out.startswith(b"HTTP/1.1 200") for out in await asyncio.gather(*held))
+    assert b"\nspecproxy_client_connections_refused_total 20.0\n" in metrics, metrics[-1500:]
+    lines = [r.getMessage() for r in caplog.records if "client connections at the limit" in r.getMessage()]
+    assert len(lines) == 1 and "refused a new one" in lines[0], lines
     no_tracebacks(caplog)

@@ -60,7 +60,7 @@ from specproxy.proxy.server.errors import (
 from specproxy.proxy.server.headers import request_headers_for_arms, response_headers_for_client
 from specproxy.proxy.server.health import PhaseKey, ServeHealth
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from specproxy.proxy.server.metrics import ProxyMetrics
+from specproxy.proxy.server.metrics import METRICS, ProxyMetrics
 from specproxy.proxy.server.readiness import Readiness, SinkCounts
 from specproxy.proxy.server.routing import ArmRouter, Copy
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
@@ -509,6 +509,7 @@ def create_app(settings: ProxySettings) -> web.Application:
         middlewares.append(_auth_middleware(settings.api_key))
     app = web.Application(client_max_size=exp.max_body_bytes, middlewares=middlewares)
     app[STATE] = state
+    app[METRICS] = state.metrics
     expect = expect_handler(exp.max_body_bytes)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
     app.router.add_post("/v1/completions", completions, expect_handler=expect)

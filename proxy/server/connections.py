@@ -7,7 +7,11 @@ a protocol per connection (:class:`GuardedRequestHandler`):
   the process's file limit allows, each request needing one socket per arm as well). A connection
   that arrives at the cap closes the oldest *idle* one: a connection waiting for a request head,
   never one carrying a request, so a client that is slow to read its stream is not touched. With
-  none idle the newcomer gets a 503. A slowloris (many connections dribbling header bytes) thus
+  none idle the newcomer gets a 503 in OpenAI's shape with ``Retry-After: 1``; the proxy then closes
+  its side for writing and reads what the client sends until it closes (at most ``_LINGER_S``), so a
+  client that had sent its whole request reads the 503 rather than a reset. Refusals are counted
+  (``specproxy_client_connections_refused_total``) and logged at most once per ``_NOTICE_EVERY_S``,
+  each line with the totals since the last. A slowloris (many connections dribbling header bytes) thus
   cannot starve real clients, and the process never runs out of file descriptors.
 - **A header timeout.** A request head must be complete ``header_timeout_s`` after the connection
   opened or after its previous response (aiohttp's keep-alive timer, which runs only while the
@@ -37,12 +41,14 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from specproxy.proxy.server.errors import error_body
+from specproxy.proxy.server.metrics import METRICS
 
 log = logging.getLogger(__name__)
 
 # File descriptors kept for everything that is not a client connection (span store, logs, scrapes).
 _RESERVED_FDS = 64
 _NOTICE_EVERY_S = 10.0
+_LINGER_S = 2.0  # how long a refused connection is read (and its bytes dropped) before it is closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +80,8 @@ class ClientConnections:
         self._open: OrderedDict[GuardedRequestHandler, None] = OrderedDict()
         self.evicted = 0
         self.refused = 0
-        self._last_notice = 0.0
+        self._last_notice: float | None = None
+        self._since_notice = 0  # connections closed or refused at the cap since the last line
 
     def __len__(self) -> int:
         return len(self._open)
@@ -99,21 +106,25 @@ class ClientConnections:
 
     def _notice(self, what: str) -> None:
         now = time.monotonic()
-        if now - self._last_notice >= _NOTICE_EVERY_S:
+        self._since_notice += 1
+        if self._last_notice is None or now - self._last_notice >= _NOTICE_EVERY_S:
             self._last_notice = now
             log.warning(
-                "client connections at the limit of %d: %s (so far %d closed idle, %d refused; "
-                "raise max_client_connections or the file limit if these are real clients)",
+                "client connections at the limit of %d: %s (%d at the limit since the last such line; "
+                "so far %d closed idle, %d refused; raise max_client_connections or the file limit "
+                "if these are real clients)",
                 self.max_connections,
                 what,
+                self._since_notice,
                 self.evicted,
                 self.refused,
             )
+            self._since_notice = 0
 
 
 _REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-    b"Content-Length: %d\r\n\r\n%b"
+    b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%b"
 )
 
 
@@ -140,6 +151,7 @@ class GuardedRequestHandler(web.RequestHandler):
     def __init__(self, manager: web.Server, *, connections: ClientConnections, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self.connections = connections
+        self._refused: asyncio.TimerHandle | None = None  # a refused connection's closing timer
 
     @property
     def busy(self) -> bool:
@@ -148,13 +160,32 @@ class GuardedRequestHandler(web.RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self.connections.admit(self):
-            body = error_body(503, "the proxy is at its limit of client connections; retry shortly")
-            transport.write(_REFUSAL % (len(body), body))  # type: ignore[attr-defined]
-            transport.close()
+            self._refuse(transport)
             return
         super().connection_made(transport)
 
+    def _refuse(self, transport: asyncio.BaseTransport) -> None:
+        """The 503, then a lingering close: closing with the client's request unread would reset the
+        connection, and a reset discards the 503 before the client reads it."""
+        assert isinstance(transport, asyncio.WriteTransport)
+        body = error_body(503, "the proxy is at its limit of client connections; retry shortly")
+        transport.write(_REFUSAL % (len(body), body))
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._refused = asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused is None:
+            super().data_received(data)  # (a refused connection's bytes are dropped)
+
+    def eof_received(self) -> None:
+        if self._refused is None:
+            super().eof_received()  # (a refused connection: the transport closes)
+
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._refused is not None:
+            self._refused.cancel()
+            return
         self.connections.forget(self)
         super().connection_lost(exc)
 
@@ -212,7 +243,9 @@ class ProxyRunner(web.AppRunner):
         kwargs.setdefault("access_log", None)
         # aiohttp's keep-alive timer runs only while a connection waits for a request head.
         super().__init__(app, keepalive_timeout=limits.header_timeout_s, **kwargs)
-        self.connections = ClientConnections(limits.max_connections)
+        self.connections = connections = ClientConnections(limits.max_connections)
+        if METRICS in app:
+            app[METRICS].watch_connections(lambda: (connections.evicted, connections.refused))
 
     async def _make_server(self) -> web.Server:
         return _GuardedServer(await super()._make_server(), self.connections)
