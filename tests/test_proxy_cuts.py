@@ -127,3 +127,36 @@ async def test_at_the_connection_cap_a_whole_request_gets_a_503_with_retry_after
     lines = [r.getMessage() for r in caplog.records if "client connections at the limit" in r.getMessage()]
     assert len(lines) == 1 and "refused a new one" in lines[0], lines
     no_tracebacks(caplog)
+
+
+async def half_closed_exchange(url: str, request: bytes) -> bytes:
+    """Send ``request``, close the sending side (``shutdown(SHUT_WR)``), read until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        writer.write_eof()
+        return await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_half_closed_client_gets_its_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    body = orjson.dumps({"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]})
+    async with (
+        running_backend(BackendConfig(tokens=5, itl_s=0.01)) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        out = await half_closed_exchange(p.url, head + b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        out = out.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")  # (the proxy's probe: see connections)
+        assert out.startswith(b"HTTP/1.1 200"), out[:300]
+        assert (b"data: [DONE]" in out) if stream else out.rstrip().endswith(b"}"), out[-300:]
+        idle = await half_closed_exchange(p.url, b"")  # nothing sent: the proxy closes too
+        assert idle == b""
+    assert [s["status"] for s in spans(p.db)] == ["ok"]
+    no_tracebacks(caplog)

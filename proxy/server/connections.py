@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 # File descriptors kept for everything that is not a client connection (span store, logs, scrapes).
 _RESERVED_FDS = 64
 _NOTICE_EVERY_S = 10.0
+_PEER_CHECK_S = 0.1  # how often a half-closed connection's socket is checked for the client's reset
 _LINGER_S = 2.0  # how long a refused connection is read (and its bytes dropped) before it is closed
 
 
@@ -178,9 +180,45 @@ class GuardedRequestHandler(web.RequestHandler):
         if self._refused is None:
             super().data_received(data)  # (a refused connection's bytes are dropped)
 
-    def eof_received(self) -> None:
-        if self._refused is None:
-            super().eof_received()  # (a refused connection: the transport closes)
+    def eof_received(self) -> bool:  # type: ignore[override]
+        """The client closed its side: no request can follow, but the one it sent still gets its
+        answer before the connection closes (aiohttp's default closes at once, cancelling the
+        handler). An idle or refused connection just closes.
+
+        A client half-closed with ``shutdown(SHUT_WR)`` and one that closed its socket send the
+        same FIN; only a write tells them apart (the second answers it with a reset). So an answer
+        not begun is preceded by an interim ``100 Continue``, which every HTTP/1.1 client must accept
+        before the final one, and the socket is then watched for the reset: a client that is gone
+        still cancels its upstream call. A FIN once the answer is under way (the sync openai client
+        closes after ``[DONE]``) ends the connection, as before."""
+        request = getattr(self, "_current_request", None)
+        if self._refused is not None or self._idle() or self.transport is None:
+            return False  # (nothing to answer: the transport closes)
+        if request is not None and request.writer.output_size > 0:
+            return False  # an answer under way: a client that stops sending mid-stream has left
+        self.close()
+        self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self._watch_peer()
+        return True
+
+    def _watch_peer(self) -> None:
+        """Until the answer is sent: abort the connection once the socket holds a reset."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._idle():
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            transport.abort()  # (connection_lost follows: the handler, and its upstream call, are cancelled)
+            return
+        asyncio.get_running_loop().call_later(_PEER_CHECK_S, self._watch_peer)
+
+    def _idle(self) -> bool:
+        """No request received and unanswered: none yet, or aiohttp waits for the next one. (Between
+        the parse of a request and the start of its handler, neither ``busy`` nor a queued message
+        says that one is under way.)"""
+        if getattr(self, "_messages", None) or self.busy:
+            return False
+        return getattr(self, "_request_count", 0) == 0 or getattr(self, "_waiter", None) is not None
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._refused is not None:
