@@ -64,6 +64,7 @@ from specproxy.proxy.server.metrics import METRICS, ProxyMetrics
 from specproxy.proxy.server.readiness import Readiness, SinkCounts
 from specproxy.proxy.server.routing import ArmRouter, Copy
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
+from specproxy.proxy.server.shutdown import ProxyCut, ShutdownCutter
 from specproxy.proxy.server.validate import ClientRequest, Rejected, expect_handler, read_request
 from specproxy.proxy.spans.sink import DEFAULT_MEMORY_LIMIT, SpanSink
 from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, TraceParent, client_trace_context, new_trace_id
@@ -125,6 +126,7 @@ class ProxyState:
     engine_load: dict[str, EngineLoad] = field(default_factory=dict)
     scraper: MetricsScraper | None = None  # None: --no-scrape
     readiness: Readiness | None = None
+    cutter: ShutdownCutter = field(default_factory=ShutdownCutter)  # primary calls, cut at grace's end
 
     def finish(self, record: SpanRecord, parent: TraceParent | None = None) -> None:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
@@ -171,6 +173,9 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         if st.health is not None:
             st.health.queued(primary.name, result.t_send - handed_over)
         return await relay.finish(result)
+    except ProxyCut:  # the shutdown grace ran out (the span says proxy_shutdown)
+        result = CallResult(record=record, tap=tap, relay_started=relay.response is not None)
+        return await relay.finish(result)
     except Exception:
         if relay.response is None:
             raise  # nothing sent yet: the error middleware answers
@@ -206,7 +211,7 @@ async def _call_primary(
 ) -> CallResult:
     """The call that serves the client, relayed to it as it arrives."""
     assert st.client is not None
-    return await call_arm(
+    call = call_arm(
         st.client,
         primary,
         body,
@@ -219,6 +224,7 @@ async def _call_primary(
         capture_output=st.capture is not None,
         tap=tap,
     )
+    return await st.cutter.run(call, record)
 
 
 def _capture_request(
@@ -658,4 +664,6 @@ async def _capture(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _mark_shutdown(app: web.Application) -> None:
-    app[STATE].shutdown_started = time.monotonic()
+    st = app[STATE]
+    st.shutdown_started = time.monotonic()
+    st.cutter.start(st.settings.experiment.shutdown_grace_s)

@@ -11,6 +11,7 @@ from multidict import CIMultiDict
 
 from specproxy.proxy.server.errors import error_body, openai_error
 from specproxy.proxy.server.headers import response_headers_for_client
+from specproxy.proxy.server.shutdown import CLIENT_MESSAGE
 from specproxy.proxy.upstream.calls import CallResult
 from specproxy.proxy.upstream.relay import ClientGone
 
@@ -78,6 +79,8 @@ class ClientRelay:
                 # then end the stream cleanly.
                 status = 504 if rec.status == "timeout" else 502
                 msg = f"upstream {rec.arm} failed mid-stream: {rec.error or rec.status}"
+                if rec.status == "proxy_shutdown":
+                    status, msg = 503, CLIENT_MESSAGE
                 try:
                     await self.response.write(b"data: " + error_body(status, msg) + b"\n\n")
                 except ConnectionError:  # (aiohttp's ClientConnectionResetError is one)
@@ -89,6 +92,8 @@ class ClientRelay:
             return self.response
         if self.status:
             return web.Response(status=self.status, body=b"".join(self.parts), headers=self.headers)
+        if rec is not None and rec.status == "proxy_shutdown":
+            return openai_error(503, CLIENT_MESSAGE, headers={**self.own, "Retry-After": "1"})
         if rec is not None and rec.status == "timeout":
             return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.own)
         arm = rec.arm if rec is not None else "?"
