@@ -56,6 +56,7 @@ import duckdb
 import numpy as np
 
 from specproxy import __version__, schema
+from specproxy.proxy.spans.failures import WriteFailures, close_store
 from specproxy.proxy.spans.table import (
     T_START_NS,
     RequestsTable,
@@ -277,6 +278,7 @@ class SpanSink:
         self._written = 0
         self._metric_rows_written = 0
         self._failed = 0
+        self._failures = WriteFailures(self.db_path or "the span store")  # its log lines
         self._conn: Any = None
         self._runs_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -510,7 +512,7 @@ class SpanSink:
                 )
                 return
         if self._conn is not None:
-            self._conn.close()
+            close_store(self._conn, self._failures)
             self._conn = None
         # After the file is released: an unreachable collector retries for up to its timeout (10 s).
         if self._export is not None:
@@ -571,13 +573,7 @@ class SpanSink:
         self._written += written[0]
         if errors:
             self._failed += len(errors)
-            log.error(
-                "%d of %d spans could not be written to %s (dropped): %s",
-                len(errors),
-                len(rows),
-                self.db_path,
-                errors[0],
-            )
+            self._failures.failed(len(errors), len(rows), errors[0])
 
     def _require_started(self) -> None:
         if self._thread is None:
