@@ -34,7 +34,13 @@ def test_fields_match_the_store_columns_types_and_constraints() -> None:
     assert {name for name, (sql, _) in described.items() if sql == "BIGINT"} == BIGINT_FIELDS
     assert {name for name, (_, nullable) in described.items() if nullable == "NO"} == REQUIRED_FIELDS
     assert STATUSES == (
-        "ok", "http_error", "upstream_error", "timeout", "client_cancelled", "proxy_shutdown", "dropped"
+        "ok",
+        "http_error",
+        "upstream_error",
+        "timeout",
+        "client_cancelled",
+        "proxy_shutdown",
+        "dropped",
     )
 
 
