@@ -38,7 +38,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from specproxy.proxy.server.errors import error_body
@@ -197,8 +197,9 @@ class GuardedRequestHandler(web.RequestHandler):
         if request is not None and request.writer.output_size > 0:
             return False  # an answer under way: a client that stops sending mid-stream has left
         self.close()
-        self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        self._watch_peer()
+        if request is None or request.version >= HttpVersion11:  # (no 1xx to an HTTP/1.0 client)
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._watch_peer()
         return True
 
     def _watch_peer(self) -> None:
