@@ -17,7 +17,7 @@ import pytest
 
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans, wait_for_calls
-from tests.support import wait_until
+from tests.support import free_port, start_cli, stop, wait_http, wait_until
 from tests.test_proxy_hardening import CHAT, no_tracebacks, post, raw_exchange, status_and_error
 
 
@@ -160,3 +160,41 @@ async def test_a_half_closed_client_gets_its_answer(
         assert idle == b""
     assert [s["status"] for s in spans(p.db)] == ["ok"]
     no_tracebacks(caplog)
+
+
+async def test_the_cap_and_the_half_close_under_serve_on_uvloop(tmp_path: Path) -> None:
+    # `specproxy serve` runs on uvloop, whose transports differ from asyncio's (the in-process tests).
+    gate = asyncio.Event()
+    async with running_backend(BackendConfig(gate=gate)) as base:
+        cfg = tmp_path / "exp.toml"
+        cfg.write_text(
+            f'[experiment]\nname = "cap"\nmode = "shadow"\ndb = "{tmp_path / "s.duckdb"}"\n'
+            f'max_client_connections = 2\n\n[[arms]]\nname = "b"\nrole = "baseline"\nurl = "{base.url}"\n'
+        )
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--no-scrape"])
+        try:
+            await asyncio.to_thread(wait_http, url + "/health", 30.0, proc)
+            held = [
+                asyncio.create_task(raw_exchange(url, post("/v1/chat/completions", CHAT))) for _ in range(2)
+            ]
+            await wait_until(lambda: base.stats.active == 2, "two requests held by the backend")
+            for out in await asyncio.gather(
+                *(raw_exchange(url, post("/v1/chat/completions", CHAT)) for _ in range(5))
+            ):
+                assert status_and_error(out)[0] == 503 and b"Retry-After: 1" in out, out[:300]
+            gate.set()
+            assert all(out.startswith(b"HTTP/1.1 200") for out in await asyncio.gather(*held))
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            out = await half_closed_exchange(url, head + b"Content-Length: %d\r\n\r\n%b" % (len(CHAT), CHAT))
+            assert out.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n").startswith(b"HTTP/1.1 200"), out[:300]
+            gate.clear()  # a client that closes its socket while its call waits: the call is cancelled
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post("/v1/chat/completions", CHAT))
+            await wait_until(lambda: base.stats.active == 1, "the call held by the backend")
+            writer.close()
+            await wait_until(lambda: base.stats.cancelled >= 1, "the backend to see the call cancelled")
+        finally:
+            output = stop(proc)
+    assert "Traceback" not in output and proc.returncode == 0, output

@@ -36,7 +36,7 @@ import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -154,6 +154,7 @@ class GuardedRequestHandler(web.RequestHandler):
         super().__init__(manager, **kwargs)
         self.connections = connections
         self._refused: asyncio.TimerHandle | None = None  # a refused connection's closing timer
+        self._half_closed = False  # the client closed its side; its answer is still to come
 
     @property
     def busy(self) -> bool:
@@ -169,12 +170,12 @@ class GuardedRequestHandler(web.RequestHandler):
     def _refuse(self, transport: asyncio.BaseTransport) -> None:
         """The 503, then a lingering close: closing with the client's request unread would reset the
         connection, and a reset discards the 503 before the client reads it."""
-        assert isinstance(transport, asyncio.WriteTransport)
+        stream = cast(asyncio.WriteTransport, transport)  # (uvloop's transports are not subclasses)
         body = error_body(503, "the proxy is at its limit of client connections; retry shortly")
-        transport.write(_REFUSAL % (len(body), body))
-        if transport.can_write_eof():
-            transport.write_eof()
-        self._refused = asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
+        stream.write(_REFUSAL % (len(body), body))
+        if stream.can_write_eof():
+            stream.write_eof()
+        self._refused = asyncio.get_running_loop().call_later(_LINGER_S, stream.close)
 
     def data_received(self, data: bytes) -> None:
         if self._refused is None:
@@ -191,12 +192,15 @@ class GuardedRequestHandler(web.RequestHandler):
         before the final one, and the socket is then watched for the reset: a client that is gone
         still cancels its upstream call. A FIN once the answer is under way (the sync openai client
         closes after ``[DONE]``) ends the connection, as before."""
+        if self._half_closed:
+            return True  # (uvloop may report the EOF again)
         request = getattr(self, "_current_request", None)
         if self._refused is not None or self._idle() or self.transport is None:
             return False  # (nothing to answer: the transport closes)
         if request is not None and request.writer.output_size > 0:
             return False  # an answer under way: a client that stops sending mid-stream has left
         self.close()
+        self._half_closed = True
         if request is None or request.version >= HttpVersion11:  # (no 1xx to an HTTP/1.0 client)
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self._watch_peer()
