@@ -11,6 +11,8 @@ import dataclasses
 import io
 import json
 import math
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from datetime import date, datetime
 from decimal import Decimal
@@ -23,12 +25,13 @@ import duckdb
 from specproxy import schema
 from specproxy.analysis.render.columns import BY_KEY, WIDE, parse_columns
 from specproxy.analysis.render.table import FORMATS
-from specproxy.analysis.store import StoreError, expand_paths, open_store, query_failure
+from specproxy.analysis.store import SpanStore, StoreError, expand_paths, open_store, query_failure
 from specproxy.analysis.verdicts.evaluation import Settings
 from specproxy.analysis.verdicts.rules import Thresholds
 from specproxy.commandline import FiniteFloat, operating_point_options
 
 DEFAULT_DB = "specproxy.duckdb"
+DEFAULT_SQL_TIMEOUT_S = 300.0
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -255,7 +258,14 @@ def format_result(names: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str)
     show_default=True,
     help="Output format.",
 )
-def sql(args: tuple[str, ...], fmt: str) -> None:
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_SQL_TIMEOUT_S,
+    show_default=True,
+    help="Stop the query after this many seconds.",
+)
+def sql(args: tuple[str, ...], fmt: str, timeout: float) -> None:
     """Run QUERY (the last argument) on the span store(s), read-only.
 
     Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance,
@@ -265,14 +275,52 @@ def sql(args: tuple[str, ...], fmt: str) -> None:
 
     Only SELECT-style statements run (SELECT, WITH, FROM, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN), and
     the query reads no file but the span store: it is read-only. Use the DuckDB CLI to change the file.
+    A query stops after --timeout seconds; what it spills to disk is bounded (8 GiB) and removed.
     """
     *dbs, query = args
     try:
         with open_store(_dbs(dbs)) as store:
-            names, rows = store.read_only_query(query)
+            names, rows = _limited_query(store, query, timeout)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_result(names, rows, fmt), nl=False)
+
+
+def _limited_query(store: SpanStore, query: str, timeout: float) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """``store.read_only_query(query)``, interrupted after ``timeout`` seconds. It runs in a thread so
+    that this one stays free to take signals: SIGTERM ends the command as Ctrl-C does, the query is
+    interrupted and the store closed, which removes its spill folder."""
+    out: list[tuple[list[str], list[tuple[Any, ...]]]] = []
+    failed: list[BaseException] = []
+    # (An event, not Thread.join: a join that a signal interrupts marks the thread stopped while it runs.)
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            out.append(store.read_only_query(query))
+        except BaseException as exc:  # handed to the main thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        threading.Thread(target=work, name="specproxy-sql", daemon=True).start()
+        if not done.wait(timeout):
+            store.conn.interrupt()
+            done.wait()
+            raise click.ClickException(
+                f"the query was stopped after its time limit of {timeout:g} s (--timeout to change it)"
+            )
+    except KeyboardInterrupt:
+        store.conn.interrupt()
+        done.wait()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if failed:
+        raise failed[0]
+    return out[0]
 
 
 @click.command()

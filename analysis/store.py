@@ -31,6 +31,9 @@ from specproxy import schema
 
 # DuckDB's memory cap for an analysis; SPECPROXY_ANALYSIS_MEMORY (e.g. "8GB") overrides it.
 MEMORY_LIMIT = "1536MB"
+# What DuckDB may write to its spill folder (its default is 90 % of the free disk): past it a query fails
+# with an error that names the limit, instead of filling /tmp.
+SPILL_LIMIT = "8GiB"
 _STORE_COUNTER = itertools.count()
 
 
@@ -296,7 +299,12 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
     spill = _spill_dir()
     limit = os.environ.get("SPECPROXY_ANALYSIS_MEMORY") or MEMORY_LIMIT
     try:
-        conn = duckdb.connect(":memory:", config={"memory_limit": limit, "temp_directory": str(spill)})
+        config: dict[str, str | bool | int | float | list[str]] = {
+            "memory_limit": limit,
+            "temp_directory": str(spill),
+            "max_temp_directory_size": SPILL_LIMIT,
+        }
+        conn = duckdb.connect(":memory:", config=config)
     except duckdb.Error as exc:
         raise StoreError(f"cannot start the analysis database (memory limit {limit!r}?): {exc}") from exc
     try:
@@ -319,8 +327,24 @@ def open_store(paths: Sequence[str | Path]) -> SpanStore:
 
 
 def _spill_dir() -> Path:
-    """A folder of its own for each store (DuckDB creates it only if it spills; close() removes it)."""
-    return Path(tempfile.gettempdir()) / f"specproxy-analysis-{os.getpid()}-{next(_STORE_COUNTER)}"
+    """A folder of its own for each store (DuckDB creates it only if it spills; close() removes it).
+    Folders left by a process that is gone (killed mid-query, so close() never ran) are removed first."""
+    tmp = Path(tempfile.gettempdir())
+    for old in tmp.glob("specproxy-analysis-*-*"):
+        pid = old.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tmp / f"specproxy-analysis-{os.getpid()}-{next(_STORE_COUNTER)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 Columns = dict[str, dict[str, str]]  # table → column → DuckDB type, in column order

@@ -18,7 +18,9 @@ from datetime import datetime
 from operator import attrgetter
 from typing import Any, Literal, get_args, get_type_hints
 
-Status = Literal["ok", "http_error", "upstream_error", "timeout", "client_cancelled", "dropped"]
+Status = Literal[
+    "ok", "http_error", "upstream_error", "timeout", "client_cancelled", "proxy_shutdown", "dropped"
+]
 # Where a span's speculation figures came from: reported by the engine for the request (one value per
 # engine format), estimated from the stream's shape (reliable or not), unknown for an arm that
 # speculates without either, none for an arm that does not speculate. See proxy/upstream/acceptance.py.

@@ -46,7 +46,8 @@ class BackendConfig:
     spec_metrics: bool = False  # attach metrics.speculative_decoding (k = tokens_per_chunk - 1)
     diverge_at: int | None = None  # token index from which this backend's output differs
     # "http500" | "http429" | "reset" (after 2 chunks) | "stall" (silent after 2 chunks) | "hang" | "garbage"
-    # | "echo400" (a 400 quoting the request, like vLLM's validation errors)
+    # | "echo400" (a 400 quoting the request, like vLLM's validation errors) | "endless_event" (after 2
+    # chunks, 20 MB of one `data:` event without its end, then silence)
     fail: str | None = None
     fail_requests: int = 0  # with fail: only the first this many requests fail (0: every one)
     # Added to every /v1/ response (an engine's own headers: Cache-Control, X-*, Retry-After with a 429).
@@ -306,6 +307,15 @@ async def _generate(
             request.transport.close()
             return resp
         if cfg.fail == "stall" and si == 2:
+            await asyncio.sleep(3600)
+        if cfg.fail == "endless_event" and si == 2:  # 20 MB of one event that never ends
+            try:
+                await resp.write(b"data: ")
+                for _ in range(320):
+                    await resp.write(b"x" * 65536)
+            except ConnectionError:  # the proxy cut the stream (its event cap): expected, no traceback
+                stats.cancelled += 1
+                return resp
             await asyncio.sleep(3600)
         done += len(step)
         text = "".join(token_text(t) for t in step)

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from specproxy.proxy.replay.formats import read_items
-from specproxy.proxy.server.app import ClientRelay
+from specproxy.proxy.server.client_relay import ClientRelay
 from specproxy.proxy.upstream.calls import upstream_request_id
 from tests.backends import BackendConfig, RunningBackend, running_backend
 from tests.proxies import running_proxy, spans, wait_for_calls

@@ -18,7 +18,13 @@ from specproxy.proxy.upstream.calls import (
     new_record,
     upstream_request_id,
 )
-from specproxy.proxy.upstream.sse import CompletionTap, SSEParser
+from specproxy.proxy.upstream.sse import (
+    MAX_EVENT_BYTES,
+    CompletionTap,
+    EventTooLarge,
+    MalformedEvent,
+    SSEParser,
+)
 from specproxy.proxy.upstream.wire import UpstreamClient
 from tests.backends import BackendConfig, running_backend, token_ids_for, token_text
 from tests.support import free_port, wait_until
@@ -45,6 +51,29 @@ def test_sse_parser_flushes_truncated_event() -> None:
     assert p.feed(b"data: 1\n\ndata: 2")[0].data == b"1"
     assert p.pending == 7
     assert [e.data for e in p.flush()] == [b"2"]
+
+
+def test_sse_parser_is_linear_in_an_event_held_across_many_reads() -> None:
+    # 12 MiB in 1 KiB reads: a parser that rescans or copies what it holds does ~70 GB of work here
+    # and runs into the test's timeout; one that scans each read once takes a fraction of a second.
+    p = SSEParser()
+    assert p.feed(b"data: " + b"x" * 1018) == []
+    for _ in range(12 * 1024 - 1):
+        assert p.feed(b"x" * 1024) == []
+    assert p.pending == 12 * 1024 * 1024
+    events = p.feed(b"\r\n\r\ndata: [DONE]\n\n")
+    assert [len(e.data or b"") for e in events] == [12 * 1024 * 1024 - 6, 6]
+
+
+def test_sse_parser_cuts_an_event_over_its_cap() -> None:
+    p = SSEParser()
+    assert [e.data for e in p.feed(b"data: 1\n\n")] == [b"1"]
+    p.feed(b"data: ")
+    with pytest.raises(EventTooLarge, match=f"event over {MAX_EVENT_BYTES} bytes"):
+        for _ in range(MAX_EVENT_BYTES // 65536 + 1):
+            p.feed(b"y" * 65536)
+    assert p.pending == 0
+    assert isinstance(EventTooLarge("x"), MalformedEvent)  # an upstream error, like any bad event
 
 
 def _chunk(text: str, **extra: Any) -> bytes:

@@ -33,7 +33,15 @@ def test_fields_match_the_store_columns_types_and_constraints() -> None:
     assert list(described) == list(COLUMNS)
     assert {name for name, (sql, _) in described.items() if sql == "BIGINT"} == BIGINT_FIELDS
     assert {name for name, (_, nullable) in described.items() if nullable == "NO"} == REQUIRED_FIELDS
-    assert STATUSES == ("ok", "http_error", "upstream_error", "timeout", "client_cancelled", "dropped")
+    assert STATUSES == (
+        "ok",
+        "http_error",
+        "upstream_error",
+        "timeout",
+        "client_cancelled",
+        "proxy_shutdown",
+        "dropped",
+    )
 
 
 def test_a_record_that_fits_is_left_alone() -> None:

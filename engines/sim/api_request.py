@@ -19,6 +19,7 @@ from specproxy.engines.sim.text import (
 
 CATEGORY_HEADER = "X-Specproxy-Category"
 MAX_TOP_LOGPROBS = 20
+MAX_N = 256  # choices of one request, without --max-num-seqs (vLLM's default max_num_seqs)
 
 
 class BadRequest(Exception):
@@ -65,6 +66,22 @@ def _int_field(body: dict[str, Any], name: str, default: int | None) -> int | No
     if not isinstance(value, int) or isinstance(value, bool):
         raise BadRequest(f"{name} must be an integer, got {value!r}.", param=name)
     return value
+
+
+def _n_field(config: SimConfig, body: dict[str, Any]) -> int:
+    """``n``, at least 1 (vLLM's rule) and at most one batch of sequences (the simulator's: each choice
+    is a sequence the engine holds, and a request of 2**31 would hold the process's memory)."""
+    n = _int_field(body, "n", 1)
+    if n is None:
+        return 1  # (n: null, as OpenAI clients may send)
+    if n < 1:
+        raise BadRequest(f"n must be at least 1, got {n}.", param="n")
+    limit = config.max_num_seqs or MAX_N
+    if n > limit:
+        raise BadRequest(
+            f"n must be at most {limit} (the most sequences the engine runs at once), got {n}.", param="n"
+        )
+    return n
 
 
 def message_text(content: Any) -> str:
@@ -177,9 +194,7 @@ def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat
         raise BadRequest(f"temperature must be non-negative, got {temperature}.", param="temperature")
     # Unset temperature means the model's generation config (Llama-3.1: 0.6), i.e. sampling, as in vLLM.
     greedy = temperature is not None and float(temperature) < 1e-5
-    n = _int_field(body, "n", 1)
-    if n is not None and n < 1:
-        raise BadRequest(f"n must be at least 1, got {n}.", param="n")
+    n = _n_field(config, body)
     if n is not None and n > 1 and greedy:
         raise BadRequest(f"n must be 1 when using greedy sampling, got {n}.", param="n")
     max_tokens = _int_field(body, "max_completion_tokens", None) if chat else None

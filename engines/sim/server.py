@@ -377,8 +377,12 @@ async def _internal_errors(request: web.Request, handler: Any) -> web.StreamResp
         return response
     except web.HTTPException:
         raise
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         raise
+    except ConnectionResetError:
+        # The client left (aiohttp's ClientConnectionResetError is one; the handler has aborted its
+        # sequences): nobody to answer, nothing wrong to log. aiohttp drops this response quietly.
+        return web.Response(status=499)
     except Exception as exc:
         log.exception("simulator error on %s", request.path)
         return error_response(f"Internal simulator error: {exc!r}", 500, "InternalServerError")

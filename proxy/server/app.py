@@ -38,22 +38,21 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.health import read_sim_clocks
 from specproxy.proxy.identity import is_comparable
 from specproxy.proxy.server.capture import CaptureWriter
+from specproxy.proxy.server.client_relay import ClientRelay
 from specproxy.proxy.server.errors import (
     Handler,
-    error_body,
     json_http_exceptions,
     openai_error,
     openai_errors,
@@ -61,10 +60,11 @@ from specproxy.proxy.server.errors import (
 from specproxy.proxy.server.headers import request_headers_for_arms, response_headers_for_client
 from specproxy.proxy.server.health import PhaseKey, ServeHealth
 from specproxy.proxy.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from specproxy.proxy.server.metrics import ProxyMetrics
+from specproxy.proxy.server.metrics import METRICS, ProxyMetrics
 from specproxy.proxy.server.readiness import Readiness, SinkCounts
 from specproxy.proxy.server.routing import ArmRouter, Copy
 from specproxy.proxy.server.shadow import IdentityPair, ShadowDispatcher
+from specproxy.proxy.server.shutdown import ProxyCut, ShutdownCutter
 from specproxy.proxy.server.validate import ClientRequest, Rejected, expect_handler, read_request
 from specproxy.proxy.spans.sink import DEFAULT_MEMORY_LIMIT, SpanSink
 from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, TraceParent, client_trace_context, new_trace_id
@@ -76,7 +76,6 @@ from specproxy.proxy.upstream.calls import (
     call_arm,
     new_record,
 )
-from specproxy.proxy.upstream.relay import ClientGone
 from specproxy.proxy.upstream.scrape import EngineLoad, MetricsScraper
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint
 from specproxy.proxy.upstream.stacks import arm_auth, arm_stacks
@@ -127,6 +126,7 @@ class ProxyState:
     engine_load: dict[str, EngineLoad] = field(default_factory=dict)
     scraper: MetricsScraper | None = None  # None: --no-scrape
     readiness: Readiness | None = None
+    cutter: ShutdownCutter = field(default_factory=ShutdownCutter)  # primary calls, cut at grace's end
 
     def finish(self, record: SpanRecord, parent: TraceParent | None = None) -> None:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
@@ -139,87 +139,6 @@ class ProxyState:
 
 
 STATE = web.AppKey("specproxy_state", ProxyState)
-
-
-class ClientRelay:
-    """Writes an upstream response to the client: SSE as it arrives, anything else in one piece.
-
-    A stream's bytes go straight to the client's socket from the upstream connection's read callback
-    (see :class:`~specproxy.proxy.upstream.relay.Relay`): aiohttp sends the headers and, at the end, the last
-    chunk; in between this class frames each piece as an HTTP chunk itself, since a coroutine per
-    relayed token (``StreamResponse.write``) costs more CPU than everything else the proxy does for it.
-    """
-
-    __slots__ = ("request", "own", "headers", "response", "writer", "chunked", "status", "parts")
-
-    def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
-        self.request = request
-        self.own = headers  # the proxy's headers (request id, arm)
-        self.headers: CIMultiDict[str] = CIMultiDict()  # the response's: the arm's, then the proxy's
-        self.response: web.StreamResponse | None = None
-        self.writer: AbstractStreamWriter | None = None
-        self.chunked = False
-        self.status = 0
-        self.parts: list[bytes] = []
-
-    async def start(self, status: int, content_type: str, headers: Sequence[tuple[str, str]] = ()) -> None:
-        self.status = status
-        self.headers = response_headers_for_client(headers)
-        self.headers.update(self.own)
-        self.headers["Content-Type"] = content_type  # as the backend sent it, parameters and all
-        if content_type.split(";", 1)[0].strip().lower() == "text/event-stream":
-            self.headers.setdefault("Cache-Control", "no-cache")
-            resp = web.StreamResponse(status=status, headers=self.headers)
-            if self.request.version >= aiohttp.HttpVersion11:
-                resp.enable_chunked_encoding()  # (an HTTP/1.0 client gets the body until close)
-            writer = await resp.prepare(self.request)
-            assert writer is not None
-            writer.send_headers()  # aiohttp holds them for the first write(), which send() bypasses
-            self.response, self.writer, self.chunked = resp, writer, resp.chunked
-
-    def send(self, data: bytes) -> bool:
-        if self.response is None:
-            self.parts.append(data)
-            return False
-        if not data:
-            return False  # (an empty chunk would end the body)
-        protocol = self.request.protocol
-        transport = protocol.transport
-        if transport is None or transport.is_closing():
-            raise ClientGone()
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-        return protocol.writing_paused
-
-    async def drain(self) -> None:
-        if self.writer is not None:
-            await self.writer.drain()
-
-    async def finish(self, result: CallResult | None) -> web.StreamResponse:
-        """The response to return from the handler, completing a stream or building a plain one."""
-        rec = result.record if result is not None else None
-        gone = result is not None and result.client_gone
-        if self.response is not None:
-            if rec is not None and not gone and rec.status not in ("ok", "http_error"):
-                # A failure mid-stream: tell the client in the stream (the OpenAI client raises on it),
-                # then end the stream cleanly.
-                status = 504 if rec.status == "timeout" else 502
-                msg = f"upstream {rec.arm} failed mid-stream: {rec.error or rec.status}"
-                try:
-                    await self.response.write(b"data: " + error_body(status, msg) + b"\n\n")
-                except ConnectionError:  # (aiohttp's ClientConnectionResetError is one)
-                    pass
-            try:
-                await self.response.write_eof()
-            except ConnectionError:  # (aiohttp's ClientConnectionResetError is one)
-                pass
-            return self.response
-        if self.status:
-            return web.Response(status=self.status, body=b"".join(self.parts), headers=self.headers)
-        if rec is not None and rec.status == "timeout":
-            return openai_error(504, f"upstream {rec.arm} timed out: {rec.error}", headers=self.own)
-        arm = rec.arm if rec is not None else "?"
-        error = rec.error if rec is not None else "no response"
-        return openai_error(502, f"upstream {arm} failed: {error}", headers=self.own)
 
 
 async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -253,6 +172,9 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         result = await _call_primary(st, primary, checked.body, to_arms, endpoint, record, relay, tap)
         if st.health is not None:
             st.health.queued(primary.name, result.t_send - handed_over)
+        return await relay.finish(result)
+    except ProxyCut:  # the shutdown grace ran out (the span says proxy_shutdown)
+        result = CallResult(record=record, tap=tap, relay_started=relay.response is not None)
         return await relay.finish(result)
     except Exception:
         if relay.response is None:
@@ -289,7 +211,7 @@ async def _call_primary(
 ) -> CallResult:
     """The call that serves the client, relayed to it as it arrives."""
     assert st.client is not None
-    return await call_arm(
+    call = call_arm(
         st.client,
         primary,
         body,
@@ -302,6 +224,7 @@ async def _call_primary(
         capture_output=st.capture is not None,
         tap=tap,
     )
+    return await st.cutter.run(call, record)
 
 
 def _capture_request(
@@ -592,6 +515,7 @@ def create_app(settings: ProxySettings) -> web.Application:
         middlewares.append(_auth_middleware(settings.api_key))
     app = web.Application(client_max_size=exp.max_body_bytes, middlewares=middlewares)
     app[STATE] = state
+    app[METRICS] = state.metrics
     expect = expect_handler(exp.max_body_bytes)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
     app.router.add_post("/v1/completions", completions, expect_handler=expect)
@@ -740,4 +664,6 @@ async def _capture(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _mark_shutdown(app: web.Application) -> None:
-    app[STATE].shutdown_started = time.monotonic()
+    st = app[STATE]
+    st.shutdown_started = time.monotonic()
+    st.cutter.start(st.settings.experiment.shutdown_grace_s)

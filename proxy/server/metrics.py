@@ -10,6 +10,8 @@
     specproxy_upstream_duration_seconds{arm,route}       whole upstream call
     specproxy_span_queue_depth, specproxy_spans_dropped_total, specproxy_spans_written_total
     specproxy_client_errors_total{status}                requests refused by the proxy (400, 401, 413)
+    specproxy_client_connections_refused_total           connections answered 503 at the connection cap
+    specproxy_client_connections_closed_idle_total       idle connections closed to make room at the cap
 
 Label children are cached: the hot path pays one dict lookup, not prometheus_client's label parsing.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -43,6 +46,7 @@ class _LiveValues(Collector):
         self._inflight = inflight
         self._arm_urls = arm_urls
         self.sink_stats = sink_stats
+        self.connection_stats: Callable[[], tuple[int, int]] | None = None
 
     def collect(self) -> Iterator[Any]:
         g = GaugeMetricFamily("specproxy_inflight", "Upstream calls in flight now.", labels=["arm"])
@@ -59,6 +63,18 @@ class _LiveValues(Collector):
             )
             yield CounterMetricFamily(
                 "specproxy_spans_written", "Spans written to the span store.", value=written
+            )
+        if self.connection_stats is not None:
+            closed_idle, refused = self.connection_stats()
+            yield CounterMetricFamily(
+                "specproxy_client_connections_refused",
+                "Client connections answered 503 at the connection cap.",
+                value=refused,
+            )
+            yield CounterMetricFamily(
+                "specproxy_client_connections_closed_idle",
+                "Idle client connections closed to make room at the connection cap.",
+                value=closed_idle,
             )
 
 
@@ -118,6 +134,10 @@ class ProxyMetrics:
         """Report the span sink's (queue depth, dropped, written) from now on."""
         self._live.sink_stats = sink_stats
 
+    def watch_connections(self, connection_stats: Callable[[], tuple[int, int]]) -> None:
+        """Report the client connections (closed idle, refused) at the cap from now on."""
+        self._live.connection_stats = connection_stats
+
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (metric._name, *labels)
         child = self._children.get(key)
@@ -145,3 +165,7 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# The app's metrics, for what serves its connections (the connection cap counts its refusals there).
+METRICS = web.AppKey("specproxy_metrics", ProxyMetrics)

@@ -4,7 +4,7 @@
 timeouts, so a slow or dead arm cannot delay, alter or fail the client's response. Each arm has a bound
 on copies in flight (``max_shadow_inflight``); over it the copy is not sent and its span says
 ``dropped``. Every copy's span is emitted exactly once, when the copy ends (also when it is cancelled
-at shutdown, then with status ``client_cancelled``).
+at shutdown, then with status ``proxy_shutdown``).
 
 :class:`IdentityPair` joins a candidate's output with the baseline's output of the same request: the
 side that finishes first waits (in a background task, never in the client's path) for the other.
@@ -159,8 +159,8 @@ class ShadowDispatcher:
                 else:
                     await pair.check(result)
         except asyncio.CancelledError:
-            if result is None:  # cancelled mid-call (call_arm said client_cancelled); else only the wait
-                record.error = "cancelled at shutdown"
+            if result is None and record.status == "client_cancelled":  # cancelled mid-call, by the proxy
+                record.status, record.error = "proxy_shutdown", "cut by the proxy's shutdown (shadow copy)"
             raise
         except Exception:
             # call_arm never raises for upstream trouble; this is a bug, and it must not go unseen.

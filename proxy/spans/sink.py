@@ -60,6 +60,7 @@ from specproxy.proxy.spans.export_config import (
     otlp_target,
     span_export,
 )
+from specproxy.proxy.spans.failures import WriteFailures, close_store
 from specproxy.proxy.spans.pending import PendingWrites
 from specproxy.proxy.spans.rows import BackendMetricRow, HealthRow, epoch_ns, insert_backend_metrics
 from specproxy.proxy.spans.store import (
@@ -111,6 +112,7 @@ class SpanSink:
         self._written = 0
         self._metric_rows_written = 0
         self._failed = 0
+        self._failures = WriteFailures(self.db_path or "the span store")  # its log lines
         self._conn: Any = None
         self._runs: RunRows | None = None  # the runs and health rows, on the main connection
         self._thread: threading.Thread | None = None
@@ -300,7 +302,7 @@ class SpanSink:
                 )
                 return
         if self._runs is not None:
-            self._runs.close()
+            close_store(self._runs.conn, self._failures)
             self._conn = self._runs = None
         # After the file is released: an unreachable collector retries for up to its timeout (10 s).
         if self._export is not None:
@@ -361,13 +363,7 @@ class SpanSink:
         self._written += written[0]
         if errors:
             self._failed += len(errors)
-            log.error(
-                "%d of %d spans could not be written to %s (dropped): %s",
-                len(errors),
-                len(rows),
-                self.db_path,
-                errors[0],
-            )
+            self._failures.failed(len(errors), len(rows), errors[0])
 
     def _require_started(self) -> None:
         if self._thread is None:

@@ -57,6 +57,14 @@ class MalformedEvent(ValueError):
 # What a field of the wrong type raises while a chunk is read; the tap turns each into `malformed`.
 _SHAPE_ERRORS = (MalformedEvent, TypeError, ValueError, AttributeError, KeyError, OverflowError)
 
+# Past this many bytes without the blank line that ends it, an event is not one an engine sends (vLLM's
+# largest, a first chunk carrying a 1M-token prompt's ids, is under 8 MiB): the stream is cut.
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+class EventTooLarge(MalformedEvent):
+    """An event grew past :data:`MAX_EVENT_BYTES` without its end."""
+
 
 @dataclass(slots=True)
 class SSEEvent:
@@ -70,57 +78,111 @@ class SSEEvent:
 
 
 class SSEParser:
-    """Incremental SSE splitter. ``feed(bytes) -> [SSEEvent]``; call :meth:`flush` at end of stream."""
+    """Incremental SSE splitter. ``feed(bytes) -> [SSEEvent]``; call :meth:`flush` at end of stream.
 
-    __slots__ = ("_buf",)
+    Linear in what it is fed: each read is normalised and scanned once, with ``memchr`` (a search for
+    the two-byte separator costs some forty times more on bytes without one), and never rescanned. The
+    reads of an event not yet ended are kept as pieces of at least 4 KiB (small reads gathered in one
+    buffer first) and joined once, when it ends: no copy per read of what is held, and few objects
+    however small the reads. An event longer than ``max_event`` bytes raises :class:`EventTooLarge`.
+    """
 
-    def __init__(self) -> None:
-        self._buf = b""
+    __slots__ = ("_parts", "_tail", "_held", "_cr", "max_event")
+
+    def __init__(self, max_event: int = MAX_EVENT_BYTES) -> None:
+        self._parts: list[bytes] = []  # the event not yet ended: pieces of at least _PIECE bytes...
+        self._tail = bytearray()  # ...then the small reads since
+        self._held = 0  # bytes in both
+        self._cr = False  # the last read ended with a CR: a LF at the start of the next one is its pair
+        self.max_event = max_event
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if self._cr:
+            self._cr = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        if b"\r" in chunk:
+            # CRLF or bare CR line endings (allowed by the SSE spec); vLLM sends plain LF. A CR at the
+            # very end may be the first half of a CRLF split across reads: the LF is dropped next feed.
+            self._cr = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         if (
-            not self._buf
+            not self._held
             and chunk.startswith(b"data: ")
             and chunk.endswith(b"\n\n")
             and chunk.find(b"\n") == len(chunk) - 2
-            and b"\r" not in chunk
         ):
             # The common read: exactly one one-line `data: {...}` event (how vLLM flushes a chunk).
             return [SSEEvent(chunk, chunk[6:-2])]
-        buf = self._buf + chunk if self._buf else chunk
-        held = b""
-        if b"\r" in buf:
-            # CRLF or bare CR line endings (allowed by the SSE spec); vLLM sends plain LF. A CR at the
-            # very end may be the first half of a CRLF split across reads: keep it for the next feed.
-            if buf.endswith(b"\r"):
-                buf, held = buf[:-1], b"\r"
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         events: list[SSEEvent] = []
-        start = 0
+        start = pos = 0
+        if self._held and chunk.startswith(b"\n") and self._ends_with_lf():
+            # The separator straddles the two reads.
+            self._emit(events, self._take(b"")[:-1])
+            start = pos = 1
         while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
+            nl = chunk.find(b"\n", pos)
+            if nl < 0 or nl + 1 >= len(chunk):
                 break
-            block = buf[start:end]
-            start = end + 2
-            if block:
-                # Inlined fast path of _data_of: the one-line `data: {...}` event vLLM sends.
-                if block.startswith(b"data: ") and b"\n" not in block:
-                    events.append(SSEEvent(buf[start - 2 - len(block) : start], block[6:]))
-                else:
-                    events.append(SSEEvent(block + b"\n\n", _data_of(block)))
-        self._buf = buf[start:] + held
+            if chunk[nl + 1] != 10:  # (10: LF) a line ends, not the event
+                pos = nl + 1
+                continue
+            block = chunk[start:nl]
+            self._emit(events, self._take(block) if self._held else block)
+            start = pos = nl + 2
+        if start < len(chunk):
+            self._hold(chunk[start:] if start else chunk)
+        if self._held > self.max_event:
+            self._parts.clear()
+            self._tail.clear()
+            self._held = 0
+            raise EventTooLarge(f"event over {self.max_event} bytes")
         return events
+
+    def _hold(self, piece: bytes) -> None:
+        tail = self._tail
+        if len(piece) >= _PIECE:
+            if tail:
+                self._parts.append(bytes(tail))
+                tail.clear()
+            self._parts.append(piece)
+        else:
+            tail += piece
+            if len(tail) >= _PIECE:
+                self._parts.append(bytes(tail))
+                tail.clear()
+        self._held += len(piece)
+
+    def _ends_with_lf(self) -> bool:
+        return self._tail.endswith(b"\n") if self._tail else self._parts[-1].endswith(b"\n")
+
+    def _take(self, last: bytes) -> bytes:
+        """What is held, then ``last``, as one piece; nothing is held after."""
+        block = b"".join((*self._parts, self._tail, last))
+        self._parts.clear()
+        self._tail.clear()
+        self._held = 0
+        return block
+
+    @staticmethod
+    def _emit(events: list[SSEEvent], block: bytes) -> None:
+        if block:
+            data = block[6:] if block.startswith(b"data: ") and b"\n" not in block else _data_of(block)
+            events.append(SSEEvent(block + b"\n\n", data))
 
     def flush(self) -> list[SSEEvent]:
         """The last event when the stream ended without its blank line (a truncated stream)."""
-        block, self._buf = self._buf.replace(b"\r", b"\n").strip(b"\n"), b""
+        block = self._take(b"").strip(b"\n")
+        self._cr = False
         return [SSEEvent(block + b"\n\n", _data_of(block))] if block else []
 
     @property
     def pending(self) -> int:
         """Bytes held back waiting for the end of an event."""
-        return len(self._buf)
+        return self._held
+
+
+_PIECE = 4096  # (see SSEParser: the smallest piece of a held event kept on its own)
 
 
 def _data_of(block: bytes) -> bytes | None:
@@ -343,7 +405,7 @@ class CompletionTap:
         if obj.get("metrics"):
             self._take_metrics(obj["metrics"])
         self._take_extras(obj)
-        for choice in _list_or_none(obj.get("choices"), "choices") or ():
+        for choice in _body_choices(obj):
             if not isinstance(choice, dict):
                 raise MalformedEvent("a choice is not an object")
             self._take_choice_extras(choice)
@@ -527,6 +589,14 @@ def _engine_signal(obj: dict[str, Any]) -> str | None:
     if isinstance(model, str) and model.lower().endswith(".gguf"):
         return "llamacpp"  # llama-cpp-python's server names the model by its GGUF path
     return None
+
+
+def _body_choices(obj: dict[str, Any]) -> list[Any]:
+    """A whole response's choices: a completion has a list of them (``{}`` is not a completion)."""
+    choices = _list_or_none(obj.get("choices"), "choices")
+    if choices is None:
+        raise MalformedEvent("the body has no choices")
+    return choices
 
 
 def _int_or_none(v: Any) -> int | None:

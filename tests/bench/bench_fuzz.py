@@ -26,6 +26,13 @@ Three parts, each printing a table; the process exits non-zero when a target is 
    the next tick when closed, against a proxy whose file limit is 1024; a good request every 0.2 s
    for 20 s must be answered. Targets: every good request answered, no traceback or ERROR line.
 
+5. **An endless event.** ``--mode huge-event`` runs only this part (``all``, the default, runs 1-4):
+   a proxy whose shadow candidate sends, after two chunks, 20 MB of one ``data:`` event without its
+   end, against one whose candidate is healthy, in ``--rounds`` interleaved rounds of 4 streaming
+   clients for ``--seconds``, /health probed every 50 ms meanwhile. Targets: the baseline's p50 TTFT
+   at most 10 % above the healthy-candidate run (paired by round), 0 client errors, the copies cut as
+   ``event over 16777216 bytes``, 0 tracebacks.
+
 Backends (tests/backends.py) run in one helper process, proxies in their own processes, the load
 generator here: all share this machine, so TTFTs are noisy; read them against the same run's healthy
 row. Say what the load was (``uptime``) with the figures.
@@ -74,6 +81,7 @@ KINDS: dict[str, dict[str, Any] | None] = {
     "garbage_sse": {"script": (GOOD_CHUNK, b'{"choices": "abc"}')},
     "wrong_type": {"script": (b"<html>oops</html>",), "content_type": "text/html"},
     "wrong_shape": {"script": (b'{"choices": [null]}',)},
+    "endless_event": {"fail": "endless_event"},
 }
 
 
@@ -630,6 +638,7 @@ EXPECTED_BASELINE = {  # kind -> (plain status, stream outcome, span statuses)
     "garbage_sse": ("502", "200 error event", {"upstream_error"}),
     "wrong_type": ("502", "502", {"upstream_error"}),
     "wrong_shape": ("502", "200 error event", {"upstream_error"}),
+    "endless_event": ("200", "200 error event", {"ok", "upstream_error"}),
 }
 
 
@@ -747,6 +756,74 @@ async def run_slowloris(workdir: Path, ports: dict[str, int], attackers: int, se
     )
 
 
+# -- part 5: a candidate sending one endless event -------------------------------------------------
+
+
+async def health_probe(url: str, stop: asyncio.Event) -> list[float]:
+    """/health latencies, one probe every 50 ms until ``stop``."""
+    out: list[float] = []
+    async with aiohttp.ClientSession() as s:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            async with s.get(url + "/health") as r:
+                await r.read()
+            out.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.05)
+    return out
+
+
+async def run_huge_event(workdir: Path, ports: dict[str, int], rounds: int, seconds: float) -> bool:
+    """The healthy baseline's streaming calls and /health with a shadow candidate that sends 20 MB of
+    one event without its end, against the same with a healthy candidate (interleaved rounds)."""
+    base = f"http://127.0.0.1:{ports['healthy']}"
+    kinds = ("healthy2", "endless_event")
+    proxies = {
+        k: start_proxy(workdir, f"huge_{k}", base, f"http://127.0.0.1:{ports[k]}", shadow_timeout_s=30)
+        for k in kinds
+    }
+    ttfts: dict[str, list[float]] = {k: [] for k in kinds}
+    medians: dict[str, list[float]] = {k: [] for k in kinds}
+    health: dict[str, list[float]] = {k: [] for k in kinds}
+    errors: Counter[str] = Counter()
+    try:
+        for p in proxies.values():
+            await asyncio.to_thread(wait_http, p.url + "/health", 90.0, p.proc)
+        for r in range(rounds):
+            for k in kinds[r % 2 :] + kinds[: r % 2]:
+                await closed_loop(proxies[k].url, 0.3, 1, "warm")
+                stop = asyncio.Event()
+                probe = asyncio.create_task(health_probe(proxies[k].url, stop))
+                t, e = await closed_loop(proxies[k].url, seconds, 4, f"h{r}")
+                stop.set()
+                health[k] += await probe
+                ttfts[k] += t
+                medians[k].append(statistics.median(t) if t else float("nan"))
+                errors[k] += e
+    finally:
+        for p in proxies.values():
+            stop_proxy(p)
+    with duckdb.connect(str(proxies["endless_event"].db), read_only=True) as con:
+        row = con.execute("SELECT count(*) FROM requests WHERE error LIKE 'event over % bytes'").fetchone()
+    cut = int(row[0]) if row else 0
+    print(f"\n## A shadow candidate sending 20 MB of one endless event: {rounds} rounds x {seconds:g} s")
+    print(f"{'candidate':<14} {'calls':>6} {'p50 TTFT ms':>11} {'/health p50 ms':>14} {'/health max ms':>14}")
+    for k in kinds:
+        h = health[k] or [float("nan")]
+        print(f"{k:<14} {len(ttfts[k]):>6} {statistics.median(ttfts[k]) * 1000:>11.2f} "
+              f"{statistics.median(h) * 1000:>14.2f} {max(h) * 1000:>14.2f}")  # fmt: skip
+    pairs = zip(medians["endless_event"], medians["healthy2"], strict=True)
+    paired = statistics.median(m / h - 1 for m, h in pairs)
+    print(f"paired p50 TTFT vs the healthy candidate: {paired * 100:+.1f} % (target at most +10 %)")
+    return print_checks(
+        [
+            ("p50 TTFT above the clean run by more than 10 %", int(paired > 0.10), 0),
+            ("client errors", errors["endless_event"] + errors["healthy2"], 0),
+            (f"no shadow span cut as 'event over N bytes' ({cut} were)", int(cut == 0), 0),
+            ("tracebacks in the proxy logs", sum(log_problems(p.log)[0] for p in proxies.values()), 0),
+        ]
+    )
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
 
@@ -757,6 +834,8 @@ async def run(args: argparse.Namespace) -> bool:
         with tempfile.TemporaryDirectory(prefix="bench_fuzz_") as tmp:
             workdir = Path(args.workdir or tmp)
             workdir.mkdir(parents=True, exist_ok=True)
+            if args.mode == "huge-event":
+                return await run_huge_event(workdir, ports, args.rounds or 3, args.seconds)
             ok = await run_fuzz(workdir, ports, args.requests, args.seed, poison=not args.no_poison)
             if args.rounds:
                 ok = await run_candidates(workdir, ports, args.rounds, args.seconds) and ok
@@ -780,6 +859,12 @@ def main() -> None:
     ap.add_argument("--slowloris", type=int, default=1100, help="slowloris connections in part 4 (0: skip)")
     ap.add_argument(
         "--no-poison", action="store_true", help="no integers beyond the span store's columns in bodies"
+    )
+    ap.add_argument(
+        "--mode",
+        choices=("all", "huge-event"),
+        default="all",
+        help="huge-event: only part 5 (a shadow candidate sending one endless 20 MB event)",
     )
     ap.add_argument("--workdir", default=None, help="keep configs, logs and span stores here")
     ap.add_argument("--host-backends", default=None, help=argparse.SUPPRESS)
