@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -305,13 +304,6 @@ def test_same_seed_same_intervals_on_a_parallel_scan(tmp_path: Path) -> None:
 
 def test_out_of_memory_is_a_sentence(tmp_path: Path) -> None:
     path = generate_sql(tmp_path / "big.duckdb", 400_000, levels=(1, 8))
-    result = subprocess.run(
-        [sys.executable, "-m", "specproxy", "analyze", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "SPECPROXY_ANALYSIS_MEMORY": "20MB"},
-    )
+    result = cli("analyze", str(path), env={"SPECPROXY_ANALYSIS_MEMORY": "20MB"})
     assert result.returncode == 1, result.stdout
     assert "SPECPROXY_ANALYSIS_MEMORY=8GB" in result.stderr and "Traceback" not in result.stderr

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.support import free_port, start_cli, stop, wait_http
+from tests.support import free_port, run_cli, start_cli, stop, wait_http
 
 
 def test_sim_subprocess_serves_and_stops() -> None:
@@ -89,21 +87,14 @@ def _post_time_scale(port: int, value: float) -> tuple[int, float | None]:
     ],
 )
 def test_bad_flags_exit_with_a_sentence(args: list[str], message: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "specproxy", "sim", "--port", "0", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = run_cli("sim", "--port", "0", *args)
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_help_lists_every_option() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "specproxy", "sim", "--help"], capture_output=True, text=True, timeout=30
-    )
+    result = run_cli("sim", "--help")
     for flag in (
         "--method",
         "--num-speculative-tokens",
