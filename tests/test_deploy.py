@@ -315,3 +315,14 @@ def test_the_image_smoke_tests_what_it_installed() -> None:
     assert (ROOT / ".ci" / "cli_smoke.py").is_file()
     allowed = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
     assert {"!.ci/cli_smoke.py", "!LICENSE"} <= set(allowed)
+
+
+def test_the_readme_arm_fields_are_ones_the_experiment_file_takes() -> None:
+    """deploy/README.md's advice names arm fields (`name = value`); an experiment file with them loads."""
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    fields = re.findall(r"give the arm\s+`(\w+ = \w+)`", text)
+    assert fields, "the README no longer names an arm field"
+    arm = "\n".join(field.replace("= N", "= 2") for field in fields)
+    parse_experiment(
+        tomllib.loads(f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://h:1"\n{arm}\n')
+    )
