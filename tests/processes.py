@@ -84,9 +84,10 @@ def run(
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``argv`` run to its end (``subprocess.run(..., capture_output=True, text=True)``), its whole tree
-    stopped on the way out, whatever happened: a deadline past (``subprocess.TimeoutExpired`` with
-    what it printed), a failed assertion, pytest-timeout's interruption. ``timeout`` defaults to the
-    time the test has left (:func:`deadline_s`)."""
+    stopped at once if the wait ends otherwise: a deadline past (``subprocess.TimeoutExpired`` with
+    what it printed), pytest-timeout's interruption. ``timeout`` defaults to the time the test has
+    left (:func:`deadline_s`). What a command that ended leaves running on purpose (`engines up`
+    starts arms that outlive it) is stopped when the test ends."""
     limit = deadline_s(timeout)
     proc = spawn(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -95,8 +96,9 @@ def run(
         end(proc)
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(list(argv), limit, _text(out), _text(err)) from None
-    finally:
+    except BaseException:
         end(proc)
+        raise
     return subprocess.CompletedProcess(list(argv), proc.returncode, _text(out), _text(err))
 
 

@@ -147,7 +147,9 @@ def run_cli(
     )
 
 
-def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start_cli(
+    args: Sequence[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
     """`specproxy ARGS...` as a subprocess (stdout and stderr merged into stdout); :func:`stop` stops
     it and whatever it started, and so does the end of the test if nothing did."""
     return processes.spawn(
@@ -155,6 +157,7 @@ def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subproc
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
 
 
@@ -207,7 +210,7 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> str:
     """SIGTERM to it and whatever it started, SIGKILL after ``timeout`` if needed; returns the
     process's output."""
     processes.end(proc, grace_s=timeout)
-    if proc.stdout is None:
+    if proc.stdout is None or proc.stdout.closed:  # (none, or stopped before)
         return ""
     # Close the pipe: an unclosed one is a ResourceWarning, and warnings fail tests here.
     with proc.stdout:

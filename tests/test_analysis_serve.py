@@ -54,7 +54,7 @@ url = "{sims["baseline"]}"
 [[arms]]
 name = "ngram"
 url = "{sims["ngram"]}"
-speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
+speculative = {{ method = "ngram", num_speculative_tokens = 5, prompt_lookup_min = 1, prompt_lookup_max = 4 }}
 """)
     return path
 
