@@ -9,12 +9,14 @@ from __future__ import annotations
 import importlib.resources
 import json
 import re
+import shlex
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 try:
@@ -28,6 +30,7 @@ except ModuleNotFoundError as missing:
         allow_module_level=True,
     )
 
+from specproxy.cli import main
 from specproxy.config import load_experiment, parse_experiment
 from specproxy.engines.launch.render import compose_document, render_k8s
 from specproxy.engines.launch.validate import check_experiment
@@ -326,3 +329,19 @@ def test_the_readme_arm_fields_are_ones_the_experiment_file_takes() -> None:
     parse_experiment(
         tomllib.loads(f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://h:1"\n{arm}\n')
     )
+
+
+def test_the_readme_plan_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/README.md's `engines plan` lines, on deploy/experiment.toml as `my-exp.toml`, write the
+    files they name, and those parse as YAML."""
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```bash\n(specproxy engines plan .*?)```", text, re.S)
+    assert block, "the README no longer shows `engines plan`"
+    (tmp_path / "my-exp.toml").write_text((DEPLOY / "experiment.toml").read_text())
+    monkeypatch.chdir(tmp_path)
+    for line in block.group(1).splitlines():
+        argv = shlex.split(line.split("#", 1)[0])
+        done = CliRunner().invoke(main, argv[1:], catch_exceptions=False)
+        assert done.exit_code == 0, (line, done.output)
+        written = tmp_path / argv[argv.index("-o") + 1]
+        assert list(yaml.safe_load_all(written.read_text())), line
