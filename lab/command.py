@@ -265,6 +265,7 @@ def simulated_arms(
             health_timeout_s=60.0,
             engine="sim",
             stack_of=lambda launch: {"engine": "sim", "argv": list(launch.argv)},
+            tied=True,  # the simulators stop with the lab, even when it is killed outright
         )
     except EngineError as exc:
         raise click.ClickException(str(exc)) from None
