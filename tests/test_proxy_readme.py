@@ -120,8 +120,9 @@ def test_readme_replay_example_prints_what_it_shows(tmp_path: Path) -> None:
         )
         done = run_cli(*argv[1:], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    # the summary, after the progress lines (on a terminal, a live display)
+    # each line shown, in that order: progress lines come between them (on a terminal, a live display)
+    # and, on a busy machine, health lines (a simulator behind its clock in a round)
     run_id = re.compile(r"replay-[0-9a-f]{12}")
-    lines = run_id.sub("replay-ID", done.stderr).splitlines()
-    assert lines[-3:] == run_id.sub("replay-ID", shown).splitlines()[-3:], done.stderr
-    assert lines[0] == shown.splitlines()[0], done.stderr
+    printed = iter(run_id.sub("replay-ID", done.stderr).splitlines())
+    missing = [line for line in run_id.sub("replay-ID", shown).splitlines() if line not in printed]
+    assert missing == [], done.stderr
