@@ -269,7 +269,7 @@ def sql(args: tuple[str, ...], fmt: str, timeout: float) -> None:
     """Run QUERY (the last argument) on the span store(s), read-only.
 
     Tables requests, runs, health, backend_metrics and views arm_summary, pairs, identity, acceptance,
-    slo_calls are available; several DB files are queried as their union. Example:
+    slo_calls, latency are available; several DB files are queried as their union. Example:
 
         specproxy sql specproxy.duckdb "SELECT arm, level, agg_tok_s FROM arm_summary"
 

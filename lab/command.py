@@ -96,6 +96,7 @@ SLOWEST_PACED_SCALE = 1 / 4
 # c=256 the lab's one client process reads 5 × 256 streams.
 SLOWEST_CLIENT_PACED_SCALE = 1 / 8
 REPLICA = "replica"
+PORT_BASE_HELP = "The simulated arms listen on ports N, N+1, ... (default 0: free ports the system picks)."
 # Rounds a level may add when too few of its rounds passed every health check. At c=256 of a quick lab
 # on two loaded cores one to three of five rounds failed while the others were fine; three extras can
 # make up even for four failed rounds when the machine calms down, and none runs where they could not
@@ -118,8 +119,7 @@ QUICK_TIME_BUDGET_S = 160.0
 # it stays within 3 minutes. On a quiet machine the planned rounds end by 140-155 s and none is cut.
 QUICK_ROUNDS_BUDGET_S = 170.0
 
-# The lab's configurations: (arm name, vLLM --speculative-config or None). The first is the baseline;
-# REPLICA is a plain copy of it.
+# The lab's arms: (name, vLLM --speculative-config or None); the first is the baseline, REPLICA a copy.
 LAB_ARMS: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("baseline", None),
     (REPLICA, None),
@@ -224,22 +224,21 @@ FULL = LabPlan(
 )
 
 
-# -- simulated arms ------------------------------------------------------------------------------
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def lab_experiment(out: Path, profile: str, time_scale: float, *, replica: bool = True) -> Experiment:
-    """The lab's arms as an experiment on free local ports (its state lives under ``out``)."""
-    arms = []
+def lab_experiment(
+    out: Path, profile: str, time_scale: float, *, replica: bool = True, port_base: int = 0
+) -> Experiment:
+    """The lab's arms as an experiment on ports from ``port_base`` up, or free ones (state under ``out``)."""
+    arms: list[Arm] = []
     for i, (name, spec) in enumerate(LAB_ARMS):
         if name == REPLICA and not replica:
             continue
-        port = _free_port()
+        port = port_base + len(arms) if port_base else _free_port()
         role: Role = "baseline" if i == 0 else "replica" if name == REPLICA else "candidate"
         arms.append(
             Arm(
@@ -258,11 +257,11 @@ def lab_experiment(out: Path, profile: str, time_scale: float, *, replica: bool 
 
 @contextlib.contextmanager
 def simulated_arms(
-    out: Path, profile: str, time_scale: float, seed: int, *, replica: bool = True
+    out: Path, profile: str, time_scale: float, seed: int, replica: bool = True, port_base: int = 0
 ) -> Iterator[Experiment]:
     """Start one `specproxy sim` per lab arm through `specproxy engines` (the same launch plan as
     `engines up --engine sim`); stop them all on the way out, whatever happened."""
-    exp = lab_experiment(out, profile, time_scale, replica=replica)
+    exp = lab_experiment(out, profile, time_scale, replica=replica, port_base=port_base)
     # Simulators left behind by a lab in this folder that was killed outright.
     stop_experiment(exp, grace_s=5.0)
     options = SimOptions(profile=profile, time_scale=time_scale, seed=seed)
@@ -276,6 +275,7 @@ def simulated_arms(
             health_timeout_s=60.0,
             engine="sim",
             stack_of=lambda launch: {"engine": "sim", "argv": list(launch.argv)},
+            tied=True,  # the simulators stop with the lab, even when it is killed outright
         )
     except EngineError as exc:
         raise click.ClickException(str(exc)) from None
@@ -321,9 +321,6 @@ def analysis_outputs(
         return write_report([db_path], out / "report.html", run=run, settings=settings)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
-
-
-# -- the command ---------------------------------------------------------------------------------
 
 
 def _check_rate_options(
@@ -594,6 +591,7 @@ def _with_slo(exp: Experiment, slo: Slo | None, gpu_hour_usd: float | None) -> E
     "machine not keeping up); ratios between arms are kept, absolute tok/s are multiplied by it.",
 )
 @click.option("--no-replica", is_flag=True, help="Do not start the baseline's replica (the noise floor).")
+@click.option("--port-base", type=click.IntRange(0, 65530), default=0, metavar="N", help=PORT_BASE_HELP)
 @click.option(
     "--items",
     type=click.IntRange(min=1),
@@ -627,13 +625,13 @@ def lab(
     profile: str,
     time_scale: float | None,
     no_replica: bool,
+    port_base: int,
     items: int | None,
     max_tokens: int | None,
     seed: int,
     no_progress: bool,
 ) -> None:
-    """The whole evaluation in one command: four speculative configs and a replica of the baseline, a
-    concurrency (or request-rate) sweep in rounds, a verdict.
+    """The whole evaluation: three speculative configs and a baseline replica, a sweep in rounds, verdicts.
 
     \b
     Examples:
@@ -680,7 +678,7 @@ def lab(
             starting = f"starting {n} simulated arms ({profile}, time scale {plan.time_scale:g}) ..."
             console.print(starting, highlight=False)
             experiment = stack.enter_context(
-                simulated_arms(out, profile, plan.time_scale, seed, replica=not no_replica)
+                simulated_arms(out, profile, plan.time_scale, seed, not no_replica, port_base)
             )
             # A rate level's load is relative to the engines' speed, so a rate sweep keeps one time scale.
             if time_scale is None and rates is None:

@@ -377,7 +377,8 @@ def _engine_kind(r: _Reader, value: str | Mapping[str, Any]) -> str:
 
 def _tokenizer_path(r: _Reader, where: str) -> str | None:
     """The tokenizer.json (or .gguf model) named in this table, relative to the experiment file; it
-    must exist, and a GGUF needs llama-cpp-python to be read."""
+    must exist, and reading it needs its extra installed: tokenizers for a tokenizer.json,
+    llama-cpp-python for a GGUF."""
     value = r.get("tokenizer", str, None)
     if value is None:
         return None
@@ -391,6 +392,12 @@ def _tokenizer_path(r: _Reader, where: str) -> str | None:
             "tokenizer",
             f"{value!r} is a GGUF model: reading its tokenizer needs llama-cpp-python "
             "(pip install 'specproxy[llamacpp]')",
+        )
+    if path.suffix.lower() != ".gguf" and importlib.util.find_spec("tokenizers") is None:
+        raise r.fail(
+            "tokenizer",
+            f"{value!r} is a tokenizer.json: reading it needs the tokenizers package, which the light "
+            "install leaves out (pip install 'specproxy[tokenizers]')",
         )
     return str(path)
 

@@ -1,11 +1,15 @@
-"""Shared test setup: a clean environment per test, and a longer hang guard for the slow tests."""
+"""Shared test setup: a clean environment per test, a longer hang guard for the slow tests, and no
+process left behind by a test, however it ended (tests/processes.py)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
+from tests import processes
 
 # Variables that would change specproxy's behaviour if inherited from the developer's shell.
 _SCRUBBED_PREFIXES = ("SPECPROXY_", "OTEL_", "OPENAI_")
@@ -18,6 +22,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    # Subprocess deadlines default to the time the test has left (tests/processes.py).
+    processes.set_test_deadline(settings.timeout)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    processes.set_test_deadline(None)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    processes.end_left_over()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind() -> Iterator[None]:
+    # What this test (or its function-scoped fixtures, already torn down) started and did not stop.
+    # Processes of broader fixtures were spawned before this fixture and outlive the test.
+    first = processes.spawned()
+    yield
+    processes.end_left_over(since=first)
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ import duckdb
 from prometheus_client.parser import text_string_to_metric_families
 
 from specproxy.proxy.replay.formats import ReplayItem
+from tests import processes
 
 # Long enough for a loaded shared machine; a test that waits this long has failed anyway.
 WAIT_S = 30.0
@@ -131,26 +132,32 @@ def metric_totals(text: str) -> dict[str, float]:
     return totals
 
 
-def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`specproxy ARGS...` in a real subprocess, run to its end: its exit code and its output as text.
-    ``timeout`` is a stuck command's deadline, not a speed target."""
-    return subprocess.run(
+def run_cli(
+    *args: str, timeout: float | None = None, cwd: Path | None = None, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`specproxy ARGS...` in a real subprocess, run to its end: its exit code and its output as text;
+    it and whatever it started are stopped however the test ends (tests/processes.py). ``timeout`` is
+    a stuck command's deadline, not a speed target: by default the time the test has left. ``env``
+    is added to the inherited environment."""
+    return processes.run(
         [sys.executable, "-m", "specproxy", *args],
-        capture_output=True,
-        text=True,
         timeout=timeout,
-        check=False,
         cwd=cwd,
+        env={**os.environ, **env} if env else None,
     )
 
 
-def start_cli(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """`specproxy ARGS...` as a subprocess (stdout and stderr merged into stdout)."""
-    return subprocess.Popen(
+def start_cli(
+    args: Sequence[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """`specproxy ARGS...` as a subprocess (stdout and stderr merged into stdout); :func:`stop` stops
+    it and whatever it started, and so does the end of the test if nothing did."""
+    return processes.spawn(
         [sys.executable, "-m", "specproxy", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
 
 
@@ -166,18 +173,17 @@ def backend_process(*args: str) -> Iterator[str]:
     """A scripted vLLM-shaped test backend (``python -m tests.backends ARGS...``) in its own process,
     ready; yields its base URL and stops it after."""
     port = free_port()
-    proc = subprocess.Popen(
+    proc = processes.spawn(
         [sys.executable, "-m", "tests.backends", "--port", str(port), *args],
         cwd=Path(__file__).resolve().parents[1],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc=None)
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        processes.end(proc)
 
 
 @contextmanager
@@ -185,8 +191,10 @@ def simulators(**arms: Sequence[str]) -> Iterator[dict[str, str]]:
     """One ``specproxy sim`` per arm (its extra options), each on its own port, all answering /health;
     yields {arm: base URL} and stops them after."""
     ports = dict(zip(arms, free_ports(len(arms)), strict=True))
-    procs = [start_cli(["sim", "--port", str(ports[arm]), *opts]) for arm, opts in arms.items()]
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        for arm, opts in arms.items():
+            procs.append(start_cli(["sim", "--port", str(ports[arm]), *opts]))
         for port, proc in zip(ports.values(), procs, strict=True):
             wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
         # A simulator that lost its port to another process exits, while that process answers /health.
@@ -199,15 +207,10 @@ def simulators(**arms: Sequence[str]) -> Iterator[dict[str, str]]:
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> str:
-    """SIGTERM, wait, SIGKILL if needed; returns the process's output."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stdout is None:
+    """SIGTERM to it and whatever it started, SIGKILL after ``timeout`` if needed; returns the
+    process's output."""
+    processes.end(proc, grace_s=timeout)
+    if proc.stdout is None or proc.stdout.closed:  # (none, or stopped before)
         return ""
     # Close the pipe: an unclosed one is a ResourceWarning, and warnings fail tests here.
     with proc.stdout:
@@ -256,7 +259,7 @@ def engine_servers(
             port = free_port()
             with (logs / f"{name}.log").open("wb") as out:
                 argv = [*command, "--port", str(port), *extra]
-                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
+                procs.append(processes.spawn(argv, stdout=out, stderr=subprocess.STDOUT))
             urls[name] = f"http://127.0.0.1:{port}"
             wait_http(urls[name] + ready_path, timeout=timeout, proc=procs[-1])
         yield urls

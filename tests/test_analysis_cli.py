@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from click.testing import CliRunner
 
 from specproxy.analysis import StoreError, analyze_text, write_report
 from specproxy.cli import main
+from specproxy.schema import migrate
 from tests.spanfactory import ArmSpec, generate_sql, make_run, write_db
 from tests.support import run_cli as cli
 
@@ -305,13 +305,14 @@ def test_same_seed_same_intervals_on_a_parallel_scan(tmp_path: Path) -> None:
 
 def test_out_of_memory_is_a_sentence(tmp_path: Path) -> None:
     path = generate_sql(tmp_path / "big.duckdb", 400_000, levels=(1, 8))
-    result = subprocess.run(
-        [sys.executable, "-m", "specproxy", "analyze", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "SPECPROXY_ANALYSIS_MEMORY": "20MB"},
-    )
+    result = cli("analyze", str(path), env={"SPECPROXY_ANALYSIS_MEMORY": "20MB"})
     assert result.returncode == 1, result.stdout
     assert "SPECPROXY_ANALYSIS_MEMORY=8GB" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sql_help_names_every_table_and_view_of_the_store() -> None:
+    with duckdb.connect() as conn:
+        migrate(conn)
+        names = {n for (n,) in conn.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    said = " ".join(CliRunner().invoke(main, ["sql", "--help"]).output.split())
+    assert [n for n in sorted(names - {"schema_version"}) if not re.search(rf"\b{n}\b", said)] == []

@@ -9,8 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import subprocess
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from specproxy.analysis.figures.validity import HealthFailure, LevelHealth
 from specproxy.analysis.verdicts.evaluation import RunEvaluation, Settings
 from specproxy.slo import parse_slo
 from tests.spanfactory import ArmSpec, SyntheticRun, health_row, make_run, write_db
+from tests.support import run_cli
 
 ARMS = [
     ArmSpec("baseline", "baseline", "none"),
@@ -74,13 +73,7 @@ def _evaluate(path: Path) -> RunEvaluation:
 
 
 def _cli(*args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "specproxy", "analyze", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_cli("analyze", *args)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -144,9 +137,8 @@ def test_a_level_is_judged_on_the_rounds_that_passed(tmp_path: Path) -> None:
     assert eagle_csv["rounds_used"] == "1 2 4 5"
     assert eagle_csv["rounds_dropped"] == "round 3 dropped: engine_clock_lag 9.4% > 2.0% (eagle3)"
     out = tmp_path / "report.html"
-    subprocess.run(
-        [sys.executable, "-m", "specproxy", "report", str(path), "-o", str(out)], check=True, timeout=120
-    )
+    reported = run_cli("report", str(path), "-o", str(out))
+    assert reported.returncode == 0, reported.stderr
     assert "judged on rounds 1, 2, 4, 5 of 5" in out.read_text()
 
 

@@ -7,12 +7,12 @@ import csv
 import io
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.spanfactory import ArmSpec, add_latency, health_row, make_run, write_db
+from tests.support import run_cli
 
 ARMS = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5, acceptance_rate=0.7)]
 # Level 1: 0.1 ms of loop lag and 0.1 ms of write delay, far below 2 % of any tail. Level 16: the
@@ -29,9 +29,7 @@ HEALTH = [
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", *args], capture_output=True, text=True, timeout=60, check=False
-    )
+    return run_cli(*args)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
+from tests import processes
 from tests.support import (
     kept_and_lagging_simulators,
     metric_sum,
@@ -53,7 +54,7 @@ url = "{sims["baseline"]}"
 [[arms]]
 name = "ngram"
 url = "{sims["ngram"]}"
-speculative = {{ method = "ngram", num_speculative_tokens = 4 }}
+speculative = {{ method = "ngram", num_speculative_tokens = 5, prompt_lookup_min = 1, prompt_lookup_max = 4 }}
 """)
     return path
 
@@ -141,13 +142,7 @@ def _replay_through(
     proxy_url: str, log: Path, tmp_path: Path, *sweep: str
 ) -> subprocess.CompletedProcess[str]:
     """`specproxy replay LOG --target PROXY` with ``sweep``, its own spans in tmp_path; it must succeed."""
-    replay = subprocess.run(
-        replay_target_argv(log, proxy_url, tmp_path / "client.duckdb", *sweep),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    replay = processes.run(replay_target_argv(log, proxy_url, tmp_path / "client.duckdb", *sweep))
     assert replay.returncode == 0, replay.stderr
     return replay
 

@@ -11,8 +11,6 @@ over the spans.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from tests.support import simulators
+from tests.support import run_cli, simulators
 
 PROMPTS = [
     "Summarize: the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat",
@@ -67,30 +65,21 @@ num_speculative_tokens = 3
     with (work / "log.jsonl").open("w") as f:
         for i in range(16):
             f.write(json.dumps({"prompt": f"{PROMPTS[i % 4]} (#{i})", "output_tokens": 48}) + "\n")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specproxy",
-            "replay",
-            str(work / "log.jsonl"),
-            "--config",
-            str(work / "exp.toml"),
-            "--concurrency",
-            "1,4",
-            "--warmup",
-            "0",
-            "--rounds",
-            "1",
-            "--no-progress",
-            "--run-name",
-            "simrun",
-            "--capture-output",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    result = run_cli(
+        "replay",
+        str(work / "log.jsonl"),
+        "--config",
+        str(work / "exp.toml"),
+        "--concurrency",
+        "1,4",
+        "--warmup",
+        "0",
+        "--rounds",
+        "1",
+        "--no-progress",
+        "--run-name",
+        "simrun",
+        "--capture-output",
     )
     assert result.returncode == 0, result.stderr
     return db
@@ -102,13 +91,7 @@ def _truths(url: str) -> dict[str, dict[str, Any]]:
 
 
 def test_analyze_matches_the_simulators_ground_truth(sims: dict[str, str], replayed: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "specproxy", "analyze", str(replayed), "--format", "json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = run_cli("analyze", str(replayed), "--format", "json")
     assert result.returncode == 0, result.stderr
     (run,) = json.loads(result.stdout)["runs"]
     assert run["name"] == "simrun"
@@ -160,13 +143,7 @@ def test_analyze_matches_the_simulators_ground_truth(sims: dict[str, str], repla
 
 def test_report_from_a_real_replay(replayed: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.html"
-    result = subprocess.run(
-        [sys.executable, "-m", "specproxy", "report", str(replayed), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = run_cli("report", str(replayed), "-o", str(out))
     assert result.returncode == 0, result.stderr
     html = out.read_text()
     assert "run simrun" in html and "<svg" in html

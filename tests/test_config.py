@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 
 from specproxy.config import ConfigError, experiment_json, load_experiment
+from tests import processes
 
 GOOD = """
 [experiment]
@@ -140,3 +142,36 @@ def test_unreadable_and_invalid_toml(tmp_path: Path) -> None:
         load_experiment(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_experiment(write(tmp_path, "[experiment\nname="))
+
+
+# Run as a light install would, without the tokenizers package (a None in sys.modules makes both
+# ``import tokenizers`` and ``importlib.util.find_spec("tokenizers")`` say it is not there).
+_WITHOUT_TOKENIZERS = """
+import sys
+sys.modules["tokenizers"] = None
+from specproxy.cli import main
+from specproxy.proxy.upstream.tokens import load_tokenizer
+try:
+    load_tokenizer(sys.argv[2])
+except ValueError as exc:
+    print(exc)
+main(["serve", "--config", sys.argv[1], "--port", "0"])
+"""
+
+
+def test_a_tokenizer_json_without_the_tokenizers_extra_is_one_sentence(tmp_path: Path) -> None:
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    cfg = write(
+        tmp_path, GOOD.replace("speculative = {}\n", 'speculative = {}\ntokenizer = "tokenizer.json"\n')
+    )
+    done = processes.run([sys.executable, "-c", _WITHOUT_TOKENIZERS, str(cfg), str(tok)])
+    assert done.returncode == 1, done.stdout + done.stderr
+    # the config names the arm, the field and the extra, before serve starts anything
+    assert (
+        f"{cfg}: arms[0].tokenizer: 'tokenizer.json' is a tokenizer.json: reading it needs the tokenizers "
+        "package, which the light install leaves out (pip install 'specproxy[tokenizers]')"
+    ) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    # and a tokenizer loaded past the config says the same extra
+    assert f"reading {tok}'s tokenizer needs tokenizers (specproxy[tokenizers])" in done.stdout

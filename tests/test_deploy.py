@@ -9,12 +9,14 @@ from __future__ import annotations
 import importlib.resources
 import json
 import re
+import shlex
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 try:
@@ -28,6 +30,7 @@ except ModuleNotFoundError as missing:
         allow_module_level=True,
     )
 
+from specproxy.cli import main
 from specproxy.config import load_experiment, parse_experiment
 from specproxy.engines.launch.render import compose_document, render_k8s
 from specproxy.engines.launch.validate import check_experiment
@@ -270,10 +273,15 @@ def test_dockerfile_is_slim_non_root_with_a_healthcheck() -> None:
     )
     assert any(k == "HEALTHCHECK" for k, _ in final)
     assert json.loads(next(v for k, v in final if k == "ENTRYPOINT")) == ["specproxy"]
+    copied = set()
     for k, v in instructions:
         if k == "COPY" and not v.startswith("--"):
             source = v.split()[0]
             assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+            copied.add(source.rstrip("/"))
+    # the wheel is built from the copied tree: every installed subpackage's folder must be in it
+    rooms = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["specproxy"]["subpackages"]
+    assert {"specproxy", *rooms} <= copied, copied
     assert (DEPLOY / "Dockerfile.dockerignore").exists()
 
 
@@ -292,7 +300,7 @@ def test_the_image_has_the_otlp_extra_the_deployments_export_with() -> None:
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" in k8s_env
     parser = DockerfileParser(str(DEPLOY / "Dockerfile"))
     builds = [v for i in parser.structure if i["instruction"] == "RUN" and "pip wheel" in (v := i["value"])]
-    assert builds and all("'.[otlp]'" in v for v in builds), builds
+    assert builds and all(re.search(r"'\.\[(\w+,)*otlp(,\w+)*\]'", v) for v in builds), builds
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(d.startswith("opentelemetry-exporter-otlp-proto-http") for d in extras["otlp"])
 
@@ -310,3 +318,30 @@ def test_the_image_smoke_tests_what_it_installed() -> None:
     assert (ROOT / ".ci" / "cli_smoke.py").is_file()
     allowed = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
     assert {"!.ci/cli_smoke.py", "!LICENSE"} <= set(allowed)
+
+
+def test_the_readme_arm_fields_are_ones_the_experiment_file_takes() -> None:
+    """deploy/README.md's advice names arm fields (`name = value`); an experiment file with them loads."""
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    fields = re.findall(r"give the arm\s+`(\w+ = \w+)`", text)
+    assert fields, "the README no longer names an arm field"
+    arm = "\n".join(field.replace("= N", "= 2") for field in fields)
+    parse_experiment(
+        tomllib.loads(f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "http://h:1"\n{arm}\n')
+    )
+
+
+def test_the_readme_plan_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/README.md's `engines plan` lines, on deploy/experiment.toml as `my-exp.toml`, write the
+    files they name, and those parse as YAML."""
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```bash\n(specproxy engines plan .*?)```", text, re.S)
+    assert block, "the README no longer shows `engines plan`"
+    (tmp_path / "my-exp.toml").write_text((DEPLOY / "experiment.toml").read_text())
+    monkeypatch.chdir(tmp_path)
+    for line in block.group(1).splitlines():
+        argv = shlex.split(line.split("#", 1)[0])
+        done = CliRunner().invoke(main, argv[1:], catch_exceptions=False)
+        assert done.exit_code == 0, (line, done.output)
+        written = tmp_path / argv[argv.index("-o") + 1]
+        assert list(yaml.safe_load_all(written.read_text())), line

@@ -7,7 +7,6 @@ import io
 import json
 import re
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,20 +21,17 @@ from specproxy.lab.command import FULL, QUICK
 from specproxy.lab.health_lines import clock_lag_by_level, print_clock_lag, print_health
 from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.spans.sink import HealthRow
-from tests.support import backend_process, free_port
+from tests.support import backend_process, free_port, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-# A deadline for a stuck lab, not a speed target: a loaded shared machine runs it several times slower.
-LAB_DEADLINE_S = 600
+# pytest-timeout's hang guard for a test that runs a lab, not a speed target: a loaded shared machine
+# runs one several times slower. The lab's own deadline is what the test has left (tests/processes.py).
+LAB_TIMEOUT_S = 600
 
 
-def lab(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", "lab", "--no-progress", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def lab(*args: str) -> subprocess.CompletedProcess[str]:
+    """`specproxy lab --no-progress ARGS...`, it and its simulators stopped however the test ends."""
+    return run_cli("lab", "--no-progress", *args)
 
 
 def verdicts(stdout: str) -> dict[tuple[str, str], str]:
@@ -67,6 +63,7 @@ def test_the_top_level_sends_three_waves_a_round_and_the_others_one() -> None:
     assert (custom.items_per_round(1), custom.items_per_round(8)) == (7, 24)
 
 
+@pytest.mark.timeout(LAB_TIMEOUT_S)
 def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
     out = tmp_path / "lab"
     res = lab(
@@ -87,7 +84,6 @@ def test_small_lab_on_simulated_arms(tmp_path: Path) -> None:
         "2.5",
         "--out",
         str(out),
-        timeout=LAB_DEADLINE_S,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     table = verdicts(res.stdout)
@@ -214,7 +210,6 @@ def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
             "0",
             "--out",
             str(tmp_path / "o"),
-            timeout=60,
         )
         assert res.returncode == 0, res.stdout + res.stderr
         assert verdicts(res.stdout)[("c=2", "base")] == "baseline"
@@ -259,7 +254,7 @@ def test_quick_lab_finds_the_expected_outcome(tmp_path: Path) -> None:
     """The README's first command: the whole sweep, and the published shape of the results (how long it
     takes is tests/bench/bench_lab.py's figure)."""
     out = tmp_path / "lab"
-    res = lab("--quick", "--out", str(out), timeout=LAB_DEADLINE_S)
+    res = lab("--quick", "--out", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     db = out / "specproxy.duckdb"
     assert (out / "report.html").exists()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import pytest
 
 from specproxy.proxy.upstream.calls import prompt_sha256
 from specproxy.proxy.upstream.scrape import Snapshot, parse_metrics, spec_decode_summary
+from tests import processes
 from tests.proxies import spans
 from tests.support import engine_servers, gguf_model, metric_sum, replay_target_argv, serving, wait_until_sync
 from tests.test_llama_server_shapes import PATHS, masked
@@ -166,15 +166,12 @@ async def test_specproxy_in_front_of_a_plain_and_a_draft_model_llama_server(
                 want = direct[("plain", endpoint, prompt, stream)].raw
                 assert masked(got) == masked(want), f"{endpoint} {prompt!r} stream={stream}"
                 _until_idle(proxy)
-        replay = subprocess.run(
+        replay = processes.run(
             replay_target_argv(
                 capture, proxy, tmp_path / "replay.duckdb", "--concurrency", "1", "--rounds", "1"
-            ),
-            capture_output=True,
-            timeout=1200,
-            check=False,
+            )
         )
-        assert replay.returncode == 0, replay.stdout.decode() + replay.stderr.decode()
+        assert replay.returncode == 0, replay.stdout + replay.stderr
         _until_idle(proxy)
     log = served.output
     after = _scrape(servers["draft"])

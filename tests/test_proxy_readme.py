@@ -17,6 +17,7 @@ from specproxy.cli import main
 from specproxy.config import ConfigError, load_experiment
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy
+from tests.support import run_cli, simulators
 
 README = Path(__file__).resolve().parents[1] / "proxy" / "README.md"
 
@@ -83,3 +84,45 @@ def test_readme_experiment_file_loads_and_its_mistake_reads_as_shown(tmp_path: P
 def _write(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def _replay_section() -> str:
+    text = README.read_text()
+    return text[text.index("<!-- section: replay -->") : text.index("<!-- /section: replay -->")]
+
+
+def test_readme_replay_example_prints_what_it_shows(tmp_path: Path) -> None:
+    """The replay section's command against two simulators (one with --method eagle3) prints the
+    README's lines, the run id aside."""
+    section = _replay_section()
+    command = _find(r"```bash\n(specproxy replay .*?)\n```", section)
+    shown = _find(r"```bash\n.*?\n```\n```\n(.*?)```", section)
+    argv = shlex.split(command)
+    assert argv[:3] == ["specproxy", "replay", "question.jsonl"] and "--config" in argv
+    (tmp_path / "question.jsonl").write_text(
+        "".join(
+            orjson.dumps(
+                {"question_id": i, "category": "writing", "turns": [f"Write about item {i}"]}
+            ).decode()
+            + "\n"
+            for i in range(4)
+        )
+    )
+    # The simulators' clock runs 4x: the same calls and tokens, sooner.
+    with simulators(
+        baseline=["--time-scale", "4"], eagle3=["--time-scale", "4", "--method", "eagle3"]
+    ) as urls:
+        (tmp_path / argv[argv.index("--config") + 1]).write_text(
+            f'[[arms]]\nname = "baseline"\nrole = "baseline"\nurl = "{urls["baseline"]}"\n\n'
+            f'[[arms]]\nname = "eagle3"\nurl = "{urls["eagle3"]}"\n'
+            'speculative = { method = "eagle3", model = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", '
+            "num_speculative_tokens = 3 }\n"
+        )
+        done = run_cli(*argv[1:], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    # each line shown, in that order: progress lines come between them (on a terminal, a live display)
+    # and, on a busy machine, health lines (a simulator behind its clock in a round)
+    run_id = re.compile(r"replay-[0-9a-f]{12}")
+    printed = iter(run_id.sub("replay-ID", done.stderr).splitlines())
+    missing = [line for line in run_id.sub("replay-ID", shown).splitlines() if line not in printed]
+    assert missing == [], done.stderr

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,20 +17,14 @@ import duckdb
 import pytest
 
 from specproxy.proxy.replay.loadgen import poisson_offsets, timed_offsets
-from tests.support import backend_process
+from tests.support import backend_process, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 NOWHERE = "http://127.0.0.1:9"
 
 
 def replay(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specproxy", "replay", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_cli("replay", *args, timeout=timeout)
 
 
 def rejected(result: subprocess.CompletedProcess[str], *phrases: str, status: int = 1) -> None:

@@ -16,6 +16,7 @@ import duckdb
 from aiohttp import web
 
 from specproxy.proxy.upstream.calls import upstream_request_id
+from tests import processes
 from tests.backends import STATS, BackendConfig, BackendStats, make_backend_app
 from tests.proxies import running_proxy, spans
 from tests.support import replay_target_argv, wait_for_count
@@ -69,13 +70,10 @@ async def test_replay_through_a_proxy_to_a_server_that_takes_only_uuids(tmp_path
         strict_backend() as (url, stats),
         running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": url}]) as proxy,
     ):
-        proc = await asyncio.create_subprocess_exec(
-            *replay_target_argv(log, proxy.url, db, "--concurrency", "2", "--rounds", "1"),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        _, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode == 0, err.decode()
+        # in a thread: the proxy it goes through runs on this event loop
+        argv = replay_target_argv(log, proxy.url, db, "--concurrency", "2", "--rounds", "1")
+        replay = await asyncio.to_thread(processes.run, argv)
+    assert replay.returncode == 0, replay.stderr
     with duckdb.connect(str(db), read_only=True) as conn:
         rows = conn.execute("SELECT request_id, status FROM requests").fetchall()
     assert len(rows) == 6 and {status for _, status in rows} == {"ok"}

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.support import free_port, start_cli, stop, wait_http
+from specproxy.engines.sim.cli import build_config
+from specproxy.engines.sim.config import Faults, SpeculativeConfig
+from specproxy.lab.command import LAB_ARMS
+from tests.support import free_port, run_cli, start_cli, stop, wait_http
 
 
 def test_sim_subprocess_serves_and_stops() -> None:
@@ -89,21 +90,14 @@ def _post_time_scale(port: int, value: float) -> tuple[int, float | None]:
     ],
 )
 def test_bad_flags_exit_with_a_sentence(args: list[str], message: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "specproxy", "sim", "--port", "0", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = run_cli("sim", "--port", "0", *args)
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_help_lists_every_option() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "specproxy", "sim", "--help"], capture_output=True, text=True, timeout=30
-    )
+    result = run_cli("sim", "--help")
     for flag in (
         "--method",
         "--num-speculative-tokens",
@@ -125,3 +119,24 @@ def test_help_lists_every_option() -> None:
         "--max-concurrency",
     ):
         assert flag in result.stdout
+
+
+@pytest.mark.parametrize("arm", [name for name, spec in LAB_ARMS if spec])
+def test_method_shorthand_is_the_labs_arm(arm: str) -> None:
+    """`specproxy sim --method M` runs the speculative config the lab's arm M runs."""
+    lab_spec = next(spec for name, spec in LAB_ARMS if name == arm) or {}
+    config = build_config(
+        method=arm,
+        num_speculative_tokens=None,
+        speculative_config=None,
+        model="m",
+        served_model_name=None,
+        profile="h100-llama3.1-8b",
+        time_scale=1.0,
+        seed=0,
+        per_request_spec_decode_metrics="summary",
+        max_num_seqs=None,
+        max_num_batched_tokens=None,
+        faults=Faults(),
+    )
+    assert config.speculative == SpeculativeConfig.from_dict(lab_spec)

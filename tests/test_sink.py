@@ -27,6 +27,7 @@ from specproxy.proxy.spans.sink import BackendMetricRow, SpanSink, SpanSinkError
 from specproxy.proxy.spans.table import RequestsTable
 from specproxy.proxy.spans.trace import TraceParent
 from specproxy.record import COLUMNS, SpanRecord
+from tests import processes
 from tests.records import T0, T0_NS, full_record
 
 
@@ -355,9 +356,7 @@ def test_otlp_without_its_extra_is_a_clear_error(db: Path, tmp_path: Path) -> No
         "try:\n    SpanSink(sys.argv[1], otlp_endpoint='http://127.0.0.1:4318')\n"
         "except SpanSinkError as exc:\n    print(exc)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(db), str(blocker)], capture_output=True, text=True, timeout=60
-    )
+    done = processes.run([sys.executable, "-c", script, str(db), str(blocker)])
     assert done.returncode == 0, done.stderr
     assert "otlp_endpoint http://127.0.0.1:4318 asks for OTLP export of spans, but" in done.stdout
     assert "pip install 'specproxy[otlp]'" in done.stdout
@@ -507,9 +506,7 @@ def test_readme_spans_example_runs(tmp_path: Path) -> None:
     section = readme.split("<!-- section: spans -->")[1].split("<!-- /section: spans -->")[0]
     blocks = [block.split("```")[0] for block in section.split("```python\n")[1:]]
     example = next(block for block in blocks if "SpanSink(" in block)
-    done = subprocess.run(
-        [sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=60
-    )
+    done = processes.run([sys.executable, "-c", example], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "baseline" in done.stdout and "0.66" in done.stdout
     assert count(tmp_path / "spans.duckdb") == 1

@@ -20,9 +20,11 @@ Errors are one tree::
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -109,11 +111,14 @@ def start_arms(
     engine: str,
     report: Report = lambda _msg: None,
     stack_of: Callable[[ArmLaunch], dict[str, Any]] | None = None,
+    tied: bool = False,
 ) -> EngineState:
     """Start every arm, wait until each answers /health, capture stacks, record the state.
 
     If any arm exits or does not become healthy within ``health_timeout_s``, every arm started here
-    is stopped again and :class:`EngineStartError` carries the failing arm's log tail.
+    is stopped again and :class:`EngineStartError` carries the failing arm's log tail. ``tied`` arms
+    get SIGTERM when this process dies, even by SIGKILL (Linux), as the lab's simulators do; others
+    outlive it, as `engines up` means them to.
     """
     existing = read_state(exp)
     if existing is not None:
@@ -132,7 +137,7 @@ def start_arms(
     try:
         for launch in launches:
             log_path = log_dir / f"{exp.name}-{launch.arm}.log"
-            proc = _spawn(launch, log_path)
+            proc = _spawn(launch, log_path, tied)
             popens[launch.arm] = proc
             state.arms.append(
                 ArmProcess(
@@ -165,7 +170,16 @@ def start_arms(
         raise
 
 
-def _spawn(launch: ArmLaunch, log_path: Path) -> subprocess.Popen[bytes]:
+def _stop_with_parent() -> None:
+    """In the child, before it runs the engine: SIGTERM when the process that started it dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _spawn(launch: ArmLaunch, log_path: Path, tied: bool = False) -> subprocess.Popen[bytes]:
     log: IO[bytes]
     with open(log_path, "wb") as log:
         log.write(f"# specproxy engines: {launch.shell_line()}\n".encode())
@@ -180,6 +194,8 @@ def _spawn(launch: ArmLaunch, log_path: Path) -> subprocess.Popen[bytes]:
                 # Own session and process group: survives this command, and `down` can signal the
                 # engine together with the worker processes it forks.
                 start_new_session=True,
+                # (a preexec_fn is safe while no other thread runs: the lab starts its arms first)
+                preexec_fn=_stop_with_parent if tied else None,
             )
         except OSError as exc:
             raise EngineStartError(

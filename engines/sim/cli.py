@@ -40,10 +40,11 @@ def build_config(
             raise SimConfigError("--num-speculative-tokens contradicts --speculative-config")
     elif method and method != "none":
         raw: dict[str, object] = {"method": method}
-        defaults = {"ngram": 4, "suffix": 16, "mtp": 1, "eagle": 3, "eagle3": 3, "draft_model": 5}
+        # n-gram, draft model and EAGLE-3 as `specproxy lab` runs them (a test keeps them in step).
+        defaults = {"ngram": 5, "suffix": 16, "mtp": 1, "eagle": 3, "eagle3": 3, "draft_model": 4}
         raw["num_speculative_tokens"] = num_speculative_tokens or defaults.get(method, 3)
         if method == "ngram":
-            raw.update(prompt_lookup_min=2, prompt_lookup_max=5)
+            raw.update(prompt_lookup_min=1, prompt_lookup_max=4)
         if method == "draft_model":
             raw["model"] = "meta-llama/Llama-3.2-1B-Instruct"
         if method in ("eagle", "eagle3"):

@@ -21,7 +21,8 @@ _SPLIT = r"\s*(?:\w+|[^\w\s])(?:\s+\z)?|\s+"
 
 
 def write_tokenizer_json(path: Path) -> Path:
-    """Write the simulator's tokenizer to ``path`` (Hugging Face ``tokenizers`` format); returns it."""
+    """Write the simulator's tokenizer to ``path`` (Hugging Face ``tokenizers`` format); returns it.
+    Needs the tokenizers package (``pip install 'specproxy[tokenizers]'``)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))

@@ -111,7 +111,8 @@ def load_tokenizer(path: str) -> TokenEncoder:
     try:
         return _GGUFTokenizer(p) if gguf else _HFTokenizer(p)
     except ImportError as exc:
-        raise ValueError(f"reading {p}'s tokenizer needs llama-cpp-python: {exc}") from exc
+        needs = "llama-cpp-python (specproxy[llamacpp])" if gguf else "tokenizers (specproxy[tokenizers])"
+        raise ValueError(f"reading {p}'s tokenizer needs {needs}: {exc}") from exc
     except Exception as exc:  # tokenizers and llama_cpp raise their own Exception subclasses
         raise ValueError(f"{p} is not a {'GGUF model' if gguf else 'tokenizer.json'}: {exc}") from exc
 
