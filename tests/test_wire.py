@@ -17,6 +17,7 @@ from aiohttp import web
 
 from specproxy.proxy.upstream.wire import (
     BadResponse,
+    BodyTooLarge,
     UpstreamClient,
     UpstreamDisconnected,
     UpstreamReadTimeout,
@@ -154,6 +155,26 @@ async def test_garbage_is_a_bad_response_and_silence_a_read_timeout() -> None:
         with pytest.raises(UpstreamReadTimeout):
             await client.post(url, b"", {}, read_timeout=0.2)
         assert loop.time() - t0 >= 0.15  # gave up at its read timeout, not at once
+
+
+async def test_a_body_read_whole_stops_at_its_cap_and_closes_the_connection() -> None:
+    body = b"x" * 5000
+
+    async def large(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+        for i in range(0, len(body), 1000):
+            w.write(body[i : i + 1000])
+            await w.drain()
+
+    async with raw_server(large) as (url, peers), UpstreamClient() as client:
+        ex = await client.post(url, b"", {})
+        with pytest.raises(BodyTooLarge, match="over 1000 bytes"):
+            await ex.read(limit=1000)
+        ex.abort()
+        ex = await client.post(url, b"", {})
+        assert await ex.read(limit=len(body)) == body  # at the cap is not over it
+        ex.release()
+    assert len(peers) == 2 and peers[0] != peers[1]  # the cut connection was not reused
 
 
 async def test_a_consumer_that_asks_to_pause_stops_the_reads_until_resume() -> None:

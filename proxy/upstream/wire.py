@@ -75,6 +75,15 @@ class BadResponse(ValueError):
     """The upstream's bytes are not an HTTP/1.x response."""
 
 
+# The most a response body read whole (a JSON answer, an error body) may hold: vLLM's largest real
+# answers (n choices with logprobs) are a few MiB; past this the exchange ends with BodyTooLarge.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class BodyTooLarge(ValueError):
+    """A response body read whole grew past its cap (:data:`MAX_BODY_BYTES`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Origin:
     """Where a URL's requests go (the pool key), and the Host header they carry."""
@@ -171,16 +180,23 @@ class Exchange:
     def resume(self) -> None:
         self._conn.resume_reading()
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int = MAX_BODY_BYTES) -> bytes:
+        """The whole body; :class:`BodyTooLarge` (the connection closed) once it passes ``limit`` bytes."""
         parts: list[bytes] = []
+        size = 0
 
         def keep(data: bytes) -> bool:
+            nonlocal size
+            size += len(data)
+            if size > limit:
+                raise BodyTooLarge(f"a response body over {limit} bytes")
             parts.append(data)
             return False
 
         self.consume(keep)
         await self.wait()
+        if size > limit:  # (raised in keep too, but lost there when the body had already ended)
+            raise BodyTooLarge(f"a response body over {limit} bytes")
         return b"".join(parts)
 
     def release(self) -> None:
