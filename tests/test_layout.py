@@ -30,7 +30,6 @@ ROOMS = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["spec
 OVERSIZE = {
     "analysis/verdicts/evaluation.py": 1004,
     "lab/command.py": 757,
-    "proxy/upstream/sse.py::CompletionTap": 364,
     "analysis/verdicts/evaluation.py::_level_row": 83,
     "analysis/figures/run_figures.py::pair_groups": 82,
     "engines/sim/api_request.py::parse_request": 152,

@@ -11,6 +11,7 @@ import pytest
 
 from specproxy.config import Arm
 from specproxy.proxy.identity import compare, first_difference, is_comparable
+from specproxy.proxy.upstream.acceptance import shape_estimate
 from specproxy.proxy.upstream.calls import (
     UpstreamState,
     UpstreamTimeout,
@@ -100,13 +101,13 @@ def test_tap_counts_tokens_from_token_ids_then_usage_then_chunks() -> None:
     usage_tap.feed_data(orjson.dumps(final), 9.0)
     assert usage_tap.tokens_per_chunk == [2, 3, 1] and usage_tap.completion_tokens == 6
     assert usage_tap.count_source == "continuous_usage" and usage_tap.prompt_tokens == 3
-    shape = usage_tap.spec_from_shape(4)
+    shape = shape_estimate(usage_tap, 4)
     assert shape is not None and (shape.num_drafts, shape.accepted_tokens, shape.draft_tokens) == (2, 2, 8)
 
     plain = CompletionTap("chat")
     for i in range(3):
         plain.feed_data(_chunk("long text of many words"), float(i))
-    assert plain.completion_tokens == 3 and plain.spec_from_shape(4) is None
+    assert plain.completion_tokens == 3 and shape_estimate(plain, 4) is None
 
 
 def test_identity_tokens_text_and_margin() -> None:

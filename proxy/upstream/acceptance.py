@@ -4,7 +4,7 @@
 
 - ``vllm_request_metrics``, ``sglang_request_metrics``, ``trtllm_request_metrics``,
   ``llamacpp_timings``: reported by the engine for this request (:mod:`.engines`). Exact.
-- ``stream_shape``: estimated from tokens per chunk (:meth:`.CompletionTap.spec_from_shape`), and the
+- ``stream_shape``: estimated from tokens per chunk (:func:`shape_estimate`), and the
   conditions under which that estimate holds were all met (below).
 - ``stream_shape_unreliable``: the same estimate where a condition failed; its figures are kept for
   inspection and must not be read as measured.
@@ -44,6 +44,38 @@ _MERGE_TOLERANCE = 0.05
 _EWMA_WEIGHT = 0.2  # ~ the last 10 plain streams
 
 
+def shape_estimate(tap: CompletionTap, k: int | None) -> SpecStats | None:
+    """Acceptance estimated from tokens per chunk (one chunk ≈ one engine step).
+
+    Only when tokens were counted exactly (token ids or continuous usage). The first token chunk
+    comes from prefill, not from a verified draft, so it is left out. Each later chunk of n tokens
+    counts as one step with n − 1 accepted drafts; drafts = steps × k when k is known. A chunk of
+    more than k + 1 tokens holds several steps (``--stream-interval``, or a server whose HTTP side
+    lagged behind its engine): it counts as ceil(n / (k + 1)) steps, the fewest that could give it.
+    Approximate: merged steps still overestimate acceptance, and the last step can be cut by
+    max_tokens or a stop string (underestimates).
+    """
+    if tap.count_source == "chunks":
+        return None
+    per_step = k + 1 if k else None
+    steps = 0
+    accepted = 0
+    for n in tap.tokens_per_chunk[1:]:
+        if n <= 0:
+            continue
+        s = -(-n // per_step) if per_step else 1
+        steps += s
+        accepted += n - s
+    if not steps:
+        return None
+    return SpecStats(
+        num_drafts=steps,
+        draft_tokens=steps * k if k else None,
+        accepted_tokens=accepted,
+        acceptance_length=1.0 + accepted / steps,
+    )
+
+
 @dataclass(slots=True)
 class MergeCalibration:
     """The share of plain arms' streamed tokens that arrived merged with another in one chunk, lately
@@ -79,7 +111,7 @@ def _from_report(report: EngineReport) -> SpecStats:
 
 
 def shape_is_reliable(tap: CompletionTap, arm: Arm, calibration: MergeCalibration) -> bool:
-    """Conditions 2 and 3 of the module docstring (condition 1 is spec_from_shape's own)."""
+    """Conditions 2 and 3 of the module docstring (condition 1 is shape_estimate's own)."""
     if arm.spec_method not in DRAFTS_EVERY_STEP:
         return False
     k = arm.num_speculative_tokens
@@ -107,7 +139,7 @@ def speculation_for(
         if replayed is not None and (replayed.num_drafts or max(tap.tokens_per_chunk[1:], default=0) <= 1):
             reliable = consistent and calibration.unmerged() is True
             return replayed, "stream_shape" if reliable else "stream_shape_unreliable"
-    estimate = tap.spec_from_shape(arm.num_speculative_tokens)
+    estimate = shape_estimate(tap, arm.num_speculative_tokens)
     if estimate is None:
         return None, "unknown"
     reliable = shape_is_reliable(tap, arm, calibration)

@@ -39,7 +39,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -232,7 +232,6 @@ class CompletionTap:
         "_continuous",
         "final_usage",
         "finish_reason",
-        "spec_metrics",
         "margins",
         "token_texts",
         "done",
@@ -262,7 +261,6 @@ class CompletionTap:
         self._continuous = False
         self.final_usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
-        self.spec_metrics: dict[str, Any] | None = None
         self.margins: list[float | None] = []  # top-1 minus top-2 logprob per generated token
         self.token_texts: list[str] = []  # token strings from logprobs, to map a char index to a token
         self.done = False  # saw data: [DONE]
@@ -356,7 +354,7 @@ class CompletionTap:
             reason = _str_or_none(choice.get("finish_reason"), "finish_reason")
             if reason:
                 self.finish_reason = reason
-                self._take_choice_extras(choice)
+                self.engine_hint = _choice_extras(choice, self.extras) or self.engine_hint
         has_usage = isinstance(usage, dict) and usage.get("completion_tokens") is not None
         if self.usage_from_first_chunk is None:
             self.usage_from_first_chunk = has_usage
@@ -408,7 +406,7 @@ class CompletionTap:
         for choice in _body_choices(obj):
             if not isinstance(choice, dict):
                 raise MalformedEvent("a choice is not an object")
-            self._take_choice_extras(choice)
+            self.engine_hint = _choice_extras(choice, self.extras) or self.engine_hint
             if choice.get("index", 0) != 0:
                 continue
             if self.endpoint == "chat":
@@ -452,7 +450,6 @@ class CompletionTap:
                 mal = sd.get("mean_acceptance_length")
                 if mal is not None and (isinstance(mal, bool) or not isinstance(mal, int | float)):
                     raise MalformedEvent("speculative_decoding.mean_acceptance_length is not a number")
-                self.spec_metrics = sd
 
     def _take_extras(self, obj: dict[str, Any]) -> None:
         """Engine-specific top-level objects, and the first signal of which engine answered."""
@@ -472,35 +469,10 @@ class CompletionTap:
             if isinstance(ids, list) and ids:
                 self.prompt_token_ids = ids
 
-    def _take_choice_extras(self, choice: dict[str, Any]) -> None:
-        """Per-choice engine objects, which ride the choice that carries ``finish_reason``."""
-        sd = choice.get("speculative_decoding")
-        if isinstance(sd, dict):
-            self.extras["choice_speculative_decoding"] = sd
-        sglext = choice.get("sglext")
-        if isinstance(sglext, dict):
-            self.extras["sglext"] = sglext
-        if "avg_decoded_tokens_per_iter" in choice:
-            self.engine_hint = "trtllm"
-        elif "matched_stop" in choice:
-            self.engine_hint = "sglang"
-
     def _take_logprobs(self, lp: Any) -> None:
-        if not isinstance(lp, dict):
-            return
-        content = lp.get("content")
-        if content is not None:  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
-            for item in content:
-                self.token_texts.append(_str_or_none(item.get("token"), "logprobs token") or "")
-                tops = item.get("top_logprobs") or ()
-                self.margins.append(_margin([t.get("logprob") for t in tops]))
-            return
-        tops_list = lp.get("top_logprobs")  # completions: top_logprobs: [{token: logprob}]
-        tokens = lp.get("tokens") or ()
-        for i, tops in enumerate(tops_list or ()):
-            token = tokens[i] if i < len(tokens) else ""
-            self.token_texts.append(_str_or_none(token, "logprobs token") or "")
-            self.margins.append(_margin(tops.values() if isinstance(tops, dict) else ()))
+        for token, margin in _logprob_tokens(lp):
+            self.token_texts.append(token)
+            self.margins.append(margin)
 
     @property
     def usage_tokens(self) -> int | None:
@@ -532,48 +504,41 @@ class CompletionTap:
     def text(self) -> str:
         return "".join(self._text)
 
-    def spec_from_shape(self, k: int | None) -> SpecStats | None:
-        """Acceptance estimated from tokens per chunk (one chunk ≈ one engine step).
 
-        Only when tokens were counted exactly (token ids or continuous usage). The first token chunk
-        comes from prefill, not from a verified draft, so it is left out. Each later chunk of n tokens
-        counts as one step with n − 1 accepted drafts; drafts = steps × k when k is known. A chunk of
-        more than k + 1 tokens holds several steps (``--stream-interval``, or a server whose HTTP side
-        lagged behind its engine): it counts as ceil(n / (k + 1)) steps, the fewest that could give it.
-        Approximate: merged steps still overestimate acceptance, and the last step can be cut by
-        max_tokens or a stop string (underestimates).
-        """
-        if self.count_source == "chunks":
-            return None
-        per_step = k + 1 if k else None
-        steps = 0
-        accepted = 0
-        for n in self.tokens_per_chunk[1:]:
-            if n <= 0:
-                continue
-            s = -(-n // per_step) if per_step else 1
-            steps += s
-            accepted += n - s
-        if not steps:
-            return None
-        return SpecStats(
-            num_drafts=steps,
-            draft_tokens=steps * k if k else None,
-            accepted_tokens=accepted,
-            acceptance_length=1.0 + accepted / steps,
-        )
+def _choice_extras(choice: dict[str, Any], extras: dict[str, Any]) -> str | None:
+    """Per-choice engine objects, which ride the choice that carries ``finish_reason``, into
+    ``extras``; the engine the choice's own fields name, if they name one."""
+    sd = choice.get("speculative_decoding")
+    if isinstance(sd, dict):
+        extras["choice_speculative_decoding"] = sd
+    sglext = choice.get("sglext")
+    if isinstance(sglext, dict):
+        extras["sglext"] = sglext
+    if "avg_decoded_tokens_per_iter" in choice:
+        return "trtllm"
+    if "matched_stop" in choice:
+        return "sglang"
+    return None
 
-    def spec_from_metrics(self) -> SpecStats | None:
-        """vLLM's own per-request numbers (``--per-request-spec-decode-metrics``), when present."""
-        sd = self.spec_metrics
-        if not sd:
-            return None
-        mal = sd.get("mean_acceptance_length")
-        return SpecStats(
-            num_drafts=_int_or_none(sd.get("num_spec_steps")),
-            draft_tokens=_int_or_none(sd.get("num_draft_tokens")),
-            accepted_tokens=_int_or_none(sd.get("num_accepted_draft_tokens")),
-            acceptance_length=float(mal) if mal is not None else None,
+
+def _logprob_tokens(lp: Any) -> Iterator[tuple[str, float | None]]:
+    """Each generated token's text and its top-1 minus top-2 logprob margin, from a choice's logprobs."""
+    if not isinstance(lp, dict):
+        return
+    content = lp.get("content")
+    if content is not None:  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
+        for item in content:
+            tops = item.get("top_logprobs") or ()
+            token = _str_or_none(item.get("token"), "logprobs token") or ""
+            yield token, _margin([t.get("logprob") for t in tops])
+        return
+    tops_list = lp.get("top_logprobs")  # completions: top_logprobs: [{token: logprob}]
+    tokens = lp.get("tokens") or ()
+    for i, tops in enumerate(tops_list or ()):
+        token = tokens[i] if i < len(tokens) else ""
+        yield (
+            _str_or_none(token, "logprobs token") or "",
+            _margin(tops.values() if isinstance(tops, dict) else ()),
         )
 
 
