@@ -139,7 +139,7 @@ class ReplayRunner:
 
             async def measure(phase: Phase, items: list[ReplayItem] = items, drive: Drive = drive) -> None:
                 calls = self.planner.calls(f"c{phase.level}", self.planner.round_order(items, phase), phase)
-                await driver.phase(phase, calls, drive)
+                await driver.phase(phase, calls, drive, slots=phase.level)
 
             await self.rounds.run_level(f"c={level}", plan.level_rounds(level), measure, level=level)
             if self.stop.is_set():
@@ -228,8 +228,9 @@ class ReplayRunner:
                 driver.scraper = MetricsScraper(
                     self.s.arms, sink, session, run_id=self.run_id, interval_s=5.0
                 )
-                with self.progress, _startup_heap_frozen():
-                    await self._run_until_stopped()
+                async with driver.client_processes():
+                    with self.progress, _startup_heap_frozen():
+                        await self._run_until_stopped()
                 self.result.interrupted = self.stop.is_set()
             finally:
                 self.recorder.recording = False

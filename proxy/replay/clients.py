@@ -1,0 +1,355 @@
+"""Replay's client processes (``--client-processes N``): a closed-loop round's slots spread over N
+processes, each with its own event loop and HTTP client, so that the load generator keeps up with
+engines that stream faster than one Python process can read.
+
+Each process sends its share of the round's calls through the same
+:meth:`~specproxy.proxy.replay.driving.PhaseDriver.send` (and so
+:func:`~specproxy.proxy.upstream.calls.call_arm`) as a one-process replay; every call's result
+(span, output facts) comes back pickled through a pipe, and the parent records it exactly as it
+records its own calls: greedy identity, totals and the one span store stay in the parent. The parent
+keeps the round's scrapes and clock readings, the warm-ups and a pacer's trials, and forwards each
+engine-load scrape to the processes (the load a call's span carries).
+
+How a level of ``c`` slots is shared: process k of N gets ``c // N`` slots, one more for the first
+``c % N``; call i of the round goes to the process owning slot ``i % c``, so each process's queue is
+in the round's order and the call counts match its slots. A process measures its own loop lag,
+decode times and start lags; its health rows are ``client K <check>`` (:func:`client_rows`), and the
+round's unprefixed loop-lag rows are those of its worst process, so that a round fails if any
+process fell behind.
+
+    pool = ClientPool(setup, 4)
+    await pool.start()
+    reports = await pool.run_round(orders, on_call, on_emit)
+    await pool.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import multiprocessing
+import multiprocessing.connection
+import signal
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from multiprocessing.reduction import ForkingPickler
+from types import MappingProxyType
+from typing import Any
+
+from specproxy.config import Arm
+from specproxy.proxy.health import (
+    EVENT_LOOP_LAG,
+    EVENT_LOOP_LAG_SHARE,
+    LOADGEN_START_LAG,
+    THRESHOLDS,
+    loop_lag_share,
+    p99,
+)
+from specproxy.proxy.replay.loadgen import LoadStats
+from specproxy.proxy.replay.planning import LoadPlan, Phase, ReplayCall, ReplayError, ReplaySettings
+from specproxy.proxy.replay.recording import PairJoiner, RunRecorder
+from specproxy.proxy.spans.sink import HealthRow
+from specproxy.proxy.upstream.calls import CallResult
+
+# How long a process may take to start (spawn: a fresh interpreter importing the replay).
+START_TIMEOUT_S = 120.0
+# How long a cancelled round waits for its processes to report their cancelled calls.
+CANCEL_TIMEOUT_S = 30.0
+
+
+def _read_only(items: dict[Any, Any]) -> Mapping[Any, Any]:
+    return MappingProxyType(items)
+
+
+def _reduce_read_only(m: MappingProxyType[Any, Any]) -> tuple[Any, tuple[dict[Any, Any]]]:
+    return _read_only, (dict(m),)
+
+
+# The settings' arms (and scrapes) keep their mappings read-only (MappingProxyType), which pickle
+# cannot copy: between the processes they travel as a dict and arrive read-only again.
+ForkingPickler.register(MappingProxyType, _reduce_read_only)
+
+# A call that ended: (arm name, its result, handed over → sent, its body comparable for identity).
+Called = tuple[str, CallResult, float, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSetup:
+    """What every process needs, sent once: the settings (less what cannot be pickled or is not
+    needed to send), the run, each arm's model and the engines the probe found."""
+
+    settings: ReplaySettings
+    run_id: str
+    models: dict[str, str | None]
+    engines: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOrder:
+    """One process's share of a closed-loop round: ``slots`` per arm over ``calls`` (paired: to every
+    arm of ``arms``, in that order) or over ``assigned`` (split: each call to its one arm)."""
+
+    phase: Phase
+    slots: int
+    deadline_s: float | None
+    arms: tuple[str, ...]
+    calls: list[ReplayCall] = field(default_factory=list)
+    assigned: list[tuple[str, ReplayCall]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ClientReport:
+    """What a process measured over its share of a round."""
+
+    index: int
+    stats: list[LoadStats]
+    loop_lags_s: list[float]
+    decode_s: list[float]
+
+    def loop_share(self) -> float | None:
+        return loop_lag_share(self.loop_lags_s, self.decode_s)
+
+
+def slot_shares(level: int, processes: int) -> list[int]:
+    """Slots per process: ``level // processes`` each, one more for the first ``level % processes``."""
+    return [level // processes + (k < level % processes) for k in range(processes)]
+
+
+def owner_of_calls(n_calls: int, level: int, processes: int) -> list[int]:
+    """The process each call of a round goes to: the owner of slot ``i % level``, slots dealt out
+    round-robin (slot s to process s % processes)."""
+    return [(i % level) % processes for i in range(n_calls)]
+
+
+def round_orders(
+    phase: Phase,
+    calls: Sequence[ReplayCall],
+    level: int,
+    processes: int,
+    arms: Sequence[Arm],
+    deadline_s: float | None,
+    assigned: Sequence[str] | None = None,
+) -> list[RoundOrder | None]:
+    """Each process's share of a closed-loop round at ``level`` (None: no slots for it this round).
+    ``arms``: in the round's order; ``assigned``: split mode, the arm each call goes to."""
+    names = tuple(a.name for a in arms)
+    owners = owner_of_calls(len(calls), level, processes)
+    orders: list[RoundOrder | None] = []
+    for k, slots in enumerate(slot_shares(level, processes)):
+        mine = [i for i, owner in enumerate(owners) if owner == k]
+        if not slots:
+            orders.append(None)
+        elif assigned is None:
+            orders.append(RoundOrder(phase, slots, deadline_s, names, calls=[calls[i] for i in mine]))
+        else:
+            split = [(assigned[i], calls[i]) for i in mine]
+            orders.append(RoundOrder(phase, slots, deadline_s, names, assigned=split))
+    return orders
+
+
+def client_rows(
+    run_id: str, phase: Phase, reports: Sequence[ClientReport], at: datetime | None = None
+) -> list[HealthRow]:
+    """Each process's own loop-lag share, loop-lag P99 and start-lag P99, as ``client K <check>``
+    rows with the usual thresholds."""
+    at = at or datetime.now(UTC)
+    rows = []
+    for rep in reports:
+        lags = [lag for st in rep.stats for lag in st.lag_s]
+        for check, value in (
+            (EVENT_LOOP_LAG_SHARE, rep.loop_share()),
+            (EVENT_LOOP_LAG, p99(rep.loop_lags_s)),
+            (LOADGEN_START_LAG, p99(lags)),
+        ):
+            if value is not None:
+                rows.append(
+                    HealthRow(
+                        run_id,
+                        None,
+                        phase.level,
+                        phase.round,
+                        f"client {rep.index + 1} {check}",
+                        value,
+                        THRESHOLDS.get(check),
+                        at,
+                        phase.offered_rate,
+                    )
+                )
+    return rows
+
+
+def worst(reports: Sequence[ClientReport]) -> ClientReport | None:
+    """The process whose loop lagged most against its calls' decode time."""
+    return max(reports, key=lambda r: r.loop_share() or 0.0, default=None)
+
+
+class _Client:
+    """The parent's end of one process: its pipe, and the round it is running."""
+
+    def __init__(self, index: int, process: Any, conn: multiprocessing.connection.Connection) -> None:
+        self.index = index
+        self.process = process
+        self.conn = conn
+        self.ready: asyncio.Future[None] | None = None
+        self.done: asyncio.Future[ClientReport] | None = None
+
+
+class ClientPool:
+    """N client processes for a run, started once; ``run_round`` gives each its share of a round."""
+
+    def __init__(self, setup: ClientSetup, processes: int) -> None:
+        self.setup = setup
+        self.n = processes
+        self._clients: list[_Client] = []
+        self._recorder: RunRecorder | None = None
+        self._joiner: PairJoiner | None = None
+
+    async def start(self) -> None:
+        """Start the processes (spawned: a fresh interpreter each) and wait until each has its client."""
+        loop = asyncio.get_running_loop()
+        ctx = multiprocessing.get_context("spawn")
+        for k in range(self.n):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=child_main, args=(child_end, self.setup, k), name=f"specproxy-client-{k + 1}"
+            )
+            proc.start()
+            child_end.close()
+            client = _Client(k, proc, parent_end)
+            client.ready = loop.create_future()
+            self._clients.append(client)
+            loop.add_reader(parent_end.fileno(), self._readable, client)
+        ready = [c.ready for c in self._clients if c.ready is not None]
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                await asyncio.gather(*ready)
+        except TimeoutError:
+            raise ReplayError(f"the client processes did not start within {START_TIMEOUT_S:g} s") from None
+
+    def push_engine_load(self, load: dict[str, Any]) -> None:
+        """The latest scrape's engine load, for the spans of the calls each process starts next."""
+        for c in self._clients:
+            if c.process.is_alive():
+                c.conn.send(("load", dict(load)))
+
+    async def run_round(
+        self, orders: Sequence[RoundOrder | None], recorder: RunRecorder, joiner: PairJoiner | None
+    ) -> list[ClientReport]:
+        """Send each process its order (None: it has no slots this round) and wait for all reports;
+        every call that ends is recorded by ``recorder`` as it comes back (paired: through
+        ``joiner``), as if sent here; so is a span kept without a result (a call cancelled mid-way).
+        Cancelled: every process cancels its calls in flight, reports them, and the cancellation
+        goes on."""
+        loop = asyncio.get_running_loop()
+        self._recorder, self._joiner = recorder, joiner
+        running = []
+        for client, order in zip(self._clients, orders, strict=True):
+            if order is None:
+                continue
+            client.done = loop.create_future()
+            client.conn.send(("round", order))
+            running.append(client)
+        futures = [c.done for c in running if c.done is not None]
+        try:
+            await asyncio.wait(futures)
+        except asyncio.CancelledError:
+            for c in running:
+                c.conn.send(("cancel", None))
+            await asyncio.shield(asyncio.wait(futures, timeout=CANCEL_TIMEOUT_S))
+            raise
+        return [f.result() for f in futures]
+
+    def _readable(self, client: _Client) -> None:
+        """Whatever the process has sent: calls, spans, its report, or that it failed or exited."""
+        try:
+            while client.conn.poll():
+                kind, payload = client.conn.recv()
+                if kind == "calls":
+                    self._record(payload)
+                elif kind == "done":
+                    _settle(client.done, payload)
+                elif kind == "ready":
+                    _settle(client.ready, None)
+                elif kind == "error":
+                    self._fail(client, f"client process {client.index + 1} failed: {payload}")
+        except (EOFError, OSError):
+            self._fail(client, f"client process {client.index + 1} exited (code {client.process.exitcode})")
+
+    def _record(self, batch: list[tuple[str, Any]]) -> None:
+        recorder = self._recorder
+        if recorder is None or not recorder.recording:
+            return  # the run has ended: a call that ends after that is not counted
+        for kind, payload in batch:
+            if kind == "call":
+                arm, result, queued_s, comparable = payload
+                recorder.call(arm, result, queued_s, self._joiner, comparable)
+            else:
+                recorder.emit(payload)
+
+    def _fail(self, client: _Client, why: str) -> None:
+        asyncio.get_running_loop().remove_reader(client.conn.fileno())
+        for fut in (client.ready, client.done):
+            if fut is not None and not fut.done():
+                fut.set_exception(ReplayError(why))
+
+    async def close(self) -> None:
+        """Ask every process to end, wait for it (off the loop), then close the pipes."""
+        loop = asyncio.get_running_loop()
+        for c in self._clients:
+            try:
+                loop.remove_reader(c.conn.fileno())
+                c.conn.send(("close", None))
+            except (OSError, ValueError):
+                pass
+        for c in self._clients:
+            await asyncio.to_thread(c.process.join, 10.0)
+            if c.process.is_alive():
+                c.process.terminate()
+                await asyncio.to_thread(c.process.join, 5.0)
+            c.conn.close()
+        self._clients = []
+
+
+@asynccontextmanager
+async def client_pool(
+    settings: ReplaySettings, run_id: str, models: Mapping[str, str | None], engines: Mapping[str, str]
+) -> AsyncIterator[ClientPool | None]:
+    """The run's client processes, started (None with ``client_processes`` 1), closed after."""
+    if settings.client_processes <= 1:
+        yield None
+        return
+    # What a process needs to send calls: not the callbacks (pacer, decider, plan), which stay here.
+    light = dataclasses.replace(
+        settings, pacer=None, decider=None, load=LoadPlan(), experiment=None, show_progress=False
+    )
+    pool = ClientPool(ClientSetup(light, run_id, dict(models), dict(engines)), settings.client_processes)
+    try:
+        await pool.start()
+        yield pool
+    finally:
+        await pool.close()
+
+
+def _settle(fut: asyncio.Future[Any] | None, value: Any) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(value)
+
+
+def child_main(conn: multiprocessing.connection.Connection, setup: ClientSetup, index: int) -> None:
+    """A client process: Ctrl-C is the parent's to handle (it cancels the rounds), so ignored here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from specproxy.proxy.replay.client_loop import serve_rounds
+
+    try:
+        asyncio.run(serve_rounds(conn, setup, index))
+    except Exception as exc:  # said to the parent as a sentence: it fails the run with it
+        try:
+            conn.send(("error", f"{exc.__class__.__name__}: {exc}"))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+        gc.collect()
