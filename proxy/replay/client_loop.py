@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from specproxy.proxy.health import LoopLagSampler
-from specproxy.proxy.replay.clients import ClientReport, ClientSetup, RoundOrder
+from specproxy.proxy.replay.clients import ClientReport, ClientSetup, RoundOrder, read_in_thread
 from specproxy.proxy.replay.driving import PhaseDriver
 from specproxy.proxy.replay.loadgen import LoadStats, closed_loop
 from specproxy.proxy.replay.planning import CallPlanner, ReplayCall
@@ -103,18 +103,12 @@ async def _round(
 
 async def serve_rounds(conn: multiprocessing.connection.Connection, setup: ClientSetup, index: int) -> None:
     """Run the rounds the parent sends until it says close (or its pipe ends)."""
-    loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
-    def readable() -> None:
-        try:
-            while conn.poll():
-                inbox.put_nowait(conn.recv())
-        except (EOFError, OSError):
-            loop.remove_reader(conn.fileno())
-            inbox.put_nowait(("close", None))
+    def received(message: tuple[str, Any] | None) -> None:
+        inbox.put_nowait(("close", None) if message is None else message)
 
-    loop.add_reader(conn.fileno(), readable)
+    read_in_thread(conn, received)
     recorder = ShippingRecorder(setup.run_id, conn)
     planner = CallPlanner(setup.settings, setup.run_id, [])
     driver = ClientDriver(setup.settings, planner, recorder, recorder.progress, asyncio.Event())
@@ -128,6 +122,7 @@ async def serve_rounds(conn: multiprocessing.connection.Connection, setup: Clien
         gc.freeze()
         conn.send(("ready", None))
         running: asyncio.Task[ClientReport] | None = None
+        order: RoundOrder | None = None
         while True:
             kind, payload = await inbox.get()
             if kind == "close":
@@ -137,9 +132,12 @@ async def serve_rounds(conn: multiprocessing.connection.Connection, setup: Clien
             elif kind == "cancel" and running is not None:
                 running.cancel()
             elif kind == "round":
-                running = asyncio.create_task(_round(driver, recorder, payload, index))
+                order = payload  # held until "go", which every process gets at once
+                conn.send(("held", None))
+            elif kind == "go" and order is not None:
+                running = asyncio.create_task(_round(driver, recorder, order, index))
                 running.add_done_callback(functools.partial(_report, recorder, index))
-    loop.remove_reader(conn.fileno())
+                order = None
 
 
 def _report(recorder: ShippingRecorder, index: int, task: asyncio.Task[ClientReport]) -> None:

@@ -19,7 +19,8 @@ process fell behind.
 
     pool = ClientPool(setup, 4)
     await pool.start()
-    reports = await pool.run_round(orders, on_call, on_emit)
+    pool.send_orders(round_orders(phase, calls, level, 4, arms, deadline_s))
+    reports = await pool.run_round(recorder, joiner)   # recorder.call(...) for each call as it ends
     await pool.close()
 """
 
@@ -27,11 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import multiprocessing
 import multiprocessing.connection
 import signal
-from collections.abc import AsyncIterator, Mapping, Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -49,7 +52,7 @@ from specproxy.proxy.health import (
     p99,
 )
 from specproxy.proxy.replay.loadgen import LoadStats
-from specproxy.proxy.replay.planning import LoadPlan, Phase, ReplayCall, ReplayError, ReplaySettings
+from specproxy.proxy.replay.planning import LoadPlan, Phase, ReplayCall, ReplayError, ReplaySettings, rotated
 from specproxy.proxy.replay.recording import PairJoiner, RunRecorder
 from specproxy.proxy.spans.sink import HealthRow
 from specproxy.proxy.upstream.calls import CallResult
@@ -206,6 +209,7 @@ class ClientPool:
         self._clients: list[_Client] = []
         self._recorder: RunRecorder | None = None
         self._joiner: PairJoiner | None = None
+        self._running: list[_Client] = []  # the processes given a share of the next round
 
     async def start(self) -> None:
         """Start the processes (spawned: a fresh interpreter each) and wait until each has its client."""
@@ -221,7 +225,7 @@ class ClientPool:
             client = _Client(k, proc, parent_end)
             client.ready = loop.create_future()
             self._clients.append(client)
-            loop.add_reader(parent_end.fileno(), self._readable, client)
+            read_in_thread(parent_end, functools.partial(self._received, client))
         ready = [c.ready for c in self._clients if c.ready is not None]
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
@@ -232,26 +236,48 @@ class ClientPool:
     def push_engine_load(self, load: dict[str, Any]) -> None:
         """The latest scrape's engine load, for the spans of the calls each process starts next."""
         for c in self._clients:
-            if c.process.is_alive():
+            try:
                 c.conn.send(("load", dict(load)))
+            except OSError:
+                pass  # an exited process: its round fails with that (see _received)
 
-    async def run_round(
-        self, orders: Sequence[RoundOrder | None], recorder: RunRecorder, joiner: PairJoiner | None
-    ) -> list[ClientReport]:
-        """Send each process its order (None: it has no slots this round) and wait for all reports;
-        every call that ends is recorded by ``recorder`` as it comes back (paired: through
+    async def send_round(
+        self,
+        phase: Phase,
+        calls: Sequence[ReplayCall],
+        level: int,
+        recorder: RunRecorder,
+        draw: Callable[[], Arm],
+    ) -> PairJoiner | None:
+        """Give each process its share of the next closed-loop round and wait until each holds it;
+        it starts with :meth:`run_round`. (A share can take a while to pickle and read: a round with
+        a duration carries every call it might send, and no process should start before the
+        others.) Returns the joiner of the pairs the calls come back to (paired mode, several
+        arms). ``draw``: split mode's seeded draw of an arm, made call by call as one process does."""
+        settings = self.setup.settings
+        arms = rotated(settings.arms, phase.round)
+        assigned = None if settings.mode == "paired" else [draw().name for _ in calls]
+        orders = round_orders(phase, calls, level, self.n, arms, settings.load.duration_s, assigned)
+        loop = asyncio.get_running_loop()
+        self._running = []
+        for client, order in zip(self._clients, orders, strict=True):
+            if order is not None:
+                client.done, client.ready = loop.create_future(), loop.create_future()
+                client.conn.send(("round", order))
+                self._running.append(client)
+        await asyncio.gather(*(c.ready for c in self._running if c.ready is not None))
+        return PairJoiner(len(arms), recorder.emit) if len(arms) > 1 and assigned is None else None
+
+    async def run_round(self, recorder: RunRecorder, joiner: PairJoiner | None) -> list[ClientReport]:
+        """Start the round sent by :meth:`send_orders` in every process at once and wait for all
+        reports; every call that ends is recorded by ``recorder`` as it comes back (paired: through
         ``joiner``), as if sent here; so is a span kept without a result (a call cancelled mid-way).
         Cancelled: every process cancels its calls in flight, reports them, and the cancellation
         goes on."""
-        loop = asyncio.get_running_loop()
         self._recorder, self._joiner = recorder, joiner
-        running = []
-        for client, order in zip(self._clients, orders, strict=True):
-            if order is None:
-                continue
-            client.done = loop.create_future()
-            client.conn.send(("round", order))
-            running.append(client)
+        running, self._running = self._running, []
+        for c in running:
+            c.conn.send(("go", None))
         futures = [c.done for c in running if c.done is not None]
         try:
             await asyncio.wait(futures)
@@ -262,21 +288,20 @@ class ClientPool:
             raise
         return [f.result() for f in futures]
 
-    def _readable(self, client: _Client) -> None:
-        """Whatever the process has sent: calls, spans, its report, or that it failed or exited."""
-        try:
-            while client.conn.poll():
-                kind, payload = client.conn.recv()
-                if kind == "calls":
-                    self._record(payload)
-                elif kind == "done":
-                    _settle(client.done, payload)
-                elif kind == "ready":
-                    _settle(client.ready, None)
-                elif kind == "error":
-                    self._fail(client, f"client process {client.index + 1} failed: {payload}")
-        except (EOFError, OSError):
+    def _received(self, client: _Client, message: tuple[str, Any] | None) -> None:
+        """What the process sent: calls, spans, its report, or that it failed (None: it exited)."""
+        if message is None:
             self._fail(client, f"client process {client.index + 1} exited (code {client.process.exitcode})")
+            return
+        kind, payload = message
+        if kind == "calls":
+            self._record(payload)
+        elif kind == "done":
+            _settle(client.done, payload)
+        elif kind in ("ready", "held"):
+            _settle(client.ready, None)
+        elif kind == "error":
+            self._fail(client, f"client process {client.index + 1} failed: {payload}")
 
     def _record(self, batch: list[tuple[str, Any]]) -> None:
         recorder = self._recorder
@@ -290,17 +315,14 @@ class ClientPool:
                 recorder.emit(payload)
 
     def _fail(self, client: _Client, why: str) -> None:
-        asyncio.get_running_loop().remove_reader(client.conn.fileno())
         for fut in (client.ready, client.done):
             if fut is not None and not fut.done():
                 fut.set_exception(ReplayError(why))
 
     async def close(self) -> None:
         """Ask every process to end, wait for it (off the loop), then close the pipes."""
-        loop = asyncio.get_running_loop()
         for c in self._clients:
             try:
-                loop.remove_reader(c.conn.fileno())
                 c.conn.send(("close", None))
             except (OSError, ValueError):
                 pass
@@ -321,9 +343,14 @@ async def client_pool(
     if settings.client_processes <= 1:
         yield None
         return
-    # What a process needs to send calls: not the callbacks (pacer, decider, plan), which stay here.
+    # What a process needs to send calls: not the callbacks (pacer, decider, the plan's), which stay here.
     light = dataclasses.replace(
-        settings, pacer=None, decider=None, load=LoadPlan(), experiment=None, show_progress=False
+        settings,
+        pacer=None,
+        decider=None,
+        load=LoadPlan(duration_s=settings.load.duration_s),
+        experiment=None,
+        show_progress=False,
     )
     pool = ClientPool(ClientSetup(light, run_id, dict(models), dict(engines)), settings.client_processes)
     try:
@@ -333,9 +360,46 @@ async def client_pool(
         await pool.close()
 
 
+def read_in_thread(
+    conn: multiprocessing.connection.Connection, on_message: Callable[[tuple[str, Any] | None], None]
+) -> threading.Thread:
+    """Read ``conn`` in a thread of its own (blocking reads: the loop's own readers would turn the
+    pipe non-blocking, and a message can span many reads), each message handed to ``on_message`` on
+    the running loop, then None when the other end has closed."""
+    loop = asyncio.get_running_loop()
+
+    def read() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                message = None
+            try:
+                loop.call_soon_threadsafe(on_message, message)
+            except RuntimeError:  # the loop has closed: nobody is left to tell
+                return
+            if message is None:
+                return
+
+    thread = threading.Thread(target=read, name="specproxy-client-pipe", daemon=True)
+    thread.start()
+    return thread
+
+
 def _settle(fut: asyncio.Future[Any] | None, value: Any) -> None:
     if fut is not None and not fut.done():
         fut.set_result(value)
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    """On uvloop where it is installed, as the parent's ``specproxy replay`` runs."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(coro)
 
 
 def child_main(conn: multiprocessing.connection.Connection, setup: ClientSetup, index: int) -> None:
@@ -344,7 +408,7 @@ def child_main(conn: multiprocessing.connection.Connection, setup: ClientSetup, 
     from specproxy.proxy.replay.client_loop import serve_rounds
 
     try:
-        asyncio.run(serve_rounds(conn, setup, index))
+        _run(serve_rounds(conn, setup, index))
     except Exception as exc:  # said to the parent as a sentence: it fails the run with it
         try:
             conn.send(("error", f"{exc.__class__.__name__}: {exc}"))

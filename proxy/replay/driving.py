@@ -25,7 +25,6 @@ from specproxy.proxy.replay.clients import (
     ClientReport,
     client_pool,
     client_rows,
-    round_orders,
     worst,
 )
 from specproxy.proxy.replay.formats import ReplayItem
@@ -251,6 +250,9 @@ class PhaseDriver:
         it (paired: to the arms in this round's order), scrape and read again, record the health.
         ``slots``: a closed-loop level's concurrency: the client processes, if any, send its calls."""
         label = phase.label
+        if self.pool is not None and slots is not None:
+            # The shares travel before the round's window opens: their pickling is no part of it.
+            joiner = await self.pool.send_round(phase, calls, slots, self.recorder, self._split_arm)
         await self._scrape_boundary(f"{label}:before", phase)
         self.scraper.engine_load.clear()
         clocks_before = await read_sim_clocks(self.session, self.s.arms)
@@ -263,7 +265,7 @@ class PhaseDriver:
         try:
             async with loop_lag:
                 if self.pool is not None and slots is not None:
-                    stats, reports = await self._in_processes(self.pool, phase, calls, slots)
+                    stats, reports = await self._in_processes(self.pool, joiner)
                 elif self.s.mode == "paired":
                     stats = await self._paired(phase, calls, drive)
                 else:
@@ -288,16 +290,11 @@ class PhaseDriver:
         return stats
 
     async def _in_processes(
-        self, pool: ClientPool, phase: Phase, calls: list[ReplayCall], level: int
+        self, pool: ClientPool, joiner: PairJoiner | None
     ) -> tuple[list[LoadStats], list[ClientReport]]:
-        """A closed-loop round sent by the client processes, each its share (:mod:`.clients`)."""
-        arms = rotated(self.s.arms, phase.round)
-        # split: the same seeded draw as one process makes, call by call, before the calls are shared
-        assigned = None if self.s.mode == "paired" else [self._split_arm().name for _ in calls]
-        orders = round_orders(phase, calls, level, pool.n, arms, self.s.load.duration_s, assigned)
-        joiner = PairJoiner(len(arms), self.recorder.emit) if len(arms) > 1 and assigned is None else None
+        """The round given out by :meth:`.ClientPool.send_round`, run by the client processes."""
         try:
-            reports = await pool.run_round(orders, self.recorder, joiner)
+            reports = await pool.run_round(self.recorder, joiner)
         finally:
             if joiner is not None:
                 joiner.flush()
