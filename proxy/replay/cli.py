@@ -142,8 +142,8 @@ from specproxy.proxy.spans.sink import SpanSinkError
     show_default=True,
     metavar="N",
     help="Closed loop: spread each round's slots over N client processes, each with its own event "
-    "loop (and health rows), for engines that stream faster than one process reads: about one per "
-    "CLIENT_RATE chunks/s of the arms together, at most one per core left beside the engines.",
+    "loop and health rows, for engines that stream faster than one process reads: about one per "
+    "30,000 chunks/s of the arms together (five GPU arms at c=256: 4), at most one per free core.",
 )
 @no_progress_option
 def replay(
