@@ -4,6 +4,8 @@ against two identical `specproxy sim` arms, spans read back from the one DuckDB 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,15 @@ from specproxy.config import Arm
 from specproxy.proxy.replay.cli import replay
 from specproxy.proxy.replay.clients import owner_of_calls, slot_shares
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, run_replay
-from tests.support import chat_items, simulators
+from tests.support import (
+    backend_process,
+    chat_items,
+    metric_sum,
+    simulators,
+    start_cli,
+    stop,
+    wait_until_sync,
+)
 from tests.support import query_rows as rows
 
 LEVELS = (1, 4)
@@ -127,6 +137,34 @@ async def test_split_mode_draws_the_same_arms_in_processes(tmp_path: Path, twin_
     assert sum(int(str(r[3])) for r in drawn(one.run_id)) == len(LEVELS) * ROUNDS * N_ITEMS
     assert {r[2] for r in drawn(one.run_id)} == {"base", "spec"}
     assert drawn(one.run_id) == drawn(two.run_id)
+
+
+def test_ctrl_c_with_client_processes_keeps_every_process_calls(tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    log.write_text(
+        "".join(json.dumps({"prompt": f"question {i}", "output_tokens": 8}) + "\n" for i in range(5000))
+    )
+    db = tmp_path / "out.duckdb"
+    with backend_process("--ttft-ms", "2", "--itl-ms", "5", "--tokens", "8") as url:
+        argv = ["replay", str(log), "--target", url, "--concurrency", "4", "--db", str(db), "--no-progress"]
+        proc = start_cli([*argv, "--client-processes", "2"])
+        try:
+            # Under way in both processes (with --target there is no warm-up): 16 calls answered.
+            metrics = url + "/metrics"
+            wait_until_sync(lambda: metric_sum(metrics, "test_backend_completed_total") >= 16, "16 answers")
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+        finally:
+            out = stop(proc)
+        answered = metric_sum(metrics, "test_backend_completed_total")
+    assert proc.returncode == 130, out
+    assert "interrupted: the spans measured so far are kept" in out and "Traceback" not in out
+    ((ok, other),) = rows(
+        db, "SELECT count(*) FILTER (status = 'ok'), count(*) FILTER (status <> 'ok') FROM requests"
+    )
+    # every call answered has its span, whichever process sent it; at most the 4 in flight were cut off
+    assert answered - 4 <= ok <= answered and other <= 4
+    assert rows(db, "SELECT ended_at IS NOT NULL FROM runs") == [(True,)]
 
 
 def test_cli_rejects_zero_processes(tmp_path: Path) -> None:
