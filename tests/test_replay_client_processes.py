@@ -4,6 +4,7 @@ against two identical `specproxy sim` arms, spans read back from the one DuckDB 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 from collections.abc import Iterator
@@ -14,7 +15,8 @@ from click.testing import CliRunner
 
 from specproxy.config import Arm
 from specproxy.proxy.replay.cli import replay
-from specproxy.proxy.replay.clients import owner_of_calls, slot_shares
+from specproxy.proxy.replay.clients import ClientReport, owner_of_calls, round_stats, slot_shares
+from specproxy.proxy.replay.loadgen import LoadStats
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, run_replay
 from tests.support import (
     backend_process,
@@ -137,6 +139,42 @@ async def test_split_mode_draws_the_same_arms_in_processes(tmp_path: Path, twin_
     assert sum(int(str(r[3])) for r in drawn(one.run_id)) == len(LEVELS) * ROUNDS * N_ITEMS
     assert {r[2] for r in drawn(one.run_id)} == {"base", "spec"}
     assert drawn(one.run_id) == drawn(two.run_id)
+
+
+def test_an_open_loops_parts_make_one_schedule() -> None:
+    # two processes' parts of one arm's schedule, at 10/s each, interleaved: together 20/s
+    parts = [
+        LoadStats(sent=11, lag_s=[0.001] * 11, first_due=0.0, last_due=1.0, first_sent=0.0, last_sent=1.0),
+        LoadStats(sent=11, lag_s=[0.002] * 11, first_due=0.05, last_due=1.05, first_sent=0.05, last_sent=1.1),
+    ]
+    reports = [ClientReport(k, [part], [], []) for k, part in enumerate(parts)]
+    (merged,) = round_stats(reports)
+    assert merged.sent == 22 and sorted(merged.lag_s) == [0.001] * 11 + [0.002] * 11
+    assert merged.scheduled_rate() == pytest.approx(21 / 1.05)
+    assert merged.achieved_rate() == pytest.approx(21 / 1.1)
+
+
+async def test_a_rate_sweep_in_two_processes_sends_every_arrival(
+    tmp_path: Path, twin_sims: dict[str, str]
+) -> None:
+    db = tmp_path / "spans.duckdb"
+    results = []
+    for n in (1, 2):
+        s = dataclasses.replace(
+            settings(twin_sims, db, n), load=LoadPlan(kind="rate", rates=(40.0,), rounds=ROUNDS, warmup=1)
+        )
+        results.append(await run_replay(s, chat_items(N_ITEMS)))
+    one, two = results
+    assert one.phases == two.phases
+    expected = [
+        (arm, None, round_, N_ITEMS, N_ITEMS, N_ITEMS, N_ITEMS if arm == "spec" else 0)
+        for arm in ("base", "spec")
+        for round_ in range(1, ROUNDS + 1)
+    ]
+    assert per_round(db, one.run_id) == per_round(db, two.run_id) == expected
+    assert rows(db, "SELECT DISTINCT offered_rate FROM requests WHERE run_id = ?", [two.run_id]) == [(40.0,)]
+    checks = {c for _, _, c in health_checks(db, two.run_id)}
+    assert {"open_loop_achieved_rate", "open_loop_rate_shortfall", "client 2 event_loop_lag_share"} <= checks
 
 
 def test_ctrl_c_with_client_processes_keeps_every_process_calls(tmp_path: Path) -> None:

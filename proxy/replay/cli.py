@@ -141,7 +141,7 @@ from specproxy.proxy.spans.sink import SpanSinkError
     default=1,
     show_default=True,
     metavar="N",
-    help="Closed loop: spread each round's slots over N client processes, each with its own event "
+    help="Spread each round's calls (a closed loop's slots) over N client processes, each with its own event "
     "loop and health rows, for engines that stream faster than one process reads: about one per "
     "30,000 chunks/s of the arms together (five GPU arms at c=256: 4), at most one per free core.",
 )

@@ -10,13 +10,14 @@ import asyncio
 import functools
 import gc
 import multiprocessing.connection
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from specproxy.proxy.health import LoopLagSampler
 from specproxy.proxy.replay.clients import ClientReport, ClientSetup, RoundOrder, read_in_thread
 from specproxy.proxy.replay.driving import PhaseDriver
-from specproxy.proxy.replay.loadgen import LoadStats, closed_loop
+from specproxy.proxy.replay.loadgen import LoadStats, closed_loop, open_loop
 from specproxy.proxy.replay.planning import CallPlanner, ReplayCall
 from specproxy.proxy.replay.progress import ReplayProgress
 from specproxy.proxy.replay.recording import PairJoiner, RunRecorder
@@ -68,7 +69,8 @@ class ClientDriver(PhaseDriver):
 async def _round(
     driver: ClientDriver, recorder: ShippingRecorder, order: RoundOrder, index: int
 ) -> ClientReport:
-    """One round's share: each arm's closed loop over this process's calls, its own loop lag sampled."""
+    """One round's share: each arm's loop (closed, or open at the calls' offsets) over this process's
+    calls, its own loop lag sampled."""
     arms = {a.name: a for a in driver.s.arms}
     recorder.decode_s = []
     stats: list[LoadStats]
@@ -76,28 +78,20 @@ async def _round(
     async def split(assigned: tuple[str, ReplayCall]) -> float | None:
         return await driver.send(arms[assigned[0]], assigned[1], routed_as="split", joiner=None)
 
+    def drive(seq: Sequence[Any], send: Callable[[Any], Awaitable[float | None]]) -> Awaitable[LoadStats]:
+        if order.offsets_s is not None:
+            return open_loop(seq, order.offsets_s, send, deadline_s=order.deadline_s, stop=driver.stop)
+        return closed_loop(seq, order.slots, send, deadline_s=order.deadline_s, stop=driver.stop)
+
     async with LoopLagSampler() as loop_lag:
         if order.assigned:
-            stats = [
-                await closed_loop(
-                    order.assigned, order.slots, split, deadline_s=order.deadline_s, stop=driver.stop
-                )
-            ]
+            stats = [await drive(order.assigned, split)]
         else:
-            stats = list(
-                await asyncio.gather(
-                    *(
-                        closed_loop(
-                            order.calls,
-                            order.slots,
-                            functools.partial(driver.send, arms[name], routed_as="replay", joiner=None),
-                            deadline_s=order.deadline_s,
-                            stop=driver.stop,
-                        )
-                        for name in order.arms
-                    )
-                )
+            sends = (
+                functools.partial(driver.send, arms[name], routed_as="replay", joiner=None)
+                for name in order.arms
             )
+            stats = list(await asyncio.gather(*(drive(order.calls, send) for send in sends)))
     return ClientReport(index, stats, loop_lag.lags_s, recorder.decode_s)
 
 

@@ -1,4 +1,4 @@
-"""Replay's client processes (``--client-processes N``): a closed-loop round's slots spread over N
+"""Replay's client processes (``--client-processes N``): a round's calls spread over N
 processes, each with its own event loop and HTTP client, so that the load generator keeps up with
 engines that stream faster than one Python process can read.
 
@@ -12,14 +12,16 @@ engine-load scrape to the processes (the load a call's span carries).
 
 How a level of ``c`` slots is shared: process k of N gets ``c // N`` slots, one more for the first
 ``c % N``; call i of the round goes to the process owning slot ``i % c``, so each process's queue is
-in the round's order and the call counts match its slots. A process measures its own loop lag,
-decode times and start lags; its health rows are ``client K <check>`` (:func:`client_rows`), and the
-round's unprefixed loop-lag rows are those of its worst process, so that a round fails if any
-process fell behind.
+in the round's order and the call counts match its slots. An open loop's call i goes to process
+``i % N`` at its own offset, every process starting its schedule at the same moment, and each
+arm's stats are combined over the processes (:func:`round_stats`), so its rates are the arm's.
+A process measures its own loop lag, decode times and start lags; its health rows are
+``client K <check>`` (:func:`client_rows`), and the round's unprefixed loop-lag rows are those of
+its worst process, so that a round fails if any process fell behind.
 
     pool = ClientPool(setup, 4)
     await pool.start()
-    pool.send_orders(round_orders(phase, calls, level, 4, arms, deadline_s))
+    joiner = await pool.send_round(phase, calls, SharedLoad(level=16), recorder, draw)
     reports = await pool.run_round(recorder, joiner)   # recorder.call(...) for each call as it ends
     await pool.close()
 """
@@ -91,9 +93,20 @@ class ClientSetup:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedLoad:
+    """How a round's calls are sent, for the processes to share: a closed loop at ``level`` slots
+    per arm, or an open loop whose call i leaves at ``offsets_s[i]``; none starts after ``deadline_s``."""
+
+    level: int | None = None
+    offsets_s: Sequence[float] | None = None
+    deadline_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RoundOrder:
-    """One process's share of a closed-loop round: ``slots`` per arm over ``calls`` (paired: to every
-    arm of ``arms``, in that order) or over ``assigned`` (split: each call to its one arm)."""
+    """One process's share of a round: ``slots`` per arm over ``calls`` (paired: to every arm of
+    ``arms``, in that order) or over ``assigned`` (split: each call to its one arm); an open loop's
+    share has each call's offset in ``offsets_s`` instead of slots."""
 
     phase: Phase
     slots: int
@@ -101,6 +114,7 @@ class RoundOrder:
     arms: tuple[str, ...]
     calls: list[ReplayCall] = field(default_factory=list)
     assigned: list[tuple[str, ReplayCall]] = field(default_factory=list)
+    offsets_s: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -130,27 +144,64 @@ def owner_of_calls(n_calls: int, level: int, processes: int) -> list[int]:
 def round_orders(
     phase: Phase,
     calls: Sequence[ReplayCall],
-    level: int,
+    load: SharedLoad,
     processes: int,
     arms: Sequence[Arm],
-    deadline_s: float | None,
     assigned: Sequence[str] | None = None,
 ) -> list[RoundOrder | None]:
-    """Each process's share of a closed-loop round at ``level`` (None: no slots for it this round).
+    """Each process's share of a round (None: nothing for it this round): a closed loop's by slot,
+    an open loop's call i to process ``i % processes``, each call at its own offset.
     ``arms``: in the round's order; ``assigned``: split mode, the arm each call goes to."""
     names = tuple(a.name for a in arms)
-    owners = owner_of_calls(len(calls), level, processes)
+    if load.offsets_s is None:
+        assert load.level is not None
+        owners = owner_of_calls(len(calls), load.level, processes)
+        shares = slot_shares(load.level, processes)
+    else:
+        owners, shares = [i % processes for i in range(len(calls))], [1] * processes
     orders: list[RoundOrder | None] = []
-    for k, slots in enumerate(slot_shares(level, processes)):
+    for k, slots in enumerate(shares):
         mine = [i for i, owner in enumerate(owners) if owner == k]
-        if not slots:
+        offsets = None if load.offsets_s is None else [load.offsets_s[i] for i in mine]
+        if not slots or (offsets is not None and not mine):
             orders.append(None)
-        elif assigned is None:
-            orders.append(RoundOrder(phase, slots, deadline_s, names, calls=[calls[i] for i in mine]))
+            continue
+        order = RoundOrder(phase, slots, load.deadline_s, names, offsets_s=offsets)
+        if assigned is None:
+            order.calls.extend(calls[i] for i in mine)
         else:
-            split = [(assigned[i], calls[i]) for i in mine]
-            orders.append(RoundOrder(phase, slots, deadline_s, names, assigned=split))
+            order.assigned.extend((assigned[i], calls[i]) for i in mine)
+        orders.append(order)
     return orders
+
+
+def combined(parts: Sequence[LoadStats]) -> LoadStats:
+    """One schedule's stats from its processes' parts: an open loop's rates are over all its calls."""
+
+    def least(values: Sequence[float | None]) -> float | None:
+        return min((v for v in values if v is not None), default=None)
+
+    def most(values: Sequence[float | None]) -> float | None:
+        return max((v for v in values if v is not None), default=None)
+
+    return LoadStats(
+        sent=sum(p.sent for p in parts),
+        started_at=min(p.started_at for p in parts),
+        ended_at=max(p.ended_at for p in parts),
+        lag_s=[lag for p in parts for lag in p.lag_s],
+        stopped=any(p.stopped for p in parts),
+        first_due=least([p.first_due for p in parts]),
+        last_due=most([p.last_due for p in parts]),
+        first_sent=least([p.first_sent for p in parts]),
+        last_sent=most([p.last_sent for p in parts]),
+    )
+
+
+def round_stats(reports: Sequence[ClientReport]) -> list[LoadStats]:
+    """Each schedule's stats (each arm's in paired mode, the one of split mode) over every process:
+    a process reports its schedules in the round's order of the arms."""
+    schedules = max((len(r.stats) for r in reports), default=0)
+    return [combined([rep.stats[j] for rep in reports if j < len(rep.stats)]) for j in range(schedules)]
 
 
 def client_rows(
@@ -245,11 +296,11 @@ class ClientPool:
         self,
         phase: Phase,
         calls: Sequence[ReplayCall],
-        level: int,
+        load: SharedLoad,
         recorder: RunRecorder,
         draw: Callable[[], Arm],
     ) -> PairJoiner | None:
-        """Give each process its share of the next closed-loop round and wait until each holds it;
+        """Give each process its share of the next round and wait until each holds it;
         it starts with :meth:`run_round`. (A share can take a while to pickle and read: a round with
         a duration carries every call it might send, and no process should start before the
         others.) Returns the joiner of the pairs the calls come back to (paired mode, several
@@ -257,7 +308,7 @@ class ClientPool:
         settings = self.setup.settings
         arms = rotated(settings.arms, phase.round)
         assigned = None if settings.mode == "paired" else [draw().name for _ in calls]
-        orders = round_orders(phase, calls, level, self.n, arms, settings.load.duration_s, assigned)
+        orders = round_orders(phase, calls, load, self.n, arms, assigned)
         loop = asyncio.get_running_loop()
         self._running = []
         for client, order in zip(self._clients, orders, strict=True):
@@ -269,7 +320,7 @@ class ClientPool:
         return PairJoiner(len(arms), recorder.emit) if len(arms) > 1 and assigned is None else None
 
     async def run_round(self, recorder: RunRecorder, joiner: PairJoiner | None) -> list[ClientReport]:
-        """Start the round sent by :meth:`send_orders` in every process at once and wait for all
+        """Start the round sent by :meth:`send_round` in every process at once and wait for all
         reports; every call that ends is recorded by ``recorder`` as it comes back (paired: through
         ``joiner``), as if sent here; so is a span kept without a result (a call cancelled mid-way).
         Cancelled: every process cancels its calls in flight, reports them, and the cancellation
@@ -348,7 +399,7 @@ async def client_pool(
         settings,
         pacer=None,
         decider=None,
-        load=LoadPlan(duration_s=settings.load.duration_s),
+        load=LoadPlan(),
         experiment=None,
         show_progress=False,
     )

@@ -23,8 +23,10 @@ from specproxy.proxy.identity import is_comparable
 from specproxy.proxy.replay.clients import (
     ClientPool,
     ClientReport,
+    SharedLoad,
     client_pool,
     client_rows,
+    round_stats,
     worst,
 )
 from specproxy.proxy.replay.formats import ReplayItem
@@ -244,15 +246,15 @@ class PhaseDriver:
         return self._rng.choices(arms, weights=[a.weight or 1.0 for a in arms])[0]
 
     async def phase(
-        self, phase: Phase, calls: list[ReplayCall], drive: Drive, *, slots: int | None = None
+        self, phase: Phase, calls: list[ReplayCall], drive: Drive, *, shared: SharedLoad | None = None
     ) -> list[LoadStats]:
         """Run one measured round: scrape and read the clocks, send every call as ``drive`` schedules
         it (paired: to the arms in this round's order), scrape and read again, record the health.
-        ``slots``: a closed-loop level's concurrency: the client processes, if any, send its calls."""
+        ``shared``: the round's load as the client processes, if any, send it instead of ``drive``."""
         label = phase.label
-        if self.pool is not None and slots is not None:
+        if self.pool is not None and shared is not None:
             # The shares travel before the round's window opens: their pickling is no part of it.
-            joiner = await self.pool.send_round(phase, calls, slots, self.recorder, self._split_arm)
+            joiner = await self.pool.send_round(phase, calls, shared, self.recorder, self._split_arm)
         await self._scrape_boundary(f"{label}:before", phase)
         self.scraper.engine_load.clear()
         clocks_before = await read_sim_clocks(self.session, self.s.arms)
@@ -264,7 +266,7 @@ class PhaseDriver:
         scraping = asyncio.ensure_future(self._scrape_during())
         try:
             async with loop_lag:
-                if self.pool is not None and slots is not None:
+                if self.pool is not None and shared is not None:
                     stats, reports = await self._in_processes(self.pool, joiner)
                 elif self.s.mode == "paired":
                     stats = await self._paired(phase, calls, drive)
@@ -298,7 +300,7 @@ class PhaseDriver:
         finally:
             if joiner is not None:
                 joiner.flush()
-        return [st for rep in reports for st in rep.stats], reports
+        return round_stats(reports), reports
 
     async def _paired(self, phase: Phase, calls: list[ReplayCall], drive: Drive) -> list[LoadStats]:
         """Every call to every arm, each arm driven on its own, in this round's order of the arms."""
