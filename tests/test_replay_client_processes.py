@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,20 @@ from click.testing import CliRunner
 
 from specproxy.config import Arm
 from specproxy.proxy.replay.cli import replay
-from specproxy.proxy.replay.clients import ClientReport, owner_of_calls, round_stats, slot_shares
+from specproxy.proxy.replay.clients import (
+    ClientReport,
+    SharedLoad,
+    client_pool,
+    owner_of_calls,
+    round_stats,
+    slot_shares,
+)
 from specproxy.proxy.replay.loadgen import LoadStats
+from specproxy.proxy.replay.planning import Phase
+from specproxy.proxy.replay.progress import ReplayProgress
+from specproxy.proxy.replay.recording import RunRecorder
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, run_replay
+from specproxy.proxy.upstream.calls import UpstreamState
 from tests.support import (
     backend_process,
     chat_items,
@@ -203,6 +215,23 @@ def test_ctrl_c_with_client_processes_keeps_every_process_calls(tmp_path: Path) 
     # every call answered has its span, whichever process sent it; at most the 4 in flight were cut off
     assert answered - 4 <= ok <= answered and other <= 4
     assert rows(db, "SELECT ended_at IS NOT NULL FROM runs") == [(True,)]
+
+
+async def test_a_client_process_that_dies_fails_the_round_with_a_sentence(
+    tmp_path: Path, twin_sims: dict[str, str]
+) -> None:
+    s = settings(twin_sims, tmp_path / "x.duckdb", 2)
+    recorder = RunRecorder("replay-test", s.db_path, ["base", "spec"], ReplayProgress([], enabled=False))
+    async with client_pool(s, "replay-test", {"base": None, "spec": None}, {}) as pool:
+        assert pool is not None
+        victim = pool.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        await asyncio.to_thread(os.waitpid, victim, 0)
+        phase = Phase("c=4", 4, 1)
+        with pytest.raises(ReplayError, match=r"client process 2 exited"):
+            await pool.send_round(
+                phase, [], SharedLoad(level=4), recorder, lambda: s.arms[0], UpstreamState()
+            )
 
 
 def test_cli_rejects_zero_processes(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from specproxy.proxy.replay.loadgen import LoadStats, closed_loop, open_loop
 from specproxy.proxy.replay.planning import CallPlanner, ReplayCall
 from specproxy.proxy.replay.progress import ReplayProgress
 from specproxy.proxy.replay.recording import PairJoiner, RunRecorder
-from specproxy.proxy.upstream.calls import CallResult
+from specproxy.proxy.upstream.calls import CallResult, UpstreamState
 from specproxy.proxy.upstream.wire import UpstreamClient
 from specproxy.record import SpanRecord
 
@@ -125,6 +125,8 @@ async def serve_rounds(conn: multiprocessing.connection.Connection, setup: Clien
                 driver.engine_loads = payload
             elif kind == "cancel" and running is not None:
                 running.cancel()
+            elif kind == "learned":
+                _learn(driver.state, *payload)
             elif kind == "round":
                 order = payload  # held until "go", which every process gets at once
                 conn.send(("held", None))
@@ -132,6 +134,16 @@ async def serve_rounds(conn: multiprocessing.connection.Connection, setup: Clien
                 running = asyncio.create_task(_round(driver, recorder, order, index))
                 running.add_done_callback(functools.partial(_report, recorder, index))
                 order = None
+
+
+def _learn(
+    state: UpstreamState, offsets: dict[tuple[str, str], int | None], merged_share: float | None
+) -> None:
+    """What the parent learnt of the arms' streams, where this process has not learnt it itself."""
+    for key, offset in offsets.items():
+        state.chunk_evidence.offsets.setdefault(key, offset)
+    if state.merging.merged_share is None:
+        state.merging.merged_share = merged_share
 
 
 def _report(recorder: ShippingRecorder, index: int, task: asyncio.Task[ClientReport]) -> None:

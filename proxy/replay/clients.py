@@ -57,7 +57,7 @@ from specproxy.proxy.replay.loadgen import LoadStats
 from specproxy.proxy.replay.planning import LoadPlan, Phase, ReplayCall, ReplayError, ReplaySettings, rotated
 from specproxy.proxy.replay.recording import PairJoiner, RunRecorder
 from specproxy.proxy.spans.sink import HealthRow
-from specproxy.proxy.upstream.calls import CallResult
+from specproxy.proxy.upstream.calls import CallResult, UpstreamState
 
 # How long a process may take to start (spawn: a fresh interpreter importing the replay).
 START_TIMEOUT_S = 120.0
@@ -299,12 +299,16 @@ class ClientPool:
         load: SharedLoad,
         recorder: RunRecorder,
         draw: Callable[[], Arm],
+        state: UpstreamState,
     ) -> PairJoiner | None:
         """Give each process its share of the next round and wait until each holds it;
         it starts with :meth:`run_round`. (A share can take a while to pickle and read: a round with
         a duration carries every call it might send, and no process should start before the
         others.) Returns the joiner of the pairs the calls come back to (paired mode, several
-        arms). ``draw``: split mode's seeded draw of an arm, made call by call as one process does."""
+        arms). ``draw``: split mode's seeded draw of an arm, made call by call as one process does.
+        ``state``: what this process learnt of the arms' streams (the warm-ups': one token per chunk,
+        merged chunks), for a process that has not learnt it yet, as one process would know it."""
+        learned = (dict(state.chunk_evidence.offsets), state.merging.merged_share)
         settings = self.setup.settings
         arms = rotated(settings.arms, phase.round)
         assigned = None if settings.mode == "paired" else [draw().name for _ in calls]
@@ -314,7 +318,8 @@ class ClientPool:
         for client, order in zip(self._clients, orders, strict=True):
             if order is not None:
                 client.done, client.ready = loop.create_future(), loop.create_future()
-                client.conn.send(("round", order))
+                self._tell(client, ("learned", learned))
+                self._tell(client, ("round", order))
                 self._running.append(client)
         await asyncio.gather(*(c.ready for c in self._running if c.ready is not None))
         return PairJoiner(len(arms), recorder.emit) if len(arms) > 1 and assigned is None else None
@@ -328,7 +333,7 @@ class ClientPool:
         self._recorder, self._joiner = recorder, joiner
         running, self._running = self._running, []
         for c in running:
-            c.conn.send(("go", None))
+            self._tell(c, ("go", None))
         futures = [c.done for c in running if c.done is not None]
         try:
             await asyncio.wait(futures)
@@ -338,6 +343,19 @@ class ClientPool:
             await asyncio.shield(asyncio.wait(futures, timeout=CANCEL_TIMEOUT_S))
             raise
         return [f.result() for f in futures]
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes' ids, in order."""
+        return [c.process.pid for c in self._clients]
+
+    def _tell(self, client: _Client, message: tuple[str, Any]) -> None:
+        try:
+            client.conn.send(message)
+        except OSError:
+            client.process.join(5.0)
+            code = client.process.exitcode
+            raise ReplayError(f"client process {client.index + 1} exited (code {code})") from None
 
     def _received(self, client: _Client, message: tuple[str, Any] | None) -> None:
         """What the process sent: calls, spans, its report, or that it failed (None: it exited)."""

@@ -254,7 +254,9 @@ class PhaseDriver:
         label = phase.label
         if self.pool is not None and shared is not None:
             # The shares travel before the round's window opens: their pickling is no part of it.
-            joiner = await self.pool.send_round(phase, calls, shared, self.recorder, self._split_arm)
+            joiner = await self.pool.send_round(
+                phase, calls, shared, self.recorder, self._split_arm, self.state
+            )
         await self._scrape_boundary(f"{label}:before", phase)
         self.scraper.engine_load.clear()
         clocks_before = await read_sim_clocks(self.session, self.s.arms)
