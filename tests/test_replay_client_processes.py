@@ -130,6 +130,7 @@ async def test_two_processes_record_every_call_as_one_does(tmp_path: Path, twin_
         for k in (1, 2):
             for check in ("event_loop_lag_share", "event_loop_lag_p99_s", "loadgen_start_lag_p99_s"):
                 assert (4, round_, f"client {k} {check}") in per_process
+        assert (4, round_, "client parent event_loop_lag_p99_s") in per_process
     # the round's own rows are there as with one process
     assert {(lv, r, c) for lv, r, c in checks_one} <= {(lv, r, c) for lv, r, c in checks_two}
 

@@ -205,11 +205,22 @@ def round_stats(reports: Sequence[ClientReport]) -> list[LoadStats]:
 
 
 def client_rows(
-    run_id: str, phase: Phase, reports: Sequence[ClientReport], at: datetime | None = None
+    run_id: str,
+    phase: Phase,
+    reports: Sequence[ClientReport],
+    parent_lags_s: Sequence[float] = (),
+    at: datetime | None = None,
 ) -> list[HealthRow]:
     """Each process's own loop-lag share, loop-lag P99 and start-lag P99, as ``client K <check>``
-    rows with the usual thresholds."""
+    rows with the usual thresholds; with reports, also the parent's loop-lag P99 (``client parent
+    event_loop_lag_p99_s``, shown, never a gate: the parent stamps no chunk, but a late parent
+    scrapes late and reads the pipes late)."""
     at = at or datetime.now(UTC)
+
+    def row(who: str, check: str, value: float | None, limit: float | None) -> HealthRow:
+        name = f"client {who} {check}"
+        return HealthRow(run_id, None, phase.level, phase.round, name, value, limit, at, phase.offered_rate)
+
     rows = []
     for rep in reports:
         lags = [lag for st in rep.stats for lag in st.lag_s]
@@ -219,19 +230,10 @@ def client_rows(
             (LOADGEN_START_LAG, p99(lags)),
         ):
             if value is not None:
-                rows.append(
-                    HealthRow(
-                        run_id,
-                        None,
-                        phase.level,
-                        phase.round,
-                        f"client {rep.index + 1} {check}",
-                        value,
-                        THRESHOLDS.get(check),
-                        at,
-                        phase.offered_rate,
-                    )
-                )
+                rows.append(row(str(rep.index + 1), check, value, THRESHOLDS.get(check)))
+    parent = p99(parent_lags_s)
+    if reports and parent is not None:
+        rows.append(row("parent", EVENT_LOOP_LAG, parent, None))
     return rows
 
 

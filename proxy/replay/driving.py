@@ -289,7 +289,7 @@ class PhaseDriver:
                 stats,
                 loop_lag.lags_s if slowest is None else slowest.loop_lags_s,
                 write_delay_p99(clocks_before, clocks_after),
-                [*proxy_rows, *client_rows(self.run_id, phase, reports)],
+                [*proxy_rows, *client_rows(self.run_id, phase, reports, loop_lag.lags_s)],
             )
         return stats
 
