@@ -11,7 +11,8 @@ import functools
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -19,6 +20,15 @@ import aiohttp
 from specproxy.config import Arm, Experiment
 from specproxy.proxy.health import LoopLagSampler, clock_lag, loop_lag_share, read_sim_clocks, write_delay_p99
 from specproxy.proxy.identity import is_comparable
+from specproxy.proxy.replay.clients import (
+    ClientPool,
+    ClientReport,
+    SharedLoad,
+    client_pool,
+    client_rows,
+    round_stats,
+    worst,
+)
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.loadgen import LoadStats, closed_loop
 from specproxy.proxy.replay.planning import (
@@ -34,7 +44,7 @@ from specproxy.proxy.replay.progress import ReplayProgress
 from specproxy.proxy.replay.recording import PairJoiner, RunRecorder
 from specproxy.proxy.spans.sink import HealthRow
 from specproxy.proxy.upstream.calls import UpstreamState, call_arm, new_record, phase_headers
-from specproxy.proxy.upstream.scrape import MetricsScraper
+from specproxy.proxy.upstream.scrape import EngineLoad, MetricsScraper
 from specproxy.proxy.upstream.stacks import arm_stacks
 from specproxy.proxy.upstream.wire import UpstreamClient
 from specproxy.record import RoutedAs
@@ -102,6 +112,19 @@ class PhaseDriver:
         self._rng = random.Random(settings.seed)
         self._warmups = 0
         self._warmed: set[int] = set()  # ids of the items every arm has been sent at least once
+        self.pool: ClientPool | None = None  # the client processes, with --client-processes N > 1
+
+    def engine_load_of(self, arm: str) -> EngineLoad | None:
+        """The arm's running/waiting gauges from the latest scrape, for the span of a call starting now."""
+        return self.scraper.engine_load.get(arm)
+
+    @asynccontextmanager
+    async def client_processes(self) -> AsyncIterator[None]:
+        """While inside, closed-loop rounds are sent by ``settings.client_processes`` processes
+        (:mod:`.clients`) when that is more than one; they start once the arms' models are known."""
+        async with client_pool(self.s, self.run_id, self.models, self.state.engines) as self.pool:
+            yield
+        self.pool = None
 
     def choose_models(self, served: dict[str, list[str]]) -> None:
         """Each arm's model: the one asked for where the arm serves it (or says nothing), else the
@@ -135,7 +158,7 @@ class PhaseDriver:
             source="replay",
             category=call.item.category,
             concurrency_level=call.concurrency_level,
-            engine_load=self.scraper.engine_load.get(arm.name),
+            engine_load=self.engine_load_of(arm.name),
         )
         record.round = call.round
         record.offered_rate = call.offered_rate
@@ -222,21 +245,32 @@ class PhaseDriver:
         arms = [a for a in self.s.arms if a.weight > 0] or list(self.s.arms)
         return self._rng.choices(arms, weights=[a.weight or 1.0 for a in arms])[0]
 
-    async def phase(self, phase: Phase, calls: list[ReplayCall], drive: Drive) -> list[LoadStats]:
+    async def phase(
+        self, phase: Phase, calls: list[ReplayCall], drive: Drive, *, shared: SharedLoad | None = None
+    ) -> list[LoadStats]:
         """Run one measured round: scrape and read the clocks, send every call as ``drive`` schedules
-        it (paired: to the arms in this round's order), scrape and read again, record the health."""
+        it (paired: to the arms in this round's order), scrape and read again, record the health.
+        ``shared``: the round's load as the client processes, if any, send it instead of ``drive``."""
         label = phase.label
+        if self.pool is not None and shared is not None:
+            # The shares travel before the round's window opens: their pickling is no part of it.
+            joiner = await self.pool.send_round(
+                phase, calls, shared, self.recorder, self._split_arm, self.state
+            )
         await self._scrape_boundary(f"{label}:before", phase)
         self.scraper.engine_load.clear()
         clocks_before = await read_sim_clocks(self.session, self.s.arms)
         self.progress.begin_phase(label, len(calls) if self.s.mode == "paired" else None)
         self.recorder.begin_phase(label)
         stats: list[LoadStats] = []
+        reports: list[ClientReport] = []
         loop_lag = LoopLagSampler()
         scraping = asyncio.ensure_future(self._scrape_during())
         try:
             async with loop_lag:
-                if self.s.mode == "paired":
+                if self.pool is not None and shared is not None:
+                    stats, reports = await self._in_processes(self.pool, joiner)
+                elif self.s.mode == "paired":
                     stats = await self._paired(phase, calls, drive)
                 else:
                     assigned = [(self._split_arm(), c) for c in calls]
@@ -247,15 +281,28 @@ class PhaseDriver:
             self.progress.end_phase()
             proxy_rows = await self._scrape_boundary(f"{label}:after", phase)
             clocks_after = await read_sim_clocks(self.session, self.s.arms)
+            # Client processes stamped the chunks: the loop lag is the worst one's (each has rows too).
+            slowest = worst(reports)
             await self.recorder.health(
                 phase,
                 clock_lag(clocks_before, clocks_after),
                 stats,
-                loop_lag.lags_s,
+                loop_lag.lags_s if slowest is None else slowest.loop_lags_s,
                 write_delay_p99(clocks_before, clocks_after),
-                proxy_rows,
+                [*proxy_rows, *client_rows(self.run_id, phase, reports, loop_lag.lags_s)],
             )
         return stats
+
+    async def _in_processes(
+        self, pool: ClientPool, joiner: PairJoiner | None
+    ) -> tuple[list[LoadStats], list[ClientReport]]:
+        """The round given out by :meth:`.ClientPool.send_round`, run by the client processes."""
+        try:
+            reports = await pool.run_round(self.recorder, joiner)
+        finally:
+            if joiner is not None:
+                joiner.flush()
+        return round_stats(reports), reports
 
     async def _paired(self, phase: Phase, calls: list[ReplayCall], drive: Drive) -> list[LoadStats]:
         """Every call to every arm, each arm driven on its own, in this round's order of the arms."""
@@ -314,6 +361,8 @@ class PhaseDriver:
         await asyncio.sleep(SCRAPE_DURING_PHASE_S / 2)
         while True:
             await self.scraper.scrape_engine_load()
+            if self.pool is not None:
+                self.pool.push_engine_load(self.scraper.engine_load)
             await asyncio.sleep(SCRAPE_DURING_PHASE_S)
 
     async def warm_level(self, items: Sequence[ReplayItem], n_warm: int, slots: int) -> None:

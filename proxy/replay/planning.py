@@ -128,6 +128,8 @@ class ReplaySettings:
     # The one arm is a `specproxy serve` (replay --target): the engines behind it are scraped by it, at
     # each phase's start and end on replay's request, into its own span store.
     through_proxy: bool = False
+    # Client processes a closed-loop round's slots are spread over (:mod:`.clients`); 1: this one.
+    client_processes: int = 1
 
 
 def check_settings(settings: ReplaySettings, items: Sequence[ReplayItem]) -> None:
@@ -142,6 +144,8 @@ def check_settings(settings: ReplaySettings, items: Sequence[ReplayItem]) -> Non
         raise ReplayError(f"rounds must be ≥ 1, got {fewest}")
     if load.extra_rounds < 0:
         raise ReplayError(f"extra rounds must be ≥ 0, got {load.extra_rounds}")
+    if settings.client_processes < 1:
+        raise ReplayError(f"client processes must be ≥ 1, got {settings.client_processes}")
     if load.deciding_rounds < 0:
         raise ReplayError(f"deciding rounds must be ≥ 0, got {load.deciding_rounds}")
     has_baseline = any(a.role == "baseline" for a in settings.arms)

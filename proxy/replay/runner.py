@@ -48,6 +48,7 @@ import aiohttp
 
 from specproxy.config import Experiment, experiment_json
 from specproxy.proxy.health import p99
+from specproxy.proxy.replay.clients import SharedLoad
 from specproxy.proxy.replay.driving import Drive, PhaseDriver, probe_arms
 from specproxy.proxy.replay.formats import ItemSet, ReplayItem
 from specproxy.proxy.replay.loadgen import LoadStats, closed_loop, open_loop, timed_offsets
@@ -140,7 +141,8 @@ class ReplayRunner:
 
             async def measure(phase: Phase, items: list[ReplayItem] = items, drive: Drive = drive) -> None:
                 calls = self.planner.calls(f"c{phase.level}", self.planner.round_order(items, phase), phase)
-                await driver.phase(phase, calls, drive)
+                shared = SharedLoad(level=phase.level, deadline_s=plan.duration_s)
+                await driver.phase(phase, calls, drive, shared=shared)
 
             await self.rounds.run_level(f"c={level}", plan.level_rounds(level), measure, level=level)
             if self.stop.is_set():
@@ -202,7 +204,8 @@ class ReplayRunner:
 
             return open_loop(seq, [schedule[rid(x)] for x in seq], send, deadline_s=deadline, stop=self.stop)
 
-        stats = await self.driver.phase(phase, calls, drive)
+        shared = SharedLoad(offsets_s=offsets, deadline_s=deadline)
+        stats = await self.driver.phase(phase, calls, drive, shared=shared)
         return [lag for st in stats for lag in st.lag_s]
 
     async def run(self) -> ReplayResult:
@@ -229,8 +232,9 @@ class ReplayRunner:
                 driver.scraper = MetricsScraper(
                     self.s.arms, sink, session, run_id=self.run_id, interval_s=5.0
                 )
-                with self.progress, _startup_heap_frozen():
-                    await self._run_until_stopped()
+                async with driver.client_processes():
+                    with self.progress, _startup_heap_frozen():
+                        await self._run_until_stopped()
                 self.result.interrupted = self.stop.is_set()
             finally:
                 self.recorder.recording = False

@@ -1,10 +1,20 @@
 """Replay's load generator: does the open loop keep its schedule, does the closed loop hold its level?
+And how many chunks per second can it relay with 1 or N client processes?
 
     python tests/bench/bench_loadgen.py [--rate 2000] [--seconds 5] [--levels 1,16,64]
+    python tests/bench/bench_loadgen.py --client-processes 1,2,4 [--arms 2] [--level 256] [--seconds 5]
+        [--tokens 64] [--ttft-ms 20] [--itl-ms 10]
 
 Backend: tests/backends.py in a subprocess (its own core), streaming 4 tokens with no delay — a fast
 backend, so what is measured is the load generator. Every call goes through `call_arm`, the function
 replay uses, so the figures include replay's real per-call work (SSE parsing, span fields).
+
+The second form runs the whole replay (``run_replay``, paired, one closed-loop level for
+``--seconds``, one round) against ``--arms`` tests/backends.py, each in its own process streaming
+``--tokens`` one-token chunks ``--itl-ms`` apart (a GPU engine's pace), once per client-process
+count, and prints the relayed chunks/s (every arm's chunks over the round's wall time, from the
+spans in the store) with the round's loop-lag health: the worst process's loop-lag share and
+whether every gate passed.
 
 Targets: open loop at 2,000 req/s with p99 start lag behind schedule ≤ 2 ms; closed loop holds
 the target concurrency exactly (the time-weighted in-flight distribution is printed: ≈ 100 % at c
@@ -16,16 +26,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from specproxy.commandline import run_async
 from specproxy.config import Arm
+from specproxy.proxy.health import over_threshold
 from specproxy.proxy.replay.loadgen import closed_loop, open_loop, poisson_offsets
+from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.upstream.calls import UpstreamState, call_arm, new_record
 from specproxy.proxy.upstream.wire import UpstreamClient
-from tests.support import backend_process
+from tests.support import backend_process, chat_items, query_rows
 
 BODY = {
     "model": "test-model",
@@ -95,12 +110,65 @@ async def bench(url: str, rate: float, seconds: float, levels: list[int]) -> Non
             assert stats.gauge.peak == c, f"closed loop exceeded its level: {stats.gauge.peak} > {c}"
 
 
+async def relayed(urls: list[str], processes: int, args: argparse.Namespace, db: Path) -> None:
+    """One replay at ``--level`` for ``--seconds`` with ``processes`` client processes: its chunks/s."""
+    arms = tuple(
+        Arm(name=f"a{i}", url=url, role="baseline" if i == 0 else "candidate") for i, url in enumerate(urls)
+    )
+    settings = ReplaySettings(
+        arms=arms,
+        db_path=db,
+        run_name=f"loadgen n={processes}",
+        show_progress=False,
+        load=LoadPlan(levels=(args.level,), rounds=1, warmup=0, duration_s=args.seconds),
+        client_processes=processes,
+    )
+    result = await run_replay(settings, chat_items(200_000, max_tokens=args.tokens))
+    ((chunks, calls, wall),) = query_rows(
+        db,
+        "SELECT sum(chunks), count(*), (max(t_start_ns / 1e9 + e2e_s) - min(t_start_ns / 1e9)) "
+        "FROM requests WHERE run_id = ? AND status = 'ok'",
+        [result.run_id],
+    )
+    share = max(
+        (r.value or 0.0 for r in result.health if r.check_name.endswith("event_loop_lag_share")), default=0.0
+    )
+    failed = sorted({r.check_name for r in over_threshold(result.health)})
+    print(
+        f"{processes:>10}{calls:>8}{chunks / wall:>14,.0f}{share * 100:>14.2f}%  "
+        + (f"failed: {', '.join(failed)}" if failed else "every gate passed")
+    )
+
+
+def bench_processes(args: argparse.Namespace) -> None:
+    counts = [int(x) for x in args.client_processes.split(",")]
+    tokens = ("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--tokens", str(args.tokens))
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        urls = [stack.enter_context(backend_process(*tokens)) for _ in range(args.arms)]
+        print(
+            f"relayed chunks/s: {args.arms} arms x c={args.level}, {args.tokens} one-token chunks per call, "
+            f"TTFT {args.ttft_ms} ms, ITL {args.itl_ms} ms, {args.seconds:g} s"
+        )
+        print(f"{'processes':>10}{'calls':>8}{'chunks/s':>14}{'loop lag share':>15}  gates")
+        for n in counts:
+            run_async(relayed(urls, n, args, Path(tmp) / f"n{n}.duckdb"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=2000.0)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--levels", default="1,16,64")
+    ap.add_argument("--client-processes", metavar="N,M", help="relayed chunks/s with each count of processes")
+    ap.add_argument("--arms", type=int, default=2)
+    ap.add_argument("--level", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--ttft-ms", type=float, default=20.0)
+    ap.add_argument("--itl-ms", type=float, default=10.0)
     args = ap.parse_args()
+    if args.client_processes:
+        bench_processes(args)
+        return
     with backend_process("--ttft-ms", "0", "--itl-ms", "0", "--tokens", "4") as url:
         try:
             import uvloop
