@@ -54,12 +54,14 @@ import click
 from rich.console import Console
 
 from specproxy.commandline import (
-    SLO_HELP,
     ConcurrencyLevels,
-    FiniteFloat,
     RequestRates,
-    SloParam,
+    deciding_rounds_option,
     experiment_or_none,
+    extra_rounds_option,
+    no_progress_option,
+    operating_point_options,
+    rounds_option,
     run_async,
 )
 from specproxy.config import Experiment
@@ -373,67 +375,17 @@ def _print_measured(
     help="Open loop instead: a sweep of Poisson request rates (req/s), e.g. 1,2,4,8; auto: shares of "
     "the baseline's capacity estimated from the simulators' speed.",
 )
-@click.option(
-    "--rounds",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="Measure each level in N rounds, the arms' order rotated each round (default 3; with --quick "
-    "the highest concurrency level 5, where the peak throughput is read).",
+@rounds_option(
+    None,
+    tail="; default 3, with --quick 5 at the highest concurrency level, where the peak throughput is read",
 )
-@click.option(
-    "--extra-rounds",
-    type=click.IntRange(min=0),
-    default=None,
-    metavar="N",
-    help=f"Add up to N rounds to a level whose rounds left too few that passed every health check "
-    f"(3 once one failed), one at a time at the same pace (default {EXTRA_ROUNDS}).",
+@extra_rounds_option(None, note=f" (default {EXTRA_ROUNDS})")
+@deciding_rounds_option(
+    None,
+    note=f" (default {DECIDING_ROUNDS}; with --quick none starts that would end after the lab has run "
+    f"{QUICK_TIME_BUDGET_S:.0f} s; 0: never)",
 )
-@click.option(
-    "--deciding-rounds",
-    type=click.IntRange(min=0),
-    default=None,
-    metavar="N",
-    help="Add up to N rounds to the top level while a figure the deploy verdict reads there (the peak's "
-    "throughput, by default) has an interval reaching across a margin line, so that a ratio near the "
-    f"margin gets the same verdict every run (default {DECIDING_ROUNDS}; with --quick none starts that "
-    f"would end after the lab has run {QUICK_TIME_BUDGET_S:.0f} s; 0: never).",
-)
-@click.option(
-    "--at-concurrency",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="The concurrency you run at: the deploy verdict answers there (default: the experiment's).",
-)
-@click.option(
-    "--peak-concurrency",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="Your peak concurrency: throughput must not drop there (default: the experiment's).",
-)
-@click.option(
-    "--at-rate",
-    type=FiniteFloat(min=0, min_open=True),
-    metavar="R",
-    help="With --rates: the request rate you run at (req/s); the deploy verdict answers there.",
-)
-@click.option(
-    "--peak-rate",
-    type=FiniteFloat(min=0, min_open=True),
-    metavar="R",
-    help="With --rates: your peak request rate (req/s); throughput must not drop there, and the fleet "
-    "at the SLO is sized for it.",
-)
-@click.option("--slo", type=SloParam(), default=None, help=SLO_HELP)
-@click.option(
-    "--gpu-hour-usd",
-    type=FiniteFloat(0, min_open=True),
-    default=None,
-    metavar="X",
-    help="Price of one GPU-hour: the fleet's cost at the peak (default: the experiment's).",
-)
+@operating_point_options
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
@@ -471,7 +423,7 @@ def _print_measured(
     help="Cap every answer at N tokens (default: the workload's own lengths).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the workload and simulators.")
-@click.option("--no-progress", is_flag=True, help="No live progress display.")
+@no_progress_option
 def lab(
     config_path: Path | None,
     workload: Path | None,
