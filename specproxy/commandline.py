@@ -172,7 +172,7 @@ def operating_point_options(func: F) -> F:
             "--at-rate",
             type=FiniteFloat(min=0, min_open=True),
             metavar="R",
-            help="For a sweep of request rates (replay --rates): the rate you run at, in requests/s "
+            help="For a sweep of request rates (replay or lab --rates): the rate you run at, in requests/s "
             "(default: the experiment file's at_rate, else the lowest tested rate, said so).",
         ),
         click.option(
@@ -207,8 +207,8 @@ no_progress_option = click.option("--no-progress", is_flag=True, help="No live p
 
 
 # A sweep's rounds (replay, lab): one declaration each, the command adding what differs (its default,
-# what a round of it is) in ``note``.
-def rounds_option(default: int | None, note: str = "") -> Callable[[F], F]:
+# what a round of it is) in ``note`` (and, for --rounds, after the reason in ``tail``).
+def rounds_option(default: int | None, note: str = "", tail: str = "") -> Callable[[F], F]:
     """--rounds N: each level measured N times."""
     return click.option(
         "--rounds",
@@ -218,7 +218,7 @@ def rounds_option(default: int | None, note: str = "") -> Callable[[F], F]:
         metavar="N",
         help="Measure each level" + note + " N times, the arms' order rotated and the items shuffled each "
         "round; the analysis reads the spread between rounds (a level measured once gets no WIN or LOSS "
-        "on speed: one round cannot see the drift between runs).",
+        "on speed: one round cannot see the drift between runs)" + tail + ".",
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from specproxy.cli import main
-from specproxy.lab.command import EXTRA_ROUNDS
+from specproxy.lab.plan import EXTRA_ROUNDS
 from specproxy.proxy.replay.extra_rounds import (
     LevelRounds,
     extra_round_due,

@@ -17,8 +17,8 @@ from rich.console import Console
 
 from specproxy.analysis import analyze_text
 from specproxy.cli import main
-from specproxy.lab.command import FULL, QUICK
 from specproxy.lab.health_lines import clock_lag_by_level, print_clock_lag, print_health
+from specproxy.lab.plan import FULL, QUICK
 from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.spans.sink import HealthRow
 from tests.support import backend_process, free_port, run_cli

@@ -18,7 +18,7 @@ from specproxy.analysis import analyze_text
 from specproxy.analysis.verdicts.rows import Settings
 from specproxy.cli import main
 from specproxy.config import Arm
-from specproxy.lab.command import QUICK, default_rates, estimated_capacity
+from specproxy.lab.plan import QUICK, default_rates, estimated_capacity
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import WARMUP_MAX_TOKENS, LoadPlan, ReplaySettings, run_replay
 from specproxy.proxy.replay.workload import mixed_workload

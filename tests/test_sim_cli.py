@@ -10,7 +10,7 @@ import pytest
 
 from specproxy.engines.sim.cli import build_config
 from specproxy.engines.sim.config import Faults, SpeculativeConfig
-from specproxy.lab.command import LAB_ARMS
+from specproxy.lab.arms import LAB_ARMS
 from tests.support import free_port, run_cli, start_cli, stop, wait_http
 
 

@@ -378,31 +378,33 @@ def pair_groups(
         """,
         {"margin": near_tie_margin, "seed": seed, "run": run_id, "base": baseline},
     )
-    return [
-        PairGroup(
-            arm=g["arm"],
-            level=g["level"],
-            kind=g["kind"],
-            category=g["cat"] if g["by_category"] else None,
-            identity=IdentityCounts(
-                int(g["compared"]),
-                int(g["identical"]),
-                int(g["near_tie"]),
-                int(g["gross"]),
-                int(g["margin_unknown"]),
-            ),
-            n_decode=int(g["n_decode"]),
-            c_med=g["c_med"],
-            b_med=g["b_med"],
-            n_thr=int(g["n_thr"]),
-            c_tokens=g["c_tokens"],
-            c_e2e=g["c_e2e"],
-            b_tokens=g["b_tokens"],
-            b_e2e=g["b_e2e"],
-            sample=ordered(g["sample"], 7),
-        )
-        for g in groups
-    ]
+    return [_pair_group(g) for g in groups]
+
+
+def _pair_group(g: dict[str, Any]) -> PairGroup:
+    """One row of :func:`pair_groups`' query as its figures."""
+    return PairGroup(
+        arm=g["arm"],
+        level=g["level"],
+        kind=g["kind"],
+        category=g["cat"] if g["by_category"] else None,
+        identity=IdentityCounts(
+            int(g["compared"]),
+            int(g["identical"]),
+            int(g["near_tie"]),
+            int(g["gross"]),
+            int(g["margin_unknown"]),
+        ),
+        n_decode=int(g["n_decode"]),
+        c_med=g["c_med"],
+        b_med=g["b_med"],
+        n_thr=int(g["n_thr"]),
+        c_tokens=g["c_tokens"],
+        c_e2e=g["c_e2e"],
+        b_tokens=g["b_tokens"],
+        b_e2e=g["b_e2e"],
+        sample=ordered(g["sample"], 7),
+    )
 
 
 @dataclass(frozen=True, eq=False)

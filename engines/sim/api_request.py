@@ -156,47 +156,56 @@ def _check_response_format(body: dict[str, Any]) -> None:
         )
 
 
-def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat: bool) -> ParsedRequest:
-    """Validate a chat or completions body as vLLM does; raises `BadRequest` with vLLM's wording."""
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object.")
+def _check_model(config: SimConfig, body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is not None and model not in (config.served_name, config.model):
         raise BadRequest(
             f"The model `{model}` does not exist.", status=404, err_type="NotFoundError", param="model"
         )
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list of messages.", param="messages")
-        norm = []
-        for message in messages:
-            if not isinstance(message, dict) or "role" not in message:
-                raise BadRequest("each message must be an object with a 'role'.", param="messages")
-            norm.append({"role": str(message["role"]), "content": message_text(message.get("content"))})
-        prompt = chat_prompt(norm)
-    else:
-        raw_prompt = body.get("prompt")
-        if isinstance(raw_prompt, list) and len(raw_prompt) == 1 and isinstance(raw_prompt[0], str):
-            raw_prompt = raw_prompt[0]
-        if isinstance(raw_prompt, list) and raw_prompt and all(isinstance(t, int) for t in raw_prompt):
-            raw_prompt = "".join(id_text(t) or f" <{t}>" for t in raw_prompt)
-        if not isinstance(raw_prompt, str):
-            raise BadRequest(
-                "prompt must be a string, a list with one string, or a list of token ids "
-                "(the simulator takes one prompt per request).",
-                param="prompt",
-            )
-        prompt = completion_prompt(raw_prompt)
 
+
+def _chat_prompt(body: dict[str, Any]) -> Prompt:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of messages.", param="messages")
+    norm = []
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise BadRequest("each message must be an object with a 'role'.", param="messages")
+        norm.append({"role": str(message["role"]), "content": message_text(message.get("content"))})
+    return chat_prompt(norm)
+
+
+def _completion_prompt(body: dict[str, Any]) -> Prompt:
+    raw_prompt = body.get("prompt")
+    if isinstance(raw_prompt, list) and len(raw_prompt) == 1 and isinstance(raw_prompt[0], str):
+        raw_prompt = raw_prompt[0]
+    if isinstance(raw_prompt, list) and raw_prompt and all(isinstance(t, int) for t in raw_prompt):
+        raw_prompt = "".join(id_text(t) or f" <{t}>" for t in raw_prompt)
+    if not isinstance(raw_prompt, str):
+        raise BadRequest(
+            "prompt must be a string, a list with one string, or a list of token ids "
+            "(the simulator takes one prompt per request).",
+            param="prompt",
+        )
+    return completion_prompt(raw_prompt)
+
+
+def _sampling(config: SimConfig, body: dict[str, Any]) -> tuple[bool, int]:
+    """(greedy, n) from ``temperature`` and ``n``."""
     temperature = body.get("temperature")
     if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0):
         raise BadRequest(f"temperature must be non-negative, got {temperature}.", param="temperature")
     # Unset temperature means the model's generation config (Llama-3.1: 0.6), i.e. sampling, as in vLLM.
     greedy = temperature is not None and float(temperature) < 1e-5
     n = _n_field(config, body)
-    if n is not None and n > 1 and greedy:
+    if n > 1 and greedy:
         raise BadRequest(f"n must be 1 when using greedy sampling, got {n}.", param="n")
+    return greedy, n
+
+
+def _token_limits(config: SimConfig, body: dict[str, Any], chat: bool, prompt: Prompt) -> tuple[int, int]:
+    """(max_tokens, min_tokens): an unset maximum is what the context has left after the prompt."""
     max_tokens = _int_field(body, "max_completion_tokens", None) if chat else None
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", None)
@@ -224,6 +233,11 @@ def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
             param="min_tokens",
         )
+    return max_tokens, min_tokens
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """(stream, stream_options), the options empty when none were sent."""
     stream = bool(body.get("stream", False))
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -231,50 +245,59 @@ def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat
     stream_options = stream_options or {}
     if not isinstance(stream_options, dict):
         raise BadRequest("stream_options must be an object.", param="stream_options")
+    return stream, stream_options
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     stop_raw = body.get("stop") or []
     if isinstance(stop_raw, str):
-        stop: tuple[str, ...] = (stop_raw,)
-    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
-        stop = tuple(s for s in stop_raw if s)
-    else:
-        raise BadRequest("stop must be a string or a list of strings.", param="stop")
-    seed = _int_field(body, "seed", None)
+        return (stop_raw,)
+    if isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
+        return tuple(s for s in stop_raw if s)
+    raise BadRequest("stop must be a string or a list of strings.", param="stop")
+
+
+def _stream_interval(body: dict[str, Any]) -> int:
     stream_interval = _int_field(body, "stream_interval", None) or 1
     if stream_interval < 1:
         raise BadRequest(
             f"stream_interval must be at least 1, got {stream_interval}.", param="stream_interval"
         )
-    logprobs: int | None = None
-    if chat:
-        top = _int_field(body, "top_logprobs", 0) or 0
-        if top < 0 or top > MAX_TOP_LOGPROBS:
-            raise BadRequest(
-                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}.", param="top_logprobs"
-            )
-        if body.get("logprobs"):
-            logprobs = top
-        elif top:
-            raise BadRequest(
-                "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
-            )
-    else:
+    return stream_interval
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """None when off; chat: the ``top_logprobs`` count; completions: ``logprobs``."""
+    if not chat:
         lp = _int_field(body, "logprobs", None)
-        if lp is not None:
-            if lp < 0 or lp > MAX_TOP_LOGPROBS:
-                raise BadRequest(
-                    f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}.", param="logprobs"
-                )
-            logprobs = lp
-    if chat:
-        _check_tools(body)
-        _check_response_format(body)
+        if lp is not None and (lp < 0 or lp > MAX_TOP_LOGPROBS):
+            raise BadRequest(
+                f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}.", param="logprobs"
+            )
+        return lp
+    top = _int_field(body, "top_logprobs", 0) or 0
+    if top < 0 or top > MAX_TOP_LOGPROBS:
+        raise BadRequest(
+            f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}.", param="top_logprobs"
+        )
+    if body.get("logprobs"):
+        return top
+    if top:
+        raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    return None
+
+
+def _check_speculative(config: SimConfig, body: dict[str, Any]) -> None:
+    """The sampling parameters vLLM refuses when the server runs speculative decoding."""
     if config.speculative is not None:
         if body.get("min_p"):
             raise BadRequest("min_p is not supported with speculative decoding.", param="min_p")
         if body.get("logit_bias"):
             raise BadRequest("logit_bias is not supported with speculative decoding.", param="logit_bias")
 
-    base_id = headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
+
+def _category(headers: Mapping[str, str], body: dict[str, Any], prompt: Prompt) -> str:
+    """The traffic category: the header, then the body's metadata, else inferred from the prompt."""
     category = headers.get(CATEGORY_HEADER)
     if category is None:
         metadata = body.get("metadata")
@@ -284,11 +307,34 @@ def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat
             category = body["specproxy_category"]
     if category not in CATEGORIES:
         category = infer_category(prompt.text)
+    return category
+
+
+def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat: bool) -> ParsedRequest:
+    """Validate a chat or completions body as vLLM does; raises `BadRequest` with vLLM's wording.
+
+    The checks run in vLLM's order, so a body with several faults gets the same first error."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    _check_model(config, body)
+    prompt = _chat_prompt(body) if chat else _completion_prompt(body)
+    greedy, n = _sampling(config, body)
+    max_tokens, min_tokens = _token_limits(config, body, chat, prompt)
+    stream, stream_options = _stream_options(body)
+    stop = _stop(body)
+    seed = _int_field(body, "seed", None)
+    stream_interval = _stream_interval(body)
+    logprobs = _logprobs(body, chat)
+    if chat:
+        _check_tools(body)
+        _check_response_format(body)
+    _check_speculative(config, body)
+    base_id = headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
     return ParsedRequest(
         chat=chat,
         base_id=str(base_id),
         prompt=prompt,
-        category=category,
+        category=_category(headers, body, prompt),
         stream=stream,
         include_usage=bool(stream_options.get("include_usage")),
         continuous_usage=bool(
@@ -303,6 +349,6 @@ def parse_request(config: SimConfig, headers: Mapping[str, str], body: Any, chat
         include_stop_str=bool(body.get("include_stop_str_in_output", False)),
         greedy=greedy,
         seed=seed,
-        n=n or 1,
+        n=n,
         stream_interval=stream_interval,
     )

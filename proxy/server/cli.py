@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from specproxy.commandline import run_async
+from specproxy.commandline import db_option, run_async
 from specproxy.config import ConfigError, Experiment, load_experiment
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def worker_path(path: str, index: int) -> str:
 @click.option(
     "--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on."
 )
-@click.option("--db", default=None, help="Span store (DuckDB file); default: the experiment's `db`.")
+@db_option
 @click.option(
     "--capture",
     default=None,
@@ -92,7 +92,7 @@ def serve(
     config_path: str,
     host: str,
     port: int,
-    db: str | None,
+    db_path: Path | None,
     capture: str | None,
     capture_responses: bool,
     workers: int,
@@ -124,7 +124,7 @@ def serve(
                 "calls go without an API key",
                 err=True,
             )
-    db_path = db or exp.db
+    db = str(db_path) if db_path is not None else exp.db
     run_id = run_id or uuid.uuid4().hex
     if workers > 1:
         if port == 0:
@@ -133,7 +133,7 @@ def serve(
             config_path,
             host,
             port,
-            db_path,
+            db,
             capture,
             capture_responses,
             workers,
@@ -147,7 +147,7 @@ def serve(
         exp,
         host,
         port,
-        db_path,
+        db,
         capture,
         capture_responses,
         run_id,

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from specproxy.engines.profiles import load_profile
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.engine import EngineCore
-from specproxy.lab.command import DEFAULT_PROFILE, LAB_ARMS, LAB_MODEL, QUICK
+from specproxy.lab.arms import DEFAULT_PROFILE, LAB_ARMS, LAB_MODEL
+from specproxy.lab.plan import QUICK
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.workload import mixed_workload
 from tests.bench.bench_verdicts import closed_loop_virtual
