@@ -56,6 +56,7 @@ from rich.console import Console
 from specproxy.commandline import (
     ConcurrencyLevels,
     RequestRates,
+    client_processes_option,
     deciding_rounds_option,
     experiment_or_none,
     extra_rounds_option,
@@ -423,6 +424,7 @@ def _print_measured(
     help="Cap every answer at N tokens (default: the workload's own lengths).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the workload and simulators.")
+@client_processes_option
 @no_progress_option
 def lab(
     config_path: Path | None,
@@ -447,6 +449,7 @@ def lab(
     items: int | None,
     max_tokens: int | None,
     seed: int,
+    client_processes: int,
     no_progress: bool,
 ) -> None:
     """The whole evaluation: three speculative configs and a baseline replica, a sweep in rounds, verdicts.
@@ -485,6 +488,7 @@ def lab(
         experiment = given.recorded(experiment, f"lab: {scale_note}" if scale_note else "")
         load = load_plan(plan, rates, t0, pacer)
         settings = _lab_settings(experiment, load, pacer, db_path, quick, max_tokens, seed, not no_progress)
+        settings = dataclasses.replace(settings, client_processes=client_processes)
         console.print(sweep_sentence(plan, rates) + extra_sentence(plan), highlight=False)
         result = _replay(settings, lab_items, None if simulated else config_path)
     _print_measured(result, plan, pacer, console, t0, profile, simulated, rates is not None)

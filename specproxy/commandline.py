@@ -204,6 +204,17 @@ db_option = click.option(
     help="Span store (default: the experiment's db, else specproxy.duckdb).",
 )
 no_progress_option = click.option("--no-progress", is_flag=True, help="No live progress display.")
+# Replay and lab: a sweep's calls spread over client processes (proxy/replay/clients.py).
+client_processes_option = click.option(
+    "--client-processes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Spread each round's calls (a closed loop's slots) over N client processes, each with its own event "
+    "loop and health rows, for engines that stream faster than one process reads: about one per "
+    "30,000 chunks/s of the arms together (five GPU arms at c=256: 4), at most one per free core.",
+)
 
 
 # A sweep's rounds (replay, lab): one declaration each, the command adding what differs (its default,

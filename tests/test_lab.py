@@ -208,6 +208,9 @@ def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
             "0",
             "--deciding-rounds",
             "0",
+            # two client processes send the same calls as one (the counts below)
+            "--client-processes",
+            "2",
             "--out",
             str(tmp_path / "o"),
         )
@@ -224,6 +227,11 @@ def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
                 "SELECT arm, count(*), max(completion_tokens), min(category) FROM requests "
                 "GROUP BY ALL ORDER BY ALL"
             ).fetchall()
+            per_process = conn.execute(
+                "SELECT DISTINCT check_name FROM health WHERE check_name LIKE 'client % event_loop_lag_share' "
+                "ORDER BY ALL"
+            ).fetchall()
+        assert per_process == [("client 1 event_loop_lag_share",), ("client 2 event_loop_lag_share",)]
         # c=2 is the top level: each of its 3 rounds sends three waves (6 calls), every question once
         assert got == [("base", 18, 6, "writing"), ("fast", 18, 6, "writing")]
 

@@ -12,6 +12,7 @@ from specproxy.commandline import (
     ConcurrencyLevels,
     FiniteFloat,
     RequestRates,
+    client_processes_option,
     db_option,
     deciding_rounds_option,
     experiment_or_none,
@@ -135,16 +136,7 @@ from specproxy.proxy.spans.sink import SpanSinkError
     help="A bad input record: stop with file:line, or skip it and count it.",
 )
 @click.option("--capture-output", is_flag=True, help="Store each response's text in the span store.")
-@click.option(
-    "--client-processes",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    metavar="N",
-    help="Spread each round's calls (a closed loop's slots) over N client processes, each with its own event "
-    "loop and health rows, for engines that stream faster than one process reads: about one per "
-    "30,000 chunks/s of the arms together (five GPU arms at c=256: 4), at most one per free core.",
-)
+@client_processes_option
 @no_progress_option
 def replay(
     logs: Path,
