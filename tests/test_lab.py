@@ -228,8 +228,8 @@ def test_lab_with_config_and_workload_file(tmp_path: Path) -> None:
                 "GROUP BY ALL ORDER BY ALL"
             ).fetchall()
             per_process = conn.execute(
-                "SELECT DISTINCT check_name FROM health WHERE check_name LIKE 'client % event_loop_lag_share' "
-                "ORDER BY ALL"
+                "SELECT DISTINCT check_name FROM health "
+                "WHERE check_name LIKE 'client % event_loop_lag_share' ORDER BY ALL"
             ).fetchall()
         assert per_process == [("client 1 event_loop_lag_share",), ("client 2 event_loop_lag_share",)]
         # c=2 is the top level: each of its 3 rounds sends three waves (6 calls), every question once
