@@ -35,6 +35,21 @@ the slope is in it; then it is widened by the spread of the blocks' own estimate
 this arm's blocks alone). The evaluation then adds the simulators' lag bounds. Used when the arms'
 median loads differ by more than :data:`UNEQUAL_LOAD`; at equal loads the plain (paired) comparison
 is sharper.
+
+**What the line cannot know** is how much of its slope the load caused. In a closed loop an engine
+that slows down for any reason (a busy core, a long prompt) holds its clients longer, so its calls
+pile up: slowness raises the load as well as load raising slowness, and a line fitted to one arm's
+calls overstates the load's effect (two identical engines split 50/50 at c=64 ran at 28 and 32 calls
+and the fitted line called the one at 28 8 % slower). More calls in flight never make a call faster,
+so the load's true effect lies between none, the plain comparison of the arms' own calls, and the
+fitted line's. :func:`bracketed` stretches each matched interval over the plain one: at unequal
+loads a WIN or LOSS needs both comparisons to agree, and an identical arm is not called different
+however its load differs.
+
+**Gauges that cannot be right** are left out before anything reads them: running + waiting = 0 on
+a call that the proxy sent while it had :data:`BROKEN_GAUGE_INFLIGHT` or more other calls in flight
+on that engine (a /metrics scrape that failed, timed out or answered nothing is stamped so). The
+figures say how many were left out, and a broken gauge is never read as more engines behind a URL.
 """
 
 from __future__ import annotations
@@ -67,6 +82,10 @@ FEW_ENGINES_SHARE = 0.6
 FEW_ENGINES_MIN = 4.0
 # The baseline's load range reaches as far as this many of its calls do at either end.
 RANGE_CALLS = 10
+# A gauge reading 0 running + waiting on a call sent while the proxy had this many other calls in
+# flight on the engine is broken: a snapshot at most two scrape intervals old misses only the calls
+# sent since, and under a steady load most were sent before.
+BROKEN_GAUGE_INFLIGHT = 2
 # The share of the baseline's calls, nearest in load to the candidate's, its line is fitted to.
 NEAR_SHARE = 0.25
 TRIM_MADS = 4.0
@@ -123,6 +142,7 @@ class ArmCalls:
     start_s: FloatArray
     round: FloatArray
     engine: FloatArray = field(repr=False)  # running + waiting gauges stamped at the call's start
+    broken: int = 0  # gauges read 0 while the proxy had calls in flight: left out of ``engine`` (NaN)
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,7 +226,14 @@ def load_bands(
             engine_p50=engine_c if both else None,
             engine_baseline_p50=engine_b if both else None,
             gauge_note="; ".join(
-                n for n in (_few_engines(arm, c, engines), _few_engines(baseline, b, engines)) if n
+                n
+                for n in (
+                    _broken(arm, c),
+                    _broken(baseline, b),
+                    _few_engines(arm, c, engines),
+                    _few_engines(baseline, b, engines),
+                )
+                if n
             ),
         )
         out[(arm, level)] = LoadBands(figures, _shifted(c, extra_c), _shifted(b, extra_b))
@@ -219,6 +246,16 @@ def _per_engine(engines: Mapping[str, int], baseline: str) -> str:
         return ""
     parts = ", ".join(f"{arm}'s ÷ {n}" for arm, n in sorted(shared.items()))
     return f" per engine ({parts}: replicas_behind_url)"
+
+
+def _broken(arm: str, calls: ArmCalls) -> str:
+    if not calls.broken:
+        return ""
+    return (
+        f"{arm}'s engine gauges read 0 running+waiting on {calls.broken} of {len(calls.load)} calls sent "
+        f"while the proxy had {BROKEN_GAUGE_INFLIGHT} or more others in flight on it (a failed or stale "
+        "/metrics scrape): those readings left out"
+    )
 
 
 def _few_engines(arm: str, calls: ArmCalls, engines: Mapping[str, int]) -> str:
@@ -274,8 +311,10 @@ def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dic
             "counted",
         )
     )
-    load, _ = call_loads(start, ttft, e2e)
+    load, at_start = call_loads(start, ttft, e2e)
     load = load / engines
+    broken = (engine == 0) & (at_start / engines >= BROKEN_GAUGE_INFLIGHT)
+    engine = np.where(broken, np.nan, engine)
     out = {}
     for level in sorted(set(levels[ok].tolist())):
         m = ok & (levels == level)
@@ -284,7 +323,7 @@ def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dic
         if counted[m].mean() < MIN_COVERAGE:
             continue
         out[(arm, str(level))] = ArmCalls(
-            load[m], decode[m], tokens[m], e2e[m], start[m], round_[m], engine[m]
+            load[m], decode[m], tokens[m], e2e[m], start[m], round_[m], engine[m], int(broken[m].sum())
         )
     return out
 
@@ -529,3 +568,28 @@ def compare(
     how = "within the baseline's range" if fig.method == INTERPOLATED else "the baseline's line extrapolated"
     note = f"arms ran at different loads ({loads}): compared at matched load {at:.1f}, {how}"
     return MatchedLoad(fig, decode[0] if decode else None, throughput[0] if throughput else None, note, kind)
+
+
+def _spanning(iv: Interval | None, plain: Interval | None) -> Interval | None:
+    if iv is None or plain is None:
+        return iv
+    lows = [x for x in (iv.low, plain.low) if x is not None]
+    highs = [x for x in (iv.high, plain.high) if x is not None]
+    return Interval(iv.point, min(lows) if lows else None, max(highs) if highs else None)
+
+
+def bracketed(load: MatchedLoad, decode: Interval | None, throughput: Interval | None) -> MatchedLoad:
+    """``load``'s intervals stretched over the plain comparison's (``decode``, ``throughput``: the arms'
+    own calls, each at its own load): the load's effect lies between none and the fitted line's
+    (module docstring), so the speedup at matched load lies between the two comparisons.
+
+    >>> fig = LoadFigures("proxy in-flight", 28.4, 32.4)
+    >>> fitted = MatchedLoad(fig, Interval(0.92, 0.91, 0.94), None, "")
+    >>> bracketed(fitted, Interval(1.04, 1.01, 1.08), None).decode
+    Interval(point=0.92, low=0.91, high=1.08)
+    """
+    if load.decode is None and load.throughput is None:
+        return load
+    return replace(
+        load, decode=_spanning(load.decode, decode), throughput=_spanning(load.throughput, throughput)
+    )
