@@ -41,7 +41,13 @@ from specproxy.analysis.figures.run_figures import (
     pair_groups,
     round_figures,
 )
-from specproxy.analysis.figures.validity import LevelHealth, dropped_rounds, dropped_windows, level_health
+from specproxy.analysis.figures.validity import (
+    LevelHealth,
+    dropped_rounds,
+    dropped_windows,
+    level_health,
+    vouched_live,
+)
 from specproxy.analysis.levels import level_name, level_sort_key, level_unit, load_name, run_unit
 from specproxy.analysis.slo.answer import (
     SloEvaluation,
@@ -260,6 +266,8 @@ def _run_figures(
     level is judged without (``health``)."""
     run_id = info["run_id"]
     summaries = level_summaries(store, run_id)
+    if info.get("source") == "live":
+        health = vouched_live(health, {s.level for s in summaries})
     baselines = sorted({s.arm for s in summaries if s.role == "baseline"})
     if not baselines:
         raise StoreError(
