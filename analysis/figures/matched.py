@@ -90,7 +90,7 @@ BROKEN_GAUGE_INFLIGHT = 2
 NEAR_SHARE = 0.25
 TRIM_MADS = 4.0
 MIN_BLOCK_CALLS = 5
-_SLICE = 256  # bootstrap iterations per vectorised slice (memory: slice x calls)
+_SLICE = 256  # bootstrap iterations per vectorised slice (memory: slice x time cells)
 
 
 @dataclass(frozen=True)
@@ -396,8 +396,8 @@ def robust_line(x: FloatArray, y: FloatArray, w: FloatArray) -> _Line:
 
 
 INTERPOLATED, EXTRAPOLATED, NOT_COMPARED = "interpolated", "extrapolated", "not compared"
-# Calls per arm the bootstrap resamples at most (a uniform share of both arms; deviations rescaled).
-BOOTSTRAP_CAP = 4000
+# Each block (round, or time block) is cut into this many time cells, resampled whole.
+CELLS_PER_BLOCK = 10
 
 
 @dataclass(frozen=True, eq=False)
@@ -408,9 +408,10 @@ class _Figure:
     y: FloatArray
     w: FloatArray
     block: FloatArray
+    cell: FloatArray  # the time cell of the call's start within its block (:func:`_cells`)
 
     def take(self, mask: npt.NDArray[np.bool_]) -> _Figure:
-        return _Figure(self.x[mask], self.y[mask], self.w[mask], self.block[mask])
+        return _Figure(self.x[mask], self.y[mask], self.w[mask], self.block[mask], self.cell[mask])
 
 
 def _figures(calls: ArmCalls, blocks: FloatArray) -> tuple[_Figure, _Figure]:
@@ -418,9 +419,10 @@ def _figures(calls: ArmCalls, blocks: FloatArray) -> tuple[_Figure, _Figure]:
     the mean is Σ e2e / Σ tokens) against the load."""
     d = np.isfinite(calls.decode) & (calls.decode > 0)
     t = np.isfinite(calls.tokens) & (calls.tokens > 0) & np.isfinite(calls.e2e) & (calls.e2e > 0)
-    decode = _Figure(calls.load[d], 1.0 / calls.decode[d], np.ones(int(d.sum())), blocks[d])
+    cells = _cells(calls.start_s, blocks)
+    decode = _Figure(calls.load[d], 1.0 / calls.decode[d], np.ones(int(d.sum())), blocks[d], cells[d])
     tokens = calls.tokens[t]
-    throughput = _Figure(calls.load[t], calls.e2e[t] / tokens, tokens, blocks[t])
+    throughput = _Figure(calls.load[t], calls.e2e[t] / tokens, tokens, blocks[t], cells[t])
     return decode, throughput
 
 
@@ -472,38 +474,62 @@ def _point(cand: _Figure, base: _Figure) -> _Point | None:
     return _Point(math.log(theirs / own), at, lb, kc, kb)
 
 
-def _resampled(fig: _Figure, keep: float, k: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
-    """Indices of ``k`` resamples of ``fig``'s calls, each block's calls resampled within the block
-    (the blocks are the time periods both arms share; their own spread is the drift term's)."""
-    parts = []
-    for g in np.unique(fig.block):
-        idx = np.flatnonzero(fig.block == g)
-        m = max(1, round(len(idx) * keep))
-        parts.append(idx[rng.integers(0, len(idx), size=(k, m))])
-    return np.concatenate(parts, axis=1)
+def _cells(start: FloatArray, blocks: FloatArray) -> FloatArray:
+    """Each call's time cell: its block cut into :data:`CELLS_PER_BLOCK` equal spans of time by the
+    calls' starts, numbered across blocks."""
+    out = np.zeros(len(start))
+    for i, g in enumerate(np.unique(blocks)):
+        m = blocks == g
+        t0, span = float(start[m].min()), float(np.ptp(start[m]))
+        within = np.floor(CELLS_PER_BLOCK * (start[m] - t0) / span) if span > 0 else np.zeros(int(m.sum()))
+        out[m] = i * CELLS_PER_BLOCK + np.minimum(within, CELLS_PER_BLOCK - 1)
+    return out
+
+
+def _cell_sums(fig: _Figure) -> tuple[FloatArray, FloatArray]:
+    """Per time cell of ``fig``: Σw, Σwx, Σwy, Σwxx, Σwxy (a line's sufficient statistics), and the
+    cell's block."""
+    cells, inverse = np.unique(fig.cell, return_inverse=True)
+    wx = fig.w * fig.x
+    columns = (fig.w, wx, fig.w * fig.y, wx * fig.x, wx * fig.y)
+    sums: FloatArray = np.stack(
+        [np.bincount(inverse, weights=c, minlength=len(cells)).astype(np.float64) for c in columns], axis=1
+    )
+    block = np.zeros(len(cells))
+    block[inverse] = fig.block
+    return sums, block
+
+
+def _resampled_sums(fig: _Figure, k: int, rng: np.random.Generator) -> FloatArray:
+    """``k`` resamples of ``fig``'s sums (k x 5): its time cells drawn with replacement, whole, within
+    each block (calls of one cell share the engine's moment; the blocks' spread is the drift term's)."""
+    sums, block = _cell_sums(fig)
+    n = len(sums)
+    counts = np.zeros(k * n)
+    for g in np.unique(block):
+        idx = np.flatnonzero(block == g)
+        drawn = idx[rng.integers(0, len(idx), size=(k, len(idx)))] + n * np.arange(k)[:, None]
+        counts += np.bincount(drawn.ravel(), minlength=k * n)
+    out: FloatArray = counts.reshape(k, n) @ sums
+    return out
 
 
 def _boot_logs(p: _Point, iterations: int, rng: np.random.Generator) -> FloatArray:
-    """Bootstrap deviations of the log speedup: both arms resampled within blocks, both refitted."""
-    keep = min(1.0, BOOTSTRAP_CAP / max(len(p.cand.x), len(p.kept_base.x)))
+    """Bootstrap deviations of the log speedup: both arms' time cells resampled within blocks, the
+    baseline's line refitted each time (so the slope's uncertainty, and the autocorrelation of calls
+    that ran at the same moment, are in it)."""
     out = np.empty(iterations)
     for start in range(0, iterations, _SLICE):
         k = min(_SLICE, iterations - start)
-        ic, ib = _resampled(p.cand, keep, k, rng), _resampled(p.kept_base, keep, k, rng)
-        wc, wb = p.cand.w[ic], p.kept_base.w[ib]
-        xb, yb = p.kept_base.x[ib], p.kept_base.y[ib]
-        at = (wc * p.cand.x[ic]).sum(axis=1) / wc.sum(axis=1)
-        own = (wc * p.cand.y[ic]).sum(axis=1) / wc.sum(axis=1)
-        sw = wb.sum(axis=1)
-        mx, my = (wb * xb).sum(axis=1) / sw, (wb * yb).sum(axis=1) / sw
-        dx = xb - mx[:, None]
-        sxx = (wb * dx * dx).sum(axis=1)
-        slope = np.where(
-            sxx > 1e-9 * sw, (wb * dx * (yb - my[:, None])).sum(axis=1) / np.maximum(sxx, 1e-300), 0
-        )
+        c, b = _resampled_sums(p.cand, k, rng), _resampled_sums(p.kept_base, k, rng)
+        at, own = c[:, 1] / c[:, 0], c[:, 2] / c[:, 0]
+        sw = b[:, 0]
+        mx, my = b[:, 1] / sw, b[:, 2] / sw
+        sxx, sxy = b[:, 3] - sw * mx * mx, b[:, 4] - sw * mx * my
+        slope = np.where(sxx > 1e-9 * sw, sxy / np.maximum(sxx, 1e-300), 0.0)
         theirs = np.maximum(my + slope * (at - mx), 1e-12)
-        out[start : start + k] = np.log(theirs / own)
-    dev: FloatArray = math.sqrt(keep) * (out - out.mean())
+        out[start : start + k] = np.log(theirs / np.maximum(own, 1e-12))
+    dev: FloatArray = out - out.mean()
     return dev
 
 
