@@ -29,8 +29,10 @@ interpolation; beyond it, an extrapolation no farther than the range is wide; fa
 compared (the arms never ran at comparable loads, and the row says so instead of giving a ratio).
 
 **The interval** resamples each arm's calls within time blocks (replay rounds, or equal time blocks
-of a one-round or live level) and refits both lines every time, so an extrapolation's uncertainty in
-the slope is in it; then it is widened by the spread of the blocks' own estimates beyond that noise
+of a one-round or live level), in whole time cells (:data:`CELLS_PER_BLOCK` to a block: calls that
+ran at the same moment shared the engine's state, a stall or a drain, and are not independent draws),
+and refits the baseline's line every time, so an extrapolation's uncertainty in the slope is in it;
+then it is widened by the spread of the blocks' own estimates beyond that noise
 (:func:`~specproxy.analysis.stats.widen_for_blocks`, the drift term of the ordinary comparisons, on
 this arm's blocks alone). The evaluation then adds the simulators' lag bounds. Used when the arms'
 median loads differ by more than :data:`UNEQUAL_LOAD`; at equal loads the plain (paired) comparison
@@ -395,6 +397,7 @@ def robust_line(x: FloatArray, y: FloatArray, w: FloatArray) -> _Line:
     return _Line(a, b, keep)
 
 
+SPANNED = "the load's effect lies between none and the fitted line's"
 INTERPOLATED, EXTRAPOLATED, NOT_COMPARED = "interpolated", "extrapolated", "not compared"
 # Each block (round, or time block) is cut into this many time cells, resampled whole.
 CELLS_PER_BLOCK = 10
@@ -617,5 +620,8 @@ def bracketed(load: MatchedLoad, decode: Interval | None, throughput: Interval |
     if load.decode is None and load.throughput is None:
         return load
     return replace(
-        load, decode=_spanning(load.decode, decode), throughput=_spanning(load.throughput, throughput)
+        load,
+        decode=_spanning(load.decode, decode),
+        throughput=_spanning(load.throughput, throughput),
+        note=f"{load.note}; the interval spans the plain comparison's too ({SPANNED})",
     )

@@ -37,6 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.support import replay_target_argv, serving, simulators
 
 SIM = ["--time-scale", "1"]
+EAGLE3 = (
+    'speculative = { method = "eagle3", model = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", '
+    "num_speculative_tokens = 3 }\n"
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ def config(design: LiveDesign, urls: dict[str, str], db: Path) -> str:
             continue
         field_ = f"weight = {share}" if design.mode == "split" else f"sample = {share}"
         role = 'role = "replica"\n' if arm == "replica" else ""
-        spec = 'speculative = { method = "eagle3", num_speculative_tokens = 3 }\n' if arm == "eagle3" else ""
+        spec = EAGLE3 if arm == "eagle3" else ""
         arms.append(f'[[arms]]\nname = "{arm}"\nurl = "{urls[arm]}"\n{role}{field_}\n{spec}')
     head = f'[experiment]\nname = "live-aa"\nmode = "{design.mode}"\ndb = "{db}"\nscrape_interval_s = 1\n\n'
     return head + "\n".join(arms)
