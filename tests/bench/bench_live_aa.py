@@ -1,6 +1,6 @@
 """Benchmark: live verdicts on real pieces, designs drawn at random from a seed.
 
-    python tests/bench/bench_live_aa.py [--designs 30] [--power 10] [--seed 26] [--keep DIR]
+    python tests/bench/bench_live_aa.py [--designs 30] [--power 10] [--seed 26] [--keep DIR] [--synthetic]
 
 Each design starts `specproxy sim` arms behind `specproxy serve` and drives the proxy with
 `specproxy replay --target` at one concurrency level (3 rounds), then reads `specproxy analyze
@@ -8,7 +8,9 @@ Each design starts `specproxy sim` arms behind `specproxy serve` and drives the 
 50/50 to 90/10 either way, three-way (a plain twin and a `role = "replica"` one), or shadow at a
 sample of 0.2-1.0; levels 2-64; short (32) or long (128) outputs. Power designs put a real EAGLE3
 simulator (about 1.6x decode at low load) beside the baseline at c=2, split or shadow with a sample
-of 0.3 or more.
+of 0.3 or more. ``--synthetic`` analyses synthetic closed loops instead (tests/closedloop.py: the
+same kinds of designs on a model engine whose slowness wanders, a few seconds for 60 designs), to
+see a change to the analysis at once.
 
 Prints one line per design, then:
 - null WIN/LOSS: the share of judged per-level verdicts (and of deploy verdicts) that are WIN or LOSS
@@ -34,6 +36,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from specproxy.analysis import analyze_text
+from tests.closedloop import Design, make_closed_loop_run, make_design
+from tests.spanfactory import write_db
 from tests.support import replay_target_argv, serving, simulators
 
 SIM = ["--time-scale", "1"]
@@ -142,7 +147,22 @@ def run_design(design: LiveDesign, work: Path, seed: int) -> dict[str, Any]:
     return run  # type: ignore[no-any-return]
 
 
-def tally_design(design: LiveDesign, run: dict[str, Any], tally: Tally) -> str:
+def synthetic_run(design: Design, work: Path, seed: int) -> dict[str, Any]:
+    """The same analysis of a synthetic closed loop (tests/closedloop.py) instead of real pieces."""
+    db = write_db(work / "synthetic.duckdb", [make_closed_loop_run(design, seed)])
+    (run,) = json.loads(analyze_text([db], fmt="json"))["runs"]
+    return run  # type: ignore[no-any-return]
+
+
+def _real_arms(design: LiveDesign | Design) -> set[str]:
+    """The arms that differ from the baseline (none in a null design)."""
+    if isinstance(design, LiveDesign):
+        return {"eagle3"} if design.power else set()
+    return {arm for arm, speedup in design.speedups.items() if speedup != 1.0}
+
+
+def tally_design(design: LiveDesign | Design, run: dict[str, Any], tally: Tally) -> str:
+    real = _real_arms(design)
     parts = []
     for row in run["rows"]:
         if row["arm"] == "baseline" or row["level"] != str(design.level):
@@ -151,7 +171,7 @@ def tally_design(design: LiveDesign, run: dict[str, Any], tally: Tally) -> str:
         shown = f"{dec['point']:.2f} [{dec['low']:.2f}, {dec['high']:.2f}]" if dec and dec["low"] else "—"
         load = row.get("load") or {}
         parts.append(f"{row['arm']} {row['verdict']} {shown} {load.get('method') or ''}".rstrip())
-        if design.power:
+        if row["arm"] in real:
             tally.power_levels += 1
             tally.power_wins += row["verdict"] == "WIN"
             continue
@@ -163,7 +183,7 @@ def tally_design(design: LiveDesign, run: dict[str, Any], tally: Tally) -> str:
             tally.covered += dec["low"] <= 1.0 <= dec["high"]
     for arm in run["arms"]:
         deploy = arm.get("deploy")
-        if design.power or arm["arm"] == "baseline" or not deploy or deploy["verdict"] == "UNRELIABLE":
+        if arm["arm"] in ("baseline", *real) or not deploy or deploy["verdict"] == "UNRELIABLE":
             continue
         tally.null_deploys += 1
         if deploy["verdict"] in ("WIN", "LOSS"):
@@ -183,11 +203,20 @@ def main() -> None:
     parser.add_argument("--power", type=int, default=10, help="power designs (EAGLE3 at c=2)")
     parser.add_argument("--seed", type=int, default=26, help="seed the designs are drawn from")
     parser.add_argument("--keep", type=Path, help="keep each design's stores under this folder")
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="analyse synthetic closed loops (tests/closedloop.py) instead of running real pieces: seconds",
+    )
     opts = parser.parse_args()
     rng = random.Random(opts.seed)
-    designs = [draw(rng, power=False) for _ in range(opts.designs)] + [
-        draw(rng, power=True) for _ in range(opts.power)
-    ]
+    designs: list[LiveDesign | Design]
+    if opts.synthetic:
+        designs = [make_design(rng) for _ in range(opts.designs)]
+        designs += [make_design(rng, speedup=1.6, level=2) for _ in range(opts.power)]
+    else:
+        designs = [draw(rng, power=False) for _ in range(opts.designs)]
+        designs += [draw(rng, power=True) for _ in range(opts.power)]
     tally = Tally()
     root = opts.keep or Path(tempfile.mkdtemp(prefix="specproxy-live-aa-"))
     for k, design in enumerate(designs):
@@ -195,7 +224,12 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         try:
-            line = tally_design(design, run_design(design, work, opts.seed * 1000 + k), tally)
+            seed = opts.seed * 1000 + k
+            if isinstance(design, Design):
+                run = synthetic_run(design, work, seed)
+            else:
+                run = run_design(design, work, seed)
+            line = tally_design(design, run, tally)
         except (RuntimeError, subprocess.SubprocessError) as exc:
             line = f"failed: {exc}"
         print(f"{k:2d} {design.describe()} ({time.monotonic() - started:.0f} s): {line}", flush=True)
