@@ -86,7 +86,7 @@ def test_a_broken_gauge_is_left_out_and_not_blamed_on_replicas(tmp_path: Path) -
     run = make_live_load_run(2000, sample=0.2, load_column="engine_running", seed=8)
     broken = 0
     for span in run.spans:
-        if span.arm == "baseline" and (span.inflight_at_start or 0) >= 2:
+        if span.arm == "baseline" and (span.inflight_at_start or 0) >= 8:
             span.engine_running, span.engine_waiting = 0.0, 0.0
             broken += 1
     run = dataclasses.replace(run, health=live_health_rows(run, set()))

@@ -85,9 +85,10 @@ FEW_ENGINES_MIN = 4.0
 # The baseline's load range reaches as far as this many of its calls do at either end.
 RANGE_CALLS = 10
 # A gauge reading 0 running + waiting on a call sent while the proxy had this many other calls in
-# flight on the engine is broken: a snapshot at most two scrape intervals old misses only the calls
-# sent since, and under a steady load most were sent before.
-BROKEN_GAUGE_INFLIGHT = 2
+# flight on the engine does not describe the engine's load at the call: a scrape that failed, or one
+# from before a burst (a snapshot up to two scrape intervals old). At a few calls in flight a short
+# call's neighbours turn over faster than the gauge is read, and 0 can be a true reading.
+BROKEN_GAUGE_INFLIGHT = 8
 # The share of the baseline's calls, nearest in load to the candidate's, its line is fitted to.
 NEAR_SHARE = 0.25
 TRIM_MADS = 4.0
