@@ -338,22 +338,31 @@ def _column(values: npt.ArrayLike, missing: float | bool) -> FloatArray:
     return out
 
 
+def _gauges(calls: ArmCalls) -> FloatArray | None:
+    """The engine's good gauge readings, where at least :data:`MIN_COVERAGE` of the calls were
+    stamped with one and the broken ones (left out) are fewer than the good."""
+    have = np.isfinite(calls.engine)
+    good = int(have.sum())
+    if not good or good + calls.broken < MIN_COVERAGE * len(calls.engine) or calls.broken > good:
+        return None
+    out: FloatArray = calls.engine[have]
+    return out
+
+
 def _outside(calls: ArmCalls) -> float:
     """The engine's load beyond the proxy's own calls (other clients): the gauges' median less the
     calls' median load, where enough calls carry gauges and the excess is not negligible."""
-    have = np.isfinite(calls.engine)
-    if not have.any() or have.sum() < MIN_COVERAGE * len(calls.engine):
+    gauges = _gauges(calls)
+    if gauges is None:
         return 0.0
     own = float(np.median(calls.load))
-    excess = float(np.median(calls.engine[have])) - own
+    excess = float(np.median(gauges)) - own
     return excess if excess >= max(OUTSIDE_MIN, OUTSIDE_SHARE * own) else 0.0
 
 
 def _engine_p50(calls: ArmCalls) -> float | None:
-    have = np.isfinite(calls.engine)
-    if not have.any() or have.sum() < MIN_COVERAGE * len(calls.engine):
-        return None
-    return float(np.median(calls.engine[have]))
+    gauges = _gauges(calls)
+    return None if gauges is None else float(np.median(gauges))
 
 
 def _shifted(calls: ArmCalls, extra: float) -> ArmCalls:
