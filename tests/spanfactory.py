@@ -290,7 +290,6 @@ def make_live_load_run(
     ``steady`` stays at 28-32 (they never overlap). Each call's decode speed depends on its engine's
     calls in flight at its start (median ``BASE_DECODE_MEDIAN / (1 + load / 32) * speedup``), recorded
     as ``inflight_at_start`` and, with ``load_column="engine_running"``, as the engine's gauges too.
-    With serve's health rows (:func:`live_health_rows`, every window passing).
     """
     rng = random.Random(seed)
     arms = (
@@ -318,9 +317,7 @@ def make_live_load_run(
             i += 1
         t += step
     run_row = (run_id, "live load", "shadow", "live", T0, T0, "{}", "{}", "testhost", "0.1.0")
-    run = SyntheticRun(run_id, "live load", spans, [], run_row)
-    run.health = live_health_rows(run, set())  # serve's rows, every window passing
-    return run
+    return SyntheticRun(run_id, "live load", spans, [], run_row)
 
 
 def _live_span(

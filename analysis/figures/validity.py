@@ -36,9 +36,10 @@ least :data:`~specproxy.schema.MIN_HEALTHY_ROUNDS` windows passed and at most
 :data:`MAX_FAILED_WINDOW_SHARE` of them failed (the verdict must describe most of the traffic, not the
 quiet moments left between stalls); otherwise it is UNRELIABLE.
 
-Traffic through the proxy is held to the same rule as replay's, and a level of it that has no health
-rows at all (a store written before the proxy kept them, or traffic it could not check) is not vouched
-for: UNRELIABLE (:func:`vouched_live`), where a replay level always has its rows.
+Levels a replay sent through the proxy (``replay --target``) are held to the same rule as replay's,
+and one that has no health rows at all (a store written before the proxy kept them, or a level it
+could not check) is not vouched for: UNRELIABLE (:func:`vouched_live`), where a replay level always
+has its rows. Serve's own ``live`` level without rows is named as unchecked and still judged.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ LIVE = "live"  # the level of serve's traffic (no concurrency level of its own)
 # A live level may leave out at most this share of its health windows and still be judged.
 MAX_FAILED_WINDOW_SHARE = 0.5
 UNCHECKED = (
-    "no health checks recorded for this traffic through the proxy (serve keeps them every 10 s, and per "
-    "level and round under replay --target): nothing vouches that the engines kept up"
+    "no health checks recorded for this level sent through the proxy (serve keeps them per level and "
+    "round under replay --target): nothing vouches that the engines kept up"
 )
 # Checks whose value is a share (shown as a percentage); the others ending in _s are seconds.
 SHARE_CHECKS = frozenset({"engine_clock_lag", "event_loop_lag_share", "open_loop_rate_shortfall"})
@@ -294,7 +295,8 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
 
 
 def vouched_live(health: Mapping[str, LevelHealth], levels: Iterable[str]) -> dict[str, LevelHealth]:
-    """``health`` with every level of live traffic in ``levels`` that has no rows marked unchecked."""
+    """``health`` with every level of ``levels`` (the loaded levels of traffic through the proxy) that
+    has no rows marked unchecked."""
     return {**{level: LevelHealth(0, (), unchecked=True) for level in levels}, **health}
 
 

@@ -266,8 +266,8 @@ def _run_figures(
     level is judged without (``health``)."""
     run_id = info["run_id"]
     summaries = level_summaries(store, run_id)
-    if info.get("source") == "live":
-        health = vouched_live(health, {s.level for s in summaries})
+    if info.get("source") == "live":  # levels sent through the proxy by replay --target
+        health = vouched_live(health, {s.level for s in summaries if s.level_load is not None})
     baselines = sorted({s.arm for s in summaries if s.role == "baseline"})
     if not baselines:
         raise StoreError(
