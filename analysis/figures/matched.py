@@ -50,8 +50,8 @@ however its load differs.
 
 **Gauges that cannot be right** are left out before anything reads them: running + waiting = 0 on
 a call that the proxy sent while it had :data:`BROKEN_GAUGE_INFLIGHT` or more other calls in flight
-on that engine (a /metrics scrape that failed, timed out or answered nothing is stamped so). The
-figures say how many were left out, and a broken gauge is never read as more engines behind a URL.
+on that engine (a scrape that failed, or a stale one from before a burst). The figures say how
+many were left out, and a broken gauge is never read as more engines behind a URL.
 """
 
 from __future__ import annotations
