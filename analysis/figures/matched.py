@@ -92,6 +92,8 @@ BROKEN_GAUGE_INFLIGHT = 8
 # The share of the baseline's calls, nearest in load to the candidate's, its line is fitted to.
 NEAR_SHARE = 0.25
 TRIM_MADS = 4.0
+# A matched interval whose high end is more than this times its low end places nothing: not compared.
+MAX_SPREAD = 2.0
 MIN_BLOCK_CALLS = 5
 _SLICE = 256  # bootstrap iterations per vectorised slice (memory: slice x time cells)
 
@@ -603,10 +605,19 @@ def compare(
     if fig.method == NOT_COMPARED:
         why = "the baseline never ran near the candidate's load"
         return MatchedLoad(fig, None, None, f"not compared at matched load ({loads}): {why}", kind)
+    if decode is not None and _unplaced(decode[0]):
+        why = f"the baseline's line cannot place that load (its interval is over {MAX_SPREAD:g}x wide)"
+        fig = replace(fig, method=NOT_COMPARED)
+        return MatchedLoad(fig, None, None, f"not compared at matched load ({loads}): {why}", kind)
     throughput = _interval(tc, tb, iterations, confidence, rng)
     how = "within the baseline's range" if fig.method == INTERPOLATED else "the baseline's line extrapolated"
     note = f"arms ran at different loads ({loads}): compared at matched load {at:.1f}, {how}"
     return MatchedLoad(fig, decode[0] if decode else None, throughput[0] if throughput else None, note, kind)
+
+
+def _unplaced(iv: Interval) -> bool:
+    """An interval whose ends are more than :data:`MAX_SPREAD` apart: the line says nothing there."""
+    return iv.low is None or iv.high is None or iv.high > MAX_SPREAD * iv.low
 
 
 def _spanning(iv: Interval | None, plain: Interval | None) -> Interval | None:
