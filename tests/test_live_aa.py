@@ -82,21 +82,28 @@ def test_split_unequal_loads_bracket_the_load_model(tmp_path: Path) -> None:
 
 
 def test_a_broken_gauge_is_left_out_and_not_blamed_on_replicas(tmp_path: Path) -> None:
-    """The candidate's /metrics scrape failed: its gauges read 0 while the proxy had calls in flight."""
+    """The baseline's /metrics scrapes failed under load (0 whenever 8 or more calls were in flight),
+    then never refreshed (0 always): left out either way, never blamed on replicas_behind_url."""
     run = make_live_load_run(2000, sample=0.2, load_column="engine_running", seed=8)
+    run = dataclasses.replace(run, health=live_health_rows(run, set()))
     broken = 0
     for span in run.spans:
         if span.arm == "baseline" and (span.inflight_at_start or 0) >= 8:
             span.engine_running, span.engine_waiting = 0.0, 0.0
             broken += 1
-    run = dataclasses.replace(run, health=live_health_rows(run, set()))
-    ev = _evaluate(run, tmp_path / "gauges.duckdb")
-    cand = next(r for r in ev.rows if r.arm == "candidate")
+    cand = next(r for r in _evaluate(run, tmp_path / "gauges.duckdb").rows if r.arm == "candidate")
     assert cand.load is not None
     assert f"baseline's engine gauges read 0 running+waiting on {broken} of" in cand.load.gauge_note
     assert "replicas_behind_url" not in cand.reason and "replicas_behind_url" not in cand.load.gauge_note
     assert cand.load.engine_baseline_p50 is None, cand.load
     assert cand.verdict == "NO CLEAR GAIN", cand.reason
+    for span in run.spans:
+        if span.arm == "baseline":
+            span.engine_running, span.engine_waiting = 0.0, 0.0
+    cand = next(r for r in _evaluate(run, tmp_path / "dead.duckdb").rows if r.arm == "candidate")
+    assert cand.load is not None and cand.load.engine_baseline_p50 is None, cand.load
+    dead = "baseline's engine gauges read 0 running+waiting at the median of its calls"
+    assert dead in cand.load.gauge_note and "replicas_behind_url" not in cand.reason, cand.reason
 
 
 def test_live_levels_are_held_to_replays_validity_rule(tmp_path: Path) -> None:

@@ -254,6 +254,13 @@ def _per_engine(engines: Mapping[str, int], baseline: str) -> str:
 
 
 def _broken(arm: str, calls: ArmCalls) -> str:
+    have = np.isfinite(calls.engine)
+    if have.any() and _dead(calls, calls.engine[have]):
+        return (
+            f"{arm}'s engine gauges read 0 running+waiting at the median of its calls while the proxy had "
+            f"{float(np.median(calls.load)):.1f} others in flight on it (failed or stale /metrics scrapes): "
+            "not read"
+        )
     if not calls.broken:
         return ""
     return (
@@ -348,7 +355,13 @@ def _gauges(calls: ArmCalls) -> FloatArray | None:
     if not good or good + calls.broken < MIN_COVERAGE * len(calls.engine) or calls.broken > good:
         return None
     out: FloatArray = calls.engine[have]
-    return out
+    return None if _dead(calls, out) else out
+
+
+def _dead(calls: ArmCalls, gauges: FloatArray) -> bool:
+    """Gauges whose median is 0 while the proxy's calls had a median of :data:`FEW_ENGINES_MIN` or
+    more others in flight: scrapes that fail or never refresh, not an idle engine."""
+    return float(np.median(gauges)) == 0 and float(np.median(calls.load)) >= FEW_ENGINES_MIN
 
 
 def _outside(calls: ArmCalls) -> float:
