@@ -28,7 +28,7 @@ ROOMS = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["spec
 # Rooms still over the size limits, each with its size today: a split is owed; none may grow, and
 # none may be added. (Remove a line once its room is split.)
 OVERSIZE = {
-    "analysis/verdicts/evaluation.py": 1004,
+    "analysis/verdicts/evaluation.py": 985,
     "analysis/verdicts/evaluation.py::_level_row": 83,
 }
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 700, 300, 80

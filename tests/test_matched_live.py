@@ -90,6 +90,16 @@ def _twin_row(db: Path) -> dict[str, Any]:
     return next(r for r in run["rows"] if r["arm"] == "twin" and r["level"] == "32")
 
 
+def _spans_the_plain_comparison(decode: dict[str, float], plain: dict[str, float]) -> None:
+    """A tie at matched load: the matched point within 5 % of 1, below the plain per-call ratio (what
+    the twin's lighter load alone gives it), and the interval spanning that plain comparison's too,
+    since the load's effect lies between none and the fitted line's (analysis README, "Matched
+    load"): on real simulators the line's own interval missed 1.0 (1.008x [1.001, 1.015] at load ~10)."""
+    assert 0.95 <= decode["point"] <= 1.05 and plain["point"] > decode["point"], (decode, plain)
+    assert decode["low"] <= min(decode["point"], plain["low"]), (decode, plain)
+    assert decode["high"] >= plain["high"], (decode, plain)
+
+
 def _analyze(db: Path) -> dict[str, Any]:
     result = run_cli("analyze", str(db), "--format", "json")
     assert result.returncode == 0, result.stderr
@@ -122,11 +132,7 @@ def test_an_identical_arm_shadowed_at_a_fifth_is_a_tie_at_matched_load(tmp_path:
     if not _judged_a_tie(twin):
         return
     decode = twin["decode_speedup"]
-    # a tie: the whole interval within 5 % of 1 (not always around 1 itself: at load average ~10 the
-    # shadowed twin came out 1.008x [1.001, 1.015], a NO CLEAR GAIN well inside the margin)
-    assert 0.95 <= decode["low"] <= decode["point"] <= decode["high"] <= 1.05, (decode, twin["reason"])
-    # the plain per-call comparison at unequal load, kept beside it, is what the matching removes
-    assert twin["unmatched_decode_speedup"]["point"] > decode["point"]
+    _spans_the_plain_comparison(decode, twin["unmatched_decode_speedup"])
     assert "compared at matched load" in twin["reason"] and "load P50" in twin["reason"]
     table = run_cli("analyze", str(db)).stdout
     line = next(x for x in table.splitlines() if x.startswith("c=32") and " twin " in x)
@@ -146,10 +152,7 @@ def test_an_identical_arm_split_a_fifth_of_the_calls_is_a_tie_at_matched_load(tm
     assert load["p50"] < 0.5 * load["baseline_p50"], load
     if not _judged_a_tie(twin):
         return
-    # a tie: the whole interval within 5 % of 1 (not always around 1 itself: at load average ~10 the
-    # shadowed twin came out 1.008x [1.001, 1.015], a NO CLEAR GAIN well inside the margin)
-    assert 0.95 <= decode["low"] <= decode["point"] <= decode["high"] <= 1.05, (decode, twin["reason"])
-    assert twin["unmatched_decode_speedup"]["point"] > decode["point"]
+    _spans_the_plain_comparison(decode, twin["unmatched_decode_speedup"])
     print(f"split twin decode {decode}, plain {twin['unmatched_decode_speedup']}, load {load}")
 
 

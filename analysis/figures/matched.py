@@ -29,12 +29,29 @@ interpolation; beyond it, an extrapolation no farther than the range is wide; fa
 compared (the arms never ran at comparable loads, and the row says so instead of giving a ratio).
 
 **The interval** resamples each arm's calls within time blocks (replay rounds, or equal time blocks
-of a one-round or live level) and refits both lines every time, so an extrapolation's uncertainty in
-the slope is in it; then it is widened by the spread of the blocks' own estimates beyond that noise
+of a one-round or live level), in whole time cells (:data:`CELLS_PER_BLOCK` to a block: calls that
+ran at the same moment shared the engine's state, a stall or a drain, and are not independent draws),
+and refits the baseline's line every time, so an extrapolation's uncertainty in the slope is in it;
+then it is widened by the spread of the blocks' own estimates beyond that noise
 (:func:`~specproxy.analysis.stats.widen_for_blocks`, the drift term of the ordinary comparisons, on
 this arm's blocks alone). The evaluation then adds the simulators' lag bounds. Used when the arms'
 median loads differ by more than :data:`UNEQUAL_LOAD`; at equal loads the plain (paired) comparison
 is sharper.
+
+**What the line cannot know** is how much of its slope the load caused. In a closed loop an engine
+that slows down for any reason (a busy core, a long prompt) holds its clients longer, so its calls
+pile up: slowness raises the load as well as load raising slowness, and a line fitted to one arm's
+calls overstates the load's effect (two identical engines split 50/50 at c=64 ran at 28 and 32 calls
+and the fitted line called the one at 28 8 % slower). More calls in flight never make a call faster,
+so the load's true effect lies between none, the plain comparison of the arms' own calls, and the
+fitted line's. :func:`bracketed` stretches each matched interval over the plain one: at unequal
+loads a WIN or LOSS needs both comparisons to agree, and an identical arm is not called different
+however its load differs.
+
+**Gauges that cannot be right** are left out before anything reads them: running + waiting = 0 on
+a call that the proxy sent while it had :data:`BROKEN_GAUGE_INFLIGHT` or more other calls in flight
+on that engine (a scrape that failed, or a stale one from before a burst). The figures say how
+many were left out, and a broken gauge is never read as more engines behind a URL.
 """
 
 from __future__ import annotations
@@ -68,11 +85,18 @@ FEW_ENGINES_SHARE = 0.6
 FEW_ENGINES_MIN = 4.0
 # The baseline's load range reaches as far as this many of its calls do at either end.
 RANGE_CALLS = 10
+# A gauge reading 0 running + waiting on a call sent while the proxy had this many other calls in
+# flight on the engine does not describe the engine's load at the call: a scrape that failed, or one
+# from before a burst (a snapshot up to two scrape intervals old). At a few calls in flight a short
+# call's neighbours turn over faster than the gauge is read, and 0 can be a true reading.
+BROKEN_GAUGE_INFLIGHT = 8
 # The share of the baseline's calls, nearest in load to the candidate's, its line is fitted to.
 NEAR_SHARE = 0.25
 TRIM_MADS = 4.0
+# A matched interval whose high end is more than this times its low end places nothing: not compared.
+MAX_SPREAD = 2.0
 MIN_BLOCK_CALLS = 5
-_SLICE = 256  # bootstrap iterations per vectorised slice (memory: slice x calls)
+_SLICE = 256  # bootstrap iterations per vectorised slice (memory: slice x time cells)
 
 
 @dataclass(frozen=True)
@@ -124,6 +148,7 @@ class ArmCalls:
     start_s: FloatArray
     round: FloatArray
     engine: FloatArray = field(repr=False)  # running + waiting gauges stamped at the call's start
+    broken: int = 0  # gauges read 0 while the proxy had calls in flight: left out of ``engine`` (NaN)
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,7 +232,14 @@ def load_bands(
             engine_p50=engine_c if both else None,
             engine_baseline_p50=engine_b if both else None,
             gauge_note="; ".join(
-                n for n in (_few_engines(arm, c, engines), _few_engines(baseline, b, engines)) if n
+                n
+                for n in (
+                    _broken(arm, c),
+                    _broken(baseline, b),
+                    _few_engines(arm, c, engines),
+                    _few_engines(baseline, b, engines),
+                )
+                if n
             ),
         )
         out[(arm, level)] = LoadBands(figures, _shifted(c, extra_c), _shifted(b, extra_b))
@@ -220,6 +252,23 @@ def _per_engine(engines: Mapping[str, int], baseline: str) -> str:
         return ""
     parts = ", ".join(f"{arm}'s ÷ {n}" for arm, n in sorted(shared.items()))
     return f" per engine ({parts}: replicas_behind_url)"
+
+
+def _broken(arm: str, calls: ArmCalls) -> str:
+    have = np.isfinite(calls.engine)
+    if have.any() and _dead(calls, calls.engine[have]):
+        return (
+            f"{arm}'s engine gauges read 0 running+waiting at the median of its calls while the proxy had "
+            f"{float(np.median(calls.load)):.1f} others in flight on it (failed or stale /metrics scrapes): "
+            "not read"
+        )
+    if not calls.broken:
+        return ""
+    return (
+        f"{arm}'s engine gauges read 0 running+waiting on {calls.broken} of {len(calls.load)} calls sent "
+        f"while the proxy had {BROKEN_GAUGE_INFLIGHT} or more others in flight on it (a failed or stale "
+        "/metrics scrape): those readings left out"
+    )
 
 
 def _few_engines(arm: str, calls: ArmCalls, engines: Mapping[str, int]) -> str:
@@ -275,8 +324,10 @@ def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dic
             "counted",
         )
     )
-    load, _ = call_loads(start, ttft, e2e)
+    load, at_start = call_loads(start, ttft, e2e)
     load = load / engines
+    broken = (engine == 0) & (at_start / engines >= BROKEN_GAUGE_INFLIGHT)
+    engine = np.where(broken, np.nan, engine)
     out = {}
     for level in sorted(set(levels[ok].tolist())):
         m = ok & (levels == level)
@@ -285,7 +336,7 @@ def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dic
         if counted[m].mean() < MIN_COVERAGE:
             continue
         out[(arm, str(level))] = ArmCalls(
-            load[m], decode[m], tokens[m], e2e[m], start[m], round_[m], engine[m]
+            load[m], decode[m], tokens[m], e2e[m], start[m], round_[m], engine[m], int(broken[m].sum())
         )
     return out
 
@@ -297,22 +348,37 @@ def _column(values: npt.ArrayLike, missing: float | bool) -> FloatArray:
     return out
 
 
+def _gauges(calls: ArmCalls) -> FloatArray | None:
+    """The engine's good gauge readings, where at least :data:`MIN_COVERAGE` of the calls were
+    stamped with one and the broken ones (left out) are fewer than the good."""
+    have = np.isfinite(calls.engine)
+    good = int(have.sum())
+    if not good or good + calls.broken < MIN_COVERAGE * len(calls.engine) or calls.broken > good:
+        return None
+    out: FloatArray = calls.engine[have]
+    return None if _dead(calls, out) else out
+
+
+def _dead(calls: ArmCalls, gauges: FloatArray) -> bool:
+    """Gauges whose median is 0 while the proxy's calls had a median of :data:`FEW_ENGINES_MIN` or
+    more others in flight: scrapes that fail or never refresh, not an idle engine."""
+    return float(np.median(gauges)) == 0 and float(np.median(calls.load)) >= FEW_ENGINES_MIN
+
+
 def _outside(calls: ArmCalls) -> float:
     """The engine's load beyond the proxy's own calls (other clients): the gauges' median less the
     calls' median load, where enough calls carry gauges and the excess is not negligible."""
-    have = np.isfinite(calls.engine)
-    if not have.any() or have.sum() < MIN_COVERAGE * len(calls.engine):
+    gauges = _gauges(calls)
+    if gauges is None:
         return 0.0
     own = float(np.median(calls.load))
-    excess = float(np.median(calls.engine[have])) - own
+    excess = float(np.median(gauges)) - own
     return excess if excess >= max(OUTSIDE_MIN, OUTSIDE_SHARE * own) else 0.0
 
 
 def _engine_p50(calls: ArmCalls) -> float | None:
-    have = np.isfinite(calls.engine)
-    if not have.any() or have.sum() < MIN_COVERAGE * len(calls.engine):
-        return None
-    return float(np.median(calls.engine[have]))
+    gauges = _gauges(calls)
+    return None if gauges is None else float(np.median(gauges))
 
 
 def _shifted(calls: ArmCalls, extra: float) -> ArmCalls:
@@ -357,9 +423,10 @@ def robust_line(x: FloatArray, y: FloatArray, w: FloatArray) -> _Line:
     return _Line(a, b, keep)
 
 
+SPANNED = "the load's effect lies between none and the fitted line's"
 INTERPOLATED, EXTRAPOLATED, NOT_COMPARED = "interpolated", "extrapolated", "not compared"
-# Calls per arm the bootstrap resamples at most (a uniform share of both arms; deviations rescaled).
-BOOTSTRAP_CAP = 4000
+# Each block (round, or time block) is cut into this many time cells, resampled whole.
+CELLS_PER_BLOCK = 10
 
 
 @dataclass(frozen=True, eq=False)
@@ -370,9 +437,10 @@ class _Figure:
     y: FloatArray
     w: FloatArray
     block: FloatArray
+    cell: FloatArray  # the time cell of the call's start within its block (:func:`_cells`)
 
     def take(self, mask: npt.NDArray[np.bool_]) -> _Figure:
-        return _Figure(self.x[mask], self.y[mask], self.w[mask], self.block[mask])
+        return _Figure(self.x[mask], self.y[mask], self.w[mask], self.block[mask], self.cell[mask])
 
 
 def _figures(calls: ArmCalls, blocks: FloatArray) -> tuple[_Figure, _Figure]:
@@ -380,9 +448,10 @@ def _figures(calls: ArmCalls, blocks: FloatArray) -> tuple[_Figure, _Figure]:
     the mean is Σ e2e / Σ tokens) against the load."""
     d = np.isfinite(calls.decode) & (calls.decode > 0)
     t = np.isfinite(calls.tokens) & (calls.tokens > 0) & np.isfinite(calls.e2e) & (calls.e2e > 0)
-    decode = _Figure(calls.load[d], 1.0 / calls.decode[d], np.ones(int(d.sum())), blocks[d])
+    cells = _cells(calls.start_s, blocks)
+    decode = _Figure(calls.load[d], 1.0 / calls.decode[d], np.ones(int(d.sum())), blocks[d], cells[d])
     tokens = calls.tokens[t]
-    throughput = _Figure(calls.load[t], calls.e2e[t] / tokens, tokens, blocks[t])
+    throughput = _Figure(calls.load[t], calls.e2e[t] / tokens, tokens, blocks[t], cells[t])
     return decode, throughput
 
 
@@ -434,38 +503,62 @@ def _point(cand: _Figure, base: _Figure) -> _Point | None:
     return _Point(math.log(theirs / own), at, lb, kc, kb)
 
 
-def _resampled(fig: _Figure, keep: float, k: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
-    """Indices of ``k`` resamples of ``fig``'s calls, each block's calls resampled within the block
-    (the blocks are the time periods both arms share; their own spread is the drift term's)."""
-    parts = []
-    for g in np.unique(fig.block):
-        idx = np.flatnonzero(fig.block == g)
-        m = max(1, round(len(idx) * keep))
-        parts.append(idx[rng.integers(0, len(idx), size=(k, m))])
-    return np.concatenate(parts, axis=1)
+def _cells(start: FloatArray, blocks: FloatArray) -> FloatArray:
+    """Each call's time cell: its block cut into :data:`CELLS_PER_BLOCK` equal spans of time by the
+    calls' starts, numbered across blocks."""
+    out = np.zeros(len(start))
+    for i, g in enumerate(np.unique(blocks)):
+        m = blocks == g
+        t0, span = float(start[m].min()), float(np.ptp(start[m]))
+        within = np.floor(CELLS_PER_BLOCK * (start[m] - t0) / span) if span > 0 else np.zeros(int(m.sum()))
+        out[m] = i * CELLS_PER_BLOCK + np.minimum(within, CELLS_PER_BLOCK - 1)
+    return out
+
+
+def _cell_sums(fig: _Figure) -> tuple[FloatArray, FloatArray]:
+    """Per time cell of ``fig``: Σw, Σwx, Σwy, Σwxx, Σwxy (a line's sufficient statistics), and the
+    cell's block."""
+    cells, inverse = np.unique(fig.cell, return_inverse=True)
+    wx = fig.w * fig.x
+    columns = (fig.w, wx, fig.w * fig.y, wx * fig.x, wx * fig.y)
+    sums: FloatArray = np.stack(
+        [np.bincount(inverse, weights=c, minlength=len(cells)).astype(np.float64) for c in columns], axis=1
+    )
+    block = np.zeros(len(cells))
+    block[inverse] = fig.block
+    return sums, block
+
+
+def _resampled_sums(fig: _Figure, k: int, rng: np.random.Generator) -> FloatArray:
+    """``k`` resamples of ``fig``'s sums (k x 5): its time cells drawn with replacement, whole, within
+    each block (calls of one cell share the engine's moment; the blocks' spread is the drift term's)."""
+    sums, block = _cell_sums(fig)
+    n = len(sums)
+    counts = np.zeros(k * n)
+    for g in np.unique(block):
+        idx = np.flatnonzero(block == g)
+        drawn = idx[rng.integers(0, len(idx), size=(k, len(idx)))] + n * np.arange(k)[:, None]
+        counts += np.bincount(drawn.ravel(), minlength=k * n)
+    out: FloatArray = counts.reshape(k, n) @ sums
+    return out
 
 
 def _boot_logs(p: _Point, iterations: int, rng: np.random.Generator) -> FloatArray:
-    """Bootstrap deviations of the log speedup: both arms resampled within blocks, both refitted."""
-    keep = min(1.0, BOOTSTRAP_CAP / max(len(p.cand.x), len(p.kept_base.x)))
+    """Bootstrap deviations of the log speedup: both arms' time cells resampled within blocks, the
+    baseline's line refitted each time (so the slope's uncertainty, and the autocorrelation of calls
+    that ran at the same moment, are in it)."""
     out = np.empty(iterations)
     for start in range(0, iterations, _SLICE):
         k = min(_SLICE, iterations - start)
-        ic, ib = _resampled(p.cand, keep, k, rng), _resampled(p.kept_base, keep, k, rng)
-        wc, wb = p.cand.w[ic], p.kept_base.w[ib]
-        xb, yb = p.kept_base.x[ib], p.kept_base.y[ib]
-        at = (wc * p.cand.x[ic]).sum(axis=1) / wc.sum(axis=1)
-        own = (wc * p.cand.y[ic]).sum(axis=1) / wc.sum(axis=1)
-        sw = wb.sum(axis=1)
-        mx, my = (wb * xb).sum(axis=1) / sw, (wb * yb).sum(axis=1) / sw
-        dx = xb - mx[:, None]
-        sxx = (wb * dx * dx).sum(axis=1)
-        slope = np.where(
-            sxx > 1e-9 * sw, (wb * dx * (yb - my[:, None])).sum(axis=1) / np.maximum(sxx, 1e-300), 0
-        )
+        c, b = _resampled_sums(p.cand, k, rng), _resampled_sums(p.kept_base, k, rng)
+        at, own = c[:, 1] / c[:, 0], c[:, 2] / c[:, 0]
+        sw = b[:, 0]
+        mx, my = b[:, 1] / sw, b[:, 2] / sw
+        sxx, sxy = b[:, 3] - sw * mx * mx, b[:, 4] - sw * mx * my
+        slope = np.where(sxx > 1e-9 * sw, sxy / np.maximum(sxx, 1e-300), 0.0)
         theirs = np.maximum(my + slope * (at - mx), 1e-12)
-        out[start : start + k] = np.log(theirs / own)
-    dev: FloatArray = math.sqrt(keep) * (out - out.mean())
+        out[start : start + k] = np.log(theirs / np.maximum(own, 1e-12))
+    dev: FloatArray = out - out.mean()
     return dev
 
 
@@ -526,7 +619,44 @@ def compare(
     if fig.method == NOT_COMPARED:
         why = "the baseline never ran near the candidate's load"
         return MatchedLoad(fig, None, None, f"not compared at matched load ({loads}): {why}", kind)
+    if decode is not None and _unplaced(decode[0]):
+        why = f"the baseline's line cannot place that load (its interval is over {MAX_SPREAD:g}x wide)"
+        fig = replace(fig, method=NOT_COMPARED)
+        return MatchedLoad(fig, None, None, f"not compared at matched load ({loads}): {why}", kind)
     throughput = _interval(tc, tb, iterations, confidence, rng)
     how = "within the baseline's range" if fig.method == INTERPOLATED else "the baseline's line extrapolated"
     note = f"arms ran at different loads ({loads}): compared at matched load {at:.1f}, {how}"
     return MatchedLoad(fig, decode[0] if decode else None, throughput[0] if throughput else None, note, kind)
+
+
+def _unplaced(iv: Interval) -> bool:
+    """An interval whose ends are more than :data:`MAX_SPREAD` apart: the line says nothing there."""
+    return iv.low is None or iv.high is None or iv.high > MAX_SPREAD * iv.low
+
+
+def _spanning(iv: Interval | None, plain: Interval | None) -> Interval | None:
+    if iv is None or plain is None:
+        return iv
+    lows = [x for x in (iv.low, plain.low) if x is not None]
+    highs = [x for x in (iv.high, plain.high) if x is not None]
+    return Interval(iv.point, min(lows) if lows else None, max(highs) if highs else None)
+
+
+def bracketed(load: MatchedLoad, decode: Interval | None, throughput: Interval | None) -> MatchedLoad:
+    """``load``'s intervals stretched over the plain comparison's (``decode``, ``throughput``: the arms'
+    own calls, each at its own load): the load's effect lies between none and the fitted line's
+    (module docstring), so the speedup at matched load lies between the two comparisons.
+
+    >>> fig = LoadFigures("proxy in-flight", 28.4, 32.4)
+    >>> fitted = MatchedLoad(fig, Interval(0.92, 0.91, 0.94), None, "")
+    >>> bracketed(fitted, Interval(1.04, 1.01, 1.08), None).decode
+    Interval(point=0.92, low=0.91, high=1.08)
+    """
+    if load.decode is None and load.throughput is None:
+        return load
+    return replace(
+        load,
+        decode=_spanning(load.decode, decode),
+        throughput=_spanning(load.throughput, throughput),
+        note=f"{load.note}; the interval spans the plain comparison's too ({SPANNED})",
+    )

@@ -35,13 +35,18 @@ judged without its failed windows (the calls in flight during one are left out, 
 least :data:`~specproxy.schema.MIN_HEALTHY_ROUNDS` windows passed and at most
 :data:`MAX_FAILED_WINDOW_SHARE` of them failed (the verdict must describe most of the traffic, not the
 quiet moments left between stalls); otherwise it is UNRELIABLE.
+
+Levels a replay sent through the proxy (``replay --target``) are held to the same rule as replay's,
+and one that has no health rows at all (a store written before the proxy kept them, or a level it
+could not check) is not vouched for: UNRELIABLE (:func:`vouched_live`), where a replay level always
+has its rows. Serve's own ``live`` level without rows is named as unchecked and still judged.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -61,6 +66,10 @@ DEFAULT_THRESHOLDS: dict[str, float] = {
 LIVE = "live"  # the level of serve's traffic (no concurrency level of its own)
 # A live level may leave out at most this share of its health windows and still be judged.
 MAX_FAILED_WINDOW_SHARE = 0.5
+UNCHECKED = (
+    "no health checks recorded for this level sent through the proxy (serve keeps them per level and "
+    "round under replay --target): nothing vouches that the engines kept up"
+)
 # Checks whose value is a share (shown as a percentage); the others ending in _s are seconds.
 SHARE_CHECKS = frozenset({"engine_clock_lag", "event_loop_lag_share", "open_loop_rate_shortfall"})
 
@@ -131,6 +140,7 @@ class LevelHealth:
     rounds: tuple[int, ...] = ()
     time_scale: float | None = None  # the lab's simulators ran this fast against their profile's clock
     windows: tuple[float, ...] = ()  # live: the end of each window its rows were written for, sorted
+    unchecked: bool = False  # live traffic with no health rows: nothing vouches for it
 
     @property
     def level_wide(self) -> tuple[HealthFailure, ...]:
@@ -171,6 +181,8 @@ class LevelHealth:
 
     @property
     def reliable(self) -> bool:
+        if self.unchecked:
+            return False
         if not self.failures:
             return True
         rounds_ok = not self.failed_rounds or len(self.healthy_rounds) >= MIN_HEALTHY_ROUNDS
@@ -195,6 +207,8 @@ class LevelHealth:
         """Why the level is unreliable (its failures), or "" when it is not."""
         if self.reliable:
             return ""
+        if self.unchecked:
+            return UNCHECKED
         text = _listed(self.failures, limit)
         if self.level_wide:
             return text
@@ -278,6 +292,12 @@ def level_health(store: SpanStore, run_id: str) -> dict[str, LevelHealth]:
         )
         for level, n in checks.items()
     }
+
+
+def vouched_live(health: Mapping[str, LevelHealth], levels: Iterable[str]) -> dict[str, LevelHealth]:
+    """``health`` with every level of ``levels`` (the loaded levels of traffic through the proxy) that
+    has no rows marked unchecked."""
+    return {**{level: LevelHealth(0, (), unchecked=True) for level in levels}, **health}
 
 
 def dropped_rounds(health: Mapping[str, LevelHealth]) -> list[tuple[str, int]]:

@@ -41,7 +41,13 @@ from specproxy.analysis.figures.run_figures import (
     pair_groups,
     round_figures,
 )
-from specproxy.analysis.figures.validity import LevelHealth, dropped_rounds, dropped_windows, level_health
+from specproxy.analysis.figures.validity import (
+    LevelHealth,
+    dropped_rounds,
+    dropped_windows,
+    level_health,
+    vouched_live,
+)
 from specproxy.analysis.levels import level_name, level_sort_key, level_unit, load_name, run_unit
 from specproxy.analysis.slo.answer import (
     SloEvaluation,
@@ -76,6 +82,7 @@ from specproxy.analysis.verdicts.rules import (
     noise_floor,
     tested_around,
 )
+from specproxy.analysis.verdicts.runs import list_runs, select_runs
 
 __all__ = [
     "ArmOutcome",
@@ -98,38 +105,7 @@ ONE_ROUND = "1 round: cannot see between-run drift"
 # at 0.2 (even one driven by replay through the proxy, which carries the replay's level) served a fifth.
 SAME_WORK_SHARE = 0.9
 _Key = TypeVar("_Key", tuple[str, str], tuple[str, str, str])
-
-
-def list_runs(store: SpanStore) -> list[dict[str, Any]]:
-    """Runs that have spans, oldest first: run_id, name, mode, source, started_at, spans."""
-    return store.query("""
-        SELECT r.run_id, coalesce(any_value(u.name), r.run_id) AS name, any_value(u.mode) AS mode,
-               coalesce(any_value(u.source), any_value(r.source)) AS source,
-               coalesce(any_value(u.started_at), min(r.t_start)) AS started_at,
-               any_value(u.stacks_json) AS stacks_json, any_value(u.config_json) AS config_json,
-               count(*) AS spans
-        FROM requests r
-        LEFT JOIN (  -- each worker file of a run may hold its runs row: one per run_id
-            SELECT run_id, any_value(name) AS name, any_value(mode) AS mode, any_value(source) AS source,
-                   min(started_at) AS started_at, any_value(stacks_json) AS stacks_json,
-                   any_value(config_json) AS config_json
-            FROM runs GROUP BY run_id
-        ) u ON u.run_id = r.run_id
-        GROUP BY r.run_id ORDER BY started_at, r.run_id
-    """)
-
-
-def select_runs(store: SpanStore, run: str | None) -> list[dict[str, Any]]:
-    runs = list_runs(store)
-    if not runs:
-        raise StoreError("the span store has no spans yet; run `specproxy serve` or `replay` first")
-    if run is None:
-        return runs
-    chosen = [r for r in runs if run in (r["run_id"], r["name"])]
-    if not chosen:
-        names = ", ".join(sorted({str(r["name"]) for r in runs}))
-        raise StoreError(f"no run named {run!r} in the span store; runs: {names}")
-    return chosen
+_Pair = tuple[str, str]  # (arm, level)
 
 
 def evaluate(
@@ -197,7 +173,7 @@ def _evaluate_run(
     point, point_text = _operating_point(settings, info, run_unit(s.level for s in run.summaries))
     confidence = _confidences(run, settings, point)
     comparisons = _comparisons(run, confidence, settings)
-    loads = _matched_loads(run, confidence, settings)
+    loads = _matched_loads(run, comparisons, confidence, settings)
     margins = _margins(run, comparisons, loads, settings.thresholds)
     identity = _identity_counts(run)
     rows = [
@@ -291,6 +267,8 @@ def _run_figures(
     level is judged without (``health``)."""
     run_id = info["run_id"]
     summaries = level_summaries(store, run_id)
+    if info.get("source") == "live":  # levels sent through the proxy by replay --target
+        health = vouched_live(health, {s.level for s in summaries if s.level_load is not None})
     baselines = sorted({s.arm for s in summaries if s.role == "baseline"})
     if not baselines:
         raise StoreError(
@@ -583,10 +561,11 @@ def _identity_counts(run: RunFigures) -> dict[tuple[str, str], IdentityCounts]:
 
 
 def _matched_loads(
-    run: RunFigures, confidence: dict[str, float], settings: Settings
-) -> dict[tuple[str, str], matched.MatchedLoad]:
+    run: RunFigures, plain: Mapping[_Pair, Comparison], confidence: dict[str, float], settings: Settings
+) -> dict[_Pair, matched.MatchedLoad]:
     """Each live or split level at matched load (:mod:`.matched`: its intervals carry the blocks'
-    drift term), moved out by the arms' simulator lag bounds as the ordinary comparisons are."""
+    drift term), moved out by the arms' simulator lag bounds as the ordinary comparisons are, then
+    stretched over the ``plain`` comparison's (the load's effect lies between none and the line's)."""
     out = {}
     for (arm, level), bands in run.loads.items():
         load = matched.compare(
@@ -600,6 +579,8 @@ def _matched_loads(
             comp = Comparison(False, 0, load.decode, load.throughput, "per call", load.blocks)
             lagged = _lag_bounded(run, comp, arm, level)
             load = replace(load, decode=lagged.decode, throughput=lagged.throughput)
+            if (own := plain.get((arm, level))) is not None:
+                load = matched.bracketed(load, own.decode, own.throughput)
         out[(arm, level)] = load
     return out
 
