@@ -17,7 +17,9 @@ import pytest
 
 from specproxy import schema
 from specproxy.analysis import evaluate, open_store
+from specproxy.analysis.figures.run_figures import LevelSummary
 from specproxy.analysis.verdicts.evaluation import Settings
+from specproxy.analysis.verdicts.rows import SUMMARY_FIELDS, LevelRow
 from tests.spanfactory import (
     ArmSpec,
     SyntheticRun,
@@ -379,3 +381,9 @@ def test_live_traffic_is_judged_without_its_failed_health_windows(tmp_path: Path
     (ev,) = _json(str(path))["runs"]
     cand = next(r for r in ev["rows"] if r["arm"] == "candidate")
     assert cand["verdict"] == "UNRELIABLE" and "health windows passed every check" in cand["reason"]
+
+
+def test_the_fields_a_row_copies_from_its_summary_exist_on_both() -> None:
+    row_fields = {f.name for f in dataclasses.fields(LevelRow)}
+    summary_fields = {f.name for f in dataclasses.fields(LevelSummary)}
+    assert set(SUMMARY_FIELDS) <= row_fields & summary_fields

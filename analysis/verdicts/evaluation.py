@@ -12,24 +12,24 @@
 3. verdicts (:mod:`.verdict`): the margin per level from the replica arms' noise floor over the run's
    reliable levels, each row's verdict, the crossover and the deploy verdict at the operating point.
 
-Rows are frozen and built once, with their verdict.
+Rows are frozen and built once, with their verdict. Beside this module: :mod:`.measured` (stage 1's
+figures of a run and what every later stage does to a comparison of them), :mod:`.categories` (the
+per-category rows), :mod:`.outcome` (the operating point and each arm's deploy verdict), :mod:`.notes`
+(the run's notes).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 from specproxy.analysis.figures import matched
 from specproxy.analysis.figures.provenance import estimate_note
 from specproxy.analysis.figures.run_figures import (
     BlockKey,
-    CallGroup,
     IdentityCounts,
-    LatencyFigures,
     LevelSummary,
     PairGroup,
     RoundFigures,
@@ -48,7 +48,7 @@ from specproxy.analysis.figures.validity import (
     level_health,
     vouched_live,
 )
-from specproxy.analysis.levels import level_name, level_sort_key, level_unit, load_name, run_unit
+from specproxy.analysis.levels import level_sort_key, level_unit, run_unit
 from specproxy.analysis.slo.answer import (
     SloEvaluation,
     SloInputs,
@@ -56,28 +56,43 @@ from specproxy.analysis.slo.answer import (
     parse_config,
     slo_inputs_from_run,
 )
-from specproxy.analysis.stats import Interval, parallel_map, rng_for
+from specproxy.analysis.stats import Interval, rng_for
 from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.verdicts import comparison, rules
+from specproxy.analysis.verdicts.categories import category_rows
 from specproxy.analysis.verdicts.comparison import Bootstrap, Comparison
-from specproxy.analysis.verdicts.rows import ArmOutcome, CategoryRow, LevelRow, RunEvaluation, Settings
+from specproxy.analysis.verdicts.measured import (
+    ONE_ROUND,
+    RunFigures,
+    arm_kind,
+    arm_order,
+    block_kind,
+    bootstrapped,
+    lag_bounded,
+    one_round,
+    round_count,
+    rounds_of,
+)
+from specproxy.analysis.verdicts.notes import run_notes, stacks
+from specproxy.analysis.verdicts.outcome import arm_outcome, operating_point
+from specproxy.analysis.verdicts.rows import (
+    SUMMARY_FIELDS,
+    ArmOutcome,
+    CategoryRow,
+    LevelRow,
+    RunEvaluation,
+    Settings,
+)
 from specproxy.analysis.verdicts.rules import (
     FAILED,
-    LOSS,
     NO_CLEAR_GAIN,
     UNRELIABLE,
-    WIN,
-    Crossover,
-    DeployVerdict,
     IdentityCheck,
-    LevelJudgement,
     Margin,
     OperatingPoint,
     ReplicaLevel,
     Thresholds,
     check_identity,
-    crossover,
-    deploy_verdict,
     level_verdict,
     noise_floor,
     tested_around,
@@ -100,11 +115,9 @@ __all__ = [
 # be analysed paired (a split run with a small verify fraction has a few pairs: they would not represent
 # the level).
 PAIRED_MIN_SHARE = 0.5
-ONE_ROUND = "1 round: cannot see between-run drift"
 # A level's wall-clock throughput compares arms only when they served the same work: a shadow sampled
 # at 0.2 (even one driven by replay through the proxy, which carries the replay's level) served a fifth.
 SAME_WORK_SHARE = 0.9
-_Key = TypeVar("_Key", tuple[str, str], tuple[str, str, str])
 _Pair = tuple[str, str]  # (arm, level)
 
 
@@ -142,35 +155,12 @@ def evaluate(
     return out
 
 
-@dataclass(frozen=True)
-class RunFigures:
-    """Stage 1's output for one run: everything measured, nothing judged yet."""
-
-    run_id: str
-    baseline: str
-    summaries: list[LevelSummary]
-    rounds: dict[tuple[str, str], RoundFigures]
-    health: dict[str, LevelHealth]
-    pairs: list[PairGroup]
-    calls: dict[tuple[str, str, str | None], CallGroup]
-    loads: dict[tuple[str, str], matched.LoadBands]
-    lags: dict[tuple[str, str], dict[int, float]]  # (arm, level) → round → its simulator's clock lag
-    latency: dict[tuple[str, str], LatencyFigures] = field(default_factory=dict)
-
-    def summary(self, arm: str, level: str) -> LevelSummary | None:
-        return next((s for s in self.summaries if s.arm == arm and s.level == level), None)
-
-    def reliable(self, level: str) -> bool:
-        h = self.health.get(level)
-        return h is None or h.reliable
-
-
 def _evaluate_run(
     store: SpanStore, info: dict[str, Any], settings: Settings, health: dict[str, LevelHealth]
 ) -> RunEvaluation:
     notes: list[str] = []
     run = _run_figures(store, info, settings, notes, health)
-    point, point_text = _operating_point(settings, info, run_unit(s.level for s in run.summaries))
+    point, point_text = operating_point(settings, info, run_unit(s.level for s in run.summaries))
     confidence = _confidences(run, settings, point)
     comparisons = _comparisons(run, confidence, settings)
     loads = _matched_loads(run, comparisons, confidence, settings)
@@ -189,9 +179,9 @@ def _evaluate_run(
         )
         for s in run.summaries
     ]
-    categories = _category_rows(run, rows, margins, confidence, settings)
+    categories = category_rows(run, rows, margins, confidence, settings)
     failed = {f.arm: f.describe() for f in failed_arms(store, run.run_id)}
-    arms = [_arm_outcome(run, arm, rows, point, confidence, settings, failed) for arm in _arm_order(run)]
+    arms = [arm_outcome(run, arm, rows, point, confidence, settings, failed) for arm in arm_order(run)]
     loaded = [r.level for r in rows if r.level_load is not None]
     return RunEvaluation(
         run_id=run.run_id,
@@ -204,12 +194,14 @@ def _evaluate_run(
         rows=rows,
         arms=arms,
         categories=categories,
-        noise_compared=sum(c.compared for (arm, _), c in identity.items() if _kind(run, arm) != "candidate"),
-        noise_mismatched=sum(
-            c.compared - c.identical for (arm, _), c in identity.items() if _kind(run, arm) != "candidate"
+        noise_compared=sum(
+            c.compared for (arm, _), c in identity.items() if arm_kind(run, arm) != "candidate"
         ),
-        stacks=_stacks(info, notes),
-        notes=notes + _run_notes(run, rows),
+        noise_mismatched=sum(
+            c.compared - c.identical for (arm, _), c in identity.items() if arm_kind(run, arm) != "candidate"
+        ),
+        stacks=stacks(info, notes),
+        notes=notes + run_notes(run, rows),
         at_concurrency=int(point.at) if point.at is not None and point.unit == "c" else None,
         peak_concurrency=int(point.peak) if point.peak is not None and point.unit == "c" else None,
         at_rate=point.at if point.unit == "r" else None,
@@ -391,19 +383,6 @@ def _unpaired_levels(
     }
 
 
-def _kind(run: RunFigures, arm: str) -> str:
-    if arm == run.baseline:
-        return "baseline"
-    # Only the role sets the noise floor: a plain candidate (an engine upgrade, a new GPU) is what is
-    # being judged, and its real difference must not widen everyone's margin.
-    first = next(s for s in run.summaries if s.arm == arm)
-    return "replica" if first.role in ("replica", "baseline") else "candidate"
-
-
-def _arm_order(run: RunFigures) -> list[str]:
-    return sorted({s.arm for s in run.summaries}, key=lambda a: (a != run.baseline, a))
-
-
 def _confidences(run: RunFigures, settings: Settings, point: OperatingPoint) -> dict[str, float]:
     """Each arm's per-interval confidence: Bonferroni over the levels its deploy verdict reads.
 
@@ -417,7 +396,7 @@ def _confidences(run: RunFigures, settings: Settings, point: OperatingPoint) -> 
     came out LOSS in one lab and NO CLEAR GAIN in the next.
     """
     out = {}
-    for arm in _arm_order(run):
+    for arm in arm_order(run):
         loads = (
             s.level_load
             for s in run.summaries
@@ -430,27 +409,6 @@ def _confidences(run: RunFigures, settings: Settings, point: OperatingPoint) -> 
             read = len(set(tested_around(at, tested)) | set(tested_around(peak, tested)))
         out[arm] = 1.0 - (1.0 - settings.confidence) / read
     return out
-
-
-def _round_count(run: RunFigures, arm: str, level: str) -> int | None:
-    s = run.summary(arm, level)
-    if s is None or s.level_load is None:
-        return None
-    r = run.rounds.get((arm, level))
-    return len(r.rounds) if r is not None else 1
-
-
-def _rounds_of(run: RunFigures, s: LevelSummary) -> tuple[int, ...]:
-    """The replay rounds of the arm's calls at the level, dropped ones left out (older calls: one)."""
-    if s.level_load is None:
-        return ()
-    r = run.rounds.get((s.arm, s.level))
-    return r.rounds if r is not None else (1,)
-
-
-def _block_kind(run: RunFigures, arm: str, level: str, settings: Settings) -> str:
-    n = _round_count(run, arm, level)
-    return f"{n} rounds" if n is not None and n >= 2 else f"{settings.time_blocks} time blocks"
 
 
 def _comparisons(
@@ -472,34 +430,17 @@ def _comparisons(
         if cand is None or base is None:
             continue
         wall, rounds = _wall_point(run, cand, base)
-        kind = _block_kind(run, g.arm, g.level, settings)
+        kind = block_kind(run, g.arm, g.level, settings)
         jobs[(g.arm, g.level)] = partial(comparison.paired, g, wall, rounds, kind, boot(g.arm, g.level))
     for arm, level in sorted(unpaired):
         c, b = run.calls.get((arm, level, None)), run.calls.get((run.baseline, level, None))
         if c is not None and b is not None:
-            kind = _block_kind(run, arm, level, settings)
+            kind = block_kind(run, arm, level, settings)
             jobs[(arm, level)] = partial(comparison.unpaired, c, b, kind, boot(arm, level))
-    out = _bootstrapped(jobs)
+    out = bootstrapped(jobs)
     # The arms at a level share its rounds (or time blocks): their between-block terms are pooled.
     pooled = comparison.pooled(out, lambda key: key[1])
-    return {key: _lag_bounded(run, c, *key) for key, c in pooled.items()}
-
-
-def _bootstrapped(jobs: Mapping[_Key, Callable[[], Comparison]]) -> dict[_Key, Comparison]:
-    """Each comparison's bootstrap, on a thread per core (each draws from its own generator)."""
-    return dict(zip(jobs, parallel_map(lambda job: job(), list(jobs.values())), strict=True))
-
-
-def _lag_bounded(run: RunFigures, comp: Comparison, arm: str, level: str) -> Comparison:
-    """``comp`` with the bounds of how far the arm's and the baseline's simulators fell behind their
-    clocks at the level (:func:`~specproxy.analysis.verdicts.comparison.lag_bounded`)."""
-
-    def bounds(of: str) -> comparison.LagBounds:
-        rounds = run.rounds.get((of, level))
-        walls = dict(zip(rounds.rounds, rounds.wall_s, strict=True)) if rounds is not None else {}
-        return comparison.LagBounds.of_rounds(run.lags.get((of, level), {}), walls)
-
-    return comparison.lag_bounded(comp, bounds(arm), bounds(run.baseline))
+    return {key: lag_bounded(run, c, *key) for key, c in pooled.items()}
 
 
 def _wall_point(
@@ -531,7 +472,7 @@ def _margins(
     replicas = []
     for s in run.summaries:
         key = (s.arm, s.level)
-        if _kind(run, s.arm) != "replica" or key not in comparisons or not run.reliable(s.level):
+        if arm_kind(run, s.arm) != "replica" or key not in comparisons or not run.reliable(s.level):
             continue
         load = loads.get(key)
         if load is not None and load.figures.unequal:
@@ -577,7 +518,7 @@ def _matched_loads(
         )
         if load.decode is not None or load.throughput is not None:
             comp = Comparison(False, 0, load.decode, load.throughput, "per call", load.blocks)
-            lagged = _lag_bounded(run, comp, arm, level)
+            lagged = lag_bounded(run, comp, arm, level)
             load = replace(load, decode=lagged.decode, throughput=lagged.throughput)
             if (own := plain.get((arm, level))) is not None:
                 load = matched.bracketed(load, own.decode, own.throughput)
@@ -609,28 +550,10 @@ def _level_row(
     base = run.summary(run.baseline, s.level) if s.arm != run.baseline else None
     estimated = estimate_note(s.tokens, base.tokens if base is not None else None)
     verdict, reason = _row_verdict(run, s, comp, decode, throughput, check, margin, load, estimated)
-    rounds = _round_count(run, s.arm, s.level)
+    rounds = round_count(run, s.arm, s.level)
     dropped = health.dropped if health is not None else ()
     return LevelRow(
-        arm=s.arm,
-        role=s.role,
-        spec_method=s.spec_method,
-        level=s.level,
-        concurrency_level=s.concurrency_level,
-        offered_rate=s.offered_rate,
-        calls=s.calls,
-        ok=s.ok,
-        completion_tokens=s.completion_tokens,
-        decode_calls=s.decode_calls,
-        wall_s=s.wall_s,
-        agg_tok_s=s.agg_tok_s,
-        p50_decode_tok_s=s.p50_decode_tok_s,
-        p50_ttft_s=s.p50_ttft_s,
-        p95_ttft_s=s.p95_ttft_s,
-        acceptance_rate=s.acceptance_rate,
-        acceptance_length=s.acceptance_length,
-        req_acceptance_rate=s.req_acceptance_rate,
-        req_acceptance_length=s.req_acceptance_length,
+        **{name: getattr(s, name) for name in SUMMARY_FIELDS},
         compared=counts.compared,
         identical=counts.identical,
         near_tie=counts.near_tie,
@@ -645,7 +568,7 @@ def _level_row(
         reason=reason,
         rounds=rounds,
         rounds_measured=len(health.rounds) if health is not None and dropped else rounds,
-        rounds_used=health.used_rounds if health is not None and dropped else _rounds_of(run, s),
+        rounds_used=health.used_rounds if health is not None and dropped else rounds_of(run, s),
         rounds_dropped=dropped,
         blocks=comp.blocks if comp else "",
         drift_note=ONE_ROUND if rounds == 1 and s.arm != run.baseline else "",
@@ -695,291 +618,6 @@ def _row_verdict(
     verdict, reason = level_verdict(decode, throughput, identity, margin, estimated, shadow=s.shadow)
     if load is not None and load.note:
         reason += f"; {load.note}"
-    if _round_count(run, s.arm, s.level) == 1:
-        return _one_round(verdict, reason, identity)
+    if round_count(run, s.arm, s.level) == 1:
+        return one_round(verdict, reason, identity)
     return verdict, reason
-
-
-def _one_round(verdict: str, reason: str, identity: IdentityCheck) -> tuple[str, str]:
-    """A level measured once has an interval blind to the drift between runs (a slow minute of one
-    arm's engine is shared by all its calls, and measured 1-9x the within-run error), so its speed
-    figures give no WIN or LOSS; outputs that differ still lose."""
-    if verdict not in (WIN, LOSS) or identity.fails:
-        return verdict, f"{reason}; {ONE_ROUND}"
-    return NO_CLEAR_GAIN, f"{ONE_ROUND}, so no {verdict} on speed ({reason}); measure with --rounds 3 or more"
-
-
-@dataclass(frozen=True)
-class CategoryFigures:
-    """A category's comparison and its counts, before it is judged."""
-
-    category: str
-    comparison: Comparison
-    calls: int
-    baseline_calls: int
-    p50: float | None
-    baseline_p50: float | None
-    identity: IdentityCounts
-
-
-def _category_rows(
-    run: RunFigures,
-    rows: Sequence[LevelRow],
-    margins: dict[str, Margin],
-    confidence: dict[str, float],
-    settings: Settings,
-) -> list[CategoryRow]:
-    """The category rows of paired levels (from the pairs) and of unpaired ones (from each arm's
-    calls); each judged on its own decode speedup and identity against the level's throughput."""
-    # Categories of a level compared at matched load are left out: their calls ran at other loads.
-    by_key = {(r.arm, r.level): r for r in rows if r.load is None or not r.load.unequal}
-
-    def boot(arm: str, level: str, category: str) -> Bootstrap:
-        rng = rng_for(settings.bootstrap_seed, run.run_id, arm, level, category)
-        return Bootstrap(settings.bootstrap_iterations, confidence[arm], rng)
-
-    jobs: dict[tuple[str, str, str], Callable[[], Comparison]] = {}
-    counts: dict[
-        tuple[str, str, str], tuple[LevelRow, int, int, float | None, float | None, IdentityCounts]
-    ] = {}
-    for g in run.pairs:
-        row = by_key.get((g.arm, g.level))
-        if g.category is None or row is None or not row.paired or g.kind == "repeat":
-            continue
-        key = (g.arm, g.level, g.category)
-        jobs[key] = partial(comparison.paired, g, None, None, row.blocks, boot(*key))
-        counts[key] = (row, g.n_decode, g.n_decode, g.c_med, g.b_med, g.identity)
-    for (arm, level, cat), c in run.calls.items():
-        row = by_key.get((arm, level))
-        b = run.calls.get((run.baseline, level, cat))
-        if cat is None or row is None or row.paired is not False or b is None or arm == run.baseline:
-            continue
-        jobs[(arm, level, cat)] = partial(comparison.unpaired, c, b, row.blocks, boot(arm, level, cat))
-        counts[(arm, level, cat)] = (
-            row,
-            c.n_decode,
-            b.n_decode,
-            c.p50_decode,
-            b.p50_decode,
-            IdentityCounts(),
-        )
-    # The arms' categories at a level share its blocks: their between-block terms are pooled.
-    pooled = comparison.pooled(_bootstrapped(jobs), lambda key: key[1:])
-    widened = {key: _lag_bounded(run, c, *key[:2]) for key, c in pooled.items()}
-    figures = [
-        (row, CategoryFigures(key[2], widened[key], calls, base_calls, p50, base_p50, identity))
-        for key, (row, calls, base_calls, p50, base_p50, identity) in counts.items()
-    ]
-    out = [_category_row(row, fig, margins[row.level], settings.thresholds) for row, fig in figures]
-    return sorted(out, key=lambda c: (c.arm, c.category, level_sort_key(c.level)))
-
-
-def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, thresholds: Thresholds) -> CategoryRow:
-    counts = fig.identity
-    check = check_identity(counts.identical, counts.compared, row.confidence or 0.95, thresholds)
-    if not row.reliable:
-        verdict, reason = UNRELIABLE, row.reason
-    else:
-        # Aggregate throughput is the level's, shared by every category in the batch: a category has
-        # no wall-clock throughput of its own, and an arm that lowers the level's throughput costs
-        # every category's users.
-        verdict, reason = level_verdict(
-            fig.comparison.decode, row.throughput_speedup, check, margin, row.estimate_note, shadow=row.shadow
-        )
-        if row.rounds == 1:
-            verdict, reason = _one_round(verdict, reason, check)
-    return CategoryRow(
-        arm=row.arm,
-        category=fig.category,
-        level=row.level,
-        concurrency_level=row.concurrency_level,
-        offered_rate=row.offered_rate,
-        paired=fig.comparison.paired,
-        calls=fig.calls,
-        baseline_calls=fig.baseline_calls,
-        p50_decode_tok_s=fig.p50,
-        baseline_p50_decode_tok_s=fig.baseline_p50,
-        compared=counts.compared,
-        identical=counts.identical,
-        decode_speedup=fig.comparison.decode,
-        throughput_speedup=fig.comparison.throughput,
-        verdict=verdict,
-        reason=reason,
-        tokens_estimated=row.tokens_estimated,
-    )
-
-
-def _operating_point(settings: Settings, info: dict[str, Any], unit: str) -> tuple[OperatingPoint, str]:
-    """The user's operating point on the run's load axis (``unit``): the command line's, else the
-    experiment file's, else none (the deploy verdict then says what it assumed)."""
-    try:
-        experiment = json.loads(info.get("config_json") or "{}")
-    except ValueError:
-        experiment = {}
-    if not isinstance(experiment, dict):
-        experiment = {}
-
-    def pick(given: float | None, key: str) -> tuple[float | None, str]:
-        if given is not None:
-            return given, settings.peak_source if key.startswith("peak") else "command line"
-        value = experiment.get(key)
-        wanted = int if unit == "c" else (int, float)
-        if isinstance(value, wanted) and not isinstance(value, bool) and value > 0:
-            return float(value), "experiment file"
-        return None, "assumed"
-
-    if unit == "r":
-        at, at_from = pick(settings.at_rate, "at_rate")
-        peak, peak_from = pick(settings.peak_rate, "peak_rate")
-    else:
-        at, at_from = pick(settings.at_concurrency, "at_concurrency")
-        peak, peak_from = pick(settings.peak_concurrency, "peak_concurrency")
-    parts = [
-        f"operating point {load_name(at, unit)} ({at_from})" if at else "operating point: not given",
-        f"peak {load_name(peak, unit)} ({peak_from})" if peak else "peak: not given",
-    ]
-    other = (
-        (settings.at_concurrency, settings.peak_concurrency)
-        if unit == "r"
-        else (settings.at_rate, settings.peak_rate)
-    )
-    if any(v is not None for v in other):
-        given = "--at-concurrency/--peak-concurrency" if unit == "r" else "--at-rate/--peak-rate"
-        swept = "request rates" if unit == "r" else "concurrency levels"
-        parts.append(f"{given} ignored: this run's levels are {swept}")
-    return OperatingPoint(at, peak, unit), "; ".join(parts)
-
-
-def _arm_outcome(
-    run: RunFigures,
-    arm: str,
-    rows: Sequence[LevelRow],
-    point: OperatingPoint,
-    confidence: dict[str, float],
-    settings: Settings,
-    failed: dict[str, str],
-) -> ArmOutcome:
-    arm_rows = [r for r in rows if r.arm == arm]
-    first = arm_rows[0]
-    kind = _kind(run, arm)
-    reliable_rows = [r for r in arm_rows if r.reliable]
-    compared = sum(r.compared for r in reliable_rows)
-    identical = sum(r.identical for r in reliable_rows)
-    cross: Crossover | None = None
-    deploy: DeployVerdict | None = None
-    text = "—" if kind == "baseline" else "n/a"
-    judged = [r for r in arm_rows if r.verdict not in (None, FAILED)]
-    if arm in failed:
-        text = "n/a (every call failed)"
-        deploy = DeployVerdict(FAILED, failed[arm]) if kind != "baseline" else None
-    elif kind != "baseline" and judged:
-        levels = [
-            LevelJudgement(
-                r.level_load,
-                r.verdict or NO_CLEAR_GAIN,
-                r.throughput_speedup,
-                r.throughput_margin or 0.0,
-                r.tokens_estimated,
-                # the worst failure only: the note under the table lists the rest
-                run.health[r.level].describe(limit=1) if r.level in run.health else "",
-                r.rounds == 1,
-                r.shadow,
-            )
-            for r in judged
-            if r.level_load is not None and level_unit(r.level) == point.unit
-        ]
-        check = check_identity(identical, compared, confidence[arm], settings.thresholds)
-        if levels:
-            cross = crossover([(j.level, j.verdict) for j in levels])
-            text = cross.describe([j.level for j in levels if j.verdict != UNRELIABLE], point.unit)
-            deploy = deploy_verdict(levels, point, check)
-        else:
-            live = judged[0]
-            deploy = rules.live_deploy_verdict(live.verdict or NO_CLEAR_GAIN, live.reason, shadow=live.shadow)
-    return ArmOutcome(
-        arm=arm,
-        role=first.role,
-        spec_method=first.spec_method,
-        kind=kind,
-        crossover=cross,
-        crossover_text=text,
-        deploy=deploy,
-        compared=compared,
-        mismatched=compared - identical,
-        near_tie=sum(r.near_tie for r in reliable_rows),
-        gross=sum(r.gross for r in reliable_rows),
-    )
-
-
-def _health_note(run: RunFigures, rows: Sequence[LevelRow]) -> str:
-    """Which levels the measurement's own checks vouch for, in one line: a level with no checks recorded
-    (a store from before them, traffic nobody checked) is named, not trusted silently; and the time
-    scale the lab slowed a level to, which moves its tok/s but not its ratios."""
-    levels = sorted({r.level for r in rows if r.level_load is not None}, key=level_sort_key)
-    health = {lv: run.health.get(lv) for lv in levels}
-
-    def named(chosen: list[str]) -> str:
-        return ", ".join(level_name(lv) for lv in chosen)
-
-    clean = [lv for lv, h in health.items() if h is not None and h.reliable and not h.dropped]
-    parts = [f"{named(clean)} passed every check"] if clean else []
-    parts += [
-        f"{level_name(lv)} judged on {len(h.used_rounds)} of {len(h.rounds)} rounds"
-        for lv, h in health.items()
-        if h is not None and h.reliable and h.dropped
-    ]
-    if bad := [lv for lv, h in health.items() if h is not None and not h.reliable]:
-        parts.append(f"{named(bad)} UNRELIABLE")
-    if unchecked := [lv for lv, h in health.items() if h is None]:
-        parts.append(f"{named(unchecked)}: no health checks recorded, not vouched for")
-    slowed = [
-        f"{level_name(lv)} {h.time_scale:g}"
-        for lv, h in health.items()
-        if h is not None and h.time_scale is not None and h.time_scale != 1.0
-    ]
-    if slowed:
-        parts.append(f"simulators slowed to keep up (time scale) at {', '.join(slowed)}: tok/s scale with it")
-    return "health: " + "; ".join(parts) if parts else ""
-
-
-def _run_notes(run: RunFigures, rows: Sequence[LevelRow]) -> list[str]:
-    health = _health_note(run, rows)
-    notes = [health] if health else []
-    for level, h in sorted(run.health.items(), key=lambda x: level_sort_key(x[0])):
-        lv = level_name(level)
-        if not h.reliable:
-            notes.append(f"{lv} UNRELIABLE: {h.describe()}; no verdicts there, left out of crossovers")
-        elif h.dropped or h.dropped_windows:
-            notes.append(h.judged_on(level))
-    for r in rows:
-        if r.load is not None and r.load.unequal and r.verdict is not None:
-            at = f"at load {r.load.compared_at:.1f}, {r.load.method}" if r.load.compared_at else ""
-            how = f"not compared at matched load ({r.load.describe()})" if r.decode_speedup is None else ""
-            notes.append(
-                f"{r.arm} {level_name(r.level)}: {how or f'compared at matched load ({at})'}; no by-category "
-                "figures (its calls ran at another load than the baseline's)"
-            )
-    notes += [rules.shadow_note(arm) for arm in sorted({r.arm for r in rows if r.shadow})]
-    for r in rows:
-        if r.own_tokens_estimated:
-            notes.append(
-                f"{r.arm} {level_name(r.level)}: token counts "
-                f"{r.tokens_source}: its tok/s and the speedups on them (marked ~) are estimates"
-            )
-    one_round = sorted({r.level for r in rows if r.drift_note and r.verdict is not None}, key=level_sort_key)
-    if one_round:
-        levels = ", ".join(level_name(lv) for lv in one_round)
-        notes.append(
-            f"{levels}: 1 round: cannot see between-run drift (the intervals see drift within the run, "
-            "in time blocks); replay with --rounds 3 or more"
-        )
-    return notes
-
-
-def _stacks(info: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    try:
-        stacks = json.loads(info["stacks_json"]) if info.get("stacks_json") else {}
-    except ValueError:
-        notes.append("runs.stacks_json is not valid JSON; stacks not shown")
-        return {}
-    return stacks if isinstance(stacks, dict) else {}

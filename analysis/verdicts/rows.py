@@ -15,6 +15,30 @@ from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdicts.rules import SHADOW_BASIS, Crossover, DeployVerdict, Thresholds
 from specproxy.slo import Slo
 
+# The figures a LevelRow carries from its level's summary (figures.run_figures.LevelSummary) as
+# they are, one list for every place that copies them.
+SUMMARY_FIELDS = (
+    "arm",
+    "role",
+    "spec_method",
+    "level",
+    "concurrency_level",
+    "offered_rate",
+    "calls",
+    "ok",
+    "completion_tokens",
+    "decode_calls",
+    "wall_s",
+    "agg_tok_s",
+    "p50_decode_tok_s",
+    "p50_ttft_s",
+    "p95_ttft_s",
+    "acceptance_rate",
+    "acceptance_length",
+    "req_acceptance_rate",
+    "req_acceptance_length",
+)
+
 
 @dataclass(frozen=True)
 class Settings:
