@@ -227,12 +227,21 @@ async def test_a_client_process_that_dies_fails_the_round_with_a_sentence(
         assert pool is not None
         victim = pool.pids[1]
         os.kill(victim, signal.SIGKILL)
-        await asyncio.to_thread(os.waitpid, victim, 0)
+        await asyncio.to_thread(_wait_dead, victim)
         phase = Phase("c=4", 4, 1)
         with pytest.raises(ReplayError, match=r"client process 2 exited"):
             await pool.send_round(
                 phase, [], SharedLoad(level=4), recorder, lambda: s.arms[0], UpstreamState()
             )
+
+
+def _wait_dead(pid: int) -> None:
+    """Until the child ``pid`` has exited, leaving it for its pool to reap (the pool reads its exit code
+    as soon as its pipe closes, which can be before this wait starts)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        pass  # reaped by the pool already: gone either way
 
 
 def test_cli_rejects_zero_processes(tmp_path: Path) -> None:
