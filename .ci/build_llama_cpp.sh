@@ -37,11 +37,15 @@ fetch_sdist() {
 }
 
 # The wheel, CPU only: no tests, examples, tools or server inside it (the defaults when llama.cpp is a
-# subproject, spelled out), -march=native (the cache is this machine's). The build folder is kept
-# (build-dir), so an interrupted build resumes.
+# subproject, spelled out). Not -march=native: a VM can report instructions its hypervisor does not
+# run (AMX and AVX-512 on a firecracker VM: the native build died of SIGILL at its first compute), so
+# x86-64 builds for AVX2/FMA/F16C, which every machine that reports them runs. The build folder is
+# kept (build-dir), so an interrupted build resumes.
 build_wheel() {
     echo "building llama-cpp-python $VERSION's wheel (llama.cpp's libraries; the long step)" >&2
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    local cpu="-DGGML_NATIVE=OFF"
+    [ "$(uname -m)" = x86_64 ] && cpu="$cpu -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+    CMAKE_ARGS="$cpu -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF" \
         CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
         "$PYTHON" -m pip wheel -v --no-deps -w "$WORK/dist" \

@@ -1,6 +1,7 @@
 """Benchmark: live verdicts on real pieces, designs drawn at random from a seed.
 
-    python tests/bench/bench_live_aa.py [--designs 30] [--power 10] [--seed 26] [--keep DIR] [--synthetic]
+    python tests/bench/bench_live_aa.py [--designs 30] [--power 10] [--seed 26] [--jobs 1] [--keep DIR]
+                                        [--synthetic]
 
 Each design starts `specproxy sim` arms behind `specproxy serve` and drives the proxy with
 `specproxy replay --target` at one concurrency level (3 rounds), then reads `specproxy analyze
@@ -10,7 +11,8 @@ sample of 0.2-1.0; levels 2-64; short (32) or long (128) outputs. Power designs 
 simulator (about 1.6x decode at low load) beside the baseline at c=2, split or shadow with a sample
 of 0.3 or more. ``--synthetic`` analyses synthetic closed loops instead (tests/closedloop.py: the
 same kinds of designs on a model engine whose slowness wanders, a few seconds for 60 designs), to
-see a change to the analysis at once.
+see a change to the analysis at once. ``--jobs N`` runs N designs at a time (each is 4-6 processes:
+give it the cores, or its health checks will say the machine fell behind).
 
 Prints one line per design, then:
 - null WIN/LOSS: the share of judged per-level verdicts (and of deploy verdicts) that are WIN or LOSS
@@ -24,6 +26,7 @@ Prints one line per design, then:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import random
 import subprocess
@@ -191,6 +194,21 @@ def tally_design(design: LiveDesign | Design, run: dict[str, Any], tally: Tally)
     return "; ".join(parts)
 
 
+def run_one(design: LiveDesign | Design, work: Path, seed: int) -> tuple[dict[str, Any] | None, float, str]:
+    """One design's analysed run (or why it failed) and how long it took."""
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        run = (
+            synthetic_run(design, work, seed)
+            if isinstance(design, Design)
+            else run_design(design, work, seed)
+        )
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        return None, time.monotonic() - started, str(exc)
+    return run, time.monotonic() - started, ""
+
+
 def share(n: int, d: int) -> str:
     return f"{n}/{d} = {n / d:.0%}" if d else "0/0"
 
@@ -202,6 +220,7 @@ def main() -> None:
     parser.add_argument("--designs", type=int, default=30, help="null designs (identical arms)")
     parser.add_argument("--power", type=int, default=10, help="power designs (EAGLE3 at c=2)")
     parser.add_argument("--seed", type=int, default=26, help="seed the designs are drawn from")
+    parser.add_argument("--jobs", type=int, default=1, help="designs run at a time (default 1)")
     parser.add_argument("--keep", type=Path, help="keep each design's stores under this folder")
     parser.add_argument(
         "--synthetic",
@@ -219,20 +238,15 @@ def main() -> None:
         designs += [draw(rng, power=True) for _ in range(opts.power)]
     tally = Tally()
     root = opts.keep or Path(tempfile.mkdtemp(prefix="specproxy-live-aa-"))
-    for k, design in enumerate(designs):
-        work = root / f"design{k:02d}"
-        work.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        try:
-            seed = opts.seed * 1000 + k
-            if isinstance(design, Design):
-                run = synthetic_run(design, work, seed)
-            else:
-                run = run_design(design, work, seed)
-            line = tally_design(design, run, tally)
-        except (RuntimeError, subprocess.SubprocessError) as exc:
-            line = f"failed: {exc}"
-        print(f"{k:2d} {design.describe()} ({time.monotonic() - started:.0f} s): {line}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
+        jobs = [
+            pool.submit(run_one, design, root / f"design{k:02d}", opts.seed * 1000 + k)
+            for k, design in enumerate(designs)
+        ]
+        for k, (design, job) in enumerate(zip(designs, jobs, strict=True)):
+            run, seconds, failure = job.result()
+            line = tally_design(design, run, tally) if run is not None else f"failed: {failure}"
+            print(f"{k:2d} {design.describe()} ({seconds:.0f} s): {line}", flush=True)
     t = tally
     judged_wl = len(t.null_different)
     print(f"null WIN/LOSS: {share(judged_wl, t.null_judged)} of judged per-level verdicts", end="")
