@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from specproxy.commandline import (
     ConcurrencyLevels,
@@ -89,6 +88,7 @@ from specproxy.lab.plan import (
     load_plan,
     sweep_sentence,
 )
+from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.deciding import open_questions
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
 from specproxy.proxy.replay.runner import (
@@ -259,7 +259,7 @@ def _start_simulated(
     """The simulated arms, started on ``stack``, and their pacer (None: the time scale stays)."""
     n = len(LAB_ARMS) - (0 if replica else 1)
     starting = f"starting {n} simulated arms ({profile}, time scale {plan.time_scale:g}) ..."
-    console.print(starting, highlight=False)
+    console.print(starting)
     experiment = stack.enter_context(simulated_arms(out, profile, plan.time_scale, seed, replica, port_base))
     if not paced:
         return experiment, None
@@ -340,9 +340,9 @@ def _print_measured(
     """What the sweep measured, and how the machine kept up, on stderr."""
     print_summary(result, None, console, compact=True)
     print_health(result.health, result.levels, console)
-    console.print(f"measured in {time.monotonic() - started:.0f} s", highlight=False)
+    console.print(f"measured in {time.monotonic() - started:.0f} s")
     if result.interrupted:
-        console.print("interrupted: what was measured so far is analysed below", highlight=False)
+        console.print("interrupted: what was measured so far is analysed below")
     if pacer is not None:
         print_pace(pacer, profile, console)
     elif simulated and plan.time_scale != 1:
@@ -462,7 +462,7 @@ def lab(
       specproxy lab --config exp.toml --workload capture.jsonl --concurrency 1,8,32
       specproxy lab --quick --rates auto         # open-loop request rates instead
     """
-    console = Console(stderr=True, soft_wrap=True)
+    console = Console()
     plan = _lab_plan(quick, levels, items, time_scale, rounds, extra_rounds, deciding_rounds)
     experiment = experiment_or_none(config_path)
     given = GivenPoint(at_concurrency, peak_concurrency, at_rate, peak_rate, slo, gpu_hour_usd)
@@ -489,7 +489,7 @@ def lab(
         load = load_plan(plan, rates, t0, pacer)
         settings = _lab_settings(experiment, load, pacer, db_path, quick, max_tokens, seed, not no_progress)
         settings = dataclasses.replace(settings, client_processes=client_processes)
-        console.print(sweep_sentence(plan, rates) + extra_sentence(plan), highlight=False)
+        console.print(sweep_sentence(plan, rates) + extra_sentence(plan))
         result = _replay(settings, lab_items, None if simulated else config_path)
     _print_measured(result, plan, pacer, console, t0, profile, simulated, rates is not None)
     moved = (
@@ -498,6 +498,6 @@ def lab(
         else None
     )
     report = analysis_outputs(db_path, out, result.run_id, console, moved)
-    console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)
+    console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""))
     if result.interrupted:
         sys.exit(130)

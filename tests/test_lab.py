@@ -13,12 +13,12 @@ from pathlib import Path
 import duckdb
 import pytest
 from click.testing import CliRunner
-from rich.console import Console
 
 from specproxy.analysis import analyze_text
 from specproxy.cli import main
 from specproxy.lab.health_lines import clock_lag_by_level, print_clock_lag, print_health
 from specproxy.lab.plan import FULL, QUICK
+from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.spans.sink import HealthRow
 from tests.support import backend_process, free_port, run_cli
@@ -361,7 +361,7 @@ def test_the_health_lines_say_what_became_of_each_late_level() -> None:
         LevelRounds("c=256", planned=5, ran=5, healthy=4),
     ]
     out = io.StringIO()
-    console = Console(file=out, width=400)
+    console = Console(out)
     print_health(health, levels, console)
     print_clock_lag(clock_lag_by_level(health), console)
     lines = out.getvalue().splitlines()
