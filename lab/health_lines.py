@@ -14,7 +14,7 @@ from specproxy.proxy.health import ENGINE_CLOCK_LAG, THRESHOLDS, over_threshold
 from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.extra_rounds import LevelRounds, judged
 from specproxy.proxy.spans.sink import HealthRow
-from specproxy.schema import MIN_HEALTHY_ROUNDS, rate_label
+from specproxy.schema import MIN_HEALTHY_ROUNDS, over_limit, rate_label
 
 # Above this share of busy time behind its clock, a simulator's figures are stretched by the machine.
 MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02
@@ -86,7 +86,7 @@ def print_health(health: Sequence[HealthRow], levels: Sequence[LevelRounds], con
     )
     for row in rows:
         who = f" ({row.arm})" if row.arm else ""
-        failure = f"{row.check_name} {row.value:.3g} > {row.threshold:g}{who}"
+        failure = f"{row.check_name} {over_limit(row.check_name, row.value, row.threshold)}{who}"
         by_level.setdefault(_level_of(row), {}).setdefault(row.round or 0, []).append(failure)
     by_name = {lv.level: lv for lv in levels}
     for level, rounds in by_level.items():

@@ -132,6 +132,28 @@ def level_sql(alias: str = "") -> str:
     )
 
 
+# Health checks whose value is a share (stored as a fraction, shown as a percentage); a check whose
+# name ends in _s is in seconds (shown in milliseconds).
+SHARE_CHECKS = frozenset({"engine_clock_lag", "event_loop_lag_share", "open_loop_rate_shortfall"})
+
+
+def health_figure(check: str, value: float | None) -> str:
+    """A health row's value or limit as a person reads it: '3.1%' for a share, '61.2 ms' for seconds,
+    else three significant digits ('?' for none). JSON, CSV and the store keep the raw number."""
+    if value is None:
+        return "?"
+    if check in SHARE_CHECKS:
+        return f"{value:.1%}"
+    if check.endswith("_s"):
+        return f"{value * 1000:.1f} ms"
+    return f"{value:.3g}"
+
+
+def over_limit(check: str, value: float | None, threshold: float | None) -> str:
+    """'3.1% > 2.0%': a failed health row's value over its limit."""
+    return f"{health_figure(check, value)} > {health_figure(check, threshold)}"
+
+
 def rate_label(rate_per_s: float) -> str:
     """An open-loop level's label, as :func:`level_sql` computes it: 'r=2' for 2.0, 'r=0.5' for 0.5.
 

@@ -1,5 +1,6 @@
 """The console replay and the lab print with: plain lines off a terminal, and on a real pseudo-terminal
-a live table that printed lines scroll above, erased and drawn again with nothing left behind."""
+a live table that printed lines scroll above, erased and drawn again with nothing left behind. And
+replay's summary says a health share as a percentage and seconds in milliseconds."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import io
 import os
 import re
 import threading
+from datetime import UTC, datetime
+from pathlib import Path
 
 from specproxy.proxy.replay.console import Console, LiveBlock
 from specproxy.proxy.replay.progress import ReplayProgress
+from specproxy.proxy.replay.recording import ReplayResult
+from specproxy.proxy.replay.summary import print_summary
+from specproxy.proxy.spans.sink import HealthRow
 
 ERASE = re.compile(r"\x1b\[(\d+)F\x1b\[J")
 
@@ -87,3 +93,21 @@ def test_on_a_terminal_printed_lines_scroll_above_the_live_table() -> None:
         "after",
     ]
     os.close(leader)
+
+
+def test_replay_says_a_health_share_as_a_percentage() -> None:
+    now = datetime.now(UTC)
+    health = [
+        HealthRow("r", "client 2", 16, 3, "event_loop_lag_share", 0.031, 0.02, now),
+        HealthRow("r", None, 16, 3, "loadgen_start_lag_p99_s", 0.0612, 0.05, now),
+        HealthRow("r", None, 16, 3, "event_loop_lag_p99_s", 0.2, None, now),  # shown only: no line
+    ]
+    said = io.StringIO()
+    print_summary(ReplayResult("r", Path("s.duckdb"), health=health), None, Console(said))
+    health_lines = [line for line in said.getvalue().splitlines() if line.startswith("health:")]
+    assert health_lines == [
+        "health: c=16 round 3: event_loop_lag_share (client 2) = 3.1%, over its limit of 2.0%: the machine "
+        "did not keep up, this round's figures are stretched",
+        "health: c=16 round 3: loadgen_start_lag_p99_s = 61.2 ms, over its limit of 50.0 ms: the machine "
+        "did not keep up, this round's figures are stretched",
+    ]

@@ -355,6 +355,9 @@ def test_the_health_lines_say_what_became_of_each_late_level() -> None:
     health += [lag(256, r, "baseline", 0.004) for r in (1, 2, 3, 4)] + [lag(256, 5, "eagle3", 0.03)]
     health += [lag(16, 1, "ngram", 0.05), lag(16, 2, "ngram", 0.06), lag(16, 3, "ngram", 0.001)]
     health += [lag(16, 2, "eagle3", 0.04)]
+    # a client process's loop lag (a share) and the start lag (seconds), shown as % and ms
+    health += [HealthRow("r", "client 2", 16, 1, "event_loop_lag_share", 0.031, 0.02, now)]
+    health += [HealthRow("r", None, 16, 2, "loadgen_start_lag_p99_s", 0.0612, 0.05, now)]
     levels = [
         LevelRounds("c=16", planned=3, ran=3, healthy=1),
         LevelRounds("c=64", planned=3, ran=3, healthy=3),
@@ -366,10 +369,11 @@ def test_the_health_lines_say_what_became_of_each_late_level() -> None:
     print_clock_lag(clock_lag_by_level(health), console)
     lines = out.getvalue().splitlines()
     assert lines[:2] == [
-        "health: c=16: r1 engine_clock_lag 0.05 > 0.02 (ngram); r2 engine_clock_lag 0.06 > 0.02 (ngram), "
-        "engine_clock_lag 0.04 > 0.02 (eagle3): 1 of 3 rounds passed, too few: UNRELIABLE (rerun on a "
+        "health: c=16: r1 engine_clock_lag 5.0% > 2.0% (ngram), event_loop_lag_share 3.1% > 2.0% (client 2); "
+        "r2 engine_clock_lag 6.0% > 2.0% (ngram), engine_clock_lag 4.0% > 2.0% (eagle3), "
+        "loadgen_start_lag_p99_s 61.2 ms > 50.0 ms: 1 of 3 rounds passed, too few: UNRELIABLE (rerun on a "
         "quieter machine or with a smaller --time-scale)",
-        "health: c=256: r5 engine_clock_lag 0.03 > 0.02 (eagle3): dropped, for every arm; judged on the 4 "
+        "health: c=256: r5 engine_clock_lag 3.0% > 2.0% (eagle3): dropped, for every arm; judged on the 4 "
         "of 5 rounds that passed",
     ]
     assert len(lines) == 3 and not any(line.startswith("health: c=64") for line in lines)

@@ -10,7 +10,7 @@ from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.replay.formats import ItemSet
 from specproxy.proxy.replay.runner import ReplayResult
 from specproxy.proxy.spans.sink import HealthRow
-from specproxy.schema import rate_label
+from specproxy.schema import health_figure, rate_label
 
 
 def print_summary(
@@ -41,9 +41,10 @@ def print_summary(
             level = rate_label(row.offered_rate) if row.offered_rate is not None else "the open loop"
         who = f" ({row.arm})" if row.arm else ""
         console.print(
-            f"health: {level} round {row.round}: {row.check_name}{who} = {row.value:.3g}, over "
-            f"its limit of {row.threshold:g}: the machine did not keep up, this round's figures are "
-            "stretched",
+            f"health: {level} round {row.round}: {row.check_name}{who} = "
+            f"{health_figure(row.check_name, row.value)}, over its limit of "
+            f"{health_figure(row.check_name, row.threshold)}: the machine did not keep up, this round's "
+            "figures are stretched",
             warning=True,
         )
     for note in result.notes:
