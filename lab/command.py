@@ -74,7 +74,7 @@ from specproxy.lab.health_lines import (
     print_pace,
 )
 from specproxy.lab.pacing import CLOCK_LIMIT, LOOP_BUSY_LIMIT, LOOP_LIMIT, SimPacer
-from specproxy.lab.peak import PeakMove, judged_peak
+from specproxy.lab.peak import PeakMove, judged_peak, record_move
 from specproxy.lab.plan import (
     DECIDING_ROUNDS,
     EXTRA_ROUNDS,
@@ -133,18 +133,23 @@ def analysis_outputs(
     db_path: Path, out: Path, run: str, console: Console, peak: PeakMove | None
 ) -> Path | None:
     """The analyze table on stdout and report.html in ``out`` (the peak judged at ``peak``'s level, said
-    so, when the top level could not be measured soundly); None when analysis is not available."""
+    so, when the top level could not be measured soundly: recorded with the run, so a later ``analyze``
+    reads the same); None when analysis is not available."""
+    if peak is not None:
+        record_move(db_path, run, peak)
     try:
-        from specproxy.analysis import Settings, StoreError, analyze_text, write_report
+        from specproxy.analysis import StoreError, analyze_text, write_report
     except ImportError:
         console.print("(specproxy.analysis is not available in this build: no verdict table or report)")
         return None
-    settings = Settings(peak_concurrency=peak.level, peak_source=peak.label) if peak else None
     if peak is not None:
-        click.echo(f"lab: {peak.label} ({peak.why}); `analyze --peak-concurrency {peak.level}` judges it so")
+        click.echo(
+            f"lab: {peak.label} ({peak.why}); recorded with the run: `analyze` judges the peak there too "
+            "(--peak-concurrency N at another level)"
+        )
     try:
-        click.echo(analyze_text([db_path], run=run, fmt="table", settings=settings))
-        return write_report([db_path], out / "report.html", run=run, settings=settings)
+        click.echo(analyze_text([db_path], run=run, fmt="table"))
+        return write_report([db_path], out / "report.html", run=run)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
 
