@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from specproxy.commandline import (
     ConcurrencyLevels,
@@ -75,7 +74,7 @@ from specproxy.lab.health_lines import (
     print_pace,
 )
 from specproxy.lab.pacing import CLOCK_LIMIT, LOOP_BUSY_LIMIT, LOOP_LIMIT, SimPacer
-from specproxy.lab.peak import PeakMove, judged_peak
+from specproxy.lab.peak import PeakMove, judged_peak, record_move
 from specproxy.lab.plan import (
     DECIDING_ROUNDS,
     EXTRA_ROUNDS,
@@ -89,6 +88,7 @@ from specproxy.lab.plan import (
     load_plan,
     sweep_sentence,
 )
+from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.deciding import open_questions
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, ReplayItem, read_items
 from specproxy.proxy.replay.runner import (
@@ -133,18 +133,23 @@ def analysis_outputs(
     db_path: Path, out: Path, run: str, console: Console, peak: PeakMove | None
 ) -> Path | None:
     """The analyze table on stdout and report.html in ``out`` (the peak judged at ``peak``'s level, said
-    so, when the top level could not be measured soundly); None when analysis is not available."""
+    so, when the top level could not be measured soundly: recorded with the run, so a later ``analyze``
+    reads the same); None when analysis is not available."""
+    if peak is not None:
+        record_move(db_path, run, peak)
     try:
-        from specproxy.analysis import Settings, StoreError, analyze_text, write_report
+        from specproxy.analysis import StoreError, analyze_text, write_report
     except ImportError:
         console.print("(specproxy.analysis is not available in this build: no verdict table or report)")
         return None
-    settings = Settings(peak_concurrency=peak.level, peak_source=peak.label) if peak else None
     if peak is not None:
-        click.echo(f"lab: {peak.label} ({peak.why}); `analyze --peak-concurrency {peak.level}` judges it so")
+        click.echo(
+            f"lab: {peak.label} ({peak.why}); recorded with the run: `analyze` judges the peak there too "
+            "(--peak-concurrency N at another level)"
+        )
     try:
-        click.echo(analyze_text([db_path], run=run, fmt="table", settings=settings))
-        return write_report([db_path], out / "report.html", run=run, settings=settings)
+        click.echo(analyze_text([db_path], run=run, fmt="table"))
+        return write_report([db_path], out / "report.html", run=run)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -259,7 +264,7 @@ def _start_simulated(
     """The simulated arms, started on ``stack``, and their pacer (None: the time scale stays)."""
     n = len(LAB_ARMS) - (0 if replica else 1)
     starting = f"starting {n} simulated arms ({profile}, time scale {plan.time_scale:g}) ..."
-    console.print(starting, highlight=False)
+    console.print(starting)
     experiment = stack.enter_context(simulated_arms(out, profile, plan.time_scale, seed, replica, port_base))
     if not paced:
         return experiment, None
@@ -340,9 +345,9 @@ def _print_measured(
     """What the sweep measured, and how the machine kept up, on stderr."""
     print_summary(result, None, console, compact=True)
     print_health(result.health, result.levels, console)
-    console.print(f"measured in {time.monotonic() - started:.0f} s", highlight=False)
+    console.print(f"measured in {time.monotonic() - started:.0f} s")
     if result.interrupted:
-        console.print("interrupted: what was measured so far is analysed below", highlight=False)
+        console.print("interrupted: what was measured so far is analysed below")
     if pacer is not None:
         print_pace(pacer, profile, console)
     elif simulated and plan.time_scale != 1:
@@ -462,7 +467,7 @@ def lab(
       specproxy lab --config exp.toml --workload capture.jsonl --concurrency 1,8,32
       specproxy lab --quick --rates auto         # open-loop request rates instead
     """
-    console = Console(stderr=True, soft_wrap=True)
+    console = Console()
     plan = _lab_plan(quick, levels, items, time_scale, rounds, extra_rounds, deciding_rounds)
     experiment = experiment_or_none(config_path)
     given = GivenPoint(at_concurrency, peak_concurrency, at_rate, peak_rate, slo, gpu_hour_usd)
@@ -489,7 +494,7 @@ def lab(
         load = load_plan(plan, rates, t0, pacer)
         settings = _lab_settings(experiment, load, pacer, db_path, quick, max_tokens, seed, not no_progress)
         settings = dataclasses.replace(settings, client_processes=client_processes)
-        console.print(sweep_sentence(plan, rates) + extra_sentence(plan), highlight=False)
+        console.print(sweep_sentence(plan, rates) + extra_sentence(plan))
         result = _replay(settings, lab_items, None if simulated else config_path)
     _print_measured(result, plan, pacer, console, t0, profile, simulated, rates is not None)
     moved = (
@@ -498,6 +503,6 @@ def lab(
         else None
     )
     report = analysis_outputs(db_path, out, result.run_id, console, moved)
-    console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""), highlight=False)
+    console.print(f"span store: {db_path}" + (f"   report: {report}" if report else ""))
     if result.interrupted:
         sys.exit(130)

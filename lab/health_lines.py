@@ -9,13 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import groupby
 
-from rich.console import Console
-
 from specproxy.lab.pacing import SimPacer
 from specproxy.proxy.health import ENGINE_CLOCK_LAG, THRESHOLDS, over_threshold
+from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.extra_rounds import LevelRounds, judged
 from specproxy.proxy.spans.sink import HealthRow
-from specproxy.schema import MIN_HEALTHY_ROUNDS, rate_label
+from specproxy.schema import MIN_HEALTHY_ROUNDS, over_limit, rate_label
 
 # Above this share of busy time behind its clock, a simulator's figures are stretched by the machine.
 MAX_CLOCK_LAG = THRESHOLDS[ENGINE_CLOCK_LAG] or 0.02
@@ -48,7 +47,7 @@ def print_pace(pacer: SimPacer, profile: str, console: Console) -> None:
         if slowed
         else ""
     )
-    console.print(f"pace: time scale {cells}{tail}{how}", highlight=False)
+    console.print(f"pace: time scale {cells}{tail}{how}")
 
 
 def print_given_scale(time_scale: float, profile: str, rates: bool, console: Console) -> None:
@@ -56,14 +55,12 @@ def print_given_scale(time_scale: float, profile: str, rates: bool, console: Con
     console.print(
         f"note: the simulated arms ran {time_scale:g}x as fast as the {profile} clock: "
         f"divide tok/s by {time_scale:g} and multiply times by it; ratios are unaffected",
-        highlight=False,
     )
     if rates:
         # An open loop's load is relative to the engine's speed: a slower clock serves fewer req/s.
         console.print(
             f"note: a rate level r=R loaded the simulators as R / {time_scale:g} req/s would on "
             f"the {profile} clock",
-            highlight=False,
         )
 
 
@@ -89,7 +86,7 @@ def print_health(health: Sequence[HealthRow], levels: Sequence[LevelRounds], con
     )
     for row in rows:
         who = f" ({row.arm})" if row.arm else ""
-        failure = f"{row.check_name} {row.value:.3g} > {row.threshold:g}{who}"
+        failure = f"{row.check_name} {over_limit(row.check_name, row.value, row.threshold)}{who}"
         by_level.setdefault(_level_of(row), {}).setdefault(row.round or 0, []).append(failure)
     by_name = {lv.level: lv for lv in levels}
     for level, rounds in by_level.items():
@@ -106,7 +103,7 @@ def print_health(health: Sequence[HealthRow], levels: Sequence[LevelRounds], con
                 f": {lv.healthy} of {lv.ran} rounds passed, too few: UNRELIABLE (rerun on a quieter machine "
                 "or with a smaller --time-scale)"
             )
-        console.print(f"[yellow]health: {level}: {said}{fate}[/yellow]", highlight=False)
+        console.print(f"health: {level}: {said}{fate}", warning=True)
 
 
 def clock_lag_by_level(health: Sequence[HealthRow]) -> dict[str, dict[int, tuple[float, str]]]:
@@ -145,5 +142,4 @@ def print_clock_lag(lag: dict[str, dict[int, tuple[float, str]]], console: Conso
     console.print(
         "simulator clock lag by level (worst arm and round; share of busy time behind the profile's "
         f"clock, limit {MAX_CLOCK_LAG:.0%}): " + ", ".join(cells),
-        highlight=False,
     )

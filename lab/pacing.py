@@ -40,10 +40,10 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
-from rich.console import Console
 
 from specproxy.config import Arm
 from specproxy.proxy.health import ENGINE_CLOCK_LAG, EVENT_LOOP_LAG_SHARE, THRESHOLDS, over_threshold
+from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.runner import LevelTrial, ReplayError
 from specproxy.proxy.spans.sink import HealthRow
 from specproxy.schema import MIN_HEALTHY_ROUNDS
@@ -189,23 +189,20 @@ class SimPacer:
                 if kept_up(seen) or scale / 2 < self._floor(seen):
                     break
                 said = f"c={level}: a wave at time scale {scale:g} saw {describe(seen)}"
-                self.console.print(f"{said}; slowing to {scale / 2:g}", highlight=False)
+                self.console.print(f"{said}; slowing to {scale / 2:g}")
                 scale /= 2
         self.scale = scale
         pace = LevelPace(level, scale, tuple(trials))
         # The sweep's first level is always measured: it is where the deploy verdict answers by default.
         if self.skip_unmeasurable and self.paces and would_fail(seen) and level not in self.never_skip:
             self.skipped.append(pace)
-            self.console.print(
-                f"c={level}: {pace.why_skipped()} at the slowest scale: skipped", highlight=False
-            )
+            self.console.print(f"c={level}: {pace.why_skipped()} at the slowest scale: skipped")
             return {TIME_SCALE_CHECK: scale}
         if self.paces and not pace.kept_up():
             self.shortened.add(level)
             self.console.print(
                 f"c={level}: {pace.why_skipped()} at the slowest scale, short of room to spare: at most "
                 f"{MIN_HEALTHY_ROUNDS} rounds",
-                highlight=False,
             )
         self.paces.append(pace)
         return {TIME_SCALE_CHECK: scale}
@@ -239,7 +236,6 @@ class SimPacer:
         self.console.print(
             f"c={level}: {cut} of {planned} rounds (about {round_s:.0f} s each): more would end past the "
             "lab's time budget",
-            highlight=False,
         )
         return cut
 
@@ -253,7 +249,6 @@ class SimPacer:
             self.console.print(
                 f"c={level} failed {', '.join(failed)} in a measured round: the next level starts at time "
                 f"scale {self.scale:g}",
-                highlight=False,
             )
 
     def scales(self) -> dict[int, float]:

@@ -8,15 +8,25 @@ soundly and says so in a label that stands in the run's title, beside the deploy
 lab's own lines ("judged at c=64: c=256 could not be measured on this machine (...)"): the question
 changes only in the open. A peak the user gave is never moved: its verdict stays UNRELIABLE, with the
 way to judge elsewhere.
+
+The move is recorded with the run (:func:`record_move`: ``runs.config_json``'s
+:data:`~specproxy.schema.JUDGED_PEAK_KEY`), and the lab's own table is ``analyze``'s reading of it: a
+later ``specproxy analyze`` of the store judges the peak at the same level, with the same label and
+why, until ``--peak-concurrency`` asks for another.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
 
 from specproxy.lab.pacing import SimPacer
 from specproxy.proxy.replay.extra_rounds import LevelRounds, judged
+from specproxy.schema import JUDGED_PEAK_KEY
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +68,16 @@ def judged_peak(
         for c in failed
     )
     return PeakMove(peak, f"judged at c={peak}: {levels} could not be measured on this machine", why)
+
+
+def record_move(db_path: Path, run_id: str, move: PeakMove) -> None:
+    """Record ``move`` with the run in the span store, where ``analyze`` reads it back."""
+    with duckdb.connect(str(db_path)) as conn:
+        found = conn.execute("SELECT config_json FROM runs WHERE run_id = ?", [run_id]).fetchone()
+        if found is None:
+            return  # a run interrupted before its row was written has nothing to judge
+        config = json.loads(found[0] or "{}")
+        config[JUDGED_PEAK_KEY] = {"concurrency": move.level, "label": move.label, "why": move.why}
+        conn.execute(
+            "UPDATE runs SET config_json = ? WHERE run_id = ?", [json.dumps(config, sort_keys=True), run_id]
+        )

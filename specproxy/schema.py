@@ -75,7 +75,7 @@ CREATE TABLE IF NOT EXISTS runs (
     source VARCHAR,        -- live | replay
     started_at TIMESTAMPTZ,
     ended_at TIMESTAMPTZ,
-    config_json VARCHAR,   -- the experiment, as JSON
+    config_json VARCHAR,   -- the experiment, as JSON (and the lab's JUDGED_PEAK_KEY, see below)
     stacks_json VARCHAR,   -- per arm: /version, /v1/models, description, engine facts
     host VARCHAR,
     specproxy_version VARCHAR
@@ -130,6 +130,36 @@ def level_sql(alias: str = "") -> str:
         f"coalesce(CAST({p}concurrency_level AS VARCHAR), "
         f"'r=' || regexp_replace(CAST({p}offered_rate AS VARCHAR), '\\.0$', ''), 'live')"
     )
+
+
+# The key of runs.config_json under which `specproxy lab` records where it judged the peak when it
+# could not measure its top level soundly (it writes it after the sweep, beside the experiment the run
+# recorded): {"concurrency": 64, "label": "judged at c=64: c=256 could not be measured on this
+# machine", "why": "2 of 5 rounds passed the health checks"}. `analyze` reads the peak there unless
+# --peak-concurrency or the experiment names one, so the lab's table and a later analyze agree.
+JUDGED_PEAK_KEY = "judged_peak"
+
+
+# Health checks whose value is a share (stored as a fraction, shown as a percentage); a check whose
+# name ends in _s is in seconds (shown in milliseconds).
+SHARE_CHECKS = frozenset({"engine_clock_lag", "event_loop_lag_share", "open_loop_rate_shortfall"})
+
+
+def health_figure(check: str, value: float | None) -> str:
+    """A health row's value or limit as a person reads it: '3.1%' for a share, '61.2 ms' for seconds,
+    else three significant digits ('?' for none). JSON, CSV and the store keep the raw number."""
+    if value is None:
+        return "?"
+    if check in SHARE_CHECKS:
+        return f"{value:.1%}"
+    if check.endswith("_s"):
+        return f"{value * 1000:.1f} ms"
+    return f"{value:.3g}"
+
+
+def over_limit(check: str, value: float | None, threshold: float | None) -> str:
+    """'3.1% > 2.0%': a failed health row's value over its limit."""
+    return f"{health_figure(check, value)} > {health_figure(check, threshold)}"
 
 
 def rate_label(rate_per_s: float) -> str:

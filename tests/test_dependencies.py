@@ -1,19 +1,27 @@
 """The install matches the code: every core dependency is imported by the package, every third-party
 module the package imports is declared (core or an extra), and an extra's module is imported only
 inside the function that needs it, so a light install runs everything else. Imports are read with
-:mod:`ast`, nothing is imported."""
+:mod:`ast`, nothing is imported. And the light install stays light: the distributions its requirements
+pull in, specproxy counted, are within INSTALL_BUDGET (CI's wheel stage counts a real install too)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import re
 import sys
 import tomllib
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 FOLDERS = ("specproxy", *PROJECT["tool"]["specproxy"]["subpackages"])
+# What `pip install specproxy` may pull into a fresh environment, specproxy counted; .ci/run's wheel
+# stage holds a real install to the same number.
+INSTALL_BUDGET = 20
 # A distribution's import name where it differs from its name.
 IMPORT_NAMES = {"pyyaml": "yaml", "prometheus-client": "prometheus_client", "llama-cpp-python": "llama_cpp"}
 # Imported lazily on the machines that have them, declared by none of specproxy's own requirements:
@@ -71,3 +79,25 @@ def test_every_core_dependency_is_imported_and_every_import_declared() -> None:
     assert anywhere - core - extras - UNDECLARED == set(), "imported but not declared"
     # an extra's module (tokenizers, the OTLP exporter, llama-cpp-python) waits for the code needing it
     assert top & (extras - core) == set(), "an extra imported at module level"
+
+
+def _pulled_in(requirements: list[str]) -> set[str]:
+    """The distributions ``requirements`` bring, transitively, as installed here; markers and extras
+    are evaluated for this interpreter and no extra is asked for."""
+    pulled: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if name in pulled or (requirement.marker and not requirement.marker.evaluate({"extra": ""})):
+            continue
+        pulled.add(name)
+        todo += [Requirement(r) for r in importlib.metadata.requires(name) or ()]
+    return pulled
+
+
+def test_the_light_install_pulls_no_more_than_its_budget() -> None:
+    pulled = {"specproxy"} | _pulled_in(PROJECT["project"]["dependencies"])
+    assert len(pulled) <= INSTALL_BUDGET, f"{len(pulled)} distributions: {sorted(pulled)}"
+    # the count is of something real: aiohttp's own dependencies are in it
+    assert {"aiohttp", "yarl", "multidict"} <= pulled

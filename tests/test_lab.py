@@ -13,14 +13,17 @@ from pathlib import Path
 import duckdb
 import pytest
 from click.testing import CliRunner
-from rich.console import Console
 
 from specproxy.analysis import analyze_text
 from specproxy.cli import main
+from specproxy.lab.command import analysis_outputs
 from specproxy.lab.health_lines import clock_lag_by_level, print_clock_lag, print_health
+from specproxy.lab.peak import PeakMove
 from specproxy.lab.plan import FULL, QUICK
+from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.spans.sink import HealthRow
+from tests.spanfactory import ArmSpec, make_run, write_db
 from tests.support import backend_process, free_port, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -355,22 +358,58 @@ def test_the_health_lines_say_what_became_of_each_late_level() -> None:
     health += [lag(256, r, "baseline", 0.004) for r in (1, 2, 3, 4)] + [lag(256, 5, "eagle3", 0.03)]
     health += [lag(16, 1, "ngram", 0.05), lag(16, 2, "ngram", 0.06), lag(16, 3, "ngram", 0.001)]
     health += [lag(16, 2, "eagle3", 0.04)]
+    # a client process's loop lag (a share) and the start lag (seconds), shown as % and ms
+    health += [HealthRow("r", "client 2", 16, 1, "event_loop_lag_share", 0.031, 0.02, now)]
+    health += [HealthRow("r", None, 16, 2, "loadgen_start_lag_p99_s", 0.0612, 0.05, now)]
     levels = [
         LevelRounds("c=16", planned=3, ran=3, healthy=1),
         LevelRounds("c=64", planned=3, ran=3, healthy=3),
         LevelRounds("c=256", planned=5, ran=5, healthy=4),
     ]
     out = io.StringIO()
-    console = Console(file=out, width=400)
+    console = Console(out)
     print_health(health, levels, console)
     print_clock_lag(clock_lag_by_level(health), console)
     lines = out.getvalue().splitlines()
     assert lines[:2] == [
-        "health: c=16: r1 engine_clock_lag 0.05 > 0.02 (ngram); r2 engine_clock_lag 0.06 > 0.02 (ngram), "
-        "engine_clock_lag 0.04 > 0.02 (eagle3): 1 of 3 rounds passed, too few: UNRELIABLE (rerun on a "
+        "health: c=16: r1 engine_clock_lag 5.0% > 2.0% (ngram), event_loop_lag_share 3.1% > 2.0% (client 2); "
+        "r2 engine_clock_lag 6.0% > 2.0% (ngram), engine_clock_lag 4.0% > 2.0% (eagle3), "
+        "loadgen_start_lag_p99_s 61.2 ms > 50.0 ms: 1 of 3 rounds passed, too few: UNRELIABLE (rerun on a "
         "quieter machine or with a smaller --time-scale)",
-        "health: c=256: r5 engine_clock_lag 0.03 > 0.02 (eagle3): dropped, for every arm; judged on the 4 "
+        "health: c=256: r5 engine_clock_lag 3.0% > 2.0% (eagle3): dropped, for every arm; judged on the 4 "
         "of 5 rounds that passed",
     ]
     assert len(lines) == 3 and not any(line.startswith("health: c=64") for line in lines)
     assert "c=16 6.0% (ngram), c=64 0.1% (eagle3), c=256 3.0% (eagle3)" in lines[2]
+
+
+def test_analyze_of_a_lab_store_judges_the_peak_where_the_lab_moved_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The lab records a peak it moved with the run; a later `specproxy analyze` of the store (a real
+    subprocess) reads it back: the lab's own table, word for word (the same level, label and why),
+    and the JSON says so, until --peak-concurrency asks for another level."""
+    run = make_run(
+        [ArmSpec("baseline", "baseline", "none"), ArmSpec("ngram", "candidate", "ngram", 1.3)],
+        levels=(1, 4, 16),
+        n_per_level=40,
+    )
+    db = write_db(tmp_path / "spans.duckdb", [run])
+    move = PeakMove(4, "judged at c=4: c=16 could not be measured on this machine", "1 of 5 rounds passed")
+    analysis_outputs(db, tmp_path, run.run_id, Console(io.StringIO()), move)
+    lab_line, *lab_table = capsys.readouterr().out.splitlines()
+    assert lab_line.startswith(f"lab: {move.label} (1 of 5 rounds passed); recorded with the run")
+    text = run_cli("analyze", str(db))
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.rstrip() == "\n".join(lab_table).rstrip()
+    lines = text.stdout.splitlines()
+    assert f"peak c=4 ({move.label})" in next(line for line in lines if line.startswith("run "))
+    title = next(line for line in lines if line.startswith("deploy verdict"))
+    assert title.endswith(f"; {move.label})")
+    assert any("at peak (c=4)" in line for line in lines)
+    assert f"{move.label} (1 of 5 rounds passed): the lab moved the peak there" in text.stdout
+    doc = json.loads(run_cli("analyze", str(db), "--format", "json").stdout)["runs"][0]
+    assert doc["peak_concurrency"] == 4 and doc["peak_label"] == move.label
+    # the command line's peak wins, and then nothing says the lab moved it
+    given = run_cli("analyze", str(db), "--peak-concurrency", "16")
+    assert "peak c=16 (command line)" in given.stdout and "could not be measured" not in given.stdout

@@ -13,13 +13,13 @@ from pathlib import Path
 import aiohttp
 import duckdb
 import pytest
-from rich.console import Console
 
 from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim
 from specproxy.lab.pacing import TIME_SCALE_CHECK, LevelPace, SimPacer, kept_up
 from specproxy.lab.peak import judged_peak
+from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.runner import LevelTrial, LoadPlan, ReplaySettings, run_replay
@@ -69,7 +69,7 @@ async def test_the_pacer_slows_the_simulators_until_a_wave_at_the_level_keeps_up
         running_sim(SimConfig(time_scale=TOO_FAST)) as b,
     ):
         arms = (Arm(name="base", url=a.url, role="baseline"), Arm(name="twin", url=b.url, role="replica"))
-        pacer = SimPacer(arms, TOO_FAST, TOO_FAST / 256, Console(file=said, width=200))
+        pacer = SimPacer(arms, TOO_FAST, TOO_FAST / 256, Console(said))
         settings = ReplaySettings(
             arms=arms,
             db_path=tmp_path / "spans.duckdb",
@@ -117,7 +117,7 @@ async def test_a_paced_level_longer_than_its_trial_wave_has_every_prompt_warm_be
             db_path=tmp_path / "spans.duckdb",
             show_progress=False,
             load=LoadPlan(levels=(4,), rounds=1, items_per_level=lambda _: 12, warm_fresh_prompts=True),
-            pacer=SimPacer(arms, 1.0, 1 / 4, Console(file=io.StringIO())),
+            pacer=SimPacer(arms, 1.0, 1 / 4, Console(io.StringIO())),
         )
         result = await run_replay(settings, items)
         async with aiohttp.ClientSession() as session, session.get(f"{sim.url}/sim/requests") as resp:
@@ -130,7 +130,7 @@ async def test_a_paced_level_longer_than_its_trial_wave_has_every_prompt_warm_be
 
 def test_a_level_whose_rounds_failed_a_check_slows_the_next_level() -> None:
     said = io.StringIO()
-    pacer = SimPacer((), 1.0, 0.25, Console(file=said, width=200))
+    pacer = SimPacer((), 1.0, 0.25, Console(said))
     now = datetime.now(UTC)
     passed = HealthRow("r", "ngram", 16, 1, "engine_clock_lag", 0.01, 0.02, now)
     failed = HealthRow("r", "ngram", 64, 2, "engine_clock_lag", 0.05, 0.02, now)
@@ -162,7 +162,7 @@ def test_a_level_whose_rounds_failed_a_check_slows_the_next_level() -> None:
 async def test_a_lagging_or_busy_client_is_slowed_down_to_its_floor(
     trial: LevelTrial, scales: list[float]
 ) -> None:
-    pacer = SimPacer((), 1.0, 0.25, Console(file=io.StringIO(), width=200), slowest_for_client=0.125)
+    pacer = SimPacer((), 1.0, 0.25, Console(io.StringIO()), slowest_for_client=0.125)
 
     async def wave() -> LevelTrial:
         return trial
@@ -176,7 +176,7 @@ async def test_a_level_whose_wave_fails_at_the_slowest_scale_is_skipped_and_so_i
     it gets none, nor does any level above it; short of room to spare but within the limit: measured
     in the fewest rounds it can be judged on; the sweep's first level always in full."""
     said = io.StringIO()
-    pacer = SimPacer((), 0.25, 0.25, Console(file=said, width=300), skip_unmeasurable=True)
+    pacer = SimPacer((), 0.25, 0.25, Console(said), skip_unmeasurable=True)
     waves = {
         1: LevelTrial({"base": 0.05}, 0.001),  # over the limit, but the first level
         16: LevelTrial({"base": 0.001}, 0.001),  # kept up
@@ -197,7 +197,7 @@ async def test_a_level_whose_wave_fails_at_the_slowest_scale_is_skipped_and_so_i
     assert "c=256: a wave at time scale 0.25 saw clock lag 3.0% (ngram)" in said.getvalue()
     assert [p.level for p in pacer.skipped] == [256, 512] and pacer.shortened == {64}
     # a level the user named (the operating point) is measured whatever its wave saw
-    named = SimPacer((), 0.25, 0.25, Console(file=io.StringIO()), skip_unmeasurable=True, never_skip=(256,))
+    named = SimPacer((), 0.25, 0.25, Console(io.StringIO()), skip_unmeasurable=True, never_skip=(256,))
     for level in (1, 256):
 
         async def failing() -> LevelTrial:
@@ -208,7 +208,7 @@ async def test_a_level_whose_wave_fails_at_the_slowest_scale_is_skipped_and_so_i
 
 
 def test_the_peak_moves_to_the_highest_level_measured_soundly_with_a_label() -> None:
-    pacer = SimPacer((), 0.25, 0.25, Console(file=io.StringIO()), skip_unmeasurable=True)
+    pacer = SimPacer((), 0.25, 0.25, Console(io.StringIO()), skip_unmeasurable=True)
     pacer.skipped.append(LevelPace(256, 0.25, ((0.25, LevelTrial({"ngram": 0.03}, 0.001)),)))
     rounds = [
         LevelRounds("c=1", 3, 3, 3),
@@ -232,7 +232,7 @@ def test_a_level_s_rounds_are_cut_to_end_within_the_budget_but_never_below_three
     """Rounds of about 10 s (a 5 s wave, 2 waves a round) with 35 s left: 3 of 5, not fewer; with room,
     all 5; a level not yet settled keeps its plan (asked before the sweep starts)."""
     said = io.StringIO()
-    pacer = SimPacer((), 0.25, 0.25, Console(file=said, width=300), skip_unmeasurable=True)
+    pacer = SimPacer((), 0.25, 0.25, Console(said), skip_unmeasurable=True)
     assert pacer.rounds(64, 5, waves=2, until=time.monotonic() + 1) == 5
     pacer.paces.append(LevelPace(64, 0.25, ((0.25, LevelTrial({"base": 0.001}, 0.001)),)))
     pacer.paces.append(LevelPace(256, 0.25, ((0.25, LevelTrial({"base": 0.001}, 0.001)),)))

@@ -55,6 +55,7 @@ from specproxy.analysis.store import SpanStore
 
 # replay and the lab add rounds until this many pass: one constant for both sides
 from specproxy.schema import MIN_HEALTHY_ROUNDS as MIN_HEALTHY_ROUNDS
+from specproxy.schema import over_limit
 
 DEFAULT_THRESHOLDS: dict[str, float] = {
     "engine_clock_lag": 0.02,
@@ -70,8 +71,6 @@ UNCHECKED = (
     "no health checks recorded for this level sent through the proxy (serve keeps them per level and "
     "round under replay --target): nothing vouches that the engines kept up"
 )
-# Checks whose value is a share (shown as a percentage); the others ending in _s are seconds.
-SHARE_CHECKS = frozenset({"engine_clock_lag", "event_loop_lag_share", "open_loop_rate_shortfall"})
 
 
 @dataclass(frozen=True)
@@ -89,13 +88,7 @@ class HealthFailure:
             for bit in (self.arm or "client", f"round {self.round}" if self.round and with_round else "")
             if bit
         )
-        if self.check in SHARE_CHECKS:
-            figures = f"{self.value:.1%} > {self.threshold:.1%}"
-        elif self.check.endswith("_s"):
-            figures = f"{self.value * 1000:.1f} ms > {self.threshold * 1000:.1f} ms"
-        else:
-            figures = f"{self.value:.3g} > {self.threshold:.3g}"
-        return f"{self.check} {figures} ({where})"
+        return f"{self.check} {over_limit(self.check, self.value, self.threshold)} ({where})"
 
 
 def _listed(failures: Sequence[HealthFailure], limit: int, with_round: bool = True) -> str:

@@ -144,12 +144,10 @@ def _assumed(ev: RunEvaluation) -> str:
     return f"; assumed: {'; '.join(assumed)}" if assumed else ""
 
 
-def deploy_title(ev: RunEvaluation, settings: Settings | None = None) -> str:
+def deploy_title(ev: RunEvaluation) -> str:
     """The deploy verdicts' title: what they assumed, and where the peak was moved to and why (the
     lab's label, when it could not measure its top level soundly)."""
-    said = _assumed(ev)
-    if settings is not None and settings.peak_concurrency and settings.peak_source != Settings.peak_source:
-        said += f"; {settings.peak_source}"
+    said = _assumed(ev) + (f"; {ev.peak_label}" if ev.peak_label else "")
     if ev.slo is None:
         return f"deploy verdict (at the operating point, peak throughput included{said})"
     return (
@@ -307,7 +305,7 @@ def _run_block(ev: RunEvaluation, settings: Settings, markdown: bool) -> str:
     block += slo_block(ev, markdown=markdown)
     if any(a.deploy is not None or render_slo.headline(ev, a.arm) for a in ev.arms):
         lines = deploy_lines(ev, indent="  " if markdown else "    ")
-        block += _titled(deploy_title(ev, settings), "\n".join(bullet + d for d in lines), markdown)
+        block += _titled(deploy_title(ev), "\n".join(bullet + d for d in lines), markdown)
     if settings.latency_table:
         lat_rows = [latency_cells(r) for r in ev.rows]
         block += _titled(LATENCY_TITLE, _table(LATENCY_HEADERS, lat_rows, markdown), markdown)

@@ -160,7 +160,9 @@ def _evaluate_run(
 ) -> RunEvaluation:
     notes: list[str] = []
     run = _run_figures(store, info, settings, notes, health)
-    point, point_text = operating_point(settings, info, run_unit(s.level for s in run.summaries))
+    point, point_text, moved = operating_point(settings, info, run_unit(s.level for s in run.summaries))
+    if moved is not None:
+        notes.append(moved.note())
     confidence = _confidences(run, settings, point)
     comparisons = _comparisons(run, confidence, settings)
     loads = _matched_loads(run, comparisons, confidence, settings)
@@ -207,11 +209,18 @@ def _evaluate_run(
         at_rate=point.at if point.unit == "r" else None,
         peak_rate=point.peak if point.unit == "r" else None,
         operating_point=point_text,
+        peak_label=moved.label if moved is not None else _given_peak_label(settings),
         time_scales={lv: h.time_scale for lv, h in run.health.items() if h.time_scale not in (None, 1.0)},
         unreliable_levels=sorted((lv for lv, h in run.health.items() if not h.reliable), key=level_sort_key),
         failed_arms=list(failed.values()),
         slo=_at_slo(store, run, info, settings, arms, point),
     )
+
+
+def _given_peak_label(settings: Settings) -> str:
+    """The label a caller gave with its peak (the lab's, before it recorded its moves); "" for none."""
+    given = settings.peak_concurrency and settings.peak_source != Settings.peak_source
+    return settings.peak_source if given else ""
 
 
 def _at_slo(

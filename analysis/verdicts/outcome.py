@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from specproxy.analysis.levels import level_unit, load_name
@@ -26,17 +27,49 @@ from specproxy.analysis.verdicts.rules import (
     crossover,
     deploy_verdict,
 )
+from specproxy.schema import JUDGED_PEAK_KEY
 
 
-def operating_point(settings: Settings, info: dict[str, Any], unit: str) -> tuple[OperatingPoint, str]:
+@dataclass(frozen=True)
+class JudgedPeak:
+    """Where the lab judged the peak of a run whose top level it could not measure soundly, as it
+    recorded it (:data:`~specproxy.schema.JUDGED_PEAK_KEY`)."""
+
+    concurrency: int
+    label: str  # judged at c=64: c=256 could not be measured on this machine
+    why: str  # what each level above it showed
+
+    def note(self) -> str:
+        return (
+            f"{self.label} ({self.why}): the lab moved the peak there and recorded it with the run; "
+            "--peak-concurrency N judges it at another level"
+        )
+
+
+def judged_peak(experiment: dict[str, Any]) -> JudgedPeak | None:
+    """The lab's record of a moved peak in the run's recorded experiment; None without one."""
+    record = experiment.get(JUDGED_PEAK_KEY)
+    if not isinstance(record, dict):
+        return None
+    level, label, why = (record.get(k) for k in ("concurrency", "label", "why"))
+    if not (isinstance(level, int) and level > 0 and isinstance(label, str) and isinstance(why, str)):
+        return None
+    return JudgedPeak(level, label, why)
+
+
+def operating_point(
+    settings: Settings, info: dict[str, Any], unit: str
+) -> tuple[OperatingPoint, str, JudgedPeak | None]:
     """The user's operating point on the run's load axis (``unit``): the command line's, else the
-    experiment file's, else none (the deploy verdict then says what it assumed)."""
+    experiment file's, else none (the deploy verdict then says what it assumed). A peak concurrency
+    that neither gives is the lab's recorded one where it moved it (returned too), else none."""
     try:
         experiment = json.loads(info.get("config_json") or "{}")
     except ValueError:
         experiment = {}
     if not isinstance(experiment, dict):
         experiment = {}
+    moved = judged_peak(experiment) if unit == "c" else None
 
     def pick(given: float | None, key: str) -> tuple[float | None, str]:
         if given is not None:
@@ -53,6 +86,10 @@ def operating_point(settings: Settings, info: dict[str, Any], unit: str) -> tupl
     else:
         at, at_from = pick(settings.at_concurrency, "at_concurrency")
         peak, peak_from = pick(settings.peak_concurrency, "peak_concurrency")
+        if peak_from != "assumed" or moved is None:
+            moved = None
+        else:
+            peak, peak_from = float(moved.concurrency), moved.label
     parts = [
         f"operating point {load_name(at, unit)} ({at_from})" if at else "operating point: not given",
         f"peak {load_name(peak, unit)} ({peak_from})" if peak else "peak: not given",
@@ -66,7 +103,7 @@ def operating_point(settings: Settings, info: dict[str, Any], unit: str) -> tupl
         given = "--at-concurrency/--peak-concurrency" if unit == "r" else "--at-rate/--peak-rate"
         swept = "request rates" if unit == "r" else "concurrency levels"
         parts.append(f"{given} ignored: this run's levels are {swept}")
-    return OperatingPoint(at, peak, unit), "; ".join(parts)
+    return OperatingPoint(at, peak, unit), "; ".join(parts), moved
 
 
 def arm_outcome(

@@ -238,6 +238,8 @@ class RunEvaluation:
     at_concurrency: int | None = None
     peak_concurrency: int | None = None
     operating_point: str = ""
+    # where the peak was moved to and why, when it was (the lab's label); "" otherwise
+    peak_label: str = ""
     at_rate: float | None = None
     peak_rate: float | None = None
     unreliable_levels: list[str] = field(default_factory=list)

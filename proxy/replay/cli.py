@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from specproxy.commandline import (
     ConcurrencyLevels,
@@ -22,6 +21,7 @@ from specproxy.commandline import (
     run_async,
 )
 from specproxy.config import Arm, Experiment
+from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.deciding import open_questions
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, read_items
 from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
@@ -178,7 +178,7 @@ def replay(
       specproxy replay question.jsonl --config exp.toml --rates 1,2,4,8 --duration 60 --rounds 3
       specproxy replay mooncake.jsonl --target http://127.0.0.1:8000 --timed --speedup 10
     """
-    console = Console(stderr=True, soft_wrap=True)
+    console = Console()
     experiment, arms = _experiment_and_arms(config_path, target, mode)
     rates = _swept_rates(rate, rates, timed)
     items = _read(logs, fmt, on_error, limit, seed)
@@ -213,7 +213,6 @@ def replay(
     console.print(
         f"replaying {len(items.items)} {items.format} items from {logs} against "
         f"{', '.join(a.name for a in arms)} ({mode})",
-        highlight=False,
     )
     _run(settings, items, console)
 
@@ -272,5 +271,5 @@ def _run(settings: ReplaySettings, items: ItemSet, console: Console) -> None:
     print_summary(result, items, console)
     print_rounds(result.levels, console)
     if result.interrupted:
-        console.print("interrupted: the spans measured so far are kept", highlight=False)
+        console.print("interrupted: the spans measured so far are kept")
         sys.exit(130)

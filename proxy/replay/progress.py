@@ -1,9 +1,9 @@
 """Replay's live progress display: per arm, calls done of the phase, output tok/s and errors.
 
-On a terminal it is a rich ``Live`` table refreshed a few times a second; on a terminal and elsewhere
-(a pipe, a CI log) one line per arm is printed when each phase ends, so the history stays readable.
-Counting is a few integer additions per finished call; rendering happens on rich's refresh thread, off
-the event loop's path.
+On a terminal it is a live table (:class:`~specproxy.proxy.replay.console.LiveBlock`) refreshed a few
+times a second; on a terminal and elsewhere (a pipe, a CI log) one line per arm is printed when each
+phase ends, so the history stays readable. Counting is a few integer additions per finished call;
+rendering happens on the block's refresh thread, off the event loop's path.
 
 Example::
 
@@ -19,9 +19,7 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
+from specproxy.proxy.replay.console import RED, Console, LiveBlock
 
 
 @dataclass(slots=True)
@@ -38,17 +36,17 @@ class ArmProgress:
 class ReplayProgress:
     def __init__(self, arms: list[str], console: Console | None = None, *, enabled: bool = True) -> None:
         self.arms = arms
-        self.console = console or Console(stderr=True, soft_wrap=True)
+        self.console = console or Console()
         self.enabled = enabled
         self.label = ""
         self.calls_per_arm: int | None = None
         self.per_arm: dict[str, ArmProgress] = {a: ArmProgress() for a in arms}
         self._t0 = time.monotonic()
-        self._live: Live | None = None
+        self._live: LiveBlock | None = None
 
     def __enter__(self) -> ReplayProgress:
-        if self.enabled and self.console.is_terminal:
-            self._live = Live(self, console=self.console, refresh_per_second=4, transient=False)
+        if self.enabled:
+            self._live = LiveBlock(self.console, self.table_lines)
             self._live.start()
         return self
 
@@ -74,30 +72,28 @@ class ReplayProgress:
             p.errors += 1
 
     def end_phase(self) -> None:
-        # One line per arm and phase; under a live display rich prints them above the table.
+        # One line per arm and phase; under the live table they print above it.
         if not self.enabled:
             return
         for arm, p in self.per_arm.items():
             # Up to the arm's last call: a fast arm's rate does not decay while slower arms finish.
             rate = p.tok_s(self._t0, p.last_done or self._t0)
             self.console.print(
-                f"{self.label:>8}  {arm:<14} done {p.done:>5}  {rate:>9.1f} tok/s  errors {p.errors}",
-                highlight=False,
+                f"{self.label:>8}  {arm:<14} done {p.done:>5}  {rate:>9.1f} tok/s  errors {p.errors}"
             )
 
-    def __rich__(self) -> Table:
+    def table_lines(self) -> list[str]:
+        """The live table: a title line, a header and one row per arm (errors in red when any)."""
         now = time.monotonic()
-        elapsed = now - self._t0
-        table = Table(title=f"replay {self.label}  {elapsed:5.1f} s", title_justify="left")
-        table.add_column("arm")
-        table.add_column("done", justify="right")
-        table.add_column("tok/s", justify="right")
-        table.add_column("errors", justify="right")
         total = f"/{self.calls_per_arm}" if self.calls_per_arm is not None else ""
+        width = max([len("arm"), *(len(a) for a in self.per_arm)])
+        lines = [
+            f"replay {self.label}  {now - self._t0:5.1f} s",
+            f"{'arm':<{width}}  {'done':>11}  {'tok/s':>9}  {'errors':>6}",
+        ]
         for arm, p in self.per_arm.items():
             finished = self.calls_per_arm is not None and p.done >= self.calls_per_arm
             rate = p.tok_s(self._t0, (p.last_done or now) if finished else now)
-            table.add_row(
-                arm, f"{p.done}{total}", f"{rate:.1f}", f"[red]{p.errors}[/red]" if p.errors else "0"
-            )
-        return table
+            errors = self.console.colour(f"{p.errors:>6}", RED) if p.errors else f"{0:>6}"
+            lines.append(f"{arm:<{width}}  {f'{p.done}{total}':>11}  {rate:>9.1f}  {errors}")
+        return lines

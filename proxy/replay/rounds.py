@@ -62,7 +62,7 @@ class RoundLoop:
                 if self._out_of_time():
                     extra_out_of_time = True
                     break
-                self.progress.console.print(why_extra(base, failed, ran + 1), highlight=False)
+                self.progress.console.print(why_extra(base, failed, ran + 1))
             ran += 1
             await self._measure_round(measure, Phase(phase_label(base, ran, planned), level, ran, rate))
         decided: tuple[int, tuple[str, ...], bool] = (0, (), False)
@@ -127,7 +127,6 @@ class RoundLoop:
             k = ran + added
             self.progress.console.print(
                 f"{base}: {'; '.join(open_)}; running deciding round {k} ({added} of {plan.deciding_rounds})",
-                highlight=False,
             )
             await self._measure_round(measure, Phase(phase_label(base, k, planned), level, k, rate))
         return added, (), False

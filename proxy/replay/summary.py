@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rich.console import Console
-from rich.markup import escape
-
 from specproxy.proxy.health import ACHIEVED_RATE, RATE_SHORTFALL, over_threshold
+from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.replay.formats import ItemSet
 from specproxy.proxy.replay.runner import ReplayResult
 from specproxy.proxy.spans.sink import HealthRow
-from specproxy.schema import rate_label
+from specproxy.schema import health_figure, rate_label
 
 
 def print_summary(
@@ -26,17 +24,15 @@ def print_summary(
             ident = f"  identical {t.compared - t.mismatches}/{t.compared}" if t.compared else ""
             console.print(
                 f"  {arm:<14} ok {t.ok:>6}  errors {t.errors:>4}  tokens {t.completion_tokens:>8}{ident}",
-                highlight=False,
             )
     if items is not None and items.skipped:
-        console.print(f"skipped {items.skipped} bad record(s); first: {items.first_skip}", highlight=False)
+        console.print(f"skipped {items.skipped} bad record(s); first: {items.first_skip}")
     if result.lag_p99_s is not None:
-        console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms", highlight=False)
+        console.print(f"open-loop start lag p99: {result.lag_p99_s * 1000:.2f} ms")
     for rate, (achieved, shortfall) in _rate_levels(result.health).items():
         console.print(
             f"  {rate_label(rate):<8} achieved {achieved:.3g} req/s at the slowest round "
             f"(sends behind schedule by {shortfall:.1%} at most)",
-            highlight=False,
         )
     for row in () if compact else over_threshold(result.health):
         if row.concurrency_level is not None:
@@ -45,21 +41,20 @@ def print_summary(
             level = rate_label(row.offered_rate) if row.offered_rate is not None else "the open loop"
         who = f" ({row.arm})" if row.arm else ""
         console.print(
-            f"[yellow]health: {level} round {row.round}: {row.check_name}{who} = {row.value:.3g}, over "
-            f"its limit of {row.threshold:g}: the machine did not keep up, this round's figures are "
-            "stretched[/yellow]",
-            highlight=False,
+            f"health: {level} round {row.round}: {row.check_name}{who} = "
+            f"{health_figure(row.check_name, row.value)}, over its limit of "
+            f"{health_figure(row.check_name, row.threshold)}: the machine did not keep up, this round's "
+            "figures are stretched",
+            warning=True,
         )
     for note in result.notes:
-        console.print(f"[yellow]{escape(note)}[/yellow]", highlight=False)
+        console.print(note, warning=True)
     dropped = (
         f" ({result.spans_dropped} dropped: the writer fell behind or failed, see the log)"
         if result.spans_dropped
         else ""
     )
-    console.print(
-        f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}", highlight=False
-    )
+    console.print(f"run {result.run_id}: {result.spans_written} spans in {result.db_path}{dropped}")
 
 
 def _print_alike(result: ReplayResult, console: Console) -> bool:
@@ -73,7 +68,6 @@ def _print_alike(result: ReplayResult, console: Console) -> bool:
     console.print(
         f"  every arm: ok {totals[0].ok}, errors 0, tokens {totals[0].completion_tokens}"
         + (f"; identical to the baseline: {ident}" if ident else ""),
-        highlight=False,
     )
     return True
 
@@ -83,11 +77,10 @@ def print_rounds(levels: Sequence[LevelRounds], console: Console, *, say_none: b
     sentences = (s for level in levels for s in (level.sentence(), level.deciding_sentence()))
     said = [s for s in sentences if s is not None]
     for sentence in said:
-        console.print(f"rounds: {sentence}", highlight=False)
+        console.print(f"rounds: {sentence}")
     if not said and say_none and levels:
         console.print(
             "rounds: every level had enough rounds that passed every health check; no extra round ran",
-            highlight=False,
         )
 
 
