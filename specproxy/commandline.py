@@ -196,6 +196,28 @@ def operating_point_options(func: F) -> F:
     return func
 
 
+def listen_options(port_note: str = "") -> Callable[[F], F]:
+    """--host and --port of a command that serves HTTP (serve, sim); ``port_note`` ends --port's help."""
+
+    def decorate(func: F) -> F:
+        host = click.option(
+            "--host",
+            default="127.0.0.1",
+            show_default=True,
+            help="Address to listen on (0.0.0.0 for every interface).",
+        )
+        port = click.option(
+            "--port",
+            default=8000,
+            show_default=True,
+            type=click.IntRange(0, 65535),
+            help=f"Port to listen on{port_note}.",
+        )
+        return host(port(func))
+
+    return decorate
+
+
 # The span store a command writes; the parameter is ``db_path``.
 db_option = click.option(
     "--db",

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from specproxy.commandline import run_async
+from specproxy.commandline import listen_options, run_async
 from specproxy.engines.profiles import ProfileError, load_profile
 from specproxy.engines.sim.config import Faults, SimConfig, SimConfigError, SpeculativeConfig
 
@@ -62,8 +62,7 @@ def speculative_from_flags(
     help="vLLM's --speculative-config JSON, verbatim, e.g. "
     '\'{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":5}\'.',
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: a free one).")
+@listen_options(port_note=" (0: a free one)")
 @click.option(
     "--model",
     default="meta-llama/Llama-3.1-8B-Instruct",
