@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,12 +14,9 @@ from specproxy.cli import main
 from tests.support import (
     backend_process,
     free_port,
-    metric_sum,
+    interrupted_cli,
     run_cli,
     serving,
-    start_cli,
-    stop,
-    wait_until_sync,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,18 +127,10 @@ def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
 def test_ctrl_c_stops_cleanly_and_keeps_spans(tmp_path: Path, backend_url: str) -> None:
     log = write_custom(tmp_path / "log.jsonl", 5000)
     db = tmp_path / "out.duckdb"
-    proc = start_cli(
-        ["replay", str(log), "--target", backend_url, "--concurrency", "4", "--db", str(db), "--no-progress"]
-    )
-    try:
-        # Under way: the 4 warm-up calls and 8 measured ones answered (at most 4 more are in flight).
-        metrics = backend_url + "/metrics"
-        wait_until_sync(lambda: metric_sum(metrics, "test_backend_completed_total") >= 12, "12 answers")
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
-    finally:
-        out = stop(proc)
-    assert proc.returncode == 130, out
+    argv = ["replay", str(log), "--target", backend_url, "--concurrency", "4", "--db", str(db)]
+    # Under way: the 4 warm-up calls and 8 measured ones answered (at most 4 more are in flight).
+    code, out = interrupted_cli([*argv, "--no-progress"], backend_url + "/metrics", 12, 30)
+    assert code == 130, out
     assert "interrupted: the spans measured so far are kept" in out and "Traceback" not in out
     with duckdb.connect(str(db), read_only=True) as conn:
         ok, other = conn.execute(
