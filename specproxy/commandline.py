@@ -218,6 +218,11 @@ def listen_options(port_note: str = "") -> Callable[[F], F]:
     return decorate
 
 
+def config_option(help: str) -> Callable[[F], F]:
+    """--config FILE: an experiment file, optional; the parameter is ``config_path`` (a Path or None)."""
+    return click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help=help)
+
+
 # The span store a command writes; the parameter is ``db_path``.
 db_option = click.option(
     "--db",
