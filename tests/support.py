@@ -181,11 +181,15 @@ def interrupted_cli(
     return proc.returncode, out
 
 
+def replay_target_args(log: Path, target: str, db: Path, *options: str) -> list[str]:
+    """The arguments of ``specproxy replay LOG --target URL`` writing its own spans to ``db``, without a
+    progress bar, with ``options`` (levels, rounds, ...): for :func:`run_cli` and :func:`start_cli`."""
+    return ["replay", str(log), "--target", target, "--db", str(db), "--no-progress", *options]
+
+
 def replay_target_argv(log: Path, target: str, db: Path, *options: str) -> list[str]:
-    """The command line of ``specproxy replay LOG --target URL`` writing its own spans to ``db``, without
-    a progress bar, with ``options`` (levels, rounds, ...): for ``subprocess.run`` and the like."""
-    command = [sys.executable, "-m", "specproxy", "replay", str(log), "--target", target]
-    return [*command, "--db", str(db), "--no-progress", *options]
+    """:func:`replay_target_args` as a whole command line, for ``subprocess.run`` and the like."""
+    return [sys.executable, "-m", "specproxy", *replay_target_args(log, target, db, *options)]
 
 
 @contextmanager

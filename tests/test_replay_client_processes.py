@@ -35,6 +35,7 @@ from tests.support import (
     chat_items,
     interrupted_cli,
     metric_sum,
+    replay_target_args,
     simulators,
 )
 from tests.support import query_rows as rows
@@ -195,7 +196,7 @@ def test_ctrl_c_with_client_processes_keeps_every_process_calls(tmp_path: Path) 
     )
     db = tmp_path / "out.duckdb"
     with backend_process("--ttft-ms", "2", "--itl-ms", "5", "--tokens", "8") as url:
-        argv = ["replay", str(log), "--target", url, "--concurrency", "4", "--db", str(db), "--no-progress"]
+        argv = replay_target_args(log, url, db, "--concurrency", "4")
         metrics = url + "/metrics"
         # Under way in both processes (with --target there is no warm-up): 16 calls answered.
         code, out = interrupted_cli([*argv, "--client-processes", "2"], metrics, 16, 60)
