@@ -407,12 +407,15 @@ class EngineCore:
         if not items:
             return None
         batched = self.max_batched - budget
-        prefill = sum(n for _, n, prefilling in items if prefilling)
-        # KV read this step: a prefill chunk's prefix and itself; a decode's context and its drafts.
-        kv = sum(
-            s.computed + n if prefilling else s.prompt_len + s.n_out + n - 1 for s, n, prefilling in items
-        )
-        drafting = sum(1 for s, _, prefilling in items if not prefilling and s.n_drafts)
+        prefill = kv = drafting = 0
+        for s, n, prefilling in items:
+            if prefilling:
+                prefill += n
+                kv += s.computed + n  # the chunk and the prefix before it
+            else:
+                kv += s.prompt_len + s.n_out + n - 1  # the context and the drafts
+                if s.n_drafts:
+                    drafting += 1
         duration = self.profile.step_time(
             batched, kv, prefill_tokens=prefill, method=self.method, drafting_requests=drafting, k=self.k
         )
