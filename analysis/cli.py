@@ -39,23 +39,23 @@ def _dbs(paths: Sequence[str]) -> list[str]:
     return list(paths) or [DEFAULT_DB]
 
 
+def _percent_option(flag: str, default: float, help: str) -> Callable[[F], F]:
+    return click.option(flag, type=FiniteFloat(0, 100), default=default, show_default=True, help=help)
+
+
 def settings_options(func: F) -> F:
     """The operating point, verdict and bootstrap options shared by analyze and report."""
     options = [
-        click.option(
+        _percent_option(
             "--margin",
-            type=FiniteFloat(0, 100),
-            default=3.0,
-            show_default=True,
-            help="Smallest difference, in percent, a WIN or LOSS must clear; a replica arm's measured "
+            3.0,
+            "Smallest difference, in percent, a WIN or LOSS must clear; a replica arm's measured "
             "noise floor raises it.",
         ),
-        click.option(
+        _percent_option(
             "--identity-min",
-            type=FiniteFloat(0, 100),
-            default=99.0,
-            show_default=True,
-            help="Identical outputs needed, in percent (LOSS when the mismatch rate is surely above "
+            99.0,
+            "Identical outputs needed, in percent (LOSS when the mismatch rate is surely above "
             "100 minus this).",
         ),
         click.option(
@@ -98,6 +98,21 @@ def settings_options(func: F) -> F:
     return run(func)
 
 
+# The options that are Settings fields of the same name and value.
+_SETTINGS_AS_GIVEN = (
+    "near_tie_margin",
+    "confidence",
+    "bootstrap_iterations",
+    "bootstrap_seed",
+    "at_concurrency",
+    "peak_concurrency",
+    "at_rate",
+    "peak_rate",
+    "slo",
+    "gpu_hour_usd",
+)
+
+
 def _settings(kw: dict[str, Any]) -> Settings:
     # The same rule as the experiment file's and the lab's: a peak below the operating point is a typo.
     for at, peak, unit in (("at_concurrency", "peak_concurrency", ""), ("at_rate", "peak_rate", " req/s")):
@@ -108,16 +123,7 @@ def _settings(kw: dict[str, Any]) -> Settings:
             )
     return Settings(
         thresholds=Thresholds(min_margin=kw["margin"] / 100.0, identity_min=kw["identity_min"] / 100.0),
-        near_tie_margin=kw["near_tie_margin"],
-        confidence=kw["confidence"],
-        bootstrap_iterations=kw["bootstrap_iterations"],
-        bootstrap_seed=kw["bootstrap_seed"],
-        at_concurrency=kw["at_concurrency"],
-        peak_concurrency=kw["peak_concurrency"],
-        at_rate=kw["at_rate"],
-        peak_rate=kw["peak_rate"],
-        slo=kw["slo"],
-        gpu_hour_usd=kw["gpu_hour_usd"],
+        **{name: kw[name] for name in _SETTINGS_AS_GIVEN},
     )
 
 

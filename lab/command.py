@@ -56,6 +56,7 @@ from specproxy.commandline import (
     ConcurrencyLevels,
     RequestRates,
     client_processes_option,
+    config_option,
     deciding_rounds_option,
     experiment_or_none,
     extra_rounds_option,
@@ -357,12 +358,7 @@ def _print_measured(
 
 
 @click.command("lab")
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Experiment file with running arms (default: start five simulated arms).",
-)
+@config_option("Experiment file with running arms (default: start five simulated arms).")
 @click.option(
     "--workload",
     type=click.Path(dir_okay=False, path_type=Path),

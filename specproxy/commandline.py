@@ -196,6 +196,33 @@ def operating_point_options(func: F) -> F:
     return func
 
 
+def listen_options(port_note: str = "") -> Callable[[F], F]:
+    """--host and --port of a command that serves HTTP (serve, sim); ``port_note`` ends --port's help."""
+
+    def decorate(func: F) -> F:
+        host = click.option(
+            "--host",
+            default="127.0.0.1",
+            show_default=True,
+            help="Address to listen on (0.0.0.0 for every interface).",
+        )
+        port = click.option(
+            "--port",
+            default=8000,
+            show_default=True,
+            type=click.IntRange(0, 65535),
+            help=f"Port to listen on{port_note}.",
+        )
+        return host(port(func))
+
+    return decorate
+
+
+def config_option(help: str) -> Callable[[F], F]:
+    """--config FILE: an experiment file, optional; the parameter is ``config_path`` (a Path or None)."""
+    return click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help=help)
+
+
 # The span store a command writes; the parameter is ``db_path``.
 db_option = click.option(
     "--db",
@@ -219,15 +246,24 @@ client_processes_option = click.option(
 
 # A sweep's rounds (replay, lab): one declaration each, the command adding what differs (its default,
 # what a round of it is) in ``note`` (and, for --rounds, after the reason in ``tail``).
-def rounds_option(default: int | None, note: str = "", tail: str = "") -> Callable[[F], F]:
-    """--rounds N: each level measured N times."""
+def _round_count(flag: str, minimum: int, default: int | None, help: str) -> Callable[[F], F]:
     return click.option(
-        "--rounds",
-        type=click.IntRange(min=1),
+        flag,
+        type=click.IntRange(min=minimum),
         default=default,
         show_default=default is not None,
         metavar="N",
-        help="Measure each level" + note + " N times, the arms' order rotated and the items shuffled each "
+        help=help,
+    )
+
+
+def rounds_option(default: int | None, note: str = "", tail: str = "") -> Callable[[F], F]:
+    """--rounds N: each level measured N times."""
+    return _round_count(
+        "--rounds",
+        1,
+        default,
+        "Measure each level" + note + " N times, the arms' order rotated and the items shuffled each "
         "round; the analysis reads the spread between rounds (a level measured once gets no WIN or LOSS "
         "on speed: one round cannot see the drift between runs)" + tail + ".",
     )
@@ -235,26 +271,22 @@ def rounds_option(default: int | None, note: str = "", tail: str = "") -> Callab
 
 def extra_rounds_option(default: int | None, note: str = "") -> Callable[[F], F]:
     """--extra-rounds N: rounds added to a level whose rounds too often failed a health check."""
-    return click.option(
+    return _round_count(
         "--extra-rounds",
-        type=click.IntRange(min=0),
-        default=default,
-        show_default=default is not None,
-        metavar="N",
-        help="Add up to N rounds to a level whose rounds left too few that passed every health check "
+        0,
+        default,
+        "Add up to N rounds to a level whose rounds left too few that passed every health check "
         "(3 once one failed), one at a time at the same pace" + note + ".",
     )
 
 
 def deciding_rounds_option(default: int | None, note: str = "") -> Callable[[F], F]:
     """--deciding-rounds N: rounds added to the top level while a deploy-verdict figure is unsettled."""
-    return click.option(
+    return _round_count(
         "--deciding-rounds",
-        type=click.IntRange(min=0),
-        default=default,
-        show_default=default is not None,
-        metavar="N",
-        help="Add up to N rounds to the top level (the highest concurrency or rate) while a figure the "
+        0,
+        default,
+        "Add up to N rounds to the top level (the highest concurrency or rate) while a figure the "
         "deploy verdict reads there has an interval reaching across a margin line; each look copies the "
         "span store and analyses the run so far" + note + ".",
     )

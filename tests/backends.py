@@ -484,10 +484,10 @@ class RunningBackend:
 
 
 @asynccontextmanager
-async def running_backend(cfg: BackendConfig | None = None, port: int = 0) -> AsyncIterator[RunningBackend]:
-    """Serve a backend on 127.0.0.1 (a free port unless given) for the duration of the block."""
-    app = make_backend_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def serving_app(app: web.Application, port: int = 0, **runner_options: Any) -> AsyncIterator[int]:
+    """Serve any aiohttp ``app`` on 127.0.0.1 (a free port unless given) for the duration of the block;
+    yields the port. ``runner_options`` go to its ``web.AppRunner``."""
+    runner = web.AppRunner(app, **runner_options)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
@@ -495,9 +495,17 @@ async def running_backend(cfg: BackendConfig | None = None, port: int = 0) -> As
     assert server is not None
     real_port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
     try:
-        yield RunningBackend(f"http://127.0.0.1:{real_port}", real_port, app[CONFIG], app[STATS])
+        yield real_port
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def running_backend(cfg: BackendConfig | None = None, port: int = 0) -> AsyncIterator[RunningBackend]:
+    """Serve a backend on 127.0.0.1 (a free port unless given) for the duration of the block."""
+    app = make_backend_app(cfg)
+    async with serving_app(app, port, handler_cancellation=True, access_log=None) as real_port:
+        yield RunningBackend(f"http://127.0.0.1:{real_port}", real_port, app[CONFIG], app[STATS])
 
 
 def main() -> None:

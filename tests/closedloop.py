@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from specproxy.record import RoutedAs, SpanRecord
-from tests.spanfactory import EPOCH, T0, SyntheticRun
+from tests.spanfactory import T0, SyntheticRun, epoch_ns
 
 BASE_TPT = 0.008  # seconds per token at no load
 KNEE = 96.0  # the load at which a token takes twice as long (the H100 profile: about 300)
@@ -244,7 +244,7 @@ def _span(run_id: str, call: _Call, design: Design, round_no: int, end: float) -
         concurrency_level=design.level,
         round=round_no,
         t_start=start,
-        t_start_ns=(start - EPOCH) // timedelta(microseconds=1) * 1000,
+        t_start_ns=epoch_ns(start),
         ttft_s=ttft,
         e2e_s=end - call.start,
         decode_tok_s=(call.tokens - 1) / (end - first) if end > first else None,

@@ -19,7 +19,8 @@ from typing import Any
 import duckdb
 from aiohttp import web
 
-from specproxy.config import parse_experiment
+from specproxy.config import Arm, parse_experiment
+from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings
 from specproxy.proxy.server.app import STATE, ProxySettings, ProxyState, create_app
 from specproxy.proxy.server.connections import ClientLimits, ProxyRunner
 from tests.backends import BackendConfig, RunningBackend, running_backend
@@ -31,6 +32,11 @@ class RunningProxy:
     url: str
     state: ProxyState
     db: Path
+
+    def replay_settings(self, db_path: Path, load: LoadPlan) -> ReplaySettings:
+        """An in-process replay through this proxy: its one arm, ``target``, the baseline."""
+        arms = (Arm(name="target", url=self.url, role="baseline"),)
+        return ReplaySettings(arms=arms, db_path=db_path, show_progress=False, load=load)
 
 
 @asynccontextmanager
@@ -56,6 +62,18 @@ async def running_proxy(
         yield RunningProxy(f"http://127.0.0.1:{port}", app[STATE], db)
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def one_arm_proxy(
+    tmp_path: Path, cfg: BackendConfig | None = None
+) -> AsyncIterator[tuple[RunningProxy, RunningBackend]]:
+    """The proxy in front of one scripted backend, the baseline ``b``: yields the proxy and the backend."""
+    async with (
+        running_backend(cfg or BackendConfig()) as base,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+    ):
+        yield p, base
 
 
 @asynccontextmanager

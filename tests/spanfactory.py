@@ -37,6 +37,13 @@ DECODE_SIGMA = 0.35
 PAIR_SIGMA = 0.15
 T0 = datetime(2026, 11, 29, 9, 0, 0, tzinfo=UTC)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def epoch_ns(at: datetime) -> int:
+    """``at`` as a span's t_start_ns: nanoseconds since the epoch, to the microsecond a datetime holds."""
+    return (at - EPOCH) // timedelta(microseconds=1) * 1000
+
+
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts_total",
     "vllm:spec_decode_num_draft_tokens_total",
@@ -199,7 +206,7 @@ def make_run(
                         max_tokens=256,
                         prompt_tokens=100,
                         t_start=start,
-                        t_start_ns=(start - EPOCH) // timedelta(microseconds=1) * 1000,
+                        t_start_ns=epoch_ns(start),
                         ttft_s=ttft if status == "ok" else None,
                         e2e_s=e2e,
                         decode_tok_s=decode if status == "ok" else None,
@@ -348,7 +355,7 @@ def _live_span(
         stream=True,
         temperature=0.0,
         t_start=start,
-        t_start_ns=(start - EPOCH) // timedelta(microseconds=1) * 1000,
+        t_start_ns=epoch_ns(start),
         ttft_s=ttft,
         e2e_s=e2e,
         decode_tok_s=decode,

@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -161,11 +162,34 @@ def start_cli(
     )
 
 
+def interrupted_cli(
+    args: Sequence[str], metrics_url: str, answers: int, wait_s: float
+) -> tuple[int | None, str]:
+    """`specproxy ARGS...` sent SIGINT (as Ctrl-C would) once the test backend behind ``metrics_url`` has
+    answered ``answers`` calls, then given ``wait_s`` to exit: its exit status and its output."""
+
+    def answered() -> bool:
+        return metric_sum(metrics_url, "test_backend_completed_total") >= answers
+
+    proc = start_cli(args)
+    try:
+        wait_until_sync(answered, f"{answers} answers")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(wait_s)
+    finally:
+        out = stop(proc)
+    return proc.returncode, out
+
+
+def replay_target_args(log: Path, target: str, db: Path, *options: str) -> list[str]:
+    """The arguments of ``specproxy replay LOG --target URL`` writing its own spans to ``db``, without a
+    progress bar, with ``options`` (levels, rounds, ...): for :func:`run_cli` and :func:`start_cli`."""
+    return ["replay", str(log), "--target", target, "--db", str(db), "--no-progress", *options]
+
+
 def replay_target_argv(log: Path, target: str, db: Path, *options: str) -> list[str]:
-    """The command line of ``specproxy replay LOG --target URL`` writing its own spans to ``db``, without
-    a progress bar, with ``options`` (levels, rounds, ...): for ``subprocess.run`` and the like."""
-    command = [sys.executable, "-m", "specproxy", "replay", str(log), "--target", target]
-    return [*command, "--db", str(db), "--no-progress", *options]
+    """:func:`replay_target_args` as a whole command line, for ``subprocess.run`` and the like."""
+    return [sys.executable, "-m", "specproxy", *replay_target_args(log, target, db, *options)]
 
 
 @contextmanager
@@ -280,6 +304,16 @@ class Served:
     @property
     def returncode(self) -> int | None:
         return self.proc.returncode
+
+
+async def started_serve(config: Path, wait_s: float = WAIT_S) -> tuple[int, subprocess.Popen[bytes]]:
+    """`specproxy serve --config CONFIG --no-scrape` on a free port, ready: waited for off the event loop,
+    which may be running its arms. Returns the port and the process; :func:`stop` stops it (and so does
+    the end of the test if nothing did)."""
+    port = free_port()
+    proc = start_cli(["serve", "--config", str(config), "--port", str(port), "--no-scrape"])
+    await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", wait_s, proc)
+    return port, proc
 
 
 @contextmanager

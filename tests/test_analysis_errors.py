@@ -119,16 +119,22 @@ def _store_of_version(path: Path, version: int, source: Path) -> Path:
     return path
 
 
+def _reading_commands(db: Path, tmp_path: Path, query: str) -> list[tuple[str, ...]]:
+    """The arguments of analyze, sql (running ``query``) and report on ``db``: each command that reads a
+    span store."""
+    return [
+        ("analyze", str(db)),
+        ("sql", str(db), query),
+        ("report", str(db), "-o", str(tmp_path / "r.html")),
+    ]
+
+
 def test_a_foreign_requests_table_is_not_a_span_store(tmp_path: Path) -> None:
     foreign = tmp_path / "foreign.duckdb"
     with duckdb.connect(str(foreign)) as conn:
         conn.execute("CREATE TABLE requests (id INTEGER, url VARCHAR)")
         conn.execute("INSERT INTO requests VALUES (1, 'http://example')")
-    for args in (
-        ("analyze", str(foreign)),
-        ("sql", str(foreign), "SELECT count(*) FROM arm_summary"),
-        ("report", str(foreign), "-o", str(tmp_path / "r.html")),
-    ):
+    for args in _reading_commands(foreign, tmp_path, "SELECT count(*) FROM arm_summary"):
         failed_with(cli(*args), f"{foreign} is a DuckDB file but not a specproxy span store", "requests")
 
 
@@ -138,11 +144,7 @@ def test_a_requests_table_of_the_wrong_shape_is_named(store: Path, tmp_path: Pat
     with duckdb.connect(str(mangled)) as conn:
         conn.execute("ALTER TABLE requests DROP COLUMN ttft_s")
         conn.execute("ALTER TABLE requests ALTER COLUMN e2e_s TYPE VARCHAR")
-    for args in (
-        ("analyze", str(mangled)),
-        ("sql", str(mangled), "SELECT 1"),
-        ("report", str(mangled), "-o", str(tmp_path / "r.html")),
-    ):
+    for args in _reading_commands(mangled, tmp_path, "SELECT 1"):
         failed_with(
             cli(*args),
             f"schema version {schema.SCHEMA_VERSION}",

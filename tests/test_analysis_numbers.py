@@ -38,12 +38,22 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Synthetic
     return path, run
 
 
-@pytest.fixture(scope="module")
-def analyzed_json(synthetic: tuple[Path, SyntheticRun]) -> dict[str, Any]:
-    result = _cli("analyze", str(synthetic[0]), "--format", "json")
+def analyze_json(path: Path, *options: str) -> dict[str, Any]:
+    """`specproxy analyze PATH --format json OPTIONS...`, succeeded, as the document it printed."""
+    result = _cli("analyze", str(path), "--format", "json", *options)
     assert result.returncode == 0, result.stderr
     doc: dict[str, Any] = json.loads(result.stdout)
     return doc
+
+
+def rows_by_arm(path: Path) -> dict[str, dict[str, Any]]:
+    """The rows of the one run in ``path`` that `analyze` judges, by arm (a run of one level)."""
+    return {r["arm"]: r for r in analyze_json(path)["runs"][0]["rows"]}
+
+
+@pytest.fixture(scope="module")
+def analyzed_json(synthetic: tuple[Path, SyntheticRun]) -> dict[str, Any]:
+    return analyze_json(synthetic[0])
 
 
 def expected_figures(run: SyntheticRun) -> dict[tuple[str, str], dict[str, Any]]:
@@ -260,9 +270,7 @@ def _one_round(rule: str, row: dict[str, Any]) -> str:
 def test_intervals_hold_jointly_over_the_levels_the_deploy_verdict_reads(
     synthetic: tuple[Path, SyntheticRun], options: tuple[str, ...], read: int
 ) -> None:
-    result = _cli("analyze", str(synthetic[0]), "--format", "json", *options)
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(result.stdout)["runs"][0]["rows"]
+    rows = analyze_json(synthetic[0], *options)["runs"][0]["rows"]
     confidences = [r["confidence"] for r in rows if r["role"] != "baseline"]
     assert len(confidences) == 9 and confidences == pytest.approx([1 - 0.05 / read] * 9)  # 3 arms, 3 levels
 
@@ -431,9 +439,7 @@ def test_split_traffic_compares_per_call_token_rates(tmp_path: Path) -> None:
     arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
     run = make_run(arms, levels=(None,), n_per_level=400, paired=False, split_cycle=[0, 0, 0, 1], seed=2)
     path = write_db(tmp_path / "split.duckdb", [run])
-    result = _cli("analyze", str(path), "--format", "json")
-    assert result.returncode == 0, result.stderr
-    rows = {r["arm"]: r for r in json.loads(result.stdout)["runs"][0]["rows"]}
+    rows = rows_by_arm(path)
     cand, base = rows["eagle3"], rows["baseline"]
     assert cand["paired"] is False and cand["calls"] == 100 and base["calls"] == 300
 
@@ -458,9 +464,7 @@ def test_sampled_shadow_traffic_compares_per_call_token_rates(tmp_path: Path) ->
     arms = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
     run = make_run(arms, levels=(None,), n_per_level=400, shadow_sample=0.25, seed=3)
     path = write_db(tmp_path / "shadow.duckdb", [run])
-    result = _cli("analyze", str(path), "--format", "json")
-    assert result.returncode == 0, result.stderr
-    rows = {r["arm"]: r for r in json.loads(result.stdout)["runs"][0]["rows"]}
+    rows = rows_by_arm(path)
     cand, base = rows["eagle3"], rows["baseline"]
     assert cand["paired"] is True and cand["calls"] == 100 and base["calls"] == 400
     assert cand["throughput_basis"] == "per call"

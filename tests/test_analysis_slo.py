@@ -43,7 +43,7 @@ from specproxy.analysis.verdicts.evaluation import Settings
 from specproxy.config import ConfigError, experiment_json, parse_experiment
 from specproxy.record import SpanRecord
 from specproxy.slo import SloError, parse_slo
-from tests.spanfactory import EPOCH, T0, ArmSpec, SyntheticRun, health_row, make_run, write_db
+from tests.spanfactory import T0, ArmSpec, SyntheticRun, epoch_ns, health_row, make_run, write_db
 from tests.support import run_cli as _cli
 
 LEVELS = (1, 2, 4, 8)
@@ -76,7 +76,7 @@ def _span(arm: str, level: int, i: int, ttft: float) -> SpanRecord:
         stream=True,
         temperature=0.0,
         t_start=start,
-        t_start_ns=(start - EPOCH) // timedelta(microseconds=1) * 1000,
+        t_start_ns=epoch_ns(start),
         ttft_s=ttft,
         e2e_s=E2E_S,
         decode_tok_s=(TOKENS - 1) / (E2E_S - ttft) if ttft < E2E_S else 50.0,

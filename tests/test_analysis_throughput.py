@@ -16,7 +16,7 @@ from specproxy.analysis.slo.goodput import slo_level_figures
 from specproxy.record import SpanRecord
 from specproxy.slo import parse_slo
 from specproxy.visits import IDLE_GAP_S
-from tests.spanfactory import EPOCH, ArmSpec, make_run, write_db
+from tests.spanfactory import ArmSpec, epoch_ns, make_run, write_db
 
 ARMS = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
 
@@ -24,9 +24,7 @@ ARMS = [ArmSpec("baseline", "baseline", "none"), ArmSpec("eagle3", speedup=1.5)]
 def _moved(span: SpanRecord, seconds: float) -> SpanRecord:
     assert span.t_start is not None
     start = span.t_start + timedelta(seconds=seconds)
-    return dataclasses.replace(
-        span, t_start=start, t_start_ns=(start - EPOCH) // timedelta(microseconds=1) * 1000
-    )
+    return dataclasses.replace(span, t_start=start, t_start_ns=epoch_ns(start))
 
 
 def _start_s(span: SpanRecord) -> float:

@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from specproxy.proxy.upstream.engines import engine_of_models
+from tests.backends import serving_app
 from tests.proxies import running_proxy, spans
-from tests.support import free_port
 
 # llama-cpp-python 0.3.36's server, as recorded: /v1/models says owned_by "me" beside a permissions
 # list; answers echo the requested model, carry no engine field, and are serialized by json.dumps.
@@ -82,14 +82,8 @@ async def llama_cpp_python_fake(owner: str) -> AsyncIterator[tuple[str, list[dic
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with serving_app(app) as port:
         yield f"http://127.0.0.1:{port}", bodies
-    finally:
-        await runner.cleanup()
 
 
 @pytest.mark.parametrize(("owner", "engine"), [("me", "llamacpp"), ("someone", "unknown")])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -87,6 +88,11 @@ def _experiment(tmp_path: Path, arms: list[dict[str, Any]], name: str = "e") -> 
     return path
 
 
+def _up(path: Path, fake_vllm: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """`specproxy engines up PATH` with the fake vLLM as its --vllm-bin."""
+    return _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), *options)
+
+
 @pytest.fixture
 def cleanup() -> Iterator[list[Path]]:
     """Experiments whose engines must be stopped whatever the test did."""
@@ -122,7 +128,7 @@ def test_up_status_down_with_vllm(tmp_path: Path, fake_vllm: Path, cleanup: list
         ],
     )
     cleanup.append(path)
-    up = _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--health-timeout", "30")
+    up = _up(path, fake_vllm, "--health-timeout", "30")
     assert up.returncode == 0, up.stderr
     assert "baseline is healthy" in up.stderr and "ngram is healthy" in up.stderr
 
@@ -157,7 +163,7 @@ def test_up_status_down_with_vllm(tmp_path: Path, fake_vllm: Path, cleanup: list
     assert [a["healthy"] for a in as_json["arms"]] == [True, True]
 
     # Starting again while they run is refused.
-    again = _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm))
+    again = _up(path, fake_vllm)
     assert again.returncode == 1
     assert "already in use" in again.stderr or "already running" in again.stderr
 
@@ -193,7 +199,7 @@ def test_engine_that_crashes_on_start_is_reported_with_its_log_tail(
         ],
     )
     cleanup.append(path)
-    up = _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--health-timeout", "30")
+    up = _up(path, fake_vllm, "--health-timeout", "30")
     assert up.returncode == 1
     assert "arm 'eagle3' exited with code 3 while starting" in up.stderr
     assert "CUDA out of memory. Tried to allocate 2.00 GiB" in up.stderr
@@ -218,7 +224,7 @@ def test_health_timeout_shows_the_log_tail(tmp_path: Path, fake_vllm: Path, clea
         ],
     )
     cleanup.append(path)
-    up = _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--health-timeout", "2")
+    up = _up(path, fake_vllm, "--health-timeout", "2")
     assert up.returncode == 1
     assert "arm 'baseline' did not answer http://127.0.0.1:" in up.stderr
     assert "within 2 s (raise --health-timeout for large models)" in up.stderr
@@ -240,7 +246,7 @@ def test_down_kills_an_engine_that_ignores_sigterm(
         ],
     )
     cleanup.append(path)
-    up = _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--no-stack")
+    up = _up(path, fake_vllm, "--no-stack")
     assert up.returncode == 0, up.stderr
     state = read_state(load_experiment(path))
     assert state is not None and state.arms[0].stack is None
@@ -252,7 +258,7 @@ def test_down_kills_an_engine_that_ignores_sigterm(
 def test_status_reports_an_arm_that_died(tmp_path: Path, fake_vllm: Path, cleanup: list[Path]) -> None:
     path = _experiment(tmp_path, [{"name": "baseline", "port": free_port(), "engine": "{ gpus = [0] }"}])
     cleanup.append(path)
-    assert _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--no-stack").returncode == 0
+    assert _up(path, fake_vllm, "--no-stack").returncode == 0
     state = read_state(load_experiment(path))
     assert state is not None
     os.killpg(state.arms[0].pid, signal.SIGKILL)
@@ -280,7 +286,7 @@ def test_down_stops_the_workers_of_an_engine_that_died(
         ],
     )
     cleanup.append(path)
-    assert _cli("engines", "up", str(path), "--vllm-bin", str(fake_vllm), "--no-stack").returncode == 0
+    assert _up(path, fake_vllm, "--no-stack").returncode == 0
     state = read_state(load_experiment(path))
     assert state is not None
     # The API server dies alone (as after a crash); its worker keeps running in the group.

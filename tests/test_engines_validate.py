@@ -19,6 +19,15 @@ from specproxy.engines.launch.validate import Finding, check_experiment, engine_
 from tests.support import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+# An experiment file's start: the model and a baseline arm ``b`` (a test adds to the arm, or more arms).
+BASELINE_FILE = f"""
+[experiment]
+model = "{MODEL}"
+[[arms]]
+name = "b"
+role = "baseline"
+url = "http://127.0.0.1:8001"
+"""
 
 
 def _exp(*arms: dict[str, Any], model: str | None = MODEL) -> Experiment:
@@ -61,13 +70,7 @@ def test_unknown_and_removed_methods_are_rejected_when_the_file_loads(tmp_path: 
         ("lookahead", "unknown method 'lookahead' (one of:"),
     ):
         path = tmp_path / f"{method}.toml"
-        path.write_text(f"""
-[experiment]
-model = "{MODEL}"
-[[arms]]
-name = "b"
-role = "baseline"
-url = "http://127.0.0.1:8001"
+        path.write_text(f"""{BASELINE_FILE}
 [[arms]]
 name = "c"
 url = "http://127.0.0.1:8002"
@@ -81,13 +84,7 @@ speculative = {{ method = "{method}", num_speculative_tokens = 3 }}
 
 def test_ngram_min_above_max_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "exp.toml"
-    path.write_text(f"""
-[experiment]
-model = "{MODEL}"
-[[arms]]
-name = "b"
-role = "baseline"
-url = "http://127.0.0.1:8001"
+    path.write_text(f"""{BASELINE_FILE}
 speculative = {{ method = "ngram", prompt_lookup_min = 6, prompt_lookup_max = 3 }}
 """)
     result = CliRunner().invoke(main, ["engines", "up", str(path), "--engine", "sim"])

@@ -30,8 +30,8 @@ from specproxy.proxy.upstream.scrape import engine_load, parse_metrics, snapshot
 from specproxy.proxy.upstream.sse import CompletionTap, SSEParser
 from specproxy.proxy.upstream.tokens import ChunkEvidence, count_completion_tokens
 from specproxy.schema import migrate
+from tests.backends import serving_app
 from tests.proxies import running_proxy, spans, wait_for_calls
-from tests.support import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama_server"
 JSON_UTF8 = "application/json; charset=utf-8"
@@ -93,14 +93,8 @@ async def recorded_server(server: str) -> AsyncIterator[tuple[str, RecordedServe
     app.router.add_post(PATHS["chat"], recorded.answer)
     app.router.add_post(PATHS["completions"], recorded.answer)
     app.router.add_get("/metrics", recorded.metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with serving_app(app) as port:
         yield f"http://127.0.0.1:{port}", recorded
-    finally:
-        await runner.cleanup()
 
 
 def _client_body(endpoint: str, stream: bool, include_usage: bool | None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans, wait_for_calls
-from tests.support import free_port, start_cli, stop, wait_http, wait_until
+from tests.support import started_serve, stop, wait_until
 from tests.test_proxy_hardening import CHAT, no_tracebacks, post, raw_exchange, status_and_error
 
 
@@ -171,11 +171,9 @@ async def test_the_cap_and_the_half_close_under_serve_on_uvloop(tmp_path: Path) 
             f'[experiment]\nname = "cap"\nmode = "shadow"\ndb = "{tmp_path / "s.duckdb"}"\n'
             f'max_client_connections = 2\n\n[[arms]]\nname = "b"\nrole = "baseline"\nurl = "{base.url}"\n'
         )
-        port = free_port()
+        port, proc = await started_serve(cfg)
         url = f"http://127.0.0.1:{port}"
-        proc = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--no-scrape"])
         try:
-            await asyncio.to_thread(wait_http, url + "/health", 30.0, proc)
             held = [
                 asyncio.create_task(raw_exchange(url, post("/v1/chat/completions", CHAT))) for _ in range(2)
             ]

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from tests.backends import BackendConfig, running_backend
-from tests.proxies import running_proxy, spans
+from tests.proxies import one_arm_proxy, running_proxy, spans
 from tests.test_proxy_app import shadow_arms
 
 CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
@@ -81,10 +81,7 @@ async def test_an_api_key_of_undecodable_bytes_is_refused_not_a_crash(
 async def test_a_content_encoding_the_body_does_not_have_is_a_400(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, encoding: bytes
 ) -> None:
-    async with (
-        running_backend(BackendConfig()) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
-    ):
+    async with one_arm_proxy(tmp_path) as (p, base):
         out = await raw_exchange(p.url, post("/v1/chat/completions", CHAT, b"Content-Encoding: " + encoding))
         status, err = status_and_error(out)
         assert status == 400 and "Content-Encoding" in err["message"], out[:400]
@@ -104,10 +101,7 @@ def nested(depth: int) -> bytes:
 async def test_json_nested_too_deep_is_a_400_and_shallower_json_passes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, depth: int, where: str
 ) -> None:
-    async with (
-        running_backend(BackendConfig()) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
-    ):
+    async with one_arm_proxy(tmp_path) as (p, base):
         for d, want in ((depth, 400), (60, 200)):
             if where == "messages":  # (the body, messages, a message: 3 levels)
                 body = b'{"messages": [{"role": "user", "content": ' + nested(d - 3) + b"}]}"
@@ -178,10 +172,7 @@ MALFORMED = [
 async def test_a_baseline_sending_malformed_events_ends_the_stream_with_an_error_and_a_502(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, event: bytes
 ) -> None:
-    async with (
-        running_backend(BackendConfig(script=(GOOD_CHUNK, event))) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
-    ):
+    async with one_arm_proxy(tmp_path, BackendConfig(script=(GOOD_CHUNK, event))) as (p, base):
         streamed = await raw_exchange(
             p.url, post("/v1/completions", orjson.dumps({"prompt": "p", "stream": True}))
         )
@@ -199,10 +190,8 @@ async def test_a_baseline_sending_malformed_events_ends_the_stream_with_an_error
 
 
 async def test_empty_data_lines_are_keep_alives_not_malformed(tmp_path: Path) -> None:
-    async with (
-        running_backend(BackendConfig(script=(b"", GOOD_CHUNK, b" ", GOOD_CHUNK))) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
-    ):
+    script = (b"", GOOD_CHUNK, b" ", GOOD_CHUNK)
+    async with one_arm_proxy(tmp_path, BackendConfig(script=script)) as (p, base):
         body = orjson.dumps({"model": "m", "prompt": "p", "stream": True})
         out = await raw_exchange(p.url, post("/v1/completions", body))
         assert out.startswith(b"HTTP/1.1 200") and b"[DONE]" in out and b'"error"' not in out
@@ -275,10 +264,7 @@ async def test_malformed_http_gets_one_log_line_and_a_json_400(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, request_bytes: bytes
 ) -> None:
     caplog.set_level(logging.INFO)
-    async with (
-        running_backend(BackendConfig()) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
-    ):
+    async with one_arm_proxy(tmp_path) as (p, base):
         out = await raw_exchange(p.url, request_bytes)
         status, err = status_and_error(out)
         assert 400 <= status < 500 and err["message"], out[:300]
@@ -293,10 +279,7 @@ async def test_malformed_http_gets_one_log_line_and_a_json_400(
 async def test_no_host_header_and_unknown_encodings_are_answered_in_json(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with (
-        running_backend(BackendConfig()) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
-    ):
+    async with one_arm_proxy(tmp_path) as (p, base):
         body = orjson.dumps({"prompt": "p"})
         no_host = b"POST /v1/completions HTTP/1.1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
         out = await raw_exchange(p.url, no_host % (len(body), body))
@@ -339,10 +322,7 @@ async def test_expect_100_continue_over_the_limit_is_a_413_before_the_body(tmp_p
 async def test_the_concurrency_level_header_takes_ascii_digits_only(
     tmp_path: Path, level: bytes, ok: bool
 ) -> None:
-    async with (
-        running_backend(BackendConfig()) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
-    ):
+    async with one_arm_proxy(tmp_path) as (p, base):
         body = orjson.dumps({"prompt": "p"})
         out = await raw_exchange(
             p.url, post("/v1/completions", body, b"X-Specproxy-Concurrency-Level: " + level)
@@ -406,10 +386,7 @@ async def test_slowloris_connections_are_closed_and_never_starve_real_or_slow_re
 async def test_errors_aiohttp_raises_on_any_path_are_json_and_broken_bodies_log_one_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, path: bytes
 ) -> None:
-    async with (
-        running_backend(BackendConfig()) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
-    ):
+    async with one_arm_proxy(tmp_path) as (p, base):
         head = b"POST %b HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 4\r\n" % path
         out = await raw_exchange(p.url, head + b"Expect: something\r\n\r\nabcd")
         assert status_and_error(out)[0] == 417

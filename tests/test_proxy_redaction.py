@@ -13,8 +13,7 @@ import duckdb
 import orjson
 import pytest
 
-from tests.backends import BackendConfig, running_backend
-from tests.proxies import running_proxy
+from tests.proxies import one_arm_proxy
 from tests.test_proxy_hardening import post, raw_exchange
 
 SECRET = b"sk-PLANTEDsecret4711"
@@ -53,10 +52,7 @@ async def test_refused_requests_quote_no_header_value_or_body_byte(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, request_bytes: bytes
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    async with (
-        running_backend(BackendConfig()) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
-    ):
+    async with one_arm_proxy(tmp_path) as (p, base):
         out = await raw_exchange(p.url, request_bytes)
         assert out.startswith((b"HTTP/1.1 ", b"HTTP/1.0 ")), out[:300]
         assert planted(out) == [], out[:500]

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from tests.backends import BackendConfig, running_backend
-from tests.support import free_port, start_cli, stop, wait_http, wait_until
+from tests.support import started_serve, stop, wait_until
 
 N = 64  # calls in flight at the signal: half streams, half plain
 
@@ -34,11 +34,9 @@ async def test_calls_running_at_the_end_of_the_grace_are_cut_with_an_error_the_c
             f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{base.url}"\n\n'
             f'[[arms]]\nname = "cand"\nurl = "{cand.url}"\n'
         )
-        port = free_port()
+        port, proc = await started_serve(cfg)
         url = f"http://127.0.0.1:{port}"
-        proc = start_cli(["serve", "--config", str(cfg), "--port", str(port), "--no-scrape"])
         try:
-            await asyncio.to_thread(wait_http, url + "/health", 30.0, proc)
             async with aiohttp.ClientSession() as s:
 
                 async def one(i: int) -> tuple[int, bytes, str | None]:

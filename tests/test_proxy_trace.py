@@ -9,12 +9,11 @@ import aiohttp
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specproxy.config import Arm
-from specproxy.proxy.replay.formats import ReplayItem
-from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings, run_replay
+from specproxy.proxy.replay.runner import LoadPlan, run_replay
 from specproxy.proxy.upstream.calls import upstream_request_id
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans, two_arm_proxy
+from tests.support import chat_items
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
@@ -110,17 +109,8 @@ async def test_replay_through_the_proxy_labels_its_spans_with_each_level_and_rou
         running_backend(BackendConfig(tokens=3)) as base,
         running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": base.url}]) as p,
     ):
-        items = [
-            ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"q {i}"}]})
-            for i in range(6)
-        ]
-        settings = ReplaySettings(
-            arms=(Arm(name="target", url=p.url, role="baseline"),),
-            db_path=tmp_path / "replay.duckdb",
-            show_progress=False,
-            load=LoadPlan(levels=(1, 3), warmup=0, rounds=2),
-        )
-        result = await run_replay(settings, items)
+        settings = p.replay_settings(tmp_path / "replay.duckdb", LoadPlan(levels=(1, 3), warmup=0, rounds=2))
+        result = await run_replay(settings, chat_items(6))
         assert result.per_arm["target"].ok == 24
     phases = sorted((r["concurrency_level"], r["round"]) for r in spans(p.db))
     assert phases == [(c, k) for c in (1, 3) for k in (1, 2) for _ in range(6)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ from specproxy.schema import level_sql, rate_label
 from tests.backends import BackendConfig, running_backend
 from tests.proxies import running_proxy, spans
 from tests.spanfactory import ArmSpec, health_row, make_run, write_db
+from tests.support import chat_items, run_cli, simulators
 from tests.support import query_rows as rows
-from tests.support import run_cli, simulators
 
 ROOT = Path(__file__).resolve().parents[1]
 # A lab's or a replay's test on a loaded shared machine takes minutes: pytest-timeout's hang guard
@@ -223,32 +224,35 @@ def test_rate_mistakes_are_sentences(tmp_path: Path, args: list[str], message: s
     assert message in res.stderr and "Traceback" not in res.stderr
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_small_lab_sweeps_rates(tmp_path: Path) -> None:
-    out = tmp_path / "lab"
-    res = cli(
+def small_rate_lab(out: Path, rates: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """A quick lab of simulated arms (no replica) at the open-loop ``rates``, 4 items and 2 rounds a
+    level, the simulators at time scale 2, writing to ``out``."""
+    return cli(
         "lab",
         "--no-progress",
         "--quick",
         "--rates",
-        "4,2",
+        rates,
         "--items",
         "4",
         "--rounds",
         "2",
         "--deciding-rounds",
         "0",
-        # the counts below are the planned rounds'; a busy machine would add extra ones
-        "--extra-rounds",
-        "0",
         "--time-scale",
         "2",
         "--no-replica",
-        "--at-rate",
-        "2",
+        *args,
         "--out",
         str(out),
     )
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_small_lab_sweeps_rates(tmp_path: Path) -> None:
+    out = tmp_path / "lab"
+    # the counts below are the planned rounds'; a busy machine would add extra ones
+    res = small_rate_lab(out, "4,2", "--extra-rounds", "0", "--at-rate", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "sweep open-loop rates 4,2 req/s in paired mode, 2 rounds per level" in res.stderr
     levels = re.findall(r"^(r=\d+)\s+(\w+)\s+\d+/\d+\s", res.stdout, re.M)
@@ -279,17 +283,8 @@ async def test_a_rate_sweep_through_the_proxy_labels_its_spans_with_each_rate(tm
         running_proxy(tmp_path / "proxy", [{"name": "base", "role": "baseline", "url": base.url}]) as p,
         aiohttp.ClientSession() as session,
     ):
-        items = [
-            ReplayItem(f"q{i}", "chat", {"messages": [{"role": "user", "content": f"q {i}"}]})
-            for i in range(4)
-        ]
-        settings = ReplaySettings(
-            arms=(Arm(name="target", url=p.url, role="baseline"),),
-            db_path=tmp_path / "replay.duckdb",
-            show_progress=False,
-            load=LoadPlan(kind="rate", rates=(100.0, 50.0), warmup=0),
-        )
-        result = await run_replay(settings, items)
+        load = LoadPlan(kind="rate", rates=(100.0, 50.0), warmup=0)
+        result = await run_replay(p.replay_settings(tmp_path / "replay.duckdb", load), chat_items(4))
         assert result.per_arm["target"].ok == 8
         header = "X-Specproxy-Offered-Rate"
         for bad in ("fast", "0", "-2", "nan", "inf"):
@@ -311,30 +306,7 @@ def slo_of(db: Path, *args: str) -> dict[str, Any]:
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_a_rate_sweep_at_an_slo_has_its_capacity_in_requests_per_second(tmp_path: Path) -> None:
     out = tmp_path / "lab"
-    res = cli(
-        "lab",
-        "--no-progress",
-        "--quick",
-        "--rates",
-        "1,2",
-        "--items",
-        "4",
-        "--rounds",
-        "2",
-        "--deciding-rounds",
-        "0",
-        "--time-scale",
-        "2",
-        "--no-replica",
-        "--slo",
-        "e2e_p95=120s",
-        "--peak-rate",
-        "2",
-        "--gpu-hour-usd",
-        "2",
-        "--out",
-        str(out),
-    )
+    res = small_rate_lab(out, "1,2", "--slo", "e2e_p95=120s", "--peak-rate", "2", "--gpu-hour-usd", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     db = out / "specproxy.duckdb"
     slo = slo_of(db)

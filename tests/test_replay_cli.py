@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,12 +14,10 @@ from specproxy.cli import main
 from tests.support import (
     backend_process,
     free_port,
-    metric_sum,
+    interrupted_cli,
+    replay_target_args,
     run_cli,
     serving,
-    start_cli,
-    stop,
-    wait_until_sync,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,18 +128,10 @@ def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
 def test_ctrl_c_stops_cleanly_and_keeps_spans(tmp_path: Path, backend_url: str) -> None:
     log = write_custom(tmp_path / "log.jsonl", 5000)
     db = tmp_path / "out.duckdb"
-    proc = start_cli(
-        ["replay", str(log), "--target", backend_url, "--concurrency", "4", "--db", str(db), "--no-progress"]
-    )
-    try:
-        # Under way: the 4 warm-up calls and 8 measured ones answered (at most 4 more are in flight).
-        metrics = backend_url + "/metrics"
-        wait_until_sync(lambda: metric_sum(metrics, "test_backend_completed_total") >= 12, "12 answers")
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
-    finally:
-        out = stop(proc)
-    assert proc.returncode == 130, out
+    argv = replay_target_args(log, backend_url, db, "--concurrency", "4")
+    # Under way: the 4 warm-up calls and 8 measured ones answered (at most 4 more are in flight).
+    code, out = interrupted_cli(argv, backend_url + "/metrics", 12, 30)
+    assert code == 130, out
     assert "interrupted: the spans measured so far are kept" in out and "Traceback" not in out
     with duckdb.connect(str(db), read_only=True) as conn:
         ok, other = conn.execute(
@@ -184,13 +173,19 @@ def test_help_lists_every_option() -> None:
     assert "[default: 0; x>=0]" in said.split("--extra-rounds", 1)[1].split("--warmup", 1)[0]
 
 
-def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str) -> None:
-    """replay --target a real `specproxy serve` (shadow mode), then replay the capture it wrote."""
+def _shadow_config(tmp_path: Path, url: str) -> Path:
+    """A shadow-mode experiment file whose baseline ``base`` and candidate ``cand`` are both ``url``."""
     cfg = tmp_path / "exp.toml"
     cfg.write_text(
         f'[experiment]\nmode = "shadow"\n\n[[arms]]\nname = "base"\nrole = "baseline"\n'
-        f'url = "{backend_url}"\n\n[[arms]]\nname = "cand"\nurl = "{backend_url}"\n'
+        f'url = "{url}"\n\n[[arms]]\nname = "cand"\nurl = "{url}"\n'
     )
+    return cfg
+
+
+def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str) -> None:
+    """replay --target a real `specproxy serve` (shadow mode), then replay the capture it wrote."""
+    cfg = _shadow_config(tmp_path, backend_url)
     proxy_db, client_db = tmp_path / "proxy.duckdb", tmp_path / "client.duckdb"
     capture = tmp_path / "cap.jsonl"
     with serving(cfg, "--db", str(proxy_db), "--capture", str(capture)) as served:
@@ -200,21 +195,8 @@ def test_through_serve_then_replay_its_capture(tmp_path: Path, backend_url: str)
                 json.dumps({"question_id": i, "category": "qa", "turns": [f"q {i}"]}) + "\n" for i in range(6)
             )
         )
-        res = run_cli(
-            "replay",
-            str(log),
-            "--target",
-            served.url,
-            "--concurrency",
-            "2",
-            "--max-tokens",
-            "5",
-            "--db",
-            str(client_db),
-            "--rounds",
-            "1",
-            "--no-progress",
-        )
+        options = ("--concurrency", "2", "--max-tokens", "5", "--rounds", "1")
+        res = run_cli(*replay_target_args(log, served.url, client_db, *options))
         assert res.returncode == 0, res.stderr
     assert served.returncode == 0, served.output
     with duckdb.connect(str(client_db), read_only=True) as conn:
@@ -250,28 +232,13 @@ def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
     """replay --target with rounds: the proxy's spans carry each call's level and round; and serve writes
     its own health (loop lag, queueing per arm) for the live traffic it carried, and again for each
     level-round replay named."""
-    cfg = tmp_path / "exp.toml"
-    cfg.write_text(
-        f'[experiment]\nmode = "shadow"\n\n[[arms]]\nname = "base"\nrole = "baseline"\n'
-        f'url = "{backend_url}"\n\n[[arms]]\nname = "cand"\nurl = "{backend_url}"\n'
-    )
+    cfg = _shadow_config(tmp_path, backend_url)
     proxy_db = tmp_path / "proxy.duckdb"
     with serving(cfg, "--db", str(proxy_db)) as served:
         log = tmp_path / "question.jsonl"
         log.write_text("".join(json.dumps({"question_id": i, "turns": [f"q {i}"]}) + "\n" for i in range(4)))
-        res = run_cli(
-            "replay",
-            str(log),
-            "--target",
-            served.url,
-            "--concurrency",
-            "1,2",
-            "--rounds",
-            "2",
-            "--db",
-            str(tmp_path / "client.duckdb"),
-            "--no-progress",
-        )
+        options = ("--concurrency", "1,2", "--rounds", "2")
+        res = run_cli(*replay_target_args(log, served.url, tmp_path / "client.duckdb", *options))
         assert res.returncode == 0, res.stderr
     assert served.returncode == 0, served.output
     with duckdb.connect(str(proxy_db), read_only=True) as conn:

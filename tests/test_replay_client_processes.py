@@ -33,11 +33,10 @@ from specproxy.proxy.upstream.calls import UpstreamState
 from tests.support import (
     backend_process,
     chat_items,
+    interrupted_cli,
     metric_sum,
+    replay_target_args,
     simulators,
-    start_cli,
-    stop,
-    wait_until_sync,
 )
 from tests.support import query_rows as rows
 
@@ -197,18 +196,12 @@ def test_ctrl_c_with_client_processes_keeps_every_process_calls(tmp_path: Path) 
     )
     db = tmp_path / "out.duckdb"
     with backend_process("--ttft-ms", "2", "--itl-ms", "5", "--tokens", "8") as url:
-        argv = ["replay", str(log), "--target", url, "--concurrency", "4", "--db", str(db), "--no-progress"]
-        proc = start_cli([*argv, "--client-processes", "2"])
-        try:
-            # Under way in both processes (with --target there is no warm-up): 16 calls answered.
-            metrics = url + "/metrics"
-            wait_until_sync(lambda: metric_sum(metrics, "test_backend_completed_total") >= 16, "16 answers")
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
-        finally:
-            out = stop(proc)
+        argv = replay_target_args(log, url, db, "--concurrency", "4")
+        metrics = url + "/metrics"
+        # Under way in both processes (with --target there is no warm-up): 16 calls answered.
+        code, out = interrupted_cli([*argv, "--client-processes", "2"], metrics, 16, 60)
         answered = metric_sum(metrics, "test_backend_completed_total")
-    assert proc.returncode == 130, out
+    assert code == 130, out
     assert "interrupted: the spans measured so far are kept" in out and "Traceback" not in out
     ((ok, other),) = rows(
         db, "SELECT count(*) FILTER (status = 'ok'), count(*) FILTER (status <> 'ok') FROM requests"

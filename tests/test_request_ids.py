@@ -17,7 +17,7 @@ from aiohttp import web
 
 from specproxy.proxy.upstream.calls import upstream_request_id
 from tests import processes
-from tests.backends import STATS, BackendConfig, BackendStats, make_backend_app
+from tests.backends import STATS, BackendConfig, BackendStats, make_backend_app, serving_app
 from tests.proxies import running_proxy, spans
 from tests.support import replay_target_argv, wait_for_count
 
@@ -38,17 +38,8 @@ async def uuid_request_ids_only(request: web.Request, handler: Handler) -> web.S
 async def strict_backend() -> AsyncIterator[tuple[str, BackendStats]]:
     app = make_backend_app(BackendConfig(tokens=4))
     app.middlewares.append(uuid_request_ids_only)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = site._server
-    assert server is not None
-    port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
-    try:
+    async with serving_app(app, access_log=None) as port:
         yield f"http://127.0.0.1:{port}", app[STATS]
-    finally:
-        await runner.cleanup()
 
 
 def test_upstream_ids_are_uuids_that_keep_the_id_they_stand_for() -> None:

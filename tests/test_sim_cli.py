@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from specproxy.engines.sim.cli import build_config
-from specproxy.engines.sim.config import Faults, SpeculativeConfig
+from specproxy.engines.sim.cli import speculative_from_flags
+from specproxy.engines.sim.config import SpeculativeConfig
 from specproxy.lab.arms import LAB_ARMS
 from tests.support import free_port, run_cli, start_cli, stop, wait_http
 
@@ -125,18 +125,5 @@ def test_help_lists_every_option() -> None:
 def test_method_shorthand_is_the_labs_arm(arm: str) -> None:
     """`specproxy sim --method M` runs the speculative config the lab's arm M runs."""
     lab_spec = next(spec for name, spec in LAB_ARMS if name == arm) or {}
-    config = build_config(
-        method=arm,
-        num_speculative_tokens=None,
-        speculative_config=None,
-        model="m",
-        served_model_name=None,
-        profile="h100-llama3.1-8b",
-        time_scale=1.0,
-        seed=0,
-        per_request_spec_decode_metrics="summary",
-        max_num_seqs=None,
-        max_num_batched_tokens=None,
-        faults=Faults(),
-    )
-    assert config.speculative == SpeculativeConfig.from_dict(lab_spec)
+    spec = speculative_from_flags(method=arm, num_speculative_tokens=None, speculative_config=None)
+    assert spec == SpeculativeConfig.from_dict(lab_spec)

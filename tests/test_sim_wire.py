@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionChunk, ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
 from specproxy.engines.sim.config import SimConfig, SpeculativeConfig
 from specproxy.engines.sim.server import RunningSim, running_sim
@@ -18,6 +19,21 @@ EAGLE3 = SpeculativeConfig.from_dict({"method": "eagle3", "model": "e3", "num_sp
 QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "Tell me about the market and the energy plan of the city."}
 ]
+
+
+async def _greedy_stream(
+    client: openai.AsyncOpenAI, max_tokens: int, request_id: str, extra_body: dict[str, Any]
+) -> openai.AsyncStream[ChatCompletionChunk]:
+    """QUESTION streamed at temperature 0 with vLLM's request fields ``extra_body``, as ``request_id``."""
+    return await client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body=extra_body,
+        extra_headers={"X-Request-Id": request_id},
+    )
 
 
 @pytest.fixture
@@ -68,18 +84,10 @@ async def test_chat_stream_one_chunk_per_step_with_usage_and_token_ids() -> None
 
 
 async def _stream_checks(client: openai.AsyncOpenAI, sim: RunningSim) -> None:
-    stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=QUESTION,
-        temperature=0,
-        max_tokens=60,
-        stream=True,
-        # vLLM's extensions (continuous_usage_stats is not in the openai client's types)
-        extra_body={
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-            "return_token_ids": True,
-        },
-        extra_headers={"X-Request-Id": "req-stream"},
+    # vLLM's extensions (continuous_usage_stats is not in the openai client's types)
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    stream = await _greedy_stream(
+        client, 60, "req-stream", {"stream_options": usage, "return_token_ids": True}
     )
     chunks = [chunk async for chunk in stream]
     first = chunks[0]
@@ -269,15 +277,7 @@ async def test_malformed_fields_are_400_not_500(sim: RunningSim) -> None:
 
 
 async def test_stream_interval_batches_tokens(client: openai.AsyncOpenAI, sim: RunningSim) -> None:
-    stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=QUESTION,
-        temperature=0,
-        max_tokens=41,
-        stream=True,
-        extra_body={"stream_interval": 10, "return_token_ids": True},
-        extra_headers={"X-Request-Id": "batched"},
-    )
+    stream = await _greedy_stream(client, 41, "batched", {"stream_interval": 10, "return_token_ids": True})
     sizes = [
         len((c.choices[0].model_extra or {})["token_ids"])
         async for c in stream

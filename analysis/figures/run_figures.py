@@ -23,9 +23,9 @@ from specproxy.schema import LATENCY_SAMPLE_BYTES, start_s_sql
 
 
 @dataclass(frozen=True)
-class LevelSummary:
-    """One arm at one level: the arm_summary view's figures, the level's /metrics acceptance, and where
-    its token counts and per-request acceptance came from (``req_acceptance_*``: measured calls only)."""
+class SummaryFigures:
+    """An arm's figures at one level as the arm_summary and acceptance views give them: what a level's
+    summary holds and a verdict row (analysis.verdicts.rows.LevelRow) carries on as they are."""
 
     arm: str
     role: str
@@ -37,8 +37,6 @@ class LevelSummary:
     ok: int
     completion_tokens: int
     decode_calls: int
-    first_start_s: float | None
-    last_end_s: float | None
     wall_s: float | None
     agg_tok_s: float | None
     p50_decode_tok_s: float | None
@@ -48,6 +46,33 @@ class LevelSummary:
     acceptance_length: float | None
     req_acceptance_rate: float | None
     req_acceptance_length: float | None
+
+
+# The arm_summary view's columns a summary takes as they are.
+_SUMMARY_VIEW_COLUMNS = (
+    "arm",
+    "level",
+    "concurrency_level",
+    "offered_rate",
+    "calls",
+    "ok",
+    "first_start_s",
+    "last_end_s",
+    "wall_s",
+    "agg_tok_s",
+    "p50_decode_tok_s",
+    "p50_ttft_s",
+    "p95_ttft_s",
+)
+
+
+@dataclass(frozen=True)
+class LevelSummary(SummaryFigures):
+    """One arm at one level: the arm_summary view's figures, the level's /metrics acceptance, and where
+    its token counts and per-request acceptance came from (``req_acceptance_*``: measured calls only)."""
+
+    first_start_s: float | None
+    last_end_s: float | None
     tokens: TokenCounts = TokenCounts({})
     spec: SpecCounts = SpecCounts({}, None, None, None, None)
     shadow_calls: int = 0  # its calls that were shadow copies (paced by the baseline's traffic)
@@ -81,23 +106,11 @@ def level_summaries(store: SpanStore, run_id: str) -> list[LevelSummary]:
         measured = spec.get(key, SpecCounts({}, None, None, None, None))
         out.append(
             LevelSummary(
-                arm=r["arm"],
+                **{name: r[name] for name in _SUMMARY_VIEW_COLUMNS},
                 role=r["arm_role"],
                 spec_method=r["spec_method"] or "none",
-                level=r["level"],
-                concurrency_level=r["concurrency_level"],
-                offered_rate=r["offered_rate"],
-                calls=r["calls"],
-                ok=r["ok"],
                 completion_tokens=int(r["completion_tokens"]),
                 decode_calls=int(r["decode_calls"]),
-                first_start_s=r["first_start_s"],
-                last_end_s=r["last_end_s"],
-                wall_s=r["wall_s"],
-                agg_tok_s=r["agg_tok_s"],
-                p50_decode_tok_s=r["p50_decode_tok_s"],
-                p50_ttft_s=r["p50_ttft_s"],
-                p95_ttft_s=r["p95_ttft_s"],
                 acceptance_rate=acc.get("acceptance_rate"),
                 acceptance_length=acc.get("acceptance_length"),
                 req_acceptance_rate=measured.acceptance_rate,

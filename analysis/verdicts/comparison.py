@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,11 @@ class Bootstrap:
     iterations: int
     confidence: float
     rng: np.random.Generator
+
+    @property
+    def draws(self) -> dict[str, Any]:
+        """The keyword arguments of every bootstrap interval in :mod:`specproxy.analysis.stats`."""
+        return {"iterations": self.iterations, "rng": self.rng, "confidence": self.confidence}
 
 
 @dataclass(frozen=True)
@@ -153,9 +158,7 @@ def paired(
             dec[:, 1],
             point=group.c_med / group.b_med,
             n_total=group.n_decode,
-            iterations=boot.iterations,
-            rng=boot.rng,
-            confidence=boot.confidence,
+            **boot.draws,
         )
         d_spread = block_spread(
             decode,
@@ -176,9 +179,7 @@ def paired(
             n_cand=max(group.n_thr, 1),
             n_base=max(group.n_thr, 1),
             paired=True,
-            iterations=boot.iterations,
-            rng=boot.rng,
-            confidence=boot.confidence,
+            **boot.draws,
         )
         if rounds is not None:
             t_blocks = _scaled(_round_wall_blocks(*rounds), max(group.n_thr, 1))
@@ -245,9 +246,7 @@ def unpaired(cand: CallGroup, base: CallGroup, block_kind: str, boot: Bootstrap)
             point=cand.p50_decode / base.p50_decode,
             n_cand=cand.n_decode,
             n_base=base.n_decode,
-            iterations=boot.iterations,
-            rng=boot.rng,
-            confidence=boot.confidence,
+            **boot.draws,
         )
         blocks = _unpaired_blocks(cs, bs, _log_median_of, cand.n_decode, base.n_decode)
         d_spread = block_spread(decode, blocks, boot.confidence)
@@ -264,9 +263,7 @@ def unpaired(cand: CallGroup, base: CallGroup, block_kind: str, boot: Bootstrap)
             n_cand=max(cand.n_thr, 1),
             n_base=max(base.n_thr, 1),
             paired=False,
-            iterations=boot.iterations,
-            rng=boot.rng,
-            confidence=boot.confidence,
+            **boot.draws,
         )
         blocks = _unpaired_blocks(cs, bs, _log_rate_of, cand.n_thr, base.n_thr)
         t_spread = block_spread(throughput, blocks, boot.confidence)

@@ -3,11 +3,11 @@ verdicts by :mod:`.evaluation`, read by :mod:`.render` and :mod:`.report`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from specproxy.analysis.figures.matched import LoadFigures
-from specproxy.analysis.figures.run_figures import LatencyFigures
+from specproxy.analysis.figures.run_figures import LatencyFigures, SummaryFigures
 from specproxy.analysis.figures.validity import DroppedRound
 from specproxy.analysis.levels import level_load
 from specproxy.analysis.slo.answer import SloEvaluation
@@ -15,29 +15,9 @@ from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdicts.rules import SHADOW_BASIS, Crossover, DeployVerdict, Thresholds
 from specproxy.slo import Slo
 
-# The figures a LevelRow carries from its level's summary (figures.run_figures.LevelSummary) as
-# they are, one list for every place that copies them.
-SUMMARY_FIELDS = (
-    "arm",
-    "role",
-    "spec_method",
-    "level",
-    "concurrency_level",
-    "offered_rate",
-    "calls",
-    "ok",
-    "completion_tokens",
-    "decode_calls",
-    "wall_s",
-    "agg_tok_s",
-    "p50_decode_tok_s",
-    "p50_ttft_s",
-    "p95_ttft_s",
-    "acceptance_rate",
-    "acceptance_length",
-    "req_acceptance_rate",
-    "req_acceptance_length",
-)
+# The figures a LevelRow carries from its level's summary as they are, one list for every place that
+# copies them.
+SUMMARY_FIELDS = tuple(f.name for f in fields(SummaryFigures))
 
 
 @dataclass(frozen=True)
@@ -79,7 +59,7 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class LevelRow:
+class LevelRow(SummaryFigures):
     """One row of the verdict table: an arm at a level (a concurrency, an offered rate, or live).
 
     ``rounds``: replay rounds the level is judged on (None: live traffic), ``rounds_used`` which ones,
@@ -95,25 +75,6 @@ class LevelRow:
     acceptance figures came from, ``req_acceptance_not_measured`` which calls had none, and why.
     """
 
-    arm: str
-    role: str
-    spec_method: str
-    level: str
-    concurrency_level: int | None
-    offered_rate: float | None
-    calls: int
-    ok: int
-    completion_tokens: int
-    decode_calls: int
-    wall_s: float | None
-    agg_tok_s: float | None
-    p50_decode_tok_s: float | None
-    p50_ttft_s: float | None
-    p95_ttft_s: float | None
-    acceptance_rate: float | None
-    acceptance_length: float | None
-    req_acceptance_rate: float | None
-    req_acceptance_length: float | None
     compared: int = 0
     identical: int = 0
     near_tie: int = 0

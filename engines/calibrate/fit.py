@@ -25,7 +25,7 @@ from __future__ import annotations
 import csv
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -238,15 +238,23 @@ class DrafterFit:
         }
 
 
+def _fit_drafter_terms(
+    batch: Sequence[int],
+    k: Sequence[int],
+    kv_tokens: Sequence[int],
+    times: Sequence[float],
+    terms: Callable[[FloatArray, FloatArray, FloatArray], list[FloatArray]],
+) -> LinearFit:
+    """A drafter model's fit: ``terms`` makes its columns from the batch, k and KV-token arrays."""
+    b, kk, kv = (np.asarray(v, dtype=np.float64) for v in (batch, k, kv_tokens))
+    return fit_nonnegative_relative(np.column_stack(terms(b, kk, kv)), np.asarray(times, dtype=np.float64))
+
+
 def fit_drafter(
     batch: Sequence[int], k: Sequence[int], kv_tokens: Sequence[int], times: Sequence[float]
 ) -> DrafterFit:
     """Fit the EAGLE-style drafter model."""
-    b = np.asarray(batch, dtype=np.float64)
-    kk = np.asarray(k, dtype=np.float64)
-    kv = np.asarray(kv_tokens, dtype=np.float64)
-    x = np.column_stack([np.ones_like(b), kv, b * kk])
-    fit = fit_nonnegative_relative(x, np.asarray(times, dtype=np.float64))
+    fit = _fit_drafter_terms(batch, k, kv_tokens, times, lambda b, kk, kv: [np.ones_like(b), kv, b * kk])
     base, per_kv, per_spec = fit.coef
     return DrafterFit(base, per_kv, per_spec, fit.r2, fit.max_rel_err, fit.n)
 
@@ -287,11 +295,9 @@ class ChainDrafterFit:
 def fit_chain_drafter(
     batch: Sequence[int], k: Sequence[int], kv_tokens: Sequence[int], times: Sequence[float]
 ) -> ChainDrafterFit:
-    b = np.asarray(batch, dtype=np.float64)
-    kk = np.asarray(k, dtype=np.float64)
-    kv = np.asarray(kv_tokens, dtype=np.float64)
-    x = np.column_stack([np.ones_like(b), kk, kk * kv, kk * b])
-    fit = fit_nonnegative_relative(x, np.asarray(times, dtype=np.float64))
+    fit = _fit_drafter_terms(
+        batch, k, kv_tokens, times, lambda b, kk, kv: [np.ones_like(b), kk, kk * kv, kk * b]
+    )
     base, per_step, per_step_kv, per_spec = fit.coef
     return ChainDrafterFit(base, per_step, per_step_kv, per_spec, fit.r2, fit.max_rel_err, fit.n)
 

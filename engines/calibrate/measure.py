@@ -399,27 +399,11 @@ def run_calibration(
     tiny: bool,
     budget_s: float,
     log: Callable[[str], None],
-    fused: bool = True,
-) -> dict[str, Any]:
-    """Measure, append each point to NAME.points.csv as it is taken, then fit NAME.json."""
-    started = time.monotonic()
-    import torch
-
-    # One grad mode for everything: compiled functions would otherwise recompile on the switch.
-    with torch.inference_mode():
-        return _run_calibration(out, name, device, tiny, budget_s, log, fused, started)
-
-
-def _run_calibration(
-    out: Path,
-    name: str,
-    device: str,
-    tiny: bool,
-    budget_s: float,
-    log: Callable[[str], None],
     fused: bool,
     started: float,
 ) -> dict[str, Any]:
+    """Measure, append each point to NAME.points.csv as it is taken, then fit NAME.json (``started``:
+    the monotonic clock when the work began, for the log's timings)."""
     grid = TINY_GRID if tiny else Grid()
     target, draft = (TINY_TARGET, TINY_DRAFT) if tiny else (LLAMA_3_1_8B, LLAMA_3_2_1B)
     cal = Calibrator(device, target, draft, grid, tiny, fused=fused)
@@ -542,7 +526,10 @@ def main(out: Path, name: str, device: str, tiny: bool, budget_s: float, fused: 
             ) from exc
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise click.ClickException("no CUDA device is visible; use --device cpu --tiny for a dry run")
-        profile = run_calibration(out, name, device, tiny, budget_s, log, fused=fused)
+        started = time.monotonic()
+        # One grad mode for everything: compiled functions would otherwise recompile on the switch.
+        with torch.inference_mode():
+            profile = run_calibration(out, name, device, tiny, budget_s, log, fused, started)
     log(json.dumps(profile, indent=2))
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from specproxy.commandline import F
 from specproxy.config import ConfigError, Experiment, load_experiment
 from specproxy.engine_state import EngineError, state_dir, state_path
 from specproxy.engines.launch.plan import ENGINES, ArmLaunch, Engine, PlanError, SimOptions, plan_experiment
@@ -57,6 +59,12 @@ _VLLM_BIN = click.option(
     metavar="PATH",
     help="The vllm executable to run (another virtualenv's, for example).",
 )
+
+
+def _seconds_option(flag: str, default: float, minimum: float, help: str) -> Callable[[F], F]:
+    return click.option(
+        flag, type=click.FloatRange(min=minimum), default=default, show_default=True, metavar="S", help=help
+    )
 
 
 def _report_findings(findings: list[Finding], *, fatal: bool) -> None:
@@ -164,13 +172,11 @@ def experiment_label(exp: Experiment) -> str:
 @_ENGINE
 @_ARMS
 @_VLLM_BIN
-@click.option(
+@_seconds_option(
     "--health-timeout",
-    type=click.FloatRange(min=1),
-    default=900.0,
-    show_default=True,
-    metavar="S",
-    help="Seconds each arm gets to answer /health (loading a large model takes minutes).",
+    900.0,
+    1,
+    "Seconds each arm gets to answer /health (loading a large model takes minutes).",
 )
 @click.option(
     "--log-dir",
@@ -304,14 +310,7 @@ def status(experiment: Path, as_json: bool) -> None:
 
 @engines.command()
 @_EXPERIMENT
-@click.option(
-    "--grace",
-    type=click.FloatRange(min=0),
-    default=30.0,
-    show_default=True,
-    metavar="S",
-    help="Seconds between SIGTERM and SIGKILL.",
-)
+@_seconds_option("--grace", 30.0, 0, "Seconds between SIGTERM and SIGKILL.")
 def down(experiment: Path, grace: float) -> None:
     """Stop the arms that `up` started (SIGTERM to each engine and its workers, SIGKILL after --grace)."""
     exp = _load(experiment)

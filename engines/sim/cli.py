@@ -8,37 +8,23 @@ import sys
 
 import click
 
-from specproxy.commandline import run_async
+from specproxy.commandline import listen_options, run_async
 from specproxy.engines.profiles import ProfileError, load_profile
 from specproxy.engines.sim.config import Faults, SimConfig, SimConfigError, SpeculativeConfig
 
 
-def build_config(
-    *,
-    method: str | None,
-    num_speculative_tokens: int | None,
-    speculative_config: str | None,
-    model: str,
-    served_model_name: str | None,
-    profile: str,
-    time_scale: float,
-    seed: int,
-    per_request_spec_decode_metrics: str,
-    max_num_seqs: int | None,
-    max_num_batched_tokens: int | None,
-    faults: Faults,
-    enable_prefix_caching: bool = True,
-    kv_cache_tokens: int | None = None,
-) -> SimConfig:
-    """Flags -> SimConfig; `--method/--num-speculative-tokens` are shorthands for the JSON."""
-    spec: SpeculativeConfig | None = None
+def speculative_from_flags(
+    method: str | None, num_speculative_tokens: int | None, speculative_config: str | None
+) -> SpeculativeConfig | None:
+    """The speculative config the flags ask for; `--method/--num-speculative-tokens` stand for the JSON."""
     if speculative_config:
         spec = SpeculativeConfig.from_json(speculative_config)
         if method and method != spec.method:
             raise SimConfigError(f"--method {method} contradicts --speculative-config method '{spec.method}'")
         if num_speculative_tokens is not None and num_speculative_tokens != spec.num_speculative_tokens:
             raise SimConfigError("--num-speculative-tokens contradicts --speculative-config")
-    elif method and method != "none":
+        return spec
+    if method and method != "none":
         raw: dict[str, object] = {"method": method}
         # n-gram, draft model and EAGLE-3 as `specproxy lab` runs them (a test keeps them in step).
         defaults = {"ngram": 5, "suffix": 16, "mtp": 1, "eagle": 3, "eagle3": 3, "draft_model": 4}
@@ -53,23 +39,10 @@ def build_config(
                 if method == "eagle3"
                 else "yuhuili/EAGLE-LLaMA3.1-Instruct-8B"
             )
-        spec = SpeculativeConfig.from_dict(raw)
-    elif num_speculative_tokens is not None:
+        return SpeculativeConfig.from_dict(raw)
+    if num_speculative_tokens is not None:
         raise SimConfigError("--num-speculative-tokens needs --method (or --speculative-config)")
-    return SimConfig(
-        model=model,
-        served_model_name=served_model_name,
-        speculative=spec,
-        profile=profile,
-        time_scale=time_scale,
-        seed=seed,
-        per_request_spec_decode_metrics=per_request_spec_decode_metrics,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        faults=faults,
-        enable_prefix_caching=enable_prefix_caching,
-        kv_cache_tokens=kv_cache_tokens,
-    )
+    return None
 
 
 @click.command("sim", context_settings={"help_option_names": ["-h", "--help"]})
@@ -89,8 +62,7 @@ def build_config(
     help="vLLM's --speculative-config JSON, verbatim, e.g. "
     '\'{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":5}\'.',
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: a free one).")
+@listen_options(port_note=" (0: a free one)")
 @click.option(
     "--model",
     default="meta-llama/Llama-3.1-8B-Instruct",
@@ -214,12 +186,10 @@ def sim(
             drop_rate=drop_rate,
             max_concurrency=max_concurrency,
         )
-        config = build_config(
-            method=method,
-            num_speculative_tokens=num_speculative_tokens,
-            speculative_config=speculative_config,
+        config = SimConfig(
             model=model,
             served_model_name=served_model_name,
+            speculative=speculative_from_flags(method, num_speculative_tokens, speculative_config),
             profile=profile,
             time_scale=time_scale,
             seed=seed,

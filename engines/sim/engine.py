@@ -351,8 +351,7 @@ class EngineCore:
 
     def plan_step(self, now: float) -> StepPlan | None:
         budget = self.max_batched
-        items: list[tuple[Sequence, int, bool]] = []
-        batched = kv = prefill = drafting = 0
+        items: list[tuple[Sequence, int, bool]] = []  # (sequence, tokens this step, prefilling)
         lookup = self.method in LOOKUP_METHODS
         if any(s.aborted for s in self.running):
             for s in self.running:
@@ -367,9 +366,6 @@ class EngineCore:
                 chunk = min(seq.prefill_len - seq.computed, budget)
                 items.append((seq, chunk, True))
                 budget -= chunk
-                batched += chunk
-                prefill += chunk
-                kv += seq.computed + chunk
             else:
                 n_drafts = len(seq.drafts) if lookup else self.k
                 if 1 + n_drafts > budget:
@@ -379,10 +375,6 @@ class EngineCore:
                 seq.n_drafts = n_drafts
                 items.append((seq, 1 + n_drafts, False))
                 budget -= 1 + n_drafts
-                batched += 1 + n_drafts
-                kv += seq.prompt_len + seq.n_out + n_drafts
-                if n_drafts and not lookup:
-                    drafting += 1
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if seq.aborted:
@@ -410,15 +402,20 @@ class EngineCore:
             chunk = min(seq.prefill_len - seq.computed, budget)
             items.append((seq, chunk, True))
             budget -= chunk
-            batched += chunk
-            prefill += chunk
-            kv += seq.computed + chunk
         self.metrics.waiting = len(self.waiting)
         self.metrics.running = len(self.running)
         if not items:
             return None
-        if lookup:
-            drafting = sum(1 for s, _, pre in items if not pre and s.n_drafts)
+        batched = self.max_batched - budget
+        prefill = kv = drafting = 0
+        for s, n, prefilling in items:
+            if prefilling:
+                prefill += n
+                kv += s.computed + n  # the chunk and the prefix before it
+            else:
+                kv += s.prompt_len + s.n_out + n - 1  # the context and the drafts
+                if s.n_drafts:
+                    drafting += 1
         duration = self.profile.step_time(
             batched, kv, prefill_tokens=prefill, method=self.method, drafting_requests=drafting, k=self.k
         )

@@ -12,6 +12,7 @@ from specproxy.commandline import (
     FiniteFloat,
     RequestRates,
     client_processes_option,
+    config_option,
     db_option,
     deciding_rounds_option,
     experiment_or_none,
@@ -31,12 +32,7 @@ from specproxy.proxy.spans.sink import SpanSinkError
 
 @click.command("replay")
 @click.argument("logs", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Experiment file: replay directly against its arms.",
-)
+@config_option("Experiment file: replay directly against its arms.")
 @click.option(
     "--target",
     metavar="URL",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from specproxy.commandline import db_option, run_async
+from specproxy.commandline import db_option, listen_options, run_async
 from specproxy.config import ConfigError, Experiment, load_experiment
 
 if TYPE_CHECKING:
@@ -45,15 +45,7 @@ def worker_path(path: str, index: int) -> str:
     type=click.Path(dir_okay=False),
     help="The experiment file (TOML): mode, arms, timeouts.",
 )
-@click.option(
-    "--host",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address to listen on (0.0.0.0 for every interface).",
-)
-@click.option(
-    "--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on."
-)
+@listen_options()
 @db_option
 @click.option(
     "--capture",

@@ -107,6 +107,29 @@ def _length(accepted: int | None, steps: int | None) -> float | None:
     return 1.0 + accepted / steps
 
 
+def _with_step_counts(
+    report: EngineReport,
+    spec_source: SpecSource,
+    counts: dict[str, Any],
+    keys: tuple[str, str, str, str],
+    reported_length: float | None = None,
+) -> EngineReport:
+    """``report`` with the speculation counts an engine gives per drafting step; ``keys`` name its
+    steps, draft tokens, accepted draft tokens and histogram. A length it does not report is derived."""
+    steps_key, drafted_key, accepted_key, histogram_key = keys
+    steps = _int(counts.get(steps_key))
+    accepted = _int(counts.get(accepted_key))
+    return dataclasses.replace(
+        report,
+        spec_source=spec_source,
+        num_drafts=steps,
+        draft_tokens=_int(counts.get(drafted_key)),
+        accepted_tokens=accepted,
+        acceptance_length=reported_length if reported_length is not None else _length(accepted, steps),
+        histogram=_hist(counts.get(histogram_key)),
+    )
+
+
 def read_vllm(extras: dict[str, Any]) -> EngineReport | None:
     metrics = extras.get("metrics")
     if not isinstance(metrics, dict):
@@ -120,17 +143,9 @@ def read_vllm(extras: dict[str, Any]) -> EngineReport | None:
     )
     if not isinstance(sd, dict):
         return timing
-    steps = _int(sd.get("num_spec_steps"))
-    accepted = _int(sd.get("num_accepted_draft_tokens"))
-    mal = _float(sd.get("mean_acceptance_length"))
-    return dataclasses.replace(
-        timing,
-        spec_source="vllm_request_metrics",
-        num_drafts=steps,
-        draft_tokens=_int(sd.get("num_draft_tokens")),
-        accepted_tokens=accepted,
-        acceptance_length=mal if mal is not None else _length(accepted, steps),
-        histogram=_hist(sd.get("acceptance_histogram")),
+    keys = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram")
+    return _with_step_counts(
+        timing, "vllm_request_metrics", sd, keys, _float(sd.get("mean_acceptance_length"))
     )
 
 
@@ -139,36 +154,24 @@ def read_sglang(extras: dict[str, Any]) -> EngineReport | None:
     details = sglext.get("spec_tokens_details") if isinstance(sglext, dict) else None
     if not isinstance(details, dict):
         return None
-    steps = _int(details.get("spec_verify_ct"))
-    accepted = _int(details.get("spec_num_correct_drafts"))
-    length = _float(details.get("spec_accept_length"))
-    return EngineReport(
-        "sglang",
-        spec_source="sglang_request_metrics",
-        num_drafts=steps,
-        draft_tokens=_int(details.get("spec_num_proposed_drafts")),
-        accepted_tokens=accepted,
-        acceptance_length=length if length else _length(accepted, steps),
-        histogram=_hist(details.get("spec_correct_drafts_histogram")),
+    keys = (
+        "spec_verify_ct",
+        "spec_num_proposed_drafts",
+        "spec_num_correct_drafts",
+        "spec_correct_drafts_histogram",
     )
+    # A length of 0 counts as none reported: derived instead.
+    length = _float(details.get("spec_accept_length")) or None
+    return _with_step_counts(EngineReport("sglang"), "sglang_request_metrics", details, keys, length)
 
 
 def read_trtllm(extras: dict[str, Any]) -> EngineReport | None:
     sd = extras.get("choice_speculative_decoding")
     if not isinstance(sd, dict) or "total_draft_tokens" not in sd:
         return None
-    steps = _int(sd.get("num_spec_steps"))
-    accepted = _int(sd.get("total_accepted_draft_tokens"))
-    return EngineReport(
-        "trtllm",
-        spec_source="trtllm_request_metrics",
-        num_drafts=steps,
-        draft_tokens=_int(sd.get("total_draft_tokens")),
-        accepted_tokens=accepted,
-        # Derived, as TensorRT-LLM reports no mean acceptance length of its own.
-        acceptance_length=_length(accepted, steps),
-        histogram=_hist(sd.get("acceptance_histogram")),
-    )
+    keys = ("num_spec_steps", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_histogram")
+    # Derived length, as TensorRT-LLM reports no mean acceptance length of its own.
+    return _with_step_counts(EngineReport("trtllm"), "trtllm_request_metrics", sd, keys)
 
 
 def read_llamacpp(extras: dict[str, Any]) -> EngineReport | None:

@@ -39,7 +39,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -290,13 +290,26 @@ class CompletionTap:
             return None
         if not data.strip():
             return None  # an empty `data:` line (a keep-alive some servers send) says nothing
+        return self._take_object(data, now, self.feed_chunk, "an event", "an event's data")
+
+    def _take_object(
+        self,
+        data: bytes,
+        now: float,
+        take: Callable[[dict[str, Any], float], None],
+        what: str,
+        what_holds: str,
+    ) -> dict[str, Any] | None:
+        """``data`` parsed and given to ``take``; None, ``malformed`` saying so, when it is not a JSON
+        object (``what``: the event or the body; ``what_holds``: its bytes) or not of the shape ``take``
+        reads."""
         try:
             obj = orjson.loads(data)
             if not isinstance(obj, dict):
-                raise MalformedEvent(f"an event is {type(obj).__name__}, not a JSON object")
-            self.feed_chunk(obj, now)
+                raise MalformedEvent(f"{what} is {type(obj).__name__}, not a JSON object")
+            take(obj, now)
         except orjson.JSONDecodeError:
-            self._malformed("an event's data is not JSON")
+            self._malformed(f"{what_holds} is not JSON")
             return None
         except _SHAPE_ERRORS as exc:
             self._malformed(str(exc) or exc.__class__.__name__)
@@ -386,18 +399,7 @@ class CompletionTap:
     def feed_body(self, body: bytes, now: float) -> dict[str, Any] | None:
         """A whole non-streaming response body (arriving at ``now``); returns it parsed, or None
         (not JSON, or ``malformed``)."""
-        try:
-            obj = orjson.loads(body)
-            if not isinstance(obj, dict):
-                raise MalformedEvent(f"the body is {type(obj).__name__}, not a JSON object")
-            self._take_body(obj, now)
-        except orjson.JSONDecodeError:
-            self._malformed("the body is not JSON")
-            return None
-        except _SHAPE_ERRORS as exc:
-            self._malformed(str(exc) or exc.__class__.__name__)
-            return None
-        return obj
+        return self._take_object(body, now, self._take_body, "the body", "the body")
 
     def _take_body(self, obj: dict[str, Any], now: float) -> None:
         if obj.get("metrics"):
