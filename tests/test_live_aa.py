@@ -15,6 +15,8 @@ import random
 from pathlib import Path
 
 from specproxy.analysis import Settings, evaluate, open_store
+from specproxy.analysis.figures import matched
+from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdicts.rows import RunEvaluation
 from tests.closedloop import Design, make_closed_loop_run, make_design
 from tests.spanfactory import SyntheticRun, live_health_rows, make_live_load_run, write_db
@@ -79,6 +81,32 @@ def test_split_unequal_loads_bracket_the_load_model(tmp_path: Path) -> None:
     assert plain.low is not None and plain.high is not None
     assert iv.low <= min(plain.low, iv.point) and iv.high >= max(plain.high, iv.point)
     assert iv.low <= 1.0 <= iv.high and row.verdict == "NO CLEAR GAIN", (iv, row.reason)
+
+
+def test_where_no_line_places_the_load_the_plain_comparison_is_stretched_by_the_loads_largest_effect() -> (
+    None
+):
+    """A steady closed loop keeps the baseline at one load, so no line reads another: the plain
+    comparison, stretched by (L + 1) / (l + 1) on the side the load difference favours."""
+    plain = Interval(1.02, 1.00, 1.04)
+    lighter = matched.LoadFigures("proxy in-flight", 13.0, 15.0, method=matched.NOT_COMPARED)
+    got = matched.bounded(
+        matched.MatchedLoad(lighter, None, None, "not compared at matched load"), plain, plain
+    )
+    assert got.figures.method == matched.BOUNDED and got.decode is not None and got.throughput is not None
+    assert got.decode == Interval(1.02, 1.00 * 14 / 16, 1.04), got.decode  # a lighter arm: truth below
+    assert got.throughput == got.decode
+    assert "at most 1.14x slower" in got.note and "baseline's calls" in got.note, got.note
+    heavier = dataclasses.replace(lighter, p50=15.0, baseline_p50=13.0)
+    got = matched.bounded(matched.MatchedLoad(heavier, None, None, ""), plain, None)
+    assert got.decode == Interval(1.02, 1.00, 1.04 * 16 / 14) and got.throughput is None, got.decode
+    # loads so far apart that even the bound places nothing (over 2x wide): still not compared
+    far = dataclasses.replace(lighter, p50=5.0, baseline_p50=31.0)
+    load = matched.MatchedLoad(far, None, None, "not compared at matched load")
+    assert matched.bounded(load, plain, plain) is load
+    # a comparison the line placed is left as it is
+    placed = matched.MatchedLoad(dataclasses.replace(lighter, method=matched.INTERPOLATED), plain, None, "")
+    assert matched.bounded(placed, plain, plain) is placed
 
 
 def test_a_broken_gauge_is_left_out_and_not_blamed_on_replicas(tmp_path: Path) -> None:

@@ -48,6 +48,11 @@ fitted line's. :func:`bracketed` stretches each matched interval over the plain 
 loads a WIN or LOSS needs both comparisons to agree, and an identical arm is not called different
 however its load differs.
 
+**Where no line places the candidate's load** (a steady closed loop keeps the baseline at one load),
+:func:`bounded` stretches the plain comparison by the most a load difference can do: a batch step over
+n calls costs at most n / m times one over m, so among L other calls a call decodes at most
+(L + 1) / (l + 1) times slower than among l. Over :data:`MAX_SPREAD` times wide, it places nothing.
+
 **Gauges that cannot be right** are left out before anything reads them: running + waiting = 0 on
 a call that the proxy sent while it had :data:`BROKEN_GAUGE_INFLIGHT` or more other calls in flight
 on that engine (a scrape that failed, or a stale one from before a burst). The figures say how
@@ -108,7 +113,7 @@ class LoadFigures:
     the calls carry them; ``compared_at``: the load the two lines were read at (the candidate's mean);
     ``baseline_range``: the loads the baseline ran at (as far as 10 of its calls reach);
     ``matched_share``: the share of the candidate's calls inside that range; ``method``:
-    ``interpolated``, ``extrapolated``, ``not compared`` (or empty at equal loads)."""
+    ``interpolated``, ``extrapolated``, ``bounded``, ``not compared`` (or empty at equal loads)."""
 
     basis: str  # "proxy in-flight" | "proxy in-flight + engine gauges"
     p50: float | None
@@ -425,6 +430,7 @@ def robust_line(x: FloatArray, y: FloatArray, w: FloatArray) -> _Line:
 
 SPANNED = "the load's effect lies between none and the fitted line's"
 INTERPOLATED, EXTRAPOLATED, NOT_COMPARED = "interpolated", "extrapolated", "not compared"
+BOUNDED = "bounded"
 # Each block (round, or time block) is cut into this many time cells, resampled whole.
 CELLS_PER_BLOCK = 10
 
@@ -660,3 +666,31 @@ def bracketed(load: MatchedLoad, decode: Interval | None, throughput: Interval |
         throughput=_spanning(load.throughput, throughput),
         note=f"{load.note}; the interval spans the plain comparison's too ({SPANNED})",
     )
+
+
+def bounded(load: MatchedLoad, decode: Interval | None, throughput: Interval | None) -> MatchedLoad:
+    """Where :func:`compare` placed nothing: the plain comparison's intervals (``decode``,
+    ``throughput``: each arm at its own load) stretched by the load's largest effect (module docstring)."""
+    fig = load.figures
+    if fig.method != NOT_COMPARED or fig.p50 is None or fig.baseline_p50 is None or decode is None:
+        return load
+    factor = (fig.p50 + 1) / (fig.baseline_p50 + 1)  # the candidate's batch over the baseline's
+
+    def stretch(iv: Interval | None) -> Interval | None:
+        if iv is None or iv.low is None or iv.high is None:
+            return iv
+        # a lighter candidate decodes faster for its load alone: the truth lies below the plain figure
+        return Interval(iv.point, iv.low * min(factor, 1.0), iv.high * max(factor, 1.0))
+
+    wide = stretch(decode)
+    if wide is None or _unplaced(wide):
+        return load  # the loads differ so much that even the bound places nothing
+    heavier = "candidate" if factor > 1 else "baseline"
+    bound = max(factor, 1 / factor)
+    note = (
+        f"{load.note}; compared instead with the load's effect bounded: the {heavier}'s calls decode at "
+        f"most {bound:.2f}x slower for their load (a batch step costs at most in proportion to its "
+        "calls), and the interval spans that and the plain comparison"
+    )
+    return replace(load, figures=replace(fig, method=BOUNDED), decode=wide,
+                   throughput=stretch(throughput), note=note)  # fmt: skip

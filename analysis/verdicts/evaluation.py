@@ -515,7 +515,8 @@ def _matched_loads(
 ) -> dict[_Pair, matched.MatchedLoad]:
     """Each live or split level at matched load (:mod:`.matched`: its intervals carry the blocks'
     drift term), moved out by the arms' simulator lag bounds as the ordinary comparisons are, then
-    stretched over the ``plain`` comparison's (the load's effect lies between none and the line's)."""
+    stretched over the ``plain`` comparison's (the load's effect lies between none and the line's);
+    where no line placed the load, the ``plain`` comparison stretched by the load's largest effect."""
     out = {}
     for (arm, level), bands in run.loads.items():
         load = matched.compare(
@@ -531,6 +532,8 @@ def _matched_loads(
             load = replace(load, decode=lagged.decode, throughput=lagged.throughput)
             if (own := plain.get((arm, level))) is not None:
                 load = matched.bracketed(load, own.decode, own.throughput)
+        elif (own := plain.get((arm, level))) is not None:
+            load = matched.bounded(load, own.decode, own.throughput)
         out[(arm, level)] = load
     return out
 

@@ -1,7 +1,7 @@
 """Benchmark: live verdicts on real pieces, designs drawn at random from a seed.
 
-    python tests/bench/bench_live_aa.py [--designs 30] [--power 10] [--seed 26] [--jobs 1] [--keep DIR]
-                                        [--synthetic]
+    python tests/bench/bench_live_aa.py [--designs 30] [--power 10] [--seed 26] [--jobs 1]
+                                        [--keep DIR | --from DIR] [--synthetic]
 
 Each design starts `specproxy sim` arms behind `specproxy serve` and drives the proxy with
 `specproxy replay --target` at one concurrency level (3 rounds), then reads `specproxy analyze
@@ -140,6 +140,11 @@ def run_design(design: LiveDesign, work: Path, seed: int) -> dict[str, Any]:
                 raise RuntimeError(f"replay failed: {replay.stderr[-2000:]}")
         if proxy.returncode != 0:
             raise RuntimeError(f"serve failed: {proxy.output[-2000:]}")
+    return analysed(db)
+
+
+def analysed(db: Path) -> dict[str, Any]:
+    """``specproxy analyze --format json`` of one design's proxy store: its one run."""
     out = subprocess.run(
         [sys.executable, "-m", "specproxy", "analyze", str(db), "--format", "json"],
         capture_output=True,
@@ -194,16 +199,20 @@ def tally_design(design: LiveDesign | Design, run: dict[str, Any], tally: Tally)
     return "; ".join(parts)
 
 
-def run_one(design: LiveDesign | Design, work: Path, seed: int) -> tuple[dict[str, Any] | None, float, str]:
-    """One design's analysed run (or why it failed) and how long it took."""
+def run_one(
+    design: LiveDesign | Design, work: Path, seed: int, again: bool = False
+) -> tuple[dict[str, Any] | None, float, str]:
+    """One design's analysed run (or why it failed) and how long it took; ``again``: analyse the
+    store a kept run left in ``work`` instead of running the design."""
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        run = (
-            synthetic_run(design, work, seed)
-            if isinstance(design, Design)
-            else run_design(design, work, seed)
-        )
+        if again:
+            run = analysed(work / "proxy.duckdb")
+        elif isinstance(design, Design):
+            run = synthetic_run(design, work, seed)
+        else:
+            run = run_design(design, work, seed)
     except (RuntimeError, subprocess.SubprocessError) as exc:
         return None, time.monotonic() - started, str(exc)
     return run, time.monotonic() - started, ""
@@ -223,6 +232,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="designs run at a time (default 1)")
     parser.add_argument("--keep", type=Path, help="keep each design's stores under this folder")
     parser.add_argument(
+        "--from",
+        dest="again",
+        type=Path,
+        help="analyse again the stores a run with --keep left in this folder (same --seed and counts)",
+    )
+    parser.add_argument(
         "--synthetic",
         action="store_true",
         help="analyse synthetic closed loops (tests/closedloop.py) instead of running real pieces: seconds",
@@ -237,10 +252,12 @@ def main() -> None:
         designs = [draw(rng, power=False) for _ in range(opts.designs)]
         designs += [draw(rng, power=True) for _ in range(opts.power)]
     tally = Tally()
-    root = opts.keep or Path(tempfile.mkdtemp(prefix="specproxy-live-aa-"))
+    root = opts.again or opts.keep or Path(tempfile.mkdtemp(prefix="specproxy-live-aa-"))
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
         jobs = [
-            pool.submit(run_one, design, root / f"design{k:02d}", opts.seed * 1000 + k)
+            pool.submit(
+                run_one, design, root / f"design{k:02d}", opts.seed * 1000 + k, opts.again is not None
+            )
             for k, design in enumerate(designs)
         ]
         for k, (design, job) in enumerate(zip(designs, jobs, strict=True)):
