@@ -272,7 +272,6 @@ class _Connection(asyncio.Protocol):
         self.reused = False
         self.reading_paused = False
         self._header_items: list[tuple[bytes, bytes]] = []
-        self._body: list[bytes] = []  # the body pieces of the read being parsed
         self._read_timeout: float | None = None
         self._last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -292,23 +291,8 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._hand_over_body()
             ex._fail(BadResponse(f"malformed HTTP response from {self.origin.host_header}: {exc}"))
             self.close()
-            return
-        if self._body:
-            self._hand_over_body()
-
-    def _hand_over_body(self) -> None:
-        """The body pieces of one read as one piece: a read that holds several HTTP chunks (several
-        stream events) costs the consumer one call, and the client one write. Nothing waits for more
-        data: what one read brought is handed over before the next read."""
-        pieces, ex = self._body, self.exchange
-        if not pieces:
-            return
-        self._body = []
-        if ex is not None:
-            ex._on_body(pieces[0] if len(pieces) == 1 else b"".join(pieces))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -348,10 +332,10 @@ class _Connection(asyncio.Protocol):
         self.exchange._on_headers(status, headers, self.parser.get_http_version() == "1.1")
 
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)  # handed over at the end of the read (see _hand_over_body)
+        assert self.exchange is not None
+        self.exchange._on_body(body)
 
     def on_message_complete(self) -> None:
-        self._hand_over_body()
         ex = self.exchange
         if ex is not None and ex._head.done():
             self._stop_timer()
