@@ -24,16 +24,23 @@ def test_off_a_terminal_lines_are_plain_and_printed_as_given() -> None:
     said = io.StringIO()
     console = Console(said)
     with ReplayProgress(["base", "[spec]:x"], console) as progress:
-        progress.begin_phase("c=4", calls_per_arm=2)
-        progress.record("base", completion_tokens=10, ok=True)
-        progress.record("[spec]:x", completion_tokens=None, ok=False)
-        progress.end_phase()
+        for label in ("c=4 r1/2", "c=4 r2/2", "c=4 r3 extra", "c=16"):
+            progress.begin_phase(label, calls_per_arm=2)
+            progress.record("base", completion_tokens=10, ok=True)
+            progress.record("[spec]:x", completion_tokens=None, ok=label != "c=4 r2/2")
+            progress.end_phase()
     console.print("over its limit", warning=True)
     lines = said.getvalue().splitlines()
     assert "\x1b" not in said.getvalue()
-    assert lines[0].split() == ["c=4", "base", "done", "1", lines[0].split()[4], "tok/s", "errors", "0"]
-    assert lines[1].split()[1:4] == ["[spec]:x", "done", "1"] and lines[1].endswith("errors 1")
-    assert lines[2:] == ["over its limit"]
+    # one line per level, its rounds folded in: a sweep's history stays one screen
+    assert len(lines) == 4, lines
+    assert lines[0].split()[:6] == ["c=4", "2", "rounds", "done", "2", "per"], lines[0]
+    assert (
+        "tok/s: base " in lines[0] and ", [spec]:x 0.0" in lines[0] and lines[0].endswith("errors [spec]:x 1")
+    )
+    assert lines[1].split()[:4] == ["c=4", "extra", "1", "round"] and lines[1].endswith("errors 0"), lines
+    assert lines[2].split()[:3] == ["c=16", "1", "round"], lines[2]
+    assert lines[3] == "over its limit"
 
 
 def _screen(raw: str) -> list[str]:

@@ -1,9 +1,11 @@
 """Replay's live progress display: per arm, calls done of the phase, output tok/s and errors.
 
 On a terminal it is a live table (:class:`~specproxy.proxy.replay.console.LiveBlock`) refreshed a few
-times a second; on a terminal and elsewhere (a pipe, a CI log) one line per arm is printed when each
-phase ends, so the history stays readable. Counting is a few integer additions per finished call;
-rendering happens on the block's refresh thread, off the event loop's path.
+times a second; on a terminal and elsewhere (a pipe, a CI log) one line per level is printed when its
+last round ends (a phase ``c=16 r2/3`` is round 2 of level ``c=16``), every arm's calls, tok/s and
+errors in it, so the history stays readable and a sweep's stays one screen. Counting is a few
+integer additions per finished call; rendering happens on the block's refresh thread, off the event
+loop's path.
 
 Example::
 
@@ -15,8 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 from specproxy.proxy.replay.console import RED, Console, LiveBlock
@@ -33,6 +36,48 @@ class ArmProgress:
         return self.tokens / max(until - t0, 1e-9)
 
 
+# A phase's round within its level, as planning.phase_label writes it: " r2/3", " r4 extra".
+ROUND_SUFFIX = re.compile(r" r(\d+)(/\d+| extra)$")
+
+
+@dataclass
+class LevelHistory:
+    """One level's rounds so far: per arm, calls, tokens and errors, and the seconds the arm worked."""
+
+    label: str
+    totals: dict[str, ArmProgress]
+    rounds: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, per_arm: dict[str, ArmProgress], t0: float) -> None:
+        self.rounds += 1
+        for arm, p in per_arm.items():
+            total = self.totals.setdefault(arm, ArmProgress())
+            total.done, total.tokens, total.errors = (
+                total.done + p.done,
+                total.tokens + p.tokens,
+                total.errors + p.errors,
+            )
+            # up to the arm's last call: a fast arm's rate does not decay while slower arms finish
+            self.seconds[arm] = self.seconds.get(arm, 0.0) + max((p.last_done or t0) - t0, 0.0)
+
+    def line(self) -> str:
+        """``c=4  3 rounds  done 21 per arm  tok/s: baseline 447.0, eagle3 709.0  errors 0``."""
+        dones = {p.done for p in self.totals.values()}
+        done = (
+            f"done {dones.pop()} per arm"
+            if len(dones) == 1
+            else "done " + ", ".join(f"{a} {p.done}" for a, p in self.totals.items())
+        )
+        rates = ", ".join(
+            f"{a} {p.tokens / max(self.seconds.get(a, 0.0), 1e-9):.1f}" for a, p in self.totals.items()
+        )
+        failed = {a: p.errors for a, p in self.totals.items() if p.errors}
+        errors = "errors " + (", ".join(f"{a} {n}" for a, n in failed.items()) if failed else "0")
+        rounds = f"{self.rounds} round{'s' if self.rounds != 1 else ''}"
+        return f"{self.label:>6}  {rounds}  {done}  tok/s: {rates}  {errors}"
+
+
 class ReplayProgress:
     def __init__(self, arms: list[str], console: Console | None = None, *, enabled: bool = True) -> None:
         self.arms = arms
@@ -43,6 +88,7 @@ class ReplayProgress:
         self.per_arm: dict[str, ArmProgress] = {a: ArmProgress() for a in arms}
         self._t0 = time.monotonic()
         self._live: LiveBlock | None = None
+        self._level: LevelHistory | None = None  # the rounds of the level in progress, for its line
 
     def __enter__(self) -> ReplayProgress:
         if self.enabled:
@@ -53,6 +99,7 @@ class ReplayProgress:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._print_level()
         if self._live is not None:
             self._live.stop()
             self._live = None
@@ -72,15 +119,25 @@ class ReplayProgress:
             p.errors += 1
 
     def end_phase(self) -> None:
-        # One line per arm and phase; under the live table they print above it.
+        """Adds the phase to its level's history line, printed after the level's last planned round
+        (extra rounds get a line of their own, printed when the next level starts or the display
+        closes); under the live table it prints above it."""
         if not self.enabled:
             return
-        for arm, p in self.per_arm.items():
-            # Up to the arm's last call: a fast arm's rate does not decay while slower arms finish.
-            rate = p.tok_s(self._t0, p.last_done or self._t0)
-            self.console.print(
-                f"{self.label:>8}  {arm:<14} done {p.done:>5}  {rate:>9.1f} tok/s  errors {p.errors}"
-            )
+        round_ = ROUND_SUFFIX.search(self.label)
+        level = self.label[: round_.start()] if round_ else self.label
+        level += " extra" if round_ and round_.group(2) == " extra" else ""
+        if self._level is not None and self._level.label != level:
+            self._print_level()
+        self._level = self._level or LevelHistory(level, {a: ArmProgress() for a in self.arms})
+        self._level.add(self.per_arm, self._t0)
+        if round_ is None or round_.group(2) == f"/{round_.group(1)}":
+            self._print_level()  # a single round, or the last planned one
+
+    def _print_level(self) -> None:
+        if self._level is not None:
+            self.console.print(self._level.line())
+            self._level = None
 
     def table_lines(self) -> list[str]:
         """The live table: a title line, a header and one row per arm (errors in red when any)."""
