@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from specproxy.proxy.replay.console import Console, LiveBlock
+from specproxy.proxy.replay.planning import parse_phase_label, phase_label
 from specproxy.proxy.replay.progress import ReplayProgress
 from specproxy.proxy.replay.recording import ReplayResult
 from specproxy.proxy.replay.summary import print_summary
@@ -118,3 +119,11 @@ def test_replay_says_a_health_share_as_a_percentage() -> None:
         "health: c=16 round 3: loadgen_start_lag_p99_s = 61.2 ms, over its limit of 50.0 ms: the machine "
         "did not keep up, this round's figures are stretched",
     ]
+
+
+def test_a_phase_label_reads_back_as_its_level_and_round() -> None:
+    # the history line folds a level's rounds by these parts, so they must be phase_label's own
+    for base in ("c=16", "2.0 req/s"):
+        for round_, planned in ((1, 1), (2, 3), (3, 3), (4, 3)):
+            want = (base, round_, planned if round_ <= planned else None)
+            assert parse_phase_label(phase_label(base, round_, planned)) == want

@@ -184,6 +184,19 @@ def phase_label(base: str, round_: int, rounds: int) -> str:
     return base if rounds == 1 else f"{base} r{round_}/{rounds}"
 
 
+# The round part of a phase label, as phase_label writes it: " r2/3", " r4 extra".
+_ROUND_SUFFIX = re.compile(r" r(\d+)(?:/(\d+)| extra)$")
+
+
+def parse_phase_label(label: str) -> tuple[str, int, int | None]:
+    """phase_label's inverse: the base, the round and the planned rounds (None for an extra round)."""
+    found = _ROUND_SUFFIX.search(label)
+    if found is None:
+        return label, 1, 1
+    planned = found.group(2)
+    return label[: found.start()], int(found.group(1)), int(planned) if planned else None
+
+
 def rotated(seq: Sequence[Arm], round_: int) -> list[Arm]:
     """The arms in the order of round ``round_`` (1-based): round k starts with the k-th arm."""
     k = (round_ - 1) % len(seq)

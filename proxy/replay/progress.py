@@ -17,12 +17,12 @@ Example::
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
 from specproxy.proxy.replay.console import RED, Console, LiveBlock
+from specproxy.proxy.replay.planning import parse_phase_label
 
 
 @dataclass(slots=True)
@@ -36,16 +36,12 @@ class ArmProgress:
         return self.tokens / max(until - t0, 1e-9)
 
 
-# A phase's round within its level, as planning.phase_label writes it: " r2/3", " r4 extra".
-ROUND_SUFFIX = re.compile(r" r(\d+)(/\d+| extra)$")
-
-
 @dataclass
 class LevelHistory:
     """One level's rounds so far: per arm, calls, tokens and errors, and the seconds the arm worked."""
 
     label: str
-    totals: dict[str, ArmProgress]
+    totals: dict[str, ArmProgress] = field(default_factory=dict)
     rounds: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -124,15 +120,14 @@ class ReplayProgress:
         closes); under the live table it prints above it."""
         if not self.enabled:
             return
-        round_ = ROUND_SUFFIX.search(self.label)
-        level = self.label[: round_.start()] if round_ else self.label
-        level += " extra" if round_ and round_.group(2) == " extra" else ""
+        base, round_, planned = parse_phase_label(self.label)
+        level = base if planned is not None else f"{base} extra"
         if self._level is not None and self._level.label != level:
             self._print_level()
-        self._level = self._level or LevelHistory(level, {a: ArmProgress() for a in self.arms})
+        self._level = self._level or LevelHistory(level)
         self._level.add(self.per_arm, self._t0)
-        if round_ is None or round_.group(2) == f"/{round_.group(1)}":
-            self._print_level()  # a single round, or the last planned one
+        if round_ == planned:
+            self._print_level()  # the level's last planned round (or its only one)
 
     def _print_level(self) -> None:
         if self._level is not None:
