@@ -75,7 +75,7 @@ from specproxy.lab.health_lines import (
     print_pace,
 )
 from specproxy.lab.pacing import CLOCK_LIMIT, LOOP_BUSY_LIMIT, LOOP_LIMIT, SimPacer
-from specproxy.lab.peak import PeakMove, judged_peak, record_move
+from specproxy.lab.peak import PeakMove, judged_peak, peak_judge, record_move
 from specproxy.lab.plan import (
     DECIDING_ROUNDS,
     EXTRA_ROUNDS,
@@ -318,6 +318,7 @@ def _lab_settings(
         show_progress=show_progress,
         pacer=pacer,
         decider=open_questions,
+        judged_peak=peak_judge(load.levels, pacer) if not experiment.peak_concurrency else None,
     )
 
 

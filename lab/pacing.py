@@ -251,6 +251,14 @@ class SimPacer:
                 f"scale {self.scale:g}",
             )
 
+    async def resume(self, level: int) -> Mapping[str, float]:
+        """Back to the scale ``level`` was measured at, for a deciding round there after the sweep
+        (the sweep's later levels may have slowed the simulators since)."""
+        scale = self.scales().get(level, self.scale)
+        async with aiohttp.ClientSession() as session:
+            await set_time_scale(session, self.arms, scale)
+        return {TIME_SCALE_CHECK: scale}
+
     def scales(self) -> dict[int, float]:
         return {p.level: p.time_scale for p in self.paces}
 

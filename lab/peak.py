@@ -26,6 +26,7 @@ import duckdb
 
 from specproxy.lab.pacing import SimPacer
 from specproxy.proxy.replay.extra_rounds import LevelRounds, judged
+from specproxy.proxy.replay.planning import PeakJudge
 from specproxy.schema import JUDGED_PEAK_KEY
 
 
@@ -68,6 +69,17 @@ def judged_peak(
         for c in failed
     )
     return PeakMove(peak, f"judged at c={peak}: {levels} could not be measured on this machine", why)
+
+
+def peak_judge(planned: Sequence[int], pacer: SimPacer | None) -> PeakJudge:
+    """:func:`judged_peak`'s level, as replay's deciding rounds ask for it after the sweep (None: the
+    top level, or no level measured soundly)."""
+
+    def level(measured: Sequence[LevelRounds]) -> int | None:
+        move = judged_peak(planned, measured, pacer)
+        return None if move is None else move.level
+
+    return level
 
 
 def record_move(db_path: Path, run_id: str, move: PeakMove) -> None:

@@ -21,11 +21,12 @@ from specproxy.proxy.replay.runner import LoadPlan
 # or two of its five rounds fail with a clock lag of 2.1-3.0 % on two cores: the quick lab starts none
 # past its time budget (a lower level's round costs 1-3.5 s at full speed).
 EXTRA_ROUNDS = 3
-# Rounds the top level may add while a verdict the deploy verdict reads there reaches across a margin
-# line (draft_model's throughput at c=256 of a quick lab, 0.957x against a 3 % margin, came out LOSS in
-# one lab and NO CLEAR GAIN in five, in rounds of one wave). Each costs a round of the top level (about
-# 17 s at c=256 of a quick lab at time scale 1/4, so the quick lab's budget leaves room for one at most)
-# and a look at the verdicts so far (a copy of the store and its analysis, 1-2 s).
+# Rounds added after the sweep while a verdict the deploy verdict reads reaches across a margin line
+# (draft_model's throughput at c=256 of a quick lab, 0.957x against a 3 % margin, came out LOSS in
+# one lab and NO CLEAR GAIN in five, in rounds of one wave). Each costs a round of the level it goes to
+# (about 17 s at c=256 of a quick lab at time scale 1/4, so the quick lab's budget leaves room for one
+# there at most; 1-3.5 s at its operating point c=1) and a look at the verdicts so far (a copy of the
+# store and its analysis, 1-2 s).
 DECIDING_ROUNDS = 12
 # The quick lab starts no extra or deciding round that would end after it has run this long: with the
 # analysis and the report after the sweep (5-10 s), it stays within 3 minutes. Its planned rounds take
@@ -60,8 +61,9 @@ class LabPlan:
     # Rounds a level may add when too few of its rounds passed every health check (a loaded machine
     # fails a round now and then while the rounds around it are fine); each costs one round's time.
     extra_rounds: int = 0
-    # Rounds the top level may add while a verdict read there is unsettled (:mod:`.analysis.settled`),
-    # none starting that would end after the lab has run ``time_budget_s`` (None: no limit).
+    # Rounds added after the sweep, in all, where a verdict the deploy verdict reads is unsettled (the
+    # operating point, the peak: :mod:`specproxy.proxy.replay.rounds`), none starting that would end
+    # after the lab has run ``time_budget_s`` (None: no limit).
     deciding_rounds: int = 0
     time_budget_s: float | None = None
     # No level's planned rounds beyond what ends within this (None: no limit; see QUICK_ROUNDS_BUDGET_S).
@@ -208,8 +210,8 @@ def extra_sentence(plan: LabPlan) -> str:
         )
     if plan.deciding_rounds:
         parts.append(
-            f"; up to {plan.deciding_rounds} deciding round{'s' if plan.deciding_rounds > 1 else ''} at the "
-            "top level while a verdict read there is unsettled"
+            f"; up to {plan.deciding_rounds} deciding round{'s' if plan.deciding_rounds > 1 else ''} after "
+            "the sweep where a verdict the deploy verdict reads is unsettled"
             + (f", within {plan.time_budget_s:.0f} s of the lab's start" if plan.time_budget_s else "")
         )
     return "".join(parts)

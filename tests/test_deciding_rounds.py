@@ -1,12 +1,13 @@
-"""Deciding rounds: the sweep's top level is measured again while a verdict the deploy verdict reads
-there has an interval reaching across a margin line, so that a ratio near the margin gets the same
-verdict run after run (:mod:`specproxy.analysis.verdicts.settled`)."""
+"""Deciding rounds: after the sweep, the levels where the deploy verdict reads (the operating point,
+the peak) are measured again while a verdict read there has an interval reaching across a margin
+line, so that a ratio near the margin gets the same verdict run after run
+(:mod:`specproxy.proxy.replay.rounds`, :mod:`specproxy.analysis.verdicts.settled`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from specproxy.config import Arm
 from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim
 from specproxy.proxy.replay.extra_rounds import LevelRounds, failed_rounds
+from specproxy.proxy.replay.planning import PeakJudge
 from specproxy.proxy.replay.runner import Decider, LoadPlan, ReplayResult, ReplaySettings, run_replay
 from tests.support import chat_items, query_rows
 
@@ -34,6 +36,7 @@ async def _replay(
     deciding: int,
     levels: tuple[int, ...] = (1, 2),
     until: float | None = None,
+    judged_peak: PeakJudge | None = None,
 ) -> ReplayResult:
     """A baseline and a plain copy of it labelled eagle3 (a null arm), ``levels`` in 3 rounds each."""
     async with running_sim(SimConfig()) as base, running_sim(SimConfig()) as null:
@@ -42,25 +45,36 @@ async def _replay(
             Arm(name="eagle3", url=null.url, speculative=EAGLE3),
         )
         load = LoadPlan(levels=levels, warmup=0, rounds=3, deciding_rounds=deciding, added_until=until)
-        settings = ReplaySettings(arms=arms, db_path=db, show_progress=False, load=load, decider=decider)
+        settings = ReplaySettings(
+            arms=arms, db_path=db, show_progress=False, load=load, decider=decider, judged_peak=judged_peak
+        )
         return await run_replay(settings, chat_items(N_ITEMS, max_tokens=16))
 
 
-async def test_the_top_level_adds_rounds_while_a_verdict_there_is_open(tmp_path: Path) -> None:
-    """The decider looks at a copy of the store after the top level's planned rounds and after each
-    deciding round; it finds a question open twice, so two rounds are added, and no more."""
-    looks: list[tuple[int, str]] = []
+def _always(*levels: str) -> Decider:
+    """A decider that finds the same question open at ``levels`` at every look."""
 
-    def decider(snapshot: Path, run_id: str, level: str) -> Sequence[str]:
+    def decider(snapshot: Path, run_id: str, peak: int | None) -> Mapping[str, Sequence[str]]:
+        return {level: [OPEN] for level in levels}
+
+    return decider
+
+
+async def test_a_level_adds_rounds_after_the_sweep_while_a_verdict_there_is_open(tmp_path: Path) -> None:
+    """The decider looks at a copy of the store after the sweep and after each deciding round; it
+    finds a question open at c=2 twice, so two rounds are added there, and no more."""
+    looks: list[int] = []
+
+    def decider(snapshot: Path, run_id: str, peak: int | None) -> Mapping[str, Sequence[str]]:
         (spans,) = query_rows(snapshot, "SELECT count(*) FROM requests WHERE run_id = ?", [run_id])[0]
-        looks.append((spans, level))
-        return [OPEN] if len(looks) <= 2 else []
+        looks.append(spans)
+        return {"c=2": [OPEN]} if len(looks) <= 2 else {}
 
     result = await _replay(tmp_path / "spans.duckdb", decider, deciding=4)
     per_round = 2 * N_ITEMS  # every item to both arms
     # c=1's three rounds and c=2's three, then one round more before each later look: the copy holds
-    # every span written so far, and only the top level is looked at
-    assert looks == [(6 * per_round, "c=2"), (7 * per_round, "c=2"), (8 * per_round, "c=2")]
+    # every span written so far
+    assert looks == [6 * per_round, 7 * per_round, 8 * per_round]
     assert result.phases[-3:] == ["c=2 r3/3", "c=2 r4 extra", "c=2 r5 extra"]
     healthy = 5 - len(failed_rounds(r for r in result.health if r.concurrency_level == 2))
     assert result.levels[-1] == LevelRounds("c=2", 3, 5, healthy, 0, deciding=2, deciding_budget=4)
@@ -75,8 +89,59 @@ async def test_the_top_level_adds_rounds_while_a_verdict_there_is_open(tmp_path:
     assert sorted(rounds) == [(k,) for k in range(1, 6)]
 
 
+async def test_a_lower_level_is_measured_again_after_the_sweep(tmp_path: Path) -> None:
+    """The operating point (c=1) is open, the top level is not: c=1 gets its deciding round after
+    c=2's rounds, numbered after its own, at its own concurrency."""
+    looks = 0
+
+    def decider(snapshot: Path, run_id: str, peak: int | None) -> Mapping[str, Sequence[str]]:
+        nonlocal looks
+        looks += 1
+        return {"c=1": [OPEN]} if looks == 1 else {}
+
+    db = tmp_path / "spans.duckdb"
+    result = await _replay(db, decider, deciding=4)
+    assert result.phases[-2:] == ["c=2 r3/3", "c=1 r4 extra"]
+    assert (result.levels[0].ran, result.levels[0].deciding, result.levels[1].deciding) == (4, 1, 0)
+    # the round went out as one of c=1, each item to both arms
+    rows = query_rows(
+        db,
+        "SELECT arm, count(*), max(concurrency_level), min(concurrency_level) FROM requests "
+        "WHERE round = 4 GROUP BY arm ORDER BY arm",
+    )
+    assert rows == [("base", N_ITEMS, 1, 1), ("eagle3", N_ITEMS, 1, 1)]
+
+
+async def test_open_levels_share_the_budget_fewest_rounds_first(tmp_path: Path) -> None:
+    """Both levels open at every look: the rounds alternate, the higher level first on a tie, until
+    the budget is spent; each level says what is still open there."""
+    result = await _replay(tmp_path / "spans.duckdb", _always("c=1", "c=2"), deciding=3)
+    assert result.phases[-4:] == ["c=2 r3/3", "c=2 r4 extra", "c=1 r4 extra", "c=2 r5 extra"]
+    low, top = result.levels
+    assert (low.deciding, low.unsettled, top.deciding, top.unsettled) == (1, (OPEN,), 2, (OPEN,))
+    assert low.deciding_sentence() == f"c=1: 1 of 3 deciding rounds run; still open: {OPEN}"
+
+
+async def test_the_decider_reads_the_peak_where_the_run_judges_it(tmp_path: Path) -> None:
+    """A run whose peak is judged below its top level (the lab's moved peak) hands that level to the
+    decider; the judge sees every level's rounds as they went."""
+    asked: list[int | None] = []
+    seen: list[list[str]] = []
+
+    def judge(levels: Sequence[LevelRounds]) -> int | None:
+        seen.append([lv.level for lv in levels])
+        return 1
+
+    def decider(snapshot: Path, run_id: str, peak: int | None) -> Mapping[str, Sequence[str]]:
+        asked.append(peak)
+        return {}
+
+    await _replay(tmp_path / "spans.duckdb", decider, deciding=2, judged_peak=judge)
+    assert (seen, asked) == ([["c=1", "c=2"]], [1])
+
+
 async def test_deciding_rounds_stop_at_the_budget_and_say_what_is_still_open(tmp_path: Path) -> None:
-    result = await _replay(tmp_path / "spans.duckdb", lambda *_: [OPEN], deciding=2, levels=(2,))
+    result = await _replay(tmp_path / "spans.duckdb", _always("c=2"), deciding=2, levels=(2,))
     assert result.phases == ["c=2 r1/3", "c=2 r2/3", "c=2 r3/3", "c=2 r4 extra", "c=2 r5 extra"]
     top = result.levels[-1]
     assert (top.deciding, top.deciding_budget, top.unsettled, top.extra) == (2, 2, (OPEN,), 0)
@@ -86,7 +151,7 @@ async def test_deciding_rounds_stop_at_the_budget_and_say_what_is_still_open(tmp
 async def test_no_deciding_round_starts_that_would_end_after_the_time_budget(tmp_path: Path) -> None:
     """A budget already spent: the question is asked, no round runs, and the lab says why."""
     result = await _replay(
-        tmp_path / "spans.duckdb", lambda *_: [OPEN], deciding=4, levels=(2,), until=time.monotonic()
+        tmp_path / "spans.duckdb", _always("c=2"), deciding=4, levels=(2,), until=time.monotonic()
     )
     assert result.phases == ["c=2 r1/3", "c=2 r2/3", "c=2 r3/3"]
     top = result.levels[-1]
@@ -97,7 +162,7 @@ async def test_no_deciding_round_starts_that_would_end_after_the_time_budget(tmp
 
 
 async def test_a_decider_that_fails_costs_no_round_and_is_noted(tmp_path: Path) -> None:
-    def broken(snapshot: Path, run_id: str, level: str) -> Sequence[str]:
+    def broken(snapshot: Path, run_id: str, peak: int | None) -> Mapping[str, Sequence[str]]:
         raise RuntimeError("no analysis today")
 
     result = await _replay(tmp_path / "spans.duckdb", broken, deciding=3, levels=(2,))
@@ -195,7 +260,8 @@ def test_a_real_store_is_asked_with_the_margin_the_analysis_uses(
     run_id = evaluation.run_id
 
     def asked(level: str, margin: float) -> list[str]:
-        return open_questions_in_store(db, run_id, level, Settings(thresholds=Thresholds(min_margin=margin)))
+        found = open_questions_in_store(db, run_id, Settings(thresholds=Thresholds(min_margin=margin)))
+        return found.get(level, [])
 
     found = asked("c=1", inside)
     if not row.reliable:

@@ -207,6 +207,36 @@ async def test_a_level_whose_wave_fails_at_the_slowest_scale_is_skipped_and_so_i
     assert named.skipped == [] and named.rounds(256, 5) == 3
 
 
+async def test_a_level_resumed_after_the_sweep_runs_at_its_own_scale_again() -> None:
+    """A deciding round at a level the sweep left behind: the simulators go back to the scale that
+    level's rounds ran at (a later level slowed them), and the round records it."""
+    async with running_sim(SimConfig()) as a, running_sim(SimConfig()) as b:
+        arms = (Arm(name="base", url=a.url, role="baseline"), Arm(name="twin", url=b.url, role="replica"))
+        pacer = SimPacer(arms, 1.0, 0.25, Console(io.StringIO()))
+        waves = iter([LevelTrial({"base": 0.0}, 0.0), LevelTrial({"base": 0.05}, 0.0), LevelTrial({}, 0.0)])
+
+        async def wave() -> LevelTrial:
+            return next(waves)
+
+        await pacer.settle(1, wave)
+        await pacer.settle(64, wave)  # lagged at 1.0, kept up at 0.5
+        assert pacer.scales() == {1: 1.0, 64: 0.5}
+
+        async def scales() -> list[float]:
+            async with aiohttp.ClientSession() as session:
+                found = []
+                for arm in arms:
+                    async with session.get(f"{arm.url}/sim/stats") as resp:
+                        found.append((await resp.json())["time_scale"])
+                return found
+
+        assert await scales() == [0.5, 0.5]
+        assert await pacer.resume(1) == {TIME_SCALE_CHECK: 1.0}
+        assert await scales() == [1.0, 1.0]
+        assert await pacer.resume(64) == {TIME_SCALE_CHECK: 0.5}
+        assert await scales() == [0.5, 0.5]
+
+
 def test_the_peak_moves_to_the_highest_level_measured_soundly_with_a_label() -> None:
     pacer = SimPacer((), 0.25, 0.25, Console(io.StringIO()), skip_unmeasurable=True)
     pacer.skipped.append(LevelPace(256, 0.25, ((0.25, LevelTrial({"ngram": 0.03}, 0.001)),)))

@@ -3,10 +3,11 @@
 A true ratio near a margin line (a throughput at peak of 0.96x against a 3 % margin, say) gives an
 interval that lands on one side of the line in one run and reaches across it in the next: LOSS once,
 NO CLEAR GAIN the next. With more rounds the interval narrows around the true ratio and settles on
-one side. So a sweep may measure its top level again while a figure the deploy verdict reads there
-reaches across a margin line (replay's ``deciding_rounds``, :mod:`specproxy.proxy.replay.runner`).
+one side. So after its sweep a replay measures again the levels the deploy verdict reads while a
+figure read there reaches across a margin line (replay's ``deciding_rounds``,
+:mod:`specproxy.proxy.replay.rounds`).
 
-An *open question* is one arm's figure at the level whose interval reaches across a line the verdict
+An *open question* is one arm's figure at a level whose interval reaches across a line the verdict
 rule draws there:
 
 - where the deploy verdict reads the peak: the throughput ratio across 1 − margin (LOSS below it, and
@@ -27,6 +28,7 @@ false-alarm rate little; ``tests/bench/bench_verdicts.py`` measures it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,12 +115,31 @@ def open_questions(
     return out
 
 
+def open_questions_by_level(
+    evaluation: RunEvaluation, settings: Settings | None = None
+) -> dict[str, list[OpenQuestion]]:
+    """Every level's open questions (levels without any left out), keyed by the rows' level."""
+    levels = dict.fromkeys(r.level for r in evaluation.rows)
+    found = {level: open_questions(evaluation, level, settings) for level in levels}
+    return {level: questions for level, questions in found.items() if questions}
+
+
+def replay_label(level: str) -> str:
+    """A row's level as replay labels it: ``'256'`` → ``'c=256'``; a rate's ``'r=2'`` stays."""
+    return f"c={level}" if level.isdigit() else level
+
+
 def open_questions_in_store(
-    db_path: Path, run_id: str, level: str, settings: Settings | None = None
-) -> list[str]:
-    """:func:`open_questions` of run ``run_id`` in the span store file ``db_path``, as sentences;
-    ``level`` as replay labels it (``'c=256'``, ``'r=2'``)."""
+    db_path: Path, run_id: str, settings: Settings | None = None, *, peak: int | None = None
+) -> dict[str, list[str]]:
+    """:func:`open_questions_by_level` of run ``run_id`` in the span store file ``db_path``, as
+    sentences keyed by the level as replay labels it (``'c=256'``, ``'r=2'``). ``peak``: the
+    concurrency the deploy verdict reads the peak at where the run's own record would not say it yet
+    (the lab's moved peak, recorded only once the run is done)."""
+    settings = settings or Settings()
+    if peak is not None and settings.peak_concurrency is None:
+        settings = dataclasses.replace(settings, peak_concurrency=peak)
     with open_store([db_path]) as store:
         (evaluation,) = evaluate(store, run=run_id, settings=settings)
-    questions = open_questions(evaluation, level.removeprefix("c="), settings)
-    return [q.sentence() for q in questions]
+    by_level = open_questions_by_level(evaluation, settings)
+    return {replay_label(level): [q.sentence() for q in qs] for level, qs in by_level.items()}

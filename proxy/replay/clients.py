@@ -419,6 +419,7 @@ async def client_pool(
         settings,
         pacer=None,
         decider=None,
+        judged_peak=None,
         load=LoadPlan(),
         experiment=None,
         show_progress=False,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from specproxy.config import Arm, Experiment
+from specproxy.proxy.replay.extra_rounds import LevelRounds
 from specproxy.proxy.replay.formats import ReplayItem
 from specproxy.proxy.replay.loadgen import poisson_offsets
 from specproxy.proxy.spans.sink import HealthRow
@@ -59,8 +60,9 @@ class LoadPlan:
     # Closed loop and rates: at most this many rounds added to a level with a failed round and fewer
     # than MIN_HEALTHY_ROUNDS that passed every health check (:mod:`.extra_rounds`).
     extra_rounds: int = 0
-    # Closed loop and rates: at most this many rounds added to the sweep's top level while the
-    # ``decider`` finds a verdict read there unsettled (:mod:`specproxy.analysis.verdicts.settled`).
+    # Closed loop and rates: at most this many rounds added after the sweep, in all, to the levels where
+    # the ``decider`` finds a verdict the deploy verdict reads unsettled
+    # (:mod:`specproxy.analysis.verdicts.settled`; :mod:`.rounds` says which level gets each).
     deciding_rounds: int = 0
     # No extra or deciding round starts that would end after this time (``time.monotonic()``; None: no
     # limit), a caller's time budget (the quick lab's); a round is expected to last as long as the last
@@ -87,9 +89,13 @@ class LevelTrial:
         return max(self.engine_lag.values(), default=0.0)
 
 
-# (a snapshot of the span store, the run id, the level as labelled: 'c=256') → the verdicts read at
-# that level that more rounds could still settle, as sentences (none: settled)
-Decider = Callable[[Path, str, str], Sequence[str]]
+# (a snapshot of the span store, the run id, the concurrency the peak is judged at where the store does
+# not say it: None) → per level as labelled ('c=256'), the verdicts read there that more rounds could
+# still settle, as sentences (a level left out, or with none: settled)
+Decider = Callable[[Path, str, int | None], Mapping[str, Sequence[str]]]
+# The level the peak is judged at when it is not the sweep's top one (the lab's, when this machine could
+# not measure its top level soundly), from the levels' rounds as they went; None: the top one.
+PeakJudge = Callable[[Sequence[LevelRounds]], int | None]
 
 
 class LevelPacer(Protocol):
@@ -103,6 +109,11 @@ class LevelPacer(Protocol):
 
     def measured(self, level: int, health: Sequence[HealthRow]) -> None:
         """Called after ``level``'s rounds with their health rows (to pace the next level by them)."""
+        ...
+
+    async def resume(self, level: int) -> Mapping[str, float]:
+        """Called before a deciding round at ``level`` after the sweep moved on: back to the pace its
+        rounds ran at. Returns the figures to record with the round, as :meth:`settle` does."""
         ...
 
 
@@ -123,8 +134,10 @@ class ReplaySettings:
     capture_output: bool = False
     show_progress: bool = True
     pacer: LevelPacer | None = None
-    # Asked after the top level's rounds whether to add deciding rounds (``LoadPlan.deciding_rounds``).
+    # Asked after the sweep, and after each deciding round, where to add one (``LoadPlan.deciding_rounds``).
     decider: Decider | None = None
+    # Where the decider reads the peak when the sweep's top level could not be judged (closed loop).
+    judged_peak: PeakJudge | None = None
     # The one arm is a `specproxy serve` (replay --target): the engines behind it are scraped by it, at
     # each phase's start and end on replay's request, into its own span store.
     through_proxy: bool = False

@@ -21,9 +21,10 @@ item's copies go out) and the items are shuffled with the seed, so that a slow m
 does not always fall on the same arm or the same items. A level whose rounds left too few that passed
 every health check gets up to ``extra_rounds`` more, one at a time at the same pace, numbered after
 the planned ones (``c=256 r6 extra``; :mod:`.extra_rounds`); a timed loop is never rerun. With a
-``decider``, the sweep's top level then gets up to ``deciding_rounds`` more, labelled the same way,
-while a verdict the deploy verdict reads there is unsettled on a copy of the store as written so far
-(:mod:`specproxy.analysis.verdicts.settled`).
+``decider``, the levels where the deploy verdict reads (the operating point, the peak) then get up
+to ``deciding_rounds`` more in all, after the sweep, labelled the same way, while a verdict read there
+is unsettled on a copy of the store as written so far (:mod:`.rounds`,
+:mod:`specproxy.analysis.verdicts.settled`).
 Each round also records the measurement's health (:mod:`specproxy.proxy.health`) in table ``health``. Before
 anything runs, every arm's ``/v1/models`` is asked for its served model (an unreachable arm fails
 the run, naming its URL) and ``/version`` with it; both land in the run's ``stacks_json``.
@@ -144,13 +145,21 @@ class ReplayRunner:
                 shared = SharedLoad(level=phase.level, deadline_s=plan.duration_s)
                 await driver.phase(phase, calls, drive, shared=shared)
 
-            await self.rounds.run_level(f"c={level}", plan.level_rounds(level), measure, level=level)
+            async def resume(level: int = level, items: list[ReplayItem] = items, warm: int = n_warm) -> None:
+                if self.s.pacer is not None:
+                    self.recorder.level_notes = await self.s.pacer.resume(level)
+                await driver.warm_level(items, warm, level)
+
+            base = f"c={level}"
+            await self.rounds.run_level(base, plan.level_rounds(level), measure, level=level, resume=resume)
             if self.stop.is_set():
                 return
             if self.s.pacer is not None:
                 # Every round's health, the extra rounds' too: a level rescued by extra rounds still had
                 # rounds this machine could not keep up with, so the next (heavier) level starts slower.
                 self.s.pacer.measured(level, [r for r in self.result.health if r.concurrency_level == level])
+        judge = self.s.judged_peak
+        await self.rounds.decide(None if judge is None else judge(self.result.levels))
 
     async def _rate_sweep(self) -> None:
         plan = self.s.load
@@ -173,7 +182,11 @@ class ReplayRunner:
                 )
                 lags.extend(await self._open_phase(phase, calls, offsets))
 
-            await self.rounds.run_level(label, plan.rounds, measure, rate=rate)
+            async def resume(items: list[ReplayItem] = items) -> None:
+                await self.driver.warm_level(items, 1 if plan.warmup is None else plan.warmup, 1)
+
+            await self.rounds.run_level(label, plan.rounds, measure, rate=rate, resume=resume)
+        await self.rounds.decide()
         self.result.lag_p99_s = p99(lags)
 
     async def _timed(self) -> None:
