@@ -15,8 +15,9 @@ full speed and c=64 at a twentieth), each level group ``--runs`` times into its 
 (``run-NN-gK.duckdb``, a deploy verdict per group). Then ``--runs`` times: a paired replay (replay's
 own runner, in this process) of a small
 mixed workload over the levels, ``--rounds`` rounds each of max(c, ``--per-round``) items, so every arm
-gets the same items, into a fresh span store, with up to ``--deciding-rounds`` more rounds of each
-group's top level while the null or EAGLE3 arm's verdict there is open (as the lab does:
+gets the same items, into a fresh span store, with up to ``--deciding-rounds`` more rounds, after the
+sweep, at each group's levels where the null or EAGLE3 arm's deploy verdict reads and is open (as the
+lab does:
 :mod:`specproxy.analysis.verdicts.settled`), and ``specproxy analyze --format json`` on it (a subprocess). It
 prints each target's detail with ``met`` / ``NOT met`` and a Wilson 95 % interval on the share:
 
@@ -290,7 +291,7 @@ class RunVerdicts:
     groups: int = 1  # scale groups merged into this run, each with its own deploy verdicts
     health_over: int = 0
     health_total: int = 0
-    deciding: int = 0  # deciding rounds run (the top level measured again while a verdict was open)
+    deciding: int = 0  # deciding rounds run (a level the deploy verdict reads, again, while it was open)
 
 
 def specproxy(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -708,7 +709,7 @@ def parse_args() -> argparse.Namespace:
         "--deciding-rounds",
         type=int,
         default=12,
-        help="deciding rounds each replay may add to its top level, as the lab does (0: none)",
+        help="deciding rounds each replay may add after its sweep, as the lab does (0: none)",
     )
     parser.add_argument(
         "--stability-runs",
