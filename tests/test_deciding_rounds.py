@@ -6,6 +6,7 @@ line, so that a ratio near the margin gets the same verdict run after run
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from specproxy.analysis import Settings, evaluate, open_store
+from specproxy.analysis.render.table import deploy_lines, render_json
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdicts.rows import RunEvaluation
 from specproxy.analysis.verdicts.rules import NO_CLEAR_GAIN, UNRELIABLE, DeployVerdict, Thresholds
@@ -271,3 +273,34 @@ def test_a_real_store_is_asked_with_the_margin_the_analysis_uses(
     assert any(q.startswith("eagle3's decode speedup") for q in found), (iv, found)
     assert [q for q in asked("c=1", beyond) if "decode" in q] == []
     assert [q for q in asked("c=2", inside) if "decode" in q] == []
+
+
+def test_a_deploy_verdict_at_the_margin_says_so_in_the_table_and_json(
+    null_run: tuple[Path, RunEvaluation],
+) -> None:
+    """The same label, and beside it the figure whose interval reaches across a line it reads: in the
+    deploy lines, the report's sentence and JSON; a margin beyond the interval's reach says nothing."""
+    db, evaluation = null_run
+    row = next(r for r in evaluation.rows if (r.arm, r.level) == ("eagle3", "1"))
+    iv = row.decode_speedup
+    assert iv is not None and iv.low is not None and iv.high is not None, row
+    if not row.reliable:
+        pytest.skip(f"this machine left c=1 without enough sound rounds: {row.health}")
+
+    def judged(margin: float) -> RunEvaluation:
+        settings = Settings(thresholds=Thresholds(min_margin=margin))
+        with open_store([db]) as store:
+            (ev,) = evaluate(store, settings=settings)
+        return ev
+
+    inside = judged(abs((iv.low + iv.high) / 2 - 1.0))
+    deploy = next(a.deploy for a in inside.arms if a.arm == "eagle3")
+    assert deploy is not None and any(q.startswith("eagle3's decode speedup") for q in deploy.at_margin)
+    lines = "\n".join(deploy_lines(inside))
+    assert f"at the margin: {deploy.at_margin[0]}" in lines and "(more rounds there would settle it)" in lines
+    doc = json.loads(render_json([inside], Settings()))
+    (arm,) = [a for a in doc["runs"][0]["arms"] if a["arm"] == "eagle3"]
+    assert arm["deploy"]["at_margin"] == list(deploy.at_margin)
+    beyond = judged(max(abs(iv.low - 1.0), abs(iv.high - 1.0)) + 0.05)
+    assert all(a.deploy is None or a.deploy.at_margin == () for a in beyond.arms)
+    assert "at the margin" not in "\n".join(deploy_lines(beyond))

@@ -41,6 +41,7 @@ from specproxy.analysis.render.table import (
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.store import SpanStore
 from specproxy.analysis.verdicts.evaluation import CategoryRow, RunEvaluation, Settings, level_sort_key
+from specproxy.analysis.verdicts.rules import DeployVerdict
 from specproxy.schema import level_sql
 
 MAX_MISMATCH_ROWS = 100
@@ -354,7 +355,7 @@ def _deploy(ev: RunEvaluation) -> str:
         items.append(
             f'<tr><td class="l"><b>{escape(a.arm)}</b></td>'
             f'<td class="l {cls}">{escape(a.deploy.verdict)}</td>'
-            f'<td class="l wrap">{escape(_deploy_text(ev, a.arm, a.deploy.text))}</td></tr>'
+            f'<td class="l wrap">{escape(_deploy_text(ev, a.arm, a.deploy))}</td></tr>'
         )
     if not items:
         return ""
@@ -366,9 +367,11 @@ def _deploy(ev: RunEvaluation) -> str:
     )
 
 
-def _deploy_text(ev: RunEvaluation, arm: str, text: str) -> str:
-    """The deploy verdict's sentence, led by the arm's capacity at the SLO when one was given."""
+def _deploy_text(ev: RunEvaluation, arm: str, deploy: DeployVerdict) -> str:
+    """The deploy verdict's sentence, led by the arm's capacity at the SLO when one was given, and
+    what is at the margin after it."""
     capacity = headline(ev, arm)
+    text = f"{deploy.text}; {deploy.margin_sentence()}" if deploy.at_margin else deploy.text
     return f"{capacity}. {text}" if capacity else text
 
 

@@ -123,7 +123,8 @@ def category_matrix(ev: RunEvaluation) -> tuple[list[str], list[list[str]]]:
 def deploy_lines(ev: RunEvaluation, indent: str = "    ") -> list[str]:
     """Each arm's overall verdict at the operating point, peak throughput included, in at most two
     lines: the verdict and what to do (with an SLO, its capacity there first), then the per-level
-    verdicts and the two points it rests on, ``indent`` deeper. What was assumed is in the title."""
+    verdicts and the two points it rests on, and what is at the margin, ``indent`` deeper. What was
+    assumed is in the title."""
     lines = []
     for a in ev.arms:
         capacity = render_slo.headline(ev, a.arm)
@@ -133,8 +134,9 @@ def deploy_lines(ev: RunEvaluation, indent: str = "    ") -> list[str]:
             lines.append(f"{capacity}. {first}" if first else capacity)
         elif first:
             lines.append(f"{a.arm}: {first}")
-        if d is not None and d.summary:
-            lines[-1] += f"\n{indent}{d.summary}"
+        second = "; ".join(x for x in (d.summary, d.margin_sentence()) if x) if d is not None else ""
+        if second:
+            lines[-1] += f"\n{indent}{second}"
     return lines
 
 

@@ -61,6 +61,7 @@ from specproxy.analysis.store import SpanStore, StoreError
 from specproxy.analysis.verdicts import comparison, rules
 from specproxy.analysis.verdicts.categories import category_rows
 from specproxy.analysis.verdicts.comparison import Bootstrap, Comparison
+from specproxy.analysis.verdicts.margin import with_margins
 from specproxy.analysis.verdicts.measured import (
     ONE_ROUND,
     RunFigures,
@@ -185,7 +186,7 @@ def _evaluate_run(
     failed = {f.arm: f.describe() for f in failed_arms(store, run.run_id)}
     arms = [arm_outcome(run, arm, rows, point, confidence, settings, failed) for arm in arm_order(run)]
     loaded = [r.level for r in rows if r.level_load is not None]
-    return RunEvaluation(
+    evaluation = RunEvaluation(
         run_id=run.run_id,
         name=info["name"],
         mode=info.get("mode"),
@@ -215,6 +216,7 @@ def _evaluate_run(
         failed_arms=list(failed.values()),
         slo=_at_slo(store, run, info, settings, arms, point),
     )
+    return with_margins(evaluation, settings)
 
 
 def _given_peak_label(settings: Settings) -> str:

@@ -384,6 +384,16 @@ class DeployVerdict:
     # per-level verdicts and the two points it rests on
     action: str = ""
     summary: str = ""
+    # The figures it reads whose interval reaches across a margin line (:mod:`.margin`): where more
+    # rounds could still move the verdict, said beside it.
+    at_margin: tuple[str, ...] = ()
+
+    def margin_sentence(self) -> str:
+        """``at the margin: eagle3's decode speedup 1.04x [1.02, 1.06] reaches across 1.030 (more rounds
+        there would settle it)``; empty where nothing is."""
+        if not self.at_margin:
+            return ""
+        return f"at the margin: {'; '.join(self.at_margin)} (more rounds there would settle it)"
 
 
 def shadow_note(arm: str) -> str:

@@ -4,21 +4,8 @@ A true ratio near a margin line (a throughput at peak of 0.96x against a 3 % mar
 interval that lands on one side of the line in one run and reaches across it in the next: LOSS once,
 NO CLEAR GAIN the next. With more rounds the interval narrows around the true ratio and settles on
 one side. So after its sweep a replay measures again the levels the deploy verdict reads while a
-figure read there reaches across a margin line (replay's ``deciding_rounds``,
-:mod:`specproxy.proxy.replay.rounds`).
-
-An *open question* is one arm's figure at a level whose interval reaches across a line the verdict
-rule draws there:
-
-- where the deploy verdict reads the peak: the throughput ratio across 1 − margin (LOSS below it, and
-  a WIN needs the lower bound at or above it);
-- where it reads the operating point: also the decode speedup across 1 + margin (WIN above it) or
-  across 1 − margin (LOSS below it).
-
-Not asked: the baseline, replica arms (their margin keeps them at NO CLEAR GAIN whatever their
-interval), arms whose identity fails (a LOSS whatever the speeds), rows on estimated token counts
-(NO CLEAR GAIN whatever the speeds) and levels that are UNRELIABLE or FAILED (more rounds are
-the health checks' business, :mod:`specproxy.proxy.replay.extra_rounds`).
+figure read there is an open question (:mod:`.margin`): replay's ``deciding_rounds``,
+:mod:`specproxy.proxy.replay.rounds`. This module answers replay's question on a copy of its store.
 
 Looking again after each added round is a sequential design: each look gives an arm whose true ratio
 sits exactly on a line another chance to land on either side. The looks are few (the plan's budget)
@@ -29,99 +16,20 @@ false-alarm rate little; ``tests/bench/bench_verdicts.py`` measures it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 
-from specproxy.analysis.levels import level_load, level_unit
-from specproxy.analysis.stats import Interval
 from specproxy.analysis.store import open_store
 from specproxy.analysis.verdicts.evaluation import evaluate
-from specproxy.analysis.verdicts.rows import ArmOutcome, LevelRow, RunEvaluation, Settings
-from specproxy.analysis.verdicts.rules import FAILED, UNRELIABLE, check_identity, fmt_ratio, tested_around
+from specproxy.analysis.verdicts.margin import OpenQuestion, open_questions, open_questions_by_level
+from specproxy.analysis.verdicts.rows import Settings
 
-
-@dataclass(frozen=True)
-class OpenQuestion:
-    """One arm's figure at a level whose interval reaches across a margin line."""
-
-    arm: str
-    figure: str  # "throughput" or "decode speedup"
-    interval: Interval
-    line: float
-
-    def sentence(self) -> str:
-        """``draft_model's throughput 0.96x [0.95, 0.98] reaches across 0.970``"""
-        return f"{self.arm}'s {self.figure} {fmt_ratio(self.interval)} reaches across {self.line:.3f}"
-
-
-def _across(iv: Interval | None, line: float) -> bool:
-    if iv is None or iv.low is None or iv.high is None:
-        return False
-    return iv.low < line <= iv.high or iv.low <= line < iv.high
-
-
-def _reads(arm: ArmOutcome, load: float, unit: str, tested: list[float]) -> tuple[bool, bool]:
-    """Does the arm's deploy verdict read ``load`` as its (operating point, peak)?"""
-    d = arm.deploy
-    if d is None:
-        return False, False
-    at, peak = (d.at_concurrency, d.peak_concurrency) if unit == "c" else (d.at_rate, d.peak_rate)
-    reads_at = at is not None and load in tested_around(float(at), tested)
-    reads_peak = peak is not None and load in tested_around(float(peak), tested)
-    return reads_at, reads_peak
-
-
-def _asked(arm: ArmOutcome, row: LevelRow, settings: Settings) -> bool:
-    if arm.kind != "candidate" or row.verdict in (None, UNRELIABLE, FAILED) or row.tokens_estimated:
-        return False
-    identity = check_identity(
-        arm.compared - arm.mismatched,
-        arm.compared,
-        row.confidence or settings.confidence,
-        settings.thresholds,
-    )
-    return not identity.fails
-
-
-def open_questions(
-    evaluation: RunEvaluation, level: str, settings: Settings | None = None
-) -> list[OpenQuestion]:
-    """The open questions at ``level`` (a row's level: ``'256'``, ``'r=2'``; module docstring)."""
-    settings = settings or Settings()
-    load, unit = level_load(level), level_unit(level)
-    if load is None or unit is None:
-        return []
-    tested = sorted(
-        {x for r in evaluation.rows if level_unit(r.level) == unit and (x := level_load(r.level))}
-    )
-    rows = {r.arm: r for r in evaluation.rows if r.level == level}
-    minimum = settings.thresholds.min_margin
-    out: list[OpenQuestion] = []
-    for arm in evaluation.arms:
-        row = rows.get(arm.arm)
-        if row is None or not _asked(arm, row, settings):
-            continue
-        reads_at, reads_peak = _reads(arm, load, unit, tested)
-        lines: list[tuple[str, Interval | None, float]] = []
-        if reads_at or reads_peak:
-            lines.append(("throughput", row.throughput_speedup, 1.0 - (row.throughput_margin or minimum)))
-        if reads_at:
-            m = row.decode_margin or minimum
-            lines += [
-                ("decode speedup", row.decode_speedup, 1.0 + m),
-                ("decode speedup", row.decode_speedup, 1.0 - m),
-            ]
-        out += [OpenQuestion(arm.arm, name, iv, line) for name, iv, line in lines if iv and _across(iv, line)]
-    return out
-
-
-def open_questions_by_level(
-    evaluation: RunEvaluation, settings: Settings | None = None
-) -> dict[str, list[OpenQuestion]]:
-    """Every level's open questions (levels without any left out), keyed by the rows' level."""
-    levels = dict.fromkeys(r.level for r in evaluation.rows)
-    found = {level: open_questions(evaluation, level, settings) for level in levels}
-    return {level: questions for level, questions in found.items() if questions}
+__all__ = [
+    "OpenQuestion",
+    "open_questions",
+    "open_questions_by_level",
+    "open_questions_in_store",
+    "replay_label",
+]
 
 
 def replay_label(level: str) -> str:
