@@ -349,9 +349,9 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self._read_timeout = read_timeout
         self._last_read = time.perf_counter()
+        self.transport.write(request)  # (first: the timer below need not delay the request)
         if read_timeout is not None:
             self._timer = self.loop.call_later(read_timeout, self._check_read)
-        self.transport.write(request)
         return ex
 
     def _check_read(self) -> None:
