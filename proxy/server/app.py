@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import re
@@ -74,7 +75,8 @@ from specproxy.proxy.upstream.calls import (
     UpstreamState,
     UpstreamTimeout,
     call_arm,
-    new_record,
+    call_record,
+    describe_request,
 )
 from specproxy.proxy.upstream.scrape import EngineLoad, MetricsScraper
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint
@@ -164,7 +166,8 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     if plan.copies:
         pair = IdentityPair(comparable, st.metrics.observe_identity) if comparable else None
         _send_copies(st, plan.copies, checked, to_arms, endpoint, trace_id, pair, parent)
-    record = _new_span(st, primary, plan.primary_routed_as, checked, endpoint, trace_id)
+    # (its request fields are read from the body when the call is over: call_arm(describe=True))
+    record = _new_span(st, primary, plan.primary_routed_as, checked, endpoint, trace_id, described=False)
     relay = ClientRelay(request, {REQUEST_ID_HEADER: checked.request_id, ARM_HEADER: primary.name})
     result: CallResult | None = None
     tap = CompletionTap(endpoint)
@@ -223,6 +226,7 @@ async def _call_primary(
         state=st.upstream,
         capture_output=st.capture is not None,
         tap=tap,
+        describe=True,
     )
     return await st.cutter.run(call, record)
 
@@ -263,13 +267,15 @@ def _new_span(
     checked: ClientRequest,
     endpoint: Endpoint,
     trace_id: str,
+    *,
+    described: bool = True,
 ) -> SpanRecord:
-    """The span of one call the client's request makes to ``arm``, labelled with its load phase."""
-    record = new_record(
+    """The span of one call the client's request makes to ``arm``, labelled with its load phase.
+    ``described``: with the request fields read from the body (False: the call fills them)."""
+    record = call_record(
         st.run_id,
         checked.request_id,
         arm,
-        checked.body,
         endpoint=endpoint,
         trace_id=trace_id,
         routed_as=routed_as,
@@ -280,6 +286,8 @@ def _new_span(
         offered_rate=checked.offered_rate,
     )
     record.round = checked.round
+    if described:
+        describe_request(record, checked.body)
     return record
 
 
@@ -293,12 +301,15 @@ def _send_copies(
     pair: IdentityPair | None,
     parent: TraceParent | None,
 ) -> None:
-    """Hand the shadow and verify copies to the dispatcher, which sends them in the background."""
+    """Hand the shadow and verify copies to the dispatcher, which sends them in the background (and
+    makes their spans there: the client's call goes out first)."""
     dispatcher = st.dispatcher
     assert dispatcher is not None
     for copy in copies:
-        rec = _new_span(st, copy.arm, copy.routed_as, checked, endpoint, trace_id)
-        dispatcher.send(copy, checked.body, rec, endpoint=endpoint, pair=pair, parent=parent, headers=headers)
+        make_record = functools.partial(_new_span, st, copy.arm, copy.routed_as, checked, endpoint, trace_id)
+        dispatcher.send(
+            copy, checked.body, make_record, endpoint=endpoint, pair=pair, parent=parent, headers=headers
+        )
 
 
 def _after_primary(

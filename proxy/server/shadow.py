@@ -12,7 +12,7 @@ side that finishes first waits (in a background task, never in the client's path
 Example::
 
     pair = IdentityPair(comparable=True, on_check=metrics.observe_identity)
-    dispatcher.send(Copy(candidate, "shadow"), body, record, endpoint="chat", pair=pair)
+    dispatcher.send(Copy(candidate, "shadow"), body, make_record, endpoint="chat", pair=pair)
     ...                                   # the primary call to the baseline
     pair.set_baseline(primary_result)     # always, also on failure (None)
     await dispatcher.close(grace_s=30)    # at shutdown: wait, then cancel what is left
@@ -101,7 +101,7 @@ class ShadowDispatcher:
         self,
         copy: Copy,
         body: dict[str, Any],
-        record: SpanRecord,
+        make_record: Callable[[], SpanRecord],
         *,
         endpoint: Endpoint,
         pair: IdentityPair | None,
@@ -109,11 +109,13 @@ class ShadowDispatcher:
         headers: Mapping[str, str] | None = None,
     ) -> bool:
         """Start one copy; False (and a ``dropped`` span) when the arm is at its bound or we are closing.
+        ``make_record``: the copy's span, made in the copy's own task (not in the client's path);
         ``parent``: the trace context the copy's span belongs under (the client's traceparent);
         ``headers``: the client's end-to-end headers, sent on as they are to the primary."""
         arm = copy.arm
         n = self.inflight.get(arm.name, 0)
         if n >= arm.max_shadow_inflight or self._closing:
+            record = make_record()
             record.status = "dropped"
             record.error = "shutting down" if self._closing else f"over max_shadow_inflight ({n})"
             record.t_start_ns = time.time_ns()
@@ -123,20 +125,21 @@ class ShadowDispatcher:
             self.emit(record, parent)
             return False
         self.inflight[arm.name] = n + 1
-        self.spawn(self._run(copy, body, record, endpoint, pair, parent, headers, time.perf_counter()))
+        self.spawn(self._run(copy, body, make_record, endpoint, pair, parent, headers, time.perf_counter()))
         return True
 
     async def _run(
         self,
         copy: Copy,
         body: dict[str, Any],
-        record: SpanRecord,
+        make_record: Callable[[], SpanRecord],
         endpoint: Endpoint,
         pair: IdentityPair | None,
         parent: TraceParent | None,
         headers: Mapping[str, str] | None,
         handed_over: float,
     ) -> None:
+        record = make_record()
         is_baseline = copy.arm.role == "baseline"
         result: CallResult | None = None
         try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ import orjson
 from aiohttp import HttpVersion11, web
 
 from specproxy.proxy.server.errors import error_body
+from specproxy.proxy.spans.random_ids import uuid4_hex
 from specproxy.proxy.upstream.calls import (
     CATEGORY_HEADER,
     CONCURRENCY_HEADER,
@@ -72,8 +72,13 @@ async def read_request(
     """The request's body, checked (see the module docstring); raises :class:`Rejected`.
     ``body_timeout_s``: the whole body must have arrived by then (408 otherwise)."""
     try:
-        async with asyncio.timeout(body_timeout_s):
+        if request.content.is_eof():
+            # The whole body came with the headers (most requests): reading it cannot wait, so no
+            # timer is armed for it.
             raw = await _read_body(request, max_body_bytes)
+        else:
+            async with asyncio.timeout(body_timeout_s):
+                raw = await _read_body(request, max_body_bytes)
     except TimeoutError as exc:
         request.content.feed_eof()  # (aiohttp would otherwise wait for the rest after the answer)
         raise Rejected(
@@ -85,11 +90,13 @@ async def read_request(
         raise Rejected(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise Rejected(400, "request body must be a JSON object")
-    if json_depth_over(body, MAX_JSON_DEPTH):
+    # Every level of nesting opens a bracket: a body with few brackets cannot be too deep (a count in
+    # C, where the walk below is Python over every container).
+    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH and json_depth_over(body, MAX_JSON_DEPTH):
         raise Rejected(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
     headers = request.headers
     # The request id goes back to the client and on to every arm in headers: it must be one.
-    request_id = header_safe(headers.get(REQUEST_ID_HEADER) or "") or uuid.uuid4().hex
+    request_id = header_safe(headers.get(REQUEST_ID_HEADER) or "") or uuid4_hex()
     category = headers.get(CATEGORY_HEADER)
     if category is not None:
         category = category.encode("utf-8", "surrogateescape").decode("utf-8", "replace")

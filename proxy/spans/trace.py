@@ -16,9 +16,10 @@ TraceParent(trace_id='0af7651916cd43dd8448eb211c80319c', span_id='b7ad6b71692033
 from __future__ import annotations
 
 import re
-import secrets
 from collections.abc import Mapping
 from typing import NamedTuple
+
+from specproxy.proxy.spans.random_ids import random_hex
 
 TRACEPARENT_HEADER = "traceparent"
 
@@ -63,12 +64,12 @@ def traceparent(trace_id: str, span_id: str) -> str:
 
 def new_trace_id() -> str:
     """A random W3C trace id (32 hex digits, never all zero)."""
-    return secrets.token_hex(16).replace(_ZERO_TRACE, "0" * 31 + "1")
+    return random_hex(16).replace(_ZERO_TRACE, "0" * 31 + "1")
 
 
 def new_span_id() -> str:
     """A random W3C span id (16 hex digits, never all zero)."""
-    return secrets.token_hex(8).replace(_ZERO_SPAN, "0" * 15 + "1")
+    return random_hex(8).replace(_ZERO_SPAN, "0" * 15 + "1")
 
 
 def is_trace_id(text: str) -> bool:

@@ -226,9 +226,39 @@ def new_record(
     """A span record with identity and request fields filled from the arm and the client's body.
 
     ``engine_load``: the arm's (running, waiting) gauges from its latest /metrics scrape, if known."""
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    temperature = body.get("temperature")
-    seed = body.get("seed")
+    record = call_record(
+        run_id,
+        request_id,
+        arm,
+        endpoint=endpoint,
+        routed_as=routed_as,
+        source=source,
+        category=category,
+        trace_id=trace_id,
+        concurrency_level=concurrency_level,
+        engine_load=engine_load,
+        offered_rate=offered_rate,
+    )
+    describe_request(record, body)
+    return record
+
+
+def call_record(
+    run_id: str,
+    request_id: str,
+    arm: Arm,
+    *,
+    endpoint: Endpoint,
+    routed_as: RoutedAs,
+    source: Source = "live",
+    category: str | None = None,
+    trace_id: str | None = None,
+    concurrency_level: int | None = None,
+    engine_load: tuple[float | None, float | None] | None = None,
+    offered_rate: float | None = None,
+) -> SpanRecord:
+    """:func:`new_record` without the fields read from the body (:func:`describe_request` adds them):
+    what a call needs before its request goes out."""
     return SpanRecord(
         run_id=run_id,
         request_id=request_id,
@@ -245,15 +275,23 @@ def new_record(
         concurrency_level=concurrency_level,
         offered_rate=offered_rate,
         endpoint=endpoint,
-        model=body.get("model") if isinstance(body.get("model"), str) else None,
-        stream=bool(body.get("stream")),
-        temperature=float(temperature) if isinstance(temperature, int | float) else None,
-        max_tokens=int(max_tokens) if isinstance(max_tokens, int) else None,
-        seed=int(seed) if isinstance(seed, int) else None,
-        prompt_sha256=prompt_sha256(body, endpoint),
         engine_running=engine_load[0] if engine_load is not None else None,
         engine_waiting=engine_load[1] if engine_load is not None else None,
     )
+
+
+def describe_request(record: SpanRecord, body: dict[str, Any]) -> None:
+    """The span's request fields, read from the client's body: model, sampling, the prompt's hash."""
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    temperature = body.get("temperature")
+    seed = body.get("seed")
+    model = body.get("model")
+    record.model = model if isinstance(model, str) else None
+    record.stream = bool(body.get("stream"))
+    record.temperature = float(temperature) if isinstance(temperature, int | float) else None
+    record.max_tokens = int(max_tokens) if isinstance(max_tokens, int) else None
+    record.seed = int(seed) if isinstance(seed, int) else None
+    record.prompt_sha256 = prompt_sha256(body, record.endpoint)
 
 
 def _error_message(body: bytes) -> str:
@@ -308,11 +346,14 @@ async def call_arm(
     capture_output: bool = False,
     state: UpstreamState | None = None,
     tap: CompletionTap | None = None,
+    describe: bool = False,
 ) -> CallResult:
     """Send ``body`` to ``arm`` and fill ``record``; see the module docstring. Never raises for upstream
     trouble; re-raises ``asyncio.CancelledError`` after closing the upstream connection (the record
     stays ``ok`` when the stream's final event had already been relayed). ``tap``: the caller's own
-    :class:`CompletionTap` to fill (a new one by default)."""
+    :class:`CompletionTap` to fill (a new one by default). ``describe``: ``record`` came from
+    :func:`call_record`; its request fields are filled from ``body`` when the call is over, so that
+    reading and hashing the body does not delay the request (the proxy's calls that serve clients)."""
     state = state or DEFAULT_STATE
     timeout = timeout or UpstreamTimeout()
     url = arm.url + ENDPOINT_PATHS[endpoint]
@@ -326,8 +367,11 @@ async def call_arm(
     record.t_start_ns = time.time_ns()
     result.t_send = time.perf_counter()
     try:
-        async with asyncio.timeout(timeout.total):
+        if timeout.total is None:  # (the calls that serve clients: no cap, no timer to arm)
             await _exchange(client, url, hdrs, body, timeout, relay, asks, result)
+        else:
+            async with asyncio.timeout(timeout.total):
+                await _exchange(client, url, hdrs, body, timeout, relay, asks, result)
     except ClientGone:
         result.client_gone = True
         _cut_short(result, "client disconnected")
@@ -343,6 +387,8 @@ async def call_arm(
         record.error = f"{exc.__class__.__name__}: {exc}"[:500]
     finally:
         state.inflight[arm.url] -= 1
+        if describe:
+            describe_request(record, body)
         _settle_record(result, arm, body, state, capture_output)
     return result
 

@@ -345,13 +345,15 @@ class _Connection(asyncio.Protocol):
 
     def start(self, request: bytes, read_timeout: float | None) -> Exchange:
         assert self.transport is not None
+        # The request first: nothing can be read before the loop runs again, so what reads the
+        # response (exchange, parser, read timer) need not delay it.
+        self.transport.write(request)
         ex = self.exchange = Exchange(self)
         self.parser = httptools.HttpResponseParser(self)
         self._read_timeout = read_timeout
         self._last_read = time.perf_counter()
         if read_timeout is not None:
             self._timer = self.loop.call_later(read_timeout, self._check_read)
-        self.transport.write(request)
         return ex
 
     def _check_read(self) -> None:
