@@ -412,7 +412,7 @@ def add_latency(run: SyntheticRun, *, seed: int = 3, queue_arms: Sequence[str] =
 _empty_store: Path | None = None
 
 
-def _new_store(path: Path) -> None:
+def new_store(path: Path) -> None:
     """An empty span store at ``path`` (a file that does not exist yet), at the current schema version.
     Migrating a new file (every version's DDL) costs ~0.2 s; a copy of one migrated once per process is
     the same file in under a millisecond, and the suite writes hundreds of stores."""
@@ -432,7 +432,7 @@ def write_db(path: str | Path, runs: Iterable[SyntheticRun]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
-        _new_store(path)
+        new_store(path)
     with duckdb.connect(str(path)) as conn:
         schema.migrate(conn)  # an existing file may be older
         for run in runs:
@@ -485,7 +485,7 @@ def generate_sql(
     path = Path(path)
     n_requests = n_rows // (len(arms) * len(levels))
     if not path.exists():
-        _new_store(path)
+        new_store(path)
     with duckdb.connect(str(path)) as conn:
         schema.migrate(conn)
         conn.execute("CREATE TEMP TABLE arm_spec(arm_idx INTEGER, arm VARCHAR, role VARCHAR, speedup DOUBLE)")
