@@ -3,8 +3,10 @@ process left behind by a test, however it ended (tests/processes.py)."""
 
 from __future__ import annotations
 
+import compileall
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +18,19 @@ _SCRUBBED_PREFIXES = ("SPECPROXY_", "OTEL_", "OPENAI_")
 # pytest-timeout's limit (pyproject: 120 s) guards against hangs. The slow tests repeat whole runs
 # (a quick lab, 60 synthetic stores) and take minutes on a busy machine: they get more.
 SLOW_TEST_TIMEOUT_S = 900
+ROOT = Path(__file__).resolve().parents[1]
+# The packages the CLI subprocesses import: specproxy and its subpackages (pyproject's
+# subpackages), and tests (``python -m tests.backends``).
+_SOURCE_DIRS = ("specproxy", "proxy", "engines", "analysis", "lab", "tests")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Where PYTHONDONTWRITEBYTECODE is set (containers often set it) no interpreter caches what it
+    # compiles, so each of the suite's hundreds of CLI subprocesses compiled every module it imported
+    # from source again (~0.2 s of an `analyze`). Bytecode compiled once here is read by all of them;
+    # compileall skips what is up to date, and a source edited later is compiled afresh as usual.
+    for name in _SOURCE_DIRS:
+        compileall.compile_dir(ROOT / name, quiet=1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -24,6 +24,7 @@ from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings
 from specproxy.proxy.server.app import STATE, ProxySettings, ProxyState, create_app
 from specproxy.proxy.server.connections import ClientLimits, ProxyRunner
 from tests.backends import BackendConfig, RunningBackend, running_backend
+from tests.spanfactory import new_store
 from tests.support import free_port, wait_for_count
 
 
@@ -52,6 +53,8 @@ async def running_proxy(
     exp = parse_experiment({"experiment": {"name": "t", **experiment}, "arms": arms})
     tmp_path.mkdir(parents=True, exist_ok=True)
     db = tmp_path / "spans.duckdb"
+    if not db.exists():
+        new_store(db)  # the sink's migration of a new file is most of a small test's CPU
     app = create_app(ProxySettings(experiment=exp, db=str(db), **settings_kw))
     limits = ClientLimits(exp.max_client_connections or 1000, header_timeout_s=exp.client_header_timeout_s)
     runner = ProxyRunner(app, limits, shutdown_timeout=5)  # what `specproxy serve` runs

@@ -17,9 +17,11 @@ share. :func:`make_live_load_run` builds shadow traffic whose arms ran at differ
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import random
+import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -407,12 +409,32 @@ def add_latency(run: SyntheticRun, *, seed: int = 3, queue_arms: Sequence[str] =
     return run
 
 
+_empty_store: Path | None = None
+
+
+def new_store(path: Path) -> None:
+    """An empty span store at ``path`` (a file that does not exist yet), at the current schema version.
+    Migrating a new file (every version's DDL) costs ~0.2 s; a copy of one migrated once per process is
+    the same file in under a millisecond, and the suite writes hundreds of stores."""
+    global _empty_store
+    if _empty_store is None:
+        folder = Path(tempfile.mkdtemp(prefix="specproxy-empty-store-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        store = folder / "empty.duckdb"
+        with duckdb.connect(str(store)) as conn:
+            schema.migrate(conn)
+        _empty_store = store
+    shutil.copyfile(_empty_store, path)
+
+
 def write_db(path: str | Path, runs: Iterable[SyntheticRun]) -> Path:
     """Write synthetic runs into a (new or existing) span store file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        new_store(path)
     with duckdb.connect(str(path)) as conn:
-        schema.migrate(conn)
+        schema.migrate(conn)  # an existing file may be older
         for run in runs:
             _insert(conn, "requests", [s.as_row() for s in run.spans])
             _insert(conn, "backend_metrics", run.metrics)
@@ -462,6 +484,8 @@ def generate_sql(
     """
     path = Path(path)
     n_requests = n_rows // (len(arms) * len(levels))
+    if not path.exists():
+        new_store(path)
     with duckdb.connect(str(path)) as conn:
         schema.migrate(conn)
         conn.execute("CREATE TEMP TABLE arm_spec(arm_idx INTEGER, arm VARCHAR, role VARCHAR, speedup DOUBLE)")

@@ -30,7 +30,7 @@ async def test_calls_running_at_the_end_of_the_grace_are_cut_with_an_error_the_c
     ):
         cfg = tmp_path / "exp.toml"
         cfg.write_text(
-            f'[experiment]\nname = "cut"\nmode = "shadow"\ndb = "{db}"\nshutdown_grace_s = 2\n\n'
+            f'[experiment]\nname = "cut"\nmode = "shadow"\ndb = "{db}"\nshutdown_grace_s = 1\n\n'
             f'[[arms]]\nname = "base"\nrole = "baseline"\nurl = "{base.url}"\n\n'
             f'[[arms]]\nname = "cand"\nurl = "{cand.url}"\n'
         )
@@ -52,7 +52,7 @@ async def test_calls_running_at_the_end_of_the_grace_are_cut_with_an_error_the_c
                 t0 = asyncio.get_running_loop().time()
                 answers = await asyncio.gather(*tasks)
             code = await asyncio.to_thread(proc.wait, 60)
-            print(f"exit {asyncio.get_running_loop().time() - t0:.2f} s after {stop_signal.name} (grace 2 s)")
+            print(f"exit {asyncio.get_running_loop().time() - t0:.2f} s after {stop_signal.name} (grace 1 s)")
         finally:
             out = stop(proc)
     assert code == 0, out

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -248,14 +249,46 @@ def small_rate_lab(out: Path, rates: str, *args: str) -> subprocess.CompletedPro
     )
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_small_lab_sweeps_rates(tmp_path: Path) -> None:
-    out = tmp_path / "lab"
-    # the counts below are the planned rounds'; a busy machine would add extra ones
-    res = small_rate_lab(out, "4,2", "--extra-rounds", "0", "--at-rate", "2")
+@dataclass(frozen=True)
+class RateLab:
+    """A finished :func:`small_rate_lab`: its command's result and its output folder."""
+
+    res: subprocess.CompletedProcess[str]
+    out: Path
+
+
+@pytest.fixture(scope="module")
+def rate_lab(tmp_path_factory: pytest.TempPathFactory) -> RateLab:
+    """One small rate lab that the tests below read (a lab of four arms is ~20 s of arrivals whatever
+    the machine): rates 4 and 2, the operating point at r=2, an E2E SLO every arm holds, the peak at
+    2 req/s and a GPU price. The counts below are the planned rounds': extra rounds off, since a busy
+    machine would add some."""
+    out = tmp_path_factory.mktemp("rate-lab") / "lab"
+    res = small_rate_lab(
+        out,
+        "4,2",
+        "--extra-rounds",
+        "0",
+        "--at-rate",
+        "2",
+        "--slo",
+        "e2e_p95=120s",
+        "--peak-rate",
+        "2",
+        "--gpu-hour-usd",
+        "2",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
+    return RateLab(res, out)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_small_lab_sweeps_rates(rate_lab: RateLab) -> None:
+    res, out = rate_lab.res, rate_lab.out
     assert "sweep open-loop rates 4,2 req/s in paired mode, 2 rounds per level" in res.stderr
-    levels = re.findall(r"^(r=\d+)\s+(\w+)\s+\d+/\d+\s", res.stdout, re.M)
+    # the verdict table's rows (the SLO table after it has rows of the same shape)
+    table = res.stdout.split("\nby category")[0]
+    levels = re.findall(r"^(r=\d+)\s+(\w+)\s+\d+/\d+\s", table, re.M)
     assert levels == [
         (lv, arm) for lv in ("r=2", "r=4") for arm in ("baseline", "draft_model", "eagle3", "ngram")
     ]
@@ -304,11 +337,9 @@ def slo_of(db: Path, *args: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_a_rate_sweep_at_an_slo_has_its_capacity_in_requests_per_second(tmp_path: Path) -> None:
-    out = tmp_path / "lab"
-    res = small_rate_lab(out, "1,2", "--slo", "e2e_p95=120s", "--peak-rate", "2", "--gpu-hour-usd", "2")
-    assert res.returncode == 0, res.stdout + res.stderr
-    db = out / "specproxy.duckdb"
+def test_a_rate_sweep_at_an_slo_has_its_capacity_in_requests_per_second(rate_lab: RateLab) -> None:
+    res = rate_lab.res
+    db = rate_lab.out / "specproxy.duckdb"
     slo = slo_of(db)
     assert slo["axis"] == "rate" and slo["source"] == "run's experiment"
     assert slo["peak"] == {"load": 2.0, "axis": "rate", "source": "run's experiment"}

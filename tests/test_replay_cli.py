@@ -237,7 +237,8 @@ def test_replay_through_serve_labels_rounds_and_serve_records_its_health(
     with serving(cfg, "--db", str(proxy_db)) as served:
         log = tmp_path / "question.jsonl"
         log.write_text("".join(json.dumps({"question_id": i, "turns": [f"q {i}"]}) + "\n" for i in range(4)))
-        options = ("--concurrency", "1,2", "--rounds", "2")
+        # 5 tokens a call: the labels and health are the question, not 256 tokens 5 ms apart
+        options = ("--concurrency", "1,2", "--rounds", "2", "--max-tokens", "5")
         res = run_cli(*replay_target_args(log, served.url, tmp_path / "client.duckdb", *options))
         assert res.returncode == 0, res.stderr
     assert served.returncode == 0, served.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -25,9 +26,9 @@ from specproxy.config import Arm, Experiment
 from specproxy.proxy.replay.console import Console
 from specproxy.proxy.replay.deciding import open_questions
 from specproxy.proxy.replay.formats import FORMATS, FormatError, ItemSet, read_items
-from specproxy.proxy.replay.runner import LoadPlan, ReplayError, ReplaySettings, replay_until_stopped
-from specproxy.proxy.replay.summary import print_rounds, print_summary
-from specproxy.proxy.spans.sink import SpanSinkError
+
+if TYPE_CHECKING:
+    from specproxy.proxy.replay.runner import ReplaySettings
 
 
 @click.command("replay")
@@ -178,6 +179,9 @@ def replay(
     experiment, arms = _experiment_and_arms(config_path, target, mode)
     rates = _swept_rates(rate, rates, timed)
     items = _read(logs, fmt, on_error, limit, seed)
+    # The runner's imports (aiohttp, numpy: ~0.5 s) once the inputs are read: a mistake there is said at once
+    from specproxy.proxy.replay.runner import LoadPlan, ReplaySettings
+
     load = LoadPlan(
         kind="rate" if rates is not None else "timed" if timed else "closed",
         levels=levels,
@@ -260,6 +264,10 @@ def _read(logs: Path, fmt: str, on_error: str, limit: int | None, seed: int) -> 
 
 def _run(settings: ReplaySettings, items: ItemSet, console: Console) -> None:
     """Run the replay, print its summary; exit 130 when it was interrupted."""
+    from specproxy.proxy.replay.runner import ReplayError, replay_until_stopped
+    from specproxy.proxy.replay.summary import print_rounds, print_summary
+    from specproxy.proxy.spans.sink import SpanSinkError
+
     try:
         result = run_async(replay_until_stopped(settings, items))
     except (ReplayError, SpanSinkError) as exc:
