@@ -318,6 +318,19 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
+def rss_mb(pids: list[int]) -> float:
+    """Resident memory of the processes, MiB: a target whose memory grows round after round keeps
+    something per request."""
+    total = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return total / 1024
+
+
 def cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds the processes have used so far."""
     total = 0
@@ -467,6 +480,7 @@ def measure(target: Target, streams: int, args: argparse.Namespace, itl_ms: floa
         "requests": sum(r["requests"] for r in results),
         "errors": sum(r["errors"] for r in results),
         "cpu_ms_per_request": cpu / all_requests * 1000 if pids and all_requests else float("nan"),
+        "rss_mb": rss_mb(pids) if pids else float("nan"),
     }
 
 
@@ -497,7 +511,8 @@ def rounds(bench: Bench, targets: list[Target]) -> dict[str, dict[str, list[dict
                 out.setdefault(str(level), {}).setdefault(target.name, []).append(fig)
                 print(
                     f"  round {r + 1} c={level} {target.name}: p50 {fig['p50_ttft_ms']:.2f} ms, "
-                    f"{fig['chunks_per_s']:.0f} chunks/s, {fig['errors']} errors",
+                    f"{fig['chunks_per_s']:.0f} chunks/s, CPU {fig['cpu_ms_per_request']:.2f} ms/request, "
+                    f"RSS {fig['rss_mb']:.0f} MiB, {fig['errors']} errors",
                     file=sys.stderr,
                 )
     return out
@@ -637,7 +652,8 @@ def main() -> None:
             for port in (base, cand):
                 wait_ready(port, bench.procs[0])
             targets = start_targets(bench, base, cand)
-            summary = summarize(rounds(bench, targets)) if args.levels else {}
+            raw = rounds(bench, targets) if args.levels else {}
+            summary = summarize(raw) if raw else {}
             scale = scaling(bench, base) if args.scaling else None
         finally:
             bench.close()
@@ -653,7 +669,9 @@ def main() -> None:
     print(text)
     (args.out / "results.txt").write_text(text + "\n")
     (args.out / "results.json").write_text(
-        json.dumps({"meta": meta, "levels": summary, "scaling": scale, "notes": bench.notes}, indent=2)
+        json.dumps(
+            {"meta": meta, "levels": summary, "rounds": raw, "scaling": scale, "notes": bench.notes}, indent=2
+        )
     )
 
 
