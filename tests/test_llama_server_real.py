@@ -127,6 +127,15 @@ def _until_idle(proxy: str) -> None:
     wait_until_sync(lambda: metric_sum(proxy + "/metrics", "specproxy_inflight") == 0, "an idle proxy", 600)
 
 
+def _until_captured(capture: Path, lines: int) -> None:
+    """Until serve's capture holds ``lines`` lines: it writes them out every half second, not per call."""
+
+    def written() -> int:
+        return capture.read_bytes().count(b"\n") if capture.exists() else 0
+
+    wait_until_sync(lambda: written() >= lines, f"{lines} captured calls", 60)
+
+
 def _scrape(url: str) -> Snapshot:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         return parse_metrics("draft", resp.read().decode())
@@ -166,6 +175,7 @@ async def test_specproxy_in_front_of_a_plain_and_a_draft_model_llama_server(
                 want = direct[("plain", endpoint, prompt, stream)].raw
                 assert masked(got) == masked(want), f"{endpoint} {prompt!r} stream={stream}"
                 _until_idle(proxy)
+        _until_captured(capture, len(cases))
         replay = processes.run(
             replay_target_argv(
                 capture, proxy, tmp_path / "replay.duckdb", "--concurrency", "1", "--rounds", "1"
