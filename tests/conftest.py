@@ -24,7 +24,20 @@ ROOT = Path(__file__).resolve().parents[1]
 _SOURCE_DIRS = ("specproxy", "proxy", "engines", "analysis", "lab", "tests")
 
 
+# The default run spreads test files over worker processes (pytest-xdist, `-n auto` in pyproject):
+# one per core, as most of a test's time is its subprocesses' CPU. More than this many gains little
+# and multiplies the simulators and proxies running at once.
+MAX_TEST_WORKERS = 8
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_TEST_WORKERS))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller compiled before it started the workers
     # Where PYTHONDONTWRITEBYTECODE is set (containers often set it) no interpreter caches what it
     # compiles, so each of the suite's hundreds of CLI subprocesses compiled every module it imported
     # from source again (~0.2 s of an `analyze`). Bytecode compiled once here is read by all of them;

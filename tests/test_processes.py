@@ -116,6 +116,7 @@ def test_no_process_survives_a_test_that_timed_out_failed_or_passed_its_deadline
     (tmp_path / "test_generated.py").write_text(f"ARMS = {ARMS}\n" + GENERATED)
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest"]
     argv += ["--timeout", "120", "--rootdir", str(tmp_path), str(tmp_path / "test_generated.py")]
+    argv += ["-n", "1"]  # in a worker process, as the default run's tests are (pyproject: -n auto)
     inner = processes.spawn(
         argv,
         cwd=tmp_path,
