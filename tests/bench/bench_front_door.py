@@ -331,16 +331,18 @@ def rss_mb(pids: list[int]) -> float:
     return total / 1024
 
 
-def cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds the processes have used so far."""
-    total = 0
+def cpu_s(pids: list[int]) -> tuple[float, float]:
+    """User and system (kernel) CPU seconds the processes have used so far."""
+    user = system = 0
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        user += int(fields[11])
+        system += int(fields[12])
+    tick = os.sysconf("SC_CLK_TCK")
+    return user / tick, system / tick
 
 
 @dataclass
@@ -470,7 +472,8 @@ def measure(target: Target, streams: int, args: argparse.Namespace, itl_ms: floa
         for n in shares
     ]
     results = [json.loads(c.communicate()[0]) for c in clients]
-    cpu = cpu_s(pids) - cpu0
+    user1, system1 = cpu_s(pids)
+    cpu, system = user1 + system1 - sum(cpu0), system1 - cpu0[1]
     ttfts = sorted(t for r in results for t in r["ttfts"])
     all_requests = sum(r["all_requests"] for r in results)
     return {
@@ -480,6 +483,7 @@ def measure(target: Target, streams: int, args: argparse.Namespace, itl_ms: floa
         "requests": sum(r["requests"] for r in results),
         "errors": sum(r["errors"] for r in results),
         "cpu_ms_per_request": cpu / all_requests * 1000 if pids and all_requests else float("nan"),
+        "kernel_share": system / cpu if pids and cpu else float("nan"),
         "rss_mb": rss_mb(pids) if pids else float("nan"),
     }
 
@@ -511,7 +515,8 @@ def rounds(bench: Bench, targets: list[Target]) -> dict[str, dict[str, list[dict
                 out.setdefault(str(level), {}).setdefault(target.name, []).append(fig)
                 print(
                     f"  round {r + 1} c={level} {target.name}: p50 {fig['p50_ttft_ms']:.2f} ms, "
-                    f"{fig['chunks_per_s']:.0f} chunks/s, CPU {fig['cpu_ms_per_request']:.2f} ms/request, "
+                    f"{fig['chunks_per_s']:.0f} chunks/s, CPU {fig['cpu_ms_per_request']:.2f} ms/request "
+                    f"({fig['kernel_share']:.0%} kernel), "
                     f"RSS {fig['rss_mb']:.0f} MiB, {fig['errors']} errors",
                     file=sys.stderr,
                 )
@@ -533,9 +538,14 @@ def summarize(raw: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict
                 "p99_ttft_ms": med(f["p99_ttft_ms"] for f in figs),
                 "chunks_per_s": med(f["chunks_per_s"] for f in figs),
                 "cpu_ms_per_request": med(f["cpu_ms_per_request"] for f in figs),
+                "kernel_share": med(f["kernel_share"] for f in figs),
                 "errors": sum(f["errors"] for f in figs),
             }
     return out
+
+
+# Figures of the target's processes: direct has none.
+PROCESS_FIGURES = ("cpu_ms_per_request", "kernel_share")
 
 
 def table(summary: dict[str, dict[str, dict[str, float]]]) -> list[str]:
@@ -545,12 +555,13 @@ def table(summary: dict[str, dict[str, dict[str, float]]]) -> list[str]:
         ("added p50 TTFT vs direct, ms", "added_p50_ttft_ms", "{:+.2f}"),
         ("relayed chunks/s", "chunks_per_s", "{:.0f}"),
         ("CPU per request, ms (the target's processes)", "cpu_ms_per_request", "{:.2f}"),
+        ("of which in the kernel", "kernel_share", "{:.0%}"),
         ("p99 TTFT, ms", "p99_ttft_ms", "{:.1f}"),
     ):
         lines += [f"{title}:", "  " + f"{'c':>5}" + "".join(f"{n:>14}" for n in names)]
         for level, per in summary.items():
             cells = "".join(
-                f"{fmt.format(per[n][key]) if key != 'cpu_ms_per_request' or n != 'direct' else '-':>14}"
+                f"{'-' if n == 'direct' and key in PROCESS_FIGURES else fmt.format(per[n][key]):>14}"
                 for n in names
             )
             lines.append("  " + f"{level:>5}" + cells)
