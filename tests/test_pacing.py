@@ -155,8 +155,10 @@ def test_a_level_whose_rounds_failed_a_check_slows_the_next_level() -> None:
         (LevelTrial({"base": 0.05}, 0.05), [1.0, 0.5, 0.25]),
         # no lag anywhere, but the client's loop busy most of the wave: slowed, never below the slowest
         (LevelTrial({"base": 0.001}, 0.001, 0.6), [1.0, 0.5, 0.25]),
+        # a third busy: the waves after which every round's loop lagged (a quiet 2-core VM, c=256)
+        (LevelTrial({"base": 0.001}, 0.001, 0.34), [1.0, 0.5, 0.25]),
         # busy with room to spare: measured at the first scale
-        (LevelTrial({"base": 0.001}, 0.001, 0.3), [1.0]),
+        (LevelTrial({"base": 0.001}, 0.001, 0.2), [1.0]),
     ],
 )
 async def test_a_lagging_or_busy_client_is_slowed_down_to_its_floor(
