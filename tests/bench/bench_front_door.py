@@ -21,7 +21,8 @@ For each round, level and target (the order rotates every round) the load runs `
 seconds. Per target and level it prints the medians over rounds (>= 2) of: added p50 TTFT against
 direct (the target's p50 minus direct's of the same round), p99 TTFT, relayed chunks/s, and CPU per
 request of the target's processes (nginx: master + worker; specproxy: the serve process and its
-workers; from /proc). ``--scaling 1,2,4,8`` then measures relayed chunks/s of split with N workers at
+workers; from /proc) with the share of it spent in the kernel (the relay's system calls, which nginx
+makes too). ``--scaling 1,2,4,8`` then measures relayed chunks/s of split with N workers at
 ``--scaling-concurrency`` streams with a faster backend (``--scaling-itl-ms``, sent as a request header
 the proxy relays), the load that saturates one worker, beside 0.8 x N x one worker's.
 
