@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import duckdb
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specproxy.proxy.replay.formats import ReplayItem
@@ -239,6 +240,14 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> str:
     # Close the pipe: an unclosed one is a ResourceWarning, and warnings fail tests here.
     with proc.stdout:
         return proc.stdout.read().decode(errors="replace")
+
+
+def missing_tool(reason: str, stage: str) -> NoReturn:
+    """Skip a test whose tool (a browser, an engine) is not installed here; fail it in CI, whose
+    ``stage`` of .ci/run installs the tool: a skip there would pass without the test having run."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI installs it in .ci/run's {stage} stage", pytrace=False)
+    pytest.skip(reason)
 
 
 def gguf_model() -> Path | None:

@@ -34,7 +34,15 @@ from specproxy.proxy.upstream.calls import prompt_sha256
 from specproxy.proxy.upstream.scrape import Snapshot, parse_metrics, spec_decode_summary
 from tests import processes
 from tests.proxies import spans
-from tests.support import engine_servers, gguf_model, metric_sum, replay_target_argv, serving, wait_until_sync
+from tests.support import (
+    engine_servers,
+    gguf_model,
+    metric_sum,
+    missing_tool,
+    replay_target_argv,
+    serving,
+    wait_until_sync,
+)
 from tests.test_llama_server_shapes import PATHS, masked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -53,7 +61,9 @@ DRAFT_MAX = 4
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     binary = os.environ.get("SPECPROXY_TEST_LLAMA_SERVER")
     if not binary:
-        pytest.skip("set SPECPROXY_TEST_LLAMA_SERVER to a llama-server binary to run it (tests/README.md)")
+        missing_tool(
+            "set SPECPROXY_TEST_LLAMA_SERVER to a llama-server binary to run it (tests/README.md)", "engines"
+        )
     if not Path(binary).is_file():
         pytest.fail(f"SPECPROXY_TEST_LLAMA_SERVER={binary} is not a file", pytrace=False)
     model = gguf_model()

