@@ -8,14 +8,16 @@ PATH (`apt-get install -y nginx`; without it that column is skipped, and the out
 else is in this file, in subprocesses of it:
 
 - the backend: a minimal streaming server (asyncio.Protocol, keep-alive, chunked SSE) with a 20 ms TTFT,
-  10 ms per token, 64 tokens, one token per chunk; ``--backend-procs`` processes share each port
-  (SO_REUSEPORT); the baseline's port and, for shadow, the candidate's;
+  10 ms per token, 64 tokens (``--tokens``), one token per chunk; ``--backend-procs`` processes share
+  each port (SO_REUSEPORT); the baseline's port and, for shadow, the candidate's;
 - the load generator: ``--client-procs`` processes, closed loop (c streams always in flight, spread
   over the processes), a raw HTTP/1.1 client with one keep-alive connection per stream: the first
   content chunk's arrival is the TTFT, every ``data: {`` event a relayed chunk;
 - the targets: ``direct`` (the backend), ``nginx`` (one worker, upstream keepalive,
   ``proxy_buffering off``, a temp config in a temp dir), ``split`` and ``shadow`` (``specproxy serve``,
-  one process), and ``split-wN`` / ``shadow-wN`` (``--workers N``).
+  one process), ``split-wN`` / ``shadow-wN`` (``--workers N``), and on request ``pipe``: a bare byte
+  relay on uvloop in this file (one upstream connection per client connection, no HTTP parsing, no
+  record), the least CPU any Python relay on uvloop spends, to tell the runtime's cost from specproxy's.
 
 For each round, level and target (the order rotates every round) the load runs ``--warmup`` + ``--duration``
 seconds. Per target and level it prints the medians over rounds (>= 2) of: added p50 TTFT against
@@ -25,6 +27,9 @@ workers; from /proc) with the share of it spent in the kernel (the relay's syste
 makes too). ``--scaling 1,2,4,8`` then measures relayed chunks/s of split with N workers at
 ``--scaling-concurrency`` streams with a faster backend (``--scaling-itl-ms``, sent as a request header
 the proxy relays), the load that saturates one worker, beside 0.8 x N x one worker's.
+
+``--tokens N`` sets the chunks per response (64): CPU per request measured at two counts (8 and 64)
+splits into a part per request and a part per relayed chunk (the difference over the chunks between).
 
 Validity: the load generator, backends and targets share the machine's cores. On a machine with few
 cores the figures say how the targets compare within one run, not what each costs alone; the JSON
@@ -76,10 +81,10 @@ def _header_value(head: bytes, name: bytes) -> bytes | None:
 
 
 class BackendStream(asyncio.Protocol):
-    """One client connection of the minimal backend: every POST gets a 64-token stream, any GET a 200."""
+    """One client connection of the minimal backend: a POST gets a ``tokens``-token stream, a GET a 200."""
 
-    def __init__(self, ttft_s: float, itl_s: float) -> None:
-        self.ttft_s, self.itl_s = ttft_s, itl_s
+    def __init__(self, ttft_s: float, itl_s: float, tokens: int = TOKENS) -> None:
+        self.ttft_s, self.itl_s, self.tokens = ttft_s, itl_s, tokens
         self.buf = b""
         self.timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
@@ -113,7 +118,7 @@ class BackendStream(asyncio.Protocol):
         assert self.transport is not None
         if self.transport.is_closing():
             return
-        if i < TOKENS - 1:
+        if i < self.tokens - 1:
             self.transport.write(_chunk(EVENT))
             self.timer = loop.call_later(itl_s, self._token, i + 1, itl_s, loop)
         else:
@@ -125,11 +130,81 @@ class BackendStream(asyncio.Protocol):
             self.timer.cancel()
 
 
-async def serve_backend(port: int, ttft_s: float, itl_s: float) -> None:
+async def serve_backend(port: int, ttft_s: float, itl_s: float, tokens: int) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: BackendStream(ttft_s, itl_s), "127.0.0.1", port, reuse_port=True, backlog=4096
+        lambda: BackendStream(ttft_s, itl_s, tokens), "127.0.0.1", port, reuse_port=True, backlog=4096
     )
+    async with server:
+        await server.serve_forever()
+
+
+class PipeDownstream(asyncio.Protocol):
+    """A client's connection to the ``pipe`` target: its bytes go to its own upstream connection as they
+    are, and the upstream's come back the same way. No HTTP parsing, no record: the least CPU a relay on
+    Python and uvloop can spend per relayed chunk (a read callback and a write), the floor under
+    specproxy's figures."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.transport: asyncio.Transport | None = None
+        self.upstream: PipeUpstream | None = None
+        self.early: list[bytes] = []  # what the client sent before the upstream connection was up
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # (uvloop's is not an asyncio.Transport)
+        loop = asyncio.get_running_loop()
+        self.connecting = loop.create_task(self._connect(loop))
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            _, upstream = await loop.create_connection(
+                lambda: PipeUpstream(self), "127.0.0.1", self.upstream_port
+            )
+        except OSError:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self.upstream = upstream
+        assert upstream.transport is not None
+        upstream.transport.write(b"".join(self.early))
+        self.early = []
+
+    def data_received(self, data: bytes) -> None:
+        if self.upstream is None or self.upstream.transport is None:
+            self.early.append(data)
+        else:
+            self.upstream.transport.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.upstream is not None and self.upstream.transport is not None:
+            self.upstream.transport.close()
+
+
+class PipeUpstream(asyncio.Protocol):
+    """The ``pipe`` target's connection to the backend, one per client connection."""
+
+    def __init__(self, downstream: PipeDownstream) -> None:
+        self.downstream = downstream
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.downstream.transport is not None:
+            self.downstream.transport.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.downstream.transport is not None:
+            self.downstream.transport.close()
+
+
+async def serve_pipe(port: int, upstream_port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: PipeDownstream(upstream_port), "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
 
@@ -247,7 +322,10 @@ def role_main(args: argparse.Namespace) -> None:
     """A subprocess of the bench: a backend process, or one load generator process (JSON on stdout)."""
     _use_uvloop()
     if args.role == "backend":
-        asyncio.run(serve_backend(args.port, args.ttft_ms / 1000, args.itl_ms / 1000))
+        asyncio.run(serve_backend(args.port, args.ttft_ms / 1000, args.itl_ms / 1000, args.tokens))
+        return
+    if args.role == "pipe":
+        asyncio.run(serve_pipe(args.port, args.upstream))
         return
     res = asyncio.run(
         run_clients("127.0.0.1", args.port, args.streams, args.warmup, args.duration, args.itl_ms)
@@ -386,6 +464,8 @@ class Bench:
                     str(a.ttft_ms),
                     "--itl-ms",
                     str(a.itl_ms),
+                    "--tokens",
+                    str(a.tokens),
                 ]
             )
 
@@ -402,6 +482,14 @@ class Bench:
         )
         wait_ready(port, proc)
         return Target("nginx", port, proc)
+
+    def pipe(self, upstream: int) -> Target:
+        port = free_port()
+        proc = self.spawn(
+            [sys.executable, __file__, "--role", "pipe", "--port", str(port), "--upstream", str(upstream)]
+        )
+        wait_ready(port, proc)
+        return Target("pipe", port, proc)
 
     def specproxy(self, name: str, mode: str, base: int, cand: int, workers: int) -> Target:
         port = free_port()
@@ -496,6 +584,8 @@ def start_targets(bench: Bench, base: int, cand: int) -> list[Target]:
     if "nginx" in wanted:
         nginx = bench.nginx(base)
         targets += [nginx] if nginx is not None else []
+    if "pipe" in wanted:
+        targets.append(bench.pipe(base))
     for mode in ("split", "shadow"):
         if mode in wanted:
             targets.append(bench.specproxy(mode, mode, base, cand, 1))
@@ -619,7 +709,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2, help="rounds per level and target (medians over them)")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per target, level, round")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each measurement")
-    ap.add_argument("--targets", default="nginx,split,shadow,split-w,shadow-w", help="beside direct")
+    ap.add_argument(
+        "--targets",
+        default="nginx,split,shadow,split-w,shadow-w",
+        help="beside direct; also: pipe (a bare byte relay on uvloop, the floor for a Python relay)",
+    )
     ap.add_argument("--workers", type=int, default=4, help="N of the split-wN / shadow-wN targets")
     ap.add_argument(
         "--scaling", default="", help="worker counts for the scaling run, e.g. 1,2,4,8 (empty: none)"
@@ -635,7 +729,15 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--ttft-ms", type=float, default=20.0)
     ap.add_argument("--itl-ms", type=float, default=10.0)
-    ap.add_argument("--role", choices=["backend", "client"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=TOKENS,
+        help="tokens (chunks) per response; two runs at different "
+        "counts split CPU per request into a part per request and a part per chunk",
+    )
+    ap.add_argument("--role", choices=["backend", "client", "pipe"], help=argparse.SUPPRESS)
+    ap.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--streams", type=int, help=argparse.SUPPRESS)
     return ap.parse_args()
