@@ -44,6 +44,7 @@ prints each target's detail with ``met`` / ``NOT met`` and a Wilson 95 % interva
   baseline has a deploy verdict in every lab (a missing one fails) and the same one in every lab that
   judged it (UNRELIABLE judged nothing; WIN in one lab and NO CLEAR GAIN in another "differs", WIN and
   LOSS "FLIPS"), and was judged in one lab at least ("not judged in any lab" fails: no evidence);
+  also how many labs judged every arm at their top level (the rest read their labels from a lower one);
 - cost: each ``lab --quick`` run's wall time and the longest (target ≤ 180 s each; written into the
   lab's folder, so ``--from`` reads it again).
 
@@ -649,11 +650,24 @@ def stability_target(labs: list[RunVerdicts]) -> Target:
         marks[arm] = stability_mark(seen)
         print(f"stability {arm:<12} {' / '.join(seen)}   {marks[arm]}")
     unsteady = [f"{arm}: {mark}" for arm, mark in marks.items() if not mark.startswith("same")]
+    at_top = sum(top_level_judged(lab) for lab in labs)
+    print(f"stability top level judged for every arm in {at_top} of {len(labs)} labs")
     detail = (
         f"{len(arms) - len(unsteady)} of {len(arms)} arms the same deploy verdict (UNRELIABLE aside) "
         f"in {len(labs)} consecutive labs" + "".join(f"; {u}" for u in unsteady)
     )
+    if at_top < len(labs):
+        # The same labels can come from a lower level when the top one was UNRELIABLE: steady, but not
+        # what the lab planned to measure. Said beside the target, which is about the labels.
+        detail += f"; the top level judged in {at_top} of {len(labs)} labs (the rest judged lower)"
     return Target("stability", bool(arms) and not unsteady, detail)
+
+
+def top_level_judged(run: RunVerdicts) -> bool:
+    """Every arm's row at the run's top level has a verdict other than UNRELIABLE."""
+    top = max((level for _, level in run.level), default=None)
+    rows = [row for (_, level), row in run.level.items() if level == top]
+    return bool(rows) and all(row.get("verdict") != "UNRELIABLE" for row in rows)
 
 
 def cost_target(walls: list[float], labs: int) -> Target:
