@@ -443,8 +443,14 @@ class Bench:
         self.notes: list[str] = []
 
     def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        # In the run's temp folder: `python -m specproxy` started in a checkout's root would import the
+        # checkout's specproxy/ folder (the current directory comes first), not the installed package.
         proc = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=self.tmp,
         )
         self.procs.append(proc)
         return proc
