@@ -154,7 +154,7 @@ class PipeDownstream(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's is not an asyncio.Transport)
         loop = asyncio.get_running_loop()
-        self.connecting = loop.create_task(self._connect(loop))
+        self.connecting = loop.create_task(self._connect(loop))  # (held: the loop keeps only a weak ref)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
