@@ -12,8 +12,10 @@ captured. Checked against the same calls made directly to the two servers:
 - the client receives what the plain server sends directly (ids and clocks aside);
 - each candidate span's ``identical`` is what the direct outputs of the two servers show;
 - every span's ``completion_tokens`` is the server's own count, never doubled (``tokens_source`` usage);
-- the draft server's acceptance per response is its ``timings.draft_n`` / ``draft_n_accepted``, and
-  their sum over the spans is the change in its ``llamacpp:spec_decode_*`` counters.
+- the draft server's acceptance per response is its ``timings.draft_n`` / ``draft_n_accepted``: their
+  sum over the spans is exactly the change in its ``llamacpp:spec_decode_*`` counters, and a span
+  answered as directly carries the direct call's counts (in all but a quarter of them, and those
+  within one draft round: the draft model's proposals vary a little between calls).
 """
 
 from __future__ import annotations
@@ -203,6 +205,7 @@ async def test_specproxy_in_front_of_a_plain_and_a_draft_model_llama_server(
     case_of = {prompt_sha256(_body(ep, pr, False), ep): (ep, pr) for ep, pr in PROMPTS}
     baseline_output = {r["request_id"]: r["output_sha256"] for r in rows if r["arm"] == "plain"}
     drafted = [r for r in rows if r["arm"] == "draft"]
+    drafts_as_direct: list[bool] = []  # per draft span answered as directly: the same draft counts too?
     for r in rows:
         endpoint, prompt = case_of[r["prompt_sha256"]]
         mine = direct[(r["arm"], endpoint, prompt, False)]
@@ -210,9 +213,19 @@ async def test_specproxy_in_front_of_a_plain_and_a_draft_model_llama_server(
             assert r["completion_tokens"] == mine.timings["predicted_n"], f"{r['arm']} {prompt!r}"
             if r["arm"] == "draft":
                 reported = (mine.timings["draft_n"], mine.timings["draft_n_accepted"])
-                assert (r["draft_tokens"], r["accepted_tokens"]) == reported
+                counts = (r["draft_tokens"], r["accepted_tokens"])
+                drafts_as_direct.append(counts == reported)
+                # A draft model's proposal can stop one token sooner or later between two calls with
+                # the same output (a probability at its threshold, its cache reused differently): at
+                # most one draft round's worth apart. A span given another response's counts would
+                # differ by more, or in most spans.
+                assert all(abs(c - w) <= DRAFT_MAX for c, w in zip(counts, reported, strict=True)), (
+                    f"{prompt!r}: {counts} against {reported} directly"
+                )
         if r["arm"] == "draft":
+            assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
             assert r["identical"] is (r["output_sha256"] == baseline_output[r["request_id"]])
+    assert drafts_as_direct.count(False) <= max(1, len(drafts_as_direct) // 4), drafts_as_direct
     # Where both servers answered as they did directly, the span's identity is the direct one. (Not
     # always so: a batch of two, replay's next call beside a shadow call still running, and even
     # single calls now and then make the draft-model server's greedy output differ; the span says so.)
