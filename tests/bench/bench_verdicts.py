@@ -592,10 +592,15 @@ def stability_mark(seen: list[str]) -> str:
     return "FLIPS" if {"WIN", "LOSS"} <= judged else "differs"
 
 
+def top_level(run: RunVerdicts) -> int | None:
+    """The highest concurrency level the run has rows for (None: no level rows)."""
+    return max((level for _, level in run.level), default=None)
+
+
 def peak_figures(run: RunVerdicts) -> str:
     """Each arm's throughput ratio at the run's top level, its verdict there and the rounds it was
     judged on (of those measured): what a deploy verdict's peak half was read from."""
-    top = max((level for _, level in run.level), default=None)
+    top = top_level(run)
     cells = []
     for (arm, level), row in sorted(run.level.items()):
         iv = row.get("throughput_speedup") or {}
@@ -665,7 +670,7 @@ def stability_target(labs: list[RunVerdicts]) -> Target:
 
 def top_level_judged(run: RunVerdicts) -> bool:
     """Every arm's row at the run's top level has a verdict other than UNRELIABLE."""
-    top = max((level for _, level in run.level), default=None)
+    top = top_level(run)
     rows = [row for (_, level), row in run.level.items() if level == top]
     return bool(rows) and all(row.get("verdict") != "UNRELIABLE" for row in rows)
 
