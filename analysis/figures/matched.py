@@ -31,7 +31,8 @@ compared (the arms never ran at comparable loads, and the row says so instead of
 **The interval** resamples each arm's calls within time blocks (replay rounds, or equal time blocks
 of a one-round or live level), in whole time cells (:data:`CELLS_PER_BLOCK` to a block: calls that
 ran at the same moment shared the engine's state, a stall or a drain, and are not independent draws),
-and refits the baseline's line every time, so an extrapolation's uncertainty in the slope is in it;
+and refits the baseline's line every time, so an extrapolation's uncertainty in the slope is in it
+(centred on the resamples' median: those that missed every drain extrapolate wildly);
 then it is widened by the spread of the blocks' own estimates beyond that noise
 (:func:`~specproxy.analysis.stats.widen_for_blocks`, the drift term of the ordinary comparisons, on
 this arm's blocks alone). The evaluation then adds the simulators' lag bounds. Used when the arms'
@@ -564,7 +565,10 @@ def _boot_logs(p: _Point, iterations: int, rng: np.random.Generator) -> FloatArr
         slope = np.where(sxx > 1e-9 * sw, sxy / np.maximum(sxx, 1e-300), 0.0)
         theirs = np.maximum(my + slope * (at - mx), 1e-12)
         out[start : start + k] = np.log(theirs / np.maximum(own, 1e-12))
-    dev: FloatArray = out - out.mean()
+    # Centred on the median, not the mean: a resample that drew none of the few cells where the
+    # baseline's load moved (a closed loop's drains) fits its slope to one load and extrapolates it
+    # anywhere, and a handful of those drag the mean so far that the interval would miss its own point.
+    dev: FloatArray = out - np.median(out)
     return dev
 
 
