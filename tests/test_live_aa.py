@@ -4,6 +4,7 @@ with known truth (tests/closedloop.py), designs drawn at random from a seed.
 - A/A: an identical arm at any split ratio (50/50 to 90/10, three-way), shadow sample (0.2-1.0),
   level (2-64) and output length is not called different, and most such levels are judged;
 - power: a real 1.6x arm is found at c=2;
+- a matched interval holds its own point where only a few drains move the baseline's load;
 - broken engine gauges are left out with a note, never read as more engines behind a URL;
 - the validity gate holds live levels to replay's rule.
 """
