@@ -28,6 +28,13 @@ makes too). ``--scaling 1,2,4,8`` then measures relayed chunks/s of split with N
 ``--scaling-concurrency`` streams with a faster backend (``--scaling-itl-ms``, sent as a request header
 the proxy relays), the load that saturates one worker, beside 0.8 x N x one worker's.
 
+``--scaling-load wrk`` drives the scaling run with native tools instead: wrk (``apt-get install -y wrk``)
+as the load generator and nginx's echo module (Debian's nginx-light has it) as the backend, streaming
+the same bytes. The Python ones spend several times a worker's CPU per chunk together, so on 16 cores
+they cannot saturate 8 workers; wrk and nginx spend a fraction of it. wrk counts bytes, so relayed
+chunks/s are its bytes over one response's (checked to hold all its events) times the tokens; each
+row also says how many cores the backend and wrk kept busy.
+
 ``--tokens N`` sets the chunks per response (64): CPU per request measured at two counts (8 and 64)
 splits into a part per request and a part per relayed chunk (the difference over the chunks between).
 
@@ -42,6 +49,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -360,6 +368,77 @@ http {{
 """
 
 
+# The scaling run's native stack (``--scaling-load wrk``): wrk (C) as the load generator and nginx's
+# echo module as the backend. The Python load generator and backend of this file together spend several
+# times a worker's CPU per chunk, so on 16 cores they cannot feed 8 workers; these spend a fraction.
+ECHO_CONF = """load_module {module};
+worker_processes {procs};
+worker_rlimit_nofile 200000;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 65536; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    server {{
+        listen 127.0.0.1:{port} backlog=8192 reuseport;
+        keepalive_requests 1000000;
+        location = /health {{ return 200 "{{}}"; }}
+        location / {{
+            default_type text/event-stream;
+            echo_read_request_body;
+            {stream}
+        }}
+    }}
+}}
+"""
+
+# wrk reports its totals from Lua: one JSON line after the run.
+WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = '{"model":"m","stream":true,"max_tokens":64,"messages":[{"role":"user","content":"hello"}]}'
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('WRK {"requests":%d,"bytes":%d,"duration_us":%d,"errors":%d,"p50_us":%d}\\n',
+    summary.requests, summary.bytes, summary.duration, e.connect + e.read + e.write + e.status + e.timeout,
+    latency:percentile(50)))
+end
+"""
+
+
+def _echo_string(data: bytes) -> str:
+    """``data`` as a double-quoted nginx config string (the echo module writes it as is)."""
+    text = data.decode().replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def echo_stream(ttft_ms: float, itl_ms: float, tokens: int) -> str:
+    """The echo module's directives for one stream: the same bytes as :class:`BackendStream` sends."""
+    steps = [f"echo_sleep {ttft_ms / 1000:g};"]
+    for _ in range(tokens - 1):
+        steps += [f"echo -n {_echo_string(EVENT)};", "echo_flush;", f"echo_sleep {itl_ms / 1000:g};"]
+    steps.append(f"echo -n {_echo_string(LAST + DONE)};")
+    return " ".join(steps)
+
+
+def native_tool(name: str, nginx_exe: str | None) -> str | None:
+    """wrk, or the echo module's .so, from PATH / Debian's folder or beside a carried nginx binary."""
+    beside = Path(nginx_exe).resolve().parent.parent if nginx_exe else None
+    if name == "wrk":
+        found = shutil.which("wrk")
+        candidates = [Path(found)] if found else []
+        candidates += [beside / "bin" / "wrk"] if beside else []
+    else:
+        candidates = [Path("/usr/lib/nginx/modules") / name]
+        candidates += [beside / "modules" / name] if beside else []
+    return next((str(c) for c in candidates if c.exists()), None)
+
+
+def _nginx_exe() -> str | None:
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -441,6 +520,7 @@ class Bench:
         self.args, self.tmp = args, tmp
         self.procs: list[subprocess.Popen[bytes]] = []
         self.notes: list[str] = []
+        self.echo: Target | None = None  # the native backend, once started
 
     def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
         # In the run's temp folder: `python -m specproxy` started in a checkout's root would import the
@@ -476,7 +556,7 @@ class Bench:
             )
 
     def nginx(self, upstream: int) -> Target | None:
-        exe = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+        exe = _nginx_exe()
         if exe is None:
             self.notes.append("nginx is not installed (apt-get install -y nginx): its column is skipped")
             return None
@@ -488,6 +568,26 @@ class Bench:
         )
         wait_ready(port, proc)
         return Target("nginx", port, proc)
+
+    def echo_backend(self) -> int:
+        """The native backend for ``--scaling-load wrk``; its port (SystemExit where a tool is missing)."""
+        a, exe = self.args, _nginx_exe()
+        module = native_tool("ngx_http_echo_module.so", exe)
+        if exe is None or module is None:
+            raise SystemExit(
+                "--scaling-load wrk needs nginx and its echo module (apt-get install -y nginx-light wrk)"
+            )
+        port, conf_dir = free_port(), self.tmp / "echo"
+        conf_dir.mkdir()
+        stream = echo_stream(a.ttft_ms, a.scaling_itl_ms, a.tokens)
+        conf = ECHO_CONF.format(module=module, procs=a.backend_procs, dir=conf_dir, port=port, stream=stream)
+        (conf_dir / "nginx.conf").write_text(conf)
+        proc = self.spawn(
+            [exe, "-p", str(conf_dir), "-c", str(conf_dir / "nginx.conf"), "-e", str(conf_dir / "error.log")]
+        )
+        wait_ready(port, proc)
+        self.echo = Target("echo-backend", port, proc)
+        return port
 
     def pipe(self, upstream: int) -> Target:
         port = free_port()
@@ -673,27 +773,94 @@ def table(summary: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     return lines
 
 
+def response_bytes(port: int, tokens: int) -> int | None:
+    """The bytes one streamed response through ``port`` takes on the wire, head and chunk framing
+    included; None where it lacks some of its ``tokens`` events."""
+    body = b'{"model":"m","stream":true,"max_tokens":64,"messages":[{"role":"user","content":"hello"}]}'
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (port, len(body), body)
+    )
+    seen = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(request)
+        while not seen.endswith(b"0\r\n\r\n"):
+            data = conn.recv(65536)
+            if not data:
+                break
+            seen += data
+    return len(seen) if seen.count(b"data: {") == tokens else None
+
+
+def measure_wrk(bench: Bench, target: Target, streams: int) -> dict[str, Any]:
+    """One closed-loop load on ``target`` from wrk (``streams`` connections over ``--client-procs``
+    threads). Relayed chunks/s are the bytes wrk read over one response's bytes, times its tokens:
+    partly read responses count for their part (at c=2048 a slow target's streams all start at once
+    and finish together, so counting whole responses would count a few waves)."""
+    a = bench.args
+    wire = response_bytes(target.port, a.tokens)
+    if wire is None:
+        raise SystemExit(f"{target.name}: a response lacked some of its {a.tokens} events")
+    assert bench.echo is not None
+    script = bench.tmp / "load.lua"
+    script.write_text(WRK_SCRIPT)
+    url = f"http://127.0.0.1:{target.port}/v1/chat/completions"
+    wrk = [native_tool("wrk", _nginx_exe()) or "wrk", f"-t{max(1, min(a.client_procs, streams))}"]
+    wrk += [f"-c{streams}", "--timeout", "30s", "-s", str(script)]
+    subprocess.run([*wrk, f"-d{max(1, round(a.warmup))}s", url], stdout=subprocess.DEVNULL, check=True)
+    pids, backend = target.pids(), bench.echo.pids()
+    cpu0, backend0 = sum(cpu_s(pids)), sum(cpu_s(backend))
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    run = [*wrk, f"-d{max(1, round(a.duration))}s", url]
+    out = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    elapsed = time.monotonic() - started
+    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = json.loads(next(line[4:] for line in out.splitlines() if line.startswith("WRK ")))
+    loadgen = children1.ru_utime + children1.ru_stime - children0.ru_utime - children0.ru_stime
+    return {
+        "chunks_per_s": res["bytes"] / wire * a.tokens / (res["duration_us"] / 1e6),
+        "responses_per_s": res["requests"] / (res["duration_us"] / 1e6),
+        "p50_ttft_ms": float("nan"),  # wrk times whole responses
+        "p50_response_ms": res["p50_us"] / 1000,
+        "busy_cores": (sum(cpu_s(pids)) - cpu0) / elapsed if pids else float("nan"),
+        "backend_cores": (sum(cpu_s(backend)) - backend0) / elapsed,
+        "loadgen_cores": loadgen / elapsed,
+        "errors": res["errors"],
+    }
+
+
 def scaling(bench: Bench, base: int) -> dict[str, Any]:
     """Relayed chunks/s of split with N workers at a load that saturates one worker."""
     a = bench.args
-    out: dict[str, Any] = {"concurrency": a.scaling_concurrency, "itl_ms": a.scaling_itl_ms, "workers": {}}
+    native = a.scaling_load == "wrk"
+    if native:
+        base = bench.echo_backend()
+    out: dict[str, Any] = {
+        "concurrency": a.scaling_concurrency,
+        "itl_ms": a.scaling_itl_ms,
+        "load": a.scaling_load,
+        "workers": {},
+    }
+
+    def load(target: Target) -> dict[str, Any]:
+        if native:
+            return measure_wrk(bench, target, a.scaling_concurrency)
+        return measure(target, a.scaling_concurrency, a, itl_ms=a.scaling_itl_ms)
+
     for n in (int(w) for w in a.scaling.split(",")):
         target = bench.specproxy(f"scale-w{n}", "split", base, base, n)
-        figs = [measure(target, a.scaling_concurrency, a, itl_ms=a.scaling_itl_ms) for _ in range(a.rounds)]
+        figs = [load(target) for _ in range(a.rounds)]
         out["workers"][str(n)] = {
-            "chunks_per_s": statistics.median(f["chunks_per_s"] for f in figs),
-            "p50_ttft_ms": statistics.median(f["p50_ttft_ms"] for f in figs),
-            "busy_cores": statistics.median(f["busy_cores"] for f in figs),
-            "errors": sum(f["errors"] for f in figs),
-        }
+            key: statistics.median(f[key] for f in figs) for key in figs[0] if key != "errors"
+        } | {"errors": sum(f["errors"] for f in figs)}
         if target.proc is not None:
             os.killpg(target.proc.pid, signal.SIGTERM)
             target.proc.wait(timeout=60)
         print(
             f"  scaling: {n} workers: {out['workers'][str(n)]['chunks_per_s']:.0f} chunks/s", file=sys.stderr
         )
-    direct = [measure(Target("direct", base, None), a.scaling_concurrency, a, itl_ms=a.scaling_itl_ms)]
-    out["direct_chunks_per_s"] = direct[0]["chunks_per_s"]
+    out["direct_chunks_per_s"] = load(Target("direct", base, None))["chunks_per_s"]
     return out
 
 
@@ -704,7 +871,8 @@ def scaling_lines(result: dict[str, Any]) -> list[str]:
     workers = result["workers"]
     one = workers.get("1", {})
     lines = [
-        f"--workers N, split, c={result['concurrency']}, backend {result['itl_ms']:g} ms/token "
+        f"--workers N, split, c={result['concurrency']}, backend {result['itl_ms']:g} ms/token, "
+        f"load from {result['load']} "
         f"(direct: {result['direct_chunks_per_s']:.0f} chunks/s):"
     ]
     for n, fig in workers.items():
@@ -713,9 +881,16 @@ def scaling_lines(result: dict[str, Any]) -> list[str]:
             goal = f"  target >= {0.8 * int(n) * one['chunks_per_s']:.0f}"
             if fig["busy_cores"] < 0.8 * int(n) * one["busy_cores"]:
                 goal += " (workers not saturated: the machine's backend or load generator set this figure)"
+        # Under wrk, the cores the backend and wrk kept busy (wrk's latencies leave out the streams
+        # still open at the end, the slowest at a saturating load, so they are not printed).
+        latency = (
+            f"backend {fig['backend_cores']:.1f} cores, wrk {fig['loadgen_cores']:.1f} cores"
+            if "backend_cores" in fig
+            else f"p50 TTFT {fig['p50_ttft_ms']:.1f} ms"
+        )
         lines.append(
             f"  {n:>2} workers: {fig['chunks_per_s']:>9.0f} chunks/s  {fig['busy_cores']:4.1f} cores busy"
-            f"  p50 TTFT {fig['p50_ttft_ms']:.1f} ms{goal}"
+            f"  {latency}{goal}"
         )
     return lines
 
@@ -739,6 +914,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--scaling-concurrency", type=int, default=1024)
     ap.add_argument(
         "--scaling-itl-ms", type=float, default=2.0, help="the backend's ms per token in the scaling run"
+    )
+    ap.add_argument(
+        "--scaling-load",
+        choices=["python", "wrk"],
+        default="python",
+        help="the scaling run's load generator and backend: this file's (Python), or wrk and nginx's "
+        "echo module (C: a fraction of the CPU per chunk, so that 8 workers can be saturated on 16 cores)",
     )
     cores = os.cpu_count() or 2
     ap.add_argument("--client-procs", type=int, default=max(1, cores // 4), help="load generator processes")
