@@ -126,6 +126,8 @@ class SpanRecord:
     chunk_gaps_us: str | None = None  # each gap between content chunks, in microseconds, comma-separated
     chunk_tokens: str | None = None  # tokens in each content chunk, comma-separated, where known
     offered_rate: float | None = None  # an open-loop level's offered load (requests/s); None otherwise
+    # added in schema 16: when the engine gauges above were read, as seconds before the call's start
+    engine_load_age_s: float | None = None
 
     def as_row(self) -> tuple[Any, ...]:
         """Values in :data:`COLUMNS` order, for DuckDB inserts."""

@@ -657,6 +657,8 @@ MIGRATIONS: list[list[str]] = [
     [ACCEPTANCE_VIEW_EXTRA_ROUNDS],
     # 15: arm_summary's wall_s and agg_tok_s over the arm's visits of the level, and shadow_calls
     [ARM_SUMMARY_VIEW],
+    # 16: how old the engine gauges stamped on a call were, to place their reading in time
+    ["ALTER TABLE requests ADD COLUMN engine_load_age_s DOUBLE"],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -174,10 +174,15 @@ async def test_each_call_carries_the_engine_load_of_a_scrape_made_during_its_rou
         await run_replay(settings, long_items)
     got = rows(
         db,
-        "SELECT engine_running, engine_waiting FROM requests WHERE status = 'ok' ORDER BY t_start_ns",
+        "SELECT engine_running, engine_waiting, engine_load_age_s FROM requests WHERE status = 'ok' "
+        "ORDER BY t_start_ns",
     )
     assert len(got) == 8
     # the first wave starts before any scrape of the round: the load it met is unknown, not "idle"
-    assert got[:4] == [(None, None)] * 4
-    # the second wave starts while a scrape has seen (about) four requests running, none waiting
-    assert all(running is not None and running >= 3 and waiting == 0 for running, waiting in got[4:]), got
+    assert got[:4] == [(None, None, None)] * 4
+    # the second wave starts while a scrape has seen (about) four requests running, none waiting, and
+    # says how long before the call it read them
+    assert all(
+        running is not None and running >= 3 and waiting == 0 and age is not None and age >= 0
+        for running, waiting, age in got[4:]
+    ), got

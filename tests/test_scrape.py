@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -271,7 +272,10 @@ async def test_scrapes_land_in_backend_metrics_and_give_deltas(aiohttp_server: A
     b, a = before["eagle3"], after["eagle3"]
     assert b.ok and a.ok and scraper.latest["eagle3"] is a
     # the running gauge summed over both engines; this backend exports no waiting gauge
-    assert scraper.engine_load["eagle3"] == EngineLoad(running=4.0, waiting=None)
+    load = scraper.engine_load["eagle3"]
+    assert load[:2] == (4.0, None), load
+    # stamped with the moment of its reading, which a call's span turns into the gauges' age
+    assert load.read_at == scraper.load_read_at["eagle3"] and load.read_at <= time.monotonic()
     summary = spec_decode_summary(b, a)
     # Δdrafts = 50 (engine 0) + 50 (engine 1 from zero); Δdraft_tokens 300; Δaccepted 200.
     assert (summary["num_drafts"], summary["draft_tokens"], summary["accepted_tokens"]) == (100, 300, 200)
@@ -376,7 +380,7 @@ def test_the_engine_load_line_scan_agrees_with_the_full_parse() -> None:
     assert (
         engine_load_from_text(llamacpp)
         == EngineLoad(*engine_load(parse_metrics("a", llamacpp)))
-        == (2.0, 1.0)
+        == EngineLoad(2.0, 1.0)
     )
 
 

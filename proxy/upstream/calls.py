@@ -64,6 +64,7 @@ from specproxy.proxy.upstream.extras import REJECTION_MARKERS, Strip, strip_body
 from specproxy.proxy.upstream.figures import finish_record, record_engine_facts, record_latency
 from specproxy.proxy.upstream.redact import redact_request_text
 from specproxy.proxy.upstream.relay import ClientGone, Relay, StreamConsumer, relay_drain, relay_send
+from specproxy.proxy.upstream.scrape import EngineLoad
 from specproxy.proxy.upstream.sse import CompletionTap, Endpoint, MalformedEvent
 from specproxy.proxy.upstream.tokens import ChunkEvidence
 from specproxy.proxy.upstream.wire import Exchange, UpstreamClient
@@ -220,12 +221,12 @@ def new_record(
     category: str | None = None,
     trace_id: str | None = None,
     concurrency_level: int | None = None,
-    engine_load: tuple[float | None, float | None] | None = None,
+    engine_load: EngineLoad | None = None,
     offered_rate: float | None = None,
 ) -> SpanRecord:
     """A span record with identity and request fields filled from the arm and the client's body.
 
-    ``engine_load``: the arm's (running, waiting) gauges from its latest /metrics scrape, if known."""
+    ``engine_load``: the arm's running and waiting gauges from its latest /metrics scrape, if known."""
     record = call_record(
         run_id,
         request_id,
@@ -254,7 +255,7 @@ def call_record(
     category: str | None = None,
     trace_id: str | None = None,
     concurrency_level: int | None = None,
-    engine_load: tuple[float | None, float | None] | None = None,
+    engine_load: EngineLoad | None = None,
     offered_rate: float | None = None,
 ) -> SpanRecord:
     """:func:`new_record` without the fields read from the body (:func:`describe_request` adds them):
@@ -277,7 +278,16 @@ def call_record(
         endpoint=endpoint,
         engine_running=engine_load[0] if engine_load is not None else None,
         engine_waiting=engine_load[1] if engine_load is not None else None,
+        engine_load_age_s=_age_s(engine_load),
     )
+
+
+def _age_s(load: EngineLoad | None) -> float | None:
+    """How long ago the gauges were read: the analysis compares them with the proxy's own count of the
+    calls in flight at that moment, not at the call's start."""
+    if load is None or load.read_at is None:
+        return None
+    return max(0.0, time.monotonic() - load.read_at)
 
 
 def describe_request(record: SpanRecord, body: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -66,10 +66,12 @@ KEPT_PREFIXES = ("vllm:", "llamacpp:", "sglang:")
 
 class EngineLoad(NamedTuple):
     """An arm's running and waiting requests at its latest scrape (:func:`engine_load`; None where the
-    arm exports no such gauge)."""
+    arm exports no such gauge), and when they were read (``time.monotonic()``, one clock for every
+    process of the machine; None: not known)."""
 
     running: float | None
     waiting: float | None
+    read_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class Snapshot:
     scraped_at: datetime
     series: Mapping[str, Mapping[Labels, float]] = field(default_factory=lambda: MappingProxyType({}))
     error: str | None = None
+    # time.monotonic() when the text arrived: its gauges describe that moment (parsing comes later)
+    read_at: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -149,7 +153,7 @@ def engine_load_from_text(text: str) -> EngineLoad:
     reads them from a parsed scrape.
 
     >>> engine_load_from_text('vllm:num_requests_running{engine="0"} 3.0\\nvllm:num_requests_waiting 1\\n')
-    EngineLoad(running=3.0, waiting=1.0)
+    EngineLoad(running=3.0, waiting=1.0, read_at=None)
     """
     found: dict[str, float] = {}
     for line in text.splitlines():
@@ -311,8 +315,8 @@ class MetricsScraper:
         for snapshot in snapshots:
             if snapshot.ok:
                 self.latest[snapshot.arm] = snapshot
-                self.engine_load[snapshot.arm] = EngineLoad(*engine_load(snapshot))
-                self.load_read_at[snapshot.arm] = time.monotonic()
+                read_at = self.load_read_at[snapshot.arm] = snapshot.read_at or time.monotonic()
+                self.engine_load[snapshot.arm] = EngineLoad(*engine_load(snapshot), read_at)
                 rows.extend(snapshot_rows(snapshot, run_id=self.run_id, phase=phase))
         if rows and self.sink is not None and not self.sink.emit_backend_metrics(rows):
             log.warning("backend metrics of phase %s dropped: the span queue is full", phase)
@@ -338,8 +342,9 @@ class MetricsScraper:
                     arm.url.rstrip("/") + "/metrics", headers=self._headers(arm), timeout=self.timeout
                 ) as resp:
                     if resp.status == 200:
-                        self.engine_load[arm.name] = engine_load_from_text(await resp.text(errors="replace"))
-                        self.load_read_at[arm.name] = time.monotonic()
+                        text = await resp.text(errors="replace")
+                        read_at = self.load_read_at[arm.name] = time.monotonic()
+                        self.engine_load[arm.name] = engine_load_from_text(text)._replace(read_at=read_at)
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 pass  # the full scrapes around it log what is wrong with an arm
 
@@ -369,6 +374,7 @@ class MetricsScraper:
                 if resp.status != 200:
                     return self._failed(arm, scraped_at, f"GET {url} answered HTTP {resp.status}")
                 text = await resp.text(errors="replace")
+                read_at = time.monotonic()
         except (aiohttp.ClientError, TimeoutError) as exc:
             return self._failed(arm, scraped_at, f"GET {url} failed: {exc.__class__.__name__} {exc}".strip())
         try:
@@ -381,7 +387,7 @@ class MetricsScraper:
         if arm.name in self._failing:
             self._failing.discard(arm.name)
             log.info("arm %s: %s answers again", arm.name, url)
-        return snapshot
+        return replace(snapshot, read_at=read_at)
 
     def _failed(self, arm: Arm, scraped_at: datetime, error: str) -> Snapshot:
         if arm.name not in self._failing:
