@@ -329,6 +329,48 @@ def make_live_load_run(
     return SyntheticRun(run_id, "live load", spans, [], run_row)
 
 
+def make_wave_run(
+    n_waves: int = 150, *, per_wave: int = 16, sample: float = 0.2, engines: int = 1, seed: int = 5
+) -> SyntheticRun:
+    """Shadow traffic of short calls in waves: ``per_wave`` calls start within 50 ms of each second
+    and last 0.15-0.4 s. The engine's gauges are scraped once a second in a wave's tail (0.28-0.32 s
+    after it starts) and stamped, with their age, on the calls that start before the next scrape, as
+    ``serve`` stamps them: every wave carries a reading of the last one's tail. ``engines``: how many
+    engines the baseline's URL spreads its calls over (its gauges read one of them)."""
+    rng = random.Random(seed)
+    arms = (ArmSpec("baseline", "baseline", "none"), ArmSpec("candidate", spec_method="eagle3"))
+    every = round(1 / sample)
+    spans: list[SpanRecord] = []
+    i = 0
+    for k in range(n_waves):
+        for _ in range(per_wave):
+            t = k + rng.uniform(0.0, 0.05)
+            for arm in arms if i % every == 0 else arms[:1]:
+                decode = _lognormal(rng, BASE_DECODE_MEDIAN, DECODE_SIGMA / 2)
+                tokens = max(4, round(rng.uniform(0.12, 0.36) * decode))
+                ttft = _lognormal(rng, 0.02, 0.3)
+                e2e = ttft + (tokens - 1) / decode
+                spans.append(
+                    _live_span("waves", i, arm, t, ttft, e2e, decode, tokens, 0, "inflight_at_start")
+                )
+            i += 1
+    spans.sort(key=lambda s: since_t0(s)[0])
+    for arm in arms:
+        own = [s for s in spans if s.arm == arm.name]
+        times = [since_t0(s) for s in own]
+        scrapes = [k + rng.uniform(0.28, 0.32) for k in range(n_waves)]
+        for span, (start, _) in zip(own, times, strict=True):
+            span.inflight_at_start = sum(1 for a, b in times if a < start < b)
+            read = max((r for r in scrapes if r < start), default=None)
+            if read is not None:
+                count = sum(1 for a, b in times if a < read < b)
+                share = count / engines if arm.role == "baseline" else count
+                span.engine_running, span.engine_waiting = float(round(share)), 0.0
+                span.engine_load_age_s = start - read
+    run_row = ("waves", "waves", "shadow", "live", T0, T0, "{}", "{}", "testhost", "0.1.0")
+    return SyntheticRun("waves", "waves", spans, [], run_row)
+
+
 def _live_span(
     run_id: str,
     i: int,
@@ -369,7 +411,8 @@ def _live_span(
         inflight_at_start=load,
     )
     if load_column == "engine_running":
-        record.engine_running, record.engine_waiting = float(load), 0.0
+        # read the moment the call started: the proxy's count then is ``load``
+        record.engine_running, record.engine_waiting, record.engine_load_age_s = float(load), 0.0, 0.0
     return record
 
 

@@ -6,6 +6,7 @@ with known truth (tests/closedloop.py), designs drawn at random from a seed.
 - power: a real 1.6x arm is found at c=2;
 - a matched interval holds its own point where only a few drains move the baseline's load;
 - broken engine gauges are left out with a note, never read as more engines behind a URL;
+- stale gauges of calls shorter than the scrape interval are not read as more engines either;
 - the validity gate holds live levels to replay's rule.
 """
 
@@ -19,10 +20,11 @@ import numpy as np
 
 from specproxy.analysis import Settings, evaluate, open_store
 from specproxy.analysis.figures import matched
+from specproxy.analysis.figures.arm_calls import ArmCalls
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdicts.rows import RunEvaluation
 from tests.closedloop import Design, make_closed_loop_run, make_design
-from tests.spanfactory import SyntheticRun, live_health_rows, make_live_load_run, write_db
+from tests.spanfactory import SyntheticRun, live_health_rows, make_live_load_run, make_wave_run, write_db
 
 DESIGNS = 20
 
@@ -119,11 +121,11 @@ def _drained_closed_loop(seed: int) -> matched.LoadBands:
     slope fitted to one load."""
     rng = np.random.default_rng(seed)
 
-    def calls(loads: np.ndarray, start: np.ndarray, round_: np.ndarray) -> matched.ArmCalls:
+    def calls(loads: np.ndarray, start: np.ndarray, round_: np.ndarray) -> ArmCalls:
         per_token = (0.007 + 0.000025 * loads) * rng.lognormal(0.0, 0.03, len(loads))
         tokens = np.full(len(loads), 64.0)
         engine = np.full(len(loads), np.nan)
-        return matched.ArmCalls(loads, 1 / per_token, tokens, tokens * per_token, start, round_, engine)
+        return ArmCalls(loads, 1 / per_token, tokens, tokens * per_token, start, round_, engine)
 
     rounds = np.repeat([1.0, 2.0, 3.0], 300)
     drain = np.tile(np.arange(300) >= 270, 3)
@@ -178,6 +180,24 @@ def test_a_broken_gauge_is_left_out_and_not_blamed_on_replicas(tmp_path: Path) -
     assert cand.load is not None and cand.load.engine_baseline_p50 is None, cand.load
     dead = "baseline's engine gauges read 0 running+waiting at the median of its calls"
     assert dead in cand.load.gauge_note and "replicas_behind_url" not in cand.reason, cand.reason
+
+
+def test_stale_gauges_of_short_calls_are_not_read_as_more_engines(tmp_path: Path) -> None:
+    """Calls shorter than the scrape interval, in waves: each wave's gauges were read in the last
+    one's tail, so they read a few calls where the proxy's calls each overlapped a dozen. Compared with
+    the proxy's count when they were read, they agree; an engine of two behind the URL still shows."""
+    one = _evaluate(make_wave_run(engines=1), tmp_path / "one.duckdb")
+    cand = next(r for r in one.rows if r.arm == "candidate")
+    assert cand.load is not None and cand.load.engine_baseline_p50 is not None, cand.load
+    assert cand.load.baseline_p50 is not None
+    # the trap: the gauges' median is well under 60 % of the calls' own load over their decode
+    assert cand.load.engine_baseline_p50 < 0.6 * cand.load.baseline_p50, cand.load
+    assert "replicas_behind_url" not in cand.load.gauge_note, cand.load.gauge_note
+    two = _evaluate(make_wave_run(engines=2), tmp_path / "two.duckdb")
+    cand = next(r for r in two.rows if r.arm == "candidate")
+    assert cand.load is not None
+    assert "baseline's engine gauges read" in cand.load.gauge_note, cand.load
+    assert "set replicas_behind_url (now 1)" in cand.load.gauge_note
 
 
 def test_live_levels_are_held_to_replays_validity_rule(tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ a closed loop start at load 0..c-1 and then decode at c), and the spans of every
 Every call the proxy has at an engine is in its running or waiting queue, so this is the engine's
 running + waiting load when the proxy is its only client. An arm whose URL is a service spreading its
 calls over several engines (``replicas_behind_url = N`` in the experiment file) gives each engine a
-N-th of that count; where the engine's gauges read far less than the proxy's count and no such number
-was given, the figures say so (the comparison would be at the wrong loads). Where the calls carry
+N-th of that count; where the engine's gauges read far less than the proxy's count at the moments
+they were read (each span says how old its gauges were) and no such number was given, the figures
+say so (the comparison would be at the wrong loads). Where the calls carry
 the engine's gauges (``engine_running`` + ``engine_waiting``, stamped by the proxy from a scrape at
 most two intervals old) and the engine had more than that (other clients), the median excess is
 added to every call's load, and the basis says so.
@@ -54,48 +55,36 @@ however its load differs.
 n calls costs at most n / m times one over m, so among L other calls a call decodes at most
 (L + 1) / (l + 1) times slower than among l. Over :data:`MAX_SPREAD` times wide, it places nothing.
 
-**Gauges that cannot be right** are left out before anything reads them: running + waiting = 0 on
-a call that the proxy sent while it had :data:`BROKEN_GAUGE_INFLIGHT` or more other calls in flight
-on that engine (a scrape that failed, or a stale one from before a burst). The figures say how
-many were left out, and a broken gauge is never read as more engines behind a URL.
+Each arm's calls, their loads and the engine's gauges beside them are read by :mod:`.arm_calls`
+(gauges that cannot be right are left out there, and said).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
 
-from specproxy.analysis.levels import LEVEL_SQL
+from specproxy.analysis.figures.arm_calls import (
+    ArmCalls,
+    arm_calls,
+    broken_note,
+    engine_p50,
+    few_engines_note,
+    outside_load,
+)
 from specproxy.analysis.stats import Blocks, FloatArray, Interval, percentile_interval, widen_for_blocks
 from specproxy.analysis.store import SpanStore
-from specproxy.schema import start_s_sql
 
 UNEQUAL_LOAD = 1.10
 UNEQUAL_CALLS = 1.0
 # Each arm's calls with a decode speed at the level, for a line to be fitted to them.
 MIN_CALLS = 20
-# A share of the calls carrying the engine's gauges for them to be read.
-MIN_COVERAGE = 0.9
-# Engine load beyond the proxy's own count is read as other clients' only when it is at least this
-# many requests and this share of the proxy's count: a gauge is a snapshot up to two scrape intervals
-# old, the count a mean over each call's decode; behind the proxy alone they differ by about 1.
-OUTSIDE_MIN = 2.0
-OUTSIDE_SHARE = 0.5
-# Engine gauges under this share of the proxy's per-engine count (at a load of at least
-# FEW_ENGINES_MIN) suggest more engines behind the URL than the experiment file says.
-FEW_ENGINES_SHARE = 0.6
-FEW_ENGINES_MIN = 4.0
 # The baseline's load range reaches as far as this many of its calls do at either end.
 RANGE_CALLS = 10
-# A gauge reading 0 running + waiting on a call sent while the proxy had this many other calls in
-# flight on the engine does not describe the engine's load at the call: a scrape that failed, or one
-# from before a burst (a snapshot up to two scrape intervals old). At a few calls in flight a short
-# call's neighbours turn over faster than the gauge is read, and 0 can be a true reading.
-BROKEN_GAUGE_INFLIGHT = 8
 # The share of the baseline's calls, nearest in load to the candidate's, its line is fitted to.
 NEAR_SHARE = 0.25
 TRIM_MADS = 4.0
@@ -144,20 +133,6 @@ class LoadFigures:
 
 
 @dataclass(frozen=True, eq=False)
-class ArmCalls:
-    """One arm's ok calls at one level: the load each saw and its figures (NaN where missing)."""
-
-    load: FloatArray
-    decode: FloatArray
-    tokens: FloatArray
-    e2e: FloatArray
-    start_s: FloatArray
-    round: FloatArray
-    engine: FloatArray = field(repr=False)  # running + waiting gauges stamped at the call's start
-    broken: int = 0  # gauges read 0 while the proxy had calls in flight: left out of ``engine`` (NaN)
-
-
-@dataclass(frozen=True, eq=False)
 class LoadBands:
     """An arm's and the baseline's calls at one level, by load (the name predates the line model)."""
 
@@ -175,31 +150,6 @@ class MatchedLoad:
     throughput: Interval | None
     note: str
     blocks: str = ""
-
-
-def _integral(starts: FloatArray, ends: FloatArray, t: FloatArray) -> FloatArray:
-    """∫ (calls in flight) dt from -inf to each t: Σ clip(t - start, 0, end - start), by sorted sums."""
-    s, e = np.sort(starts), np.sort(ends)
-    cs, ce = np.concatenate([[0.0], np.cumsum(s)]), np.concatenate([[0.0], np.cumsum(e)])
-    ks, ke = np.searchsorted(s, t, side="right"), np.searchsorted(e, t, side="right")
-    out: FloatArray = (ks * t - cs[ks]) - (ke * t - ce[ke])
-    return out
-
-
-def call_loads(start: FloatArray, ttft: FloatArray, e2e: FloatArray) -> tuple[FloatArray, FloatArray]:
-    """Per call of one arm: the mean number of the arm's other calls in flight over its decode window,
-    and the number in flight at its start (both excluding itself)."""
-    dur = np.where(np.isfinite(e2e) & (e2e > 0), e2e, 0.0)
-    end = start + dur
-    first = np.where(np.isfinite(ttft) & (ttft >= 0) & (ttft < dur), ttft, 0.0)
-    a = start + first
-    span = end - a
-    area = _integral(start, end, end) - _integral(start, end, a)
-    at_start = (np.searchsorted(np.sort(start), start, side="right") - 1) - np.searchsorted(
-        np.sort(end), start, side="right"
-    )
-    mean: FloatArray = np.where(span > 0, area / np.where(span > 0, span, 1.0) - 1.0, at_start)
-    return np.maximum(mean, 0.0), at_start.astype(np.float64)
 
 
 def load_bands(
@@ -221,15 +171,15 @@ def load_bands(
     engines = engines or {}
     calls: dict[tuple[str, str], ArmCalls] = {}
     for arm in sorted({a for a, _ in keys} | {baseline}):
-        calls.update(_arm_calls(store, run_id, arm, engines.get(arm, 1)))
+        calls.update(arm_calls(store, run_id, arm, engines.get(arm, 1)))
     basis = "proxy in-flight" + _per_engine(engines, baseline)
     out = {}
     for arm, level in keys:
         c, b = calls.get((arm, level)), calls.get((baseline, level))
         if c is None or b is None or not len(c.load) or not len(b.load):
             continue
-        extra_c, extra_b = _outside(c), _outside(b)
-        engine_c, engine_b = _engine_p50(c), _engine_p50(b)
+        extra_c, extra_b = outside_load(c), outside_load(b)
+        engine_c, engine_b = engine_p50(c), engine_p50(b)
         both = engine_c is not None and engine_b is not None
         figures = LoadFigures(
             basis=basis + (" + engine gauges" if extra_c or extra_b else ""),
@@ -240,10 +190,10 @@ def load_bands(
             gauge_note="; ".join(
                 n
                 for n in (
-                    _broken(arm, c),
-                    _broken(baseline, b),
-                    _few_engines(arm, c, engines),
-                    _few_engines(baseline, b, engines),
+                    broken_note(arm, c),
+                    broken_note(baseline, b),
+                    few_engines_note(arm, c, engines),
+                    few_engines_note(baseline, b, engines),
                 )
                 if n
             ),
@@ -258,133 +208,6 @@ def _per_engine(engines: Mapping[str, int], baseline: str) -> str:
         return ""
     parts = ", ".join(f"{arm}'s ÷ {n}" for arm, n in sorted(shared.items()))
     return f" per engine ({parts}: replicas_behind_url)"
-
-
-def _broken(arm: str, calls: ArmCalls) -> str:
-    have = np.isfinite(calls.engine)
-    if have.any() and _dead(calls, calls.engine[have]):
-        return (
-            f"{arm}'s engine gauges read 0 running+waiting at the median of its calls while the proxy had "
-            f"{float(np.median(calls.load)):.1f} others in flight on it (failed or stale /metrics scrapes): "
-            "not read"
-        )
-    if not calls.broken:
-        return ""
-    return (
-        f"{arm}'s engine gauges read 0 running+waiting on {calls.broken} of {len(calls.load)} calls sent "
-        f"while the proxy had {BROKEN_GAUGE_INFLIGHT} or more others in flight on it (a failed or stale "
-        "/metrics scrape): those readings left out"
-    )
-
-
-def _few_engines(arm: str, calls: ArmCalls, engines: Mapping[str, int]) -> str:
-    """A warning when the engine's gauges read far below the proxy's per-engine count: the URL
-    probably spreads the calls over more engines than the experiment file says."""
-    gauge, own = _engine_p50(calls), float(np.median(calls.load)) if len(calls.load) else 0.0
-    if gauge is None or own < FEW_ENGINES_MIN or gauge >= FEW_ENGINES_SHARE * own:
-        return ""
-    return (
-        f"{arm}'s engine gauges read {gauge:.1f} running+waiting where the proxy had {own:.1f} per "
-        f"engine in flight: more engines behind its URL? set replicas_behind_url (now "
-        f"{engines.get(arm, 1)})"
-    )
-
-
-# Every call the arm had makes the loads, read from the store's calls before any round or health
-# window is left out (the engine had those calls all the same); ``kept``: the call is in ``requests``,
-# the calls the level is judged on.
-_CALLS_SQL = """
-    SELECT {level} AS level, status = 'ok' AS ok, start_s, ttft_s, e2e_s, decode_tok_s,
-           completion_tokens, round, engine_running + coalesce(engine_waiting, 0) AS engine,
-           CAST(inflight_at_start IS NOT NULL AS DOUBLE) AS counted,
-           EXISTS (SELECT 1 FROM requests k
-                   WHERE k.run_id = q.run_id AND k.arm = q.arm AND k.request_id = q.request_id
-                     AND k.round IS NOT DISTINCT FROM q.round
-                     AND k.t_start IS NOT DISTINCT FROM q.t_start) AS kept
-    FROM (SELECT *, {start_s} AS start_s FROM ({every_call})
-          WHERE run_id = ? AND arm = ? AND status <> 'dropped') q
-    WHERE start_s IS NOT NULL
-"""
-
-
-def _arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dict[tuple[str, str], ArmCalls]:
-    """Every call of ``arm`` in the run that was sent (any status but ``dropped``) makes its load; the
-    ok ones are returned per level, with the load each saw (per engine, of ``engines`` sharing them)."""
-    sql = _CALLS_SQL.format(level=LEVEL_SQL, start_s=start_s_sql(), every_call=store.views["requests"])
-    # as columns: a live store's arm can have millions of calls, too many to convert row by row
-    cols = store.conn.execute(sql, [run_id, arm]).fetchnumpy()
-    if not len(cols["level"]):
-        return {}
-    levels = np.asarray(cols["level"], dtype=object)
-    ok = _column(cols["ok"], False).astype(bool) & _column(cols["kept"], False).astype(bool)
-    start, ttft, e2e, decode, tokens, round_, engine, counted = (
-        _column(cols[name], np.nan)
-        for name in (
-            "start_s",
-            "ttft_s",
-            "e2e_s",
-            "decode_tok_s",
-            "completion_tokens",
-            "round",
-            "engine",
-            "counted",
-        )
-    )
-    load, at_start = call_loads(start, ttft, e2e)
-    load = load / engines
-    broken = (engine == 0) & (at_start / engines >= BROKEN_GAUGE_INFLIGHT)
-    engine = np.where(broken, np.nan, engine)
-    out = {}
-    for level in sorted(set(levels[ok].tolist())):
-        m = ok & (levels == level)
-        # Spans the proxy did not count in flight were not timed by it (written by other tools): their
-        # start and end times need not be the engine's, so they say nothing of its load.
-        if counted[m].mean() < MIN_COVERAGE:
-            continue
-        out[(arm, str(level))] = ArmCalls(
-            load[m], decode[m], tokens[m], e2e[m], start[m], round_[m], engine[m], int(broken[m].sum())
-        )
-    return out
-
-
-def _column(values: npt.ArrayLike, missing: float | bool) -> FloatArray:
-    """A fetched column as floats, its NULLs (masked by DuckDB) as ``missing``."""
-    column = np.ma.masked_array(values)
-    out: FloatArray = np.ma.filled(column.astype(np.float64), float(missing))
-    return out
-
-
-def _gauges(calls: ArmCalls) -> FloatArray | None:
-    """The engine's good gauge readings, where at least :data:`MIN_COVERAGE` of the calls were
-    stamped with one and the broken ones (left out) are fewer than the good."""
-    have = np.isfinite(calls.engine)
-    good = int(have.sum())
-    if not good or good + calls.broken < MIN_COVERAGE * len(calls.engine) or calls.broken > good:
-        return None
-    out: FloatArray = calls.engine[have]
-    return None if _dead(calls, out) else out
-
-
-def _dead(calls: ArmCalls, gauges: FloatArray) -> bool:
-    """Gauges whose median is 0 while the proxy's calls had a median of :data:`FEW_ENGINES_MIN` or
-    more others in flight: scrapes that fail or never refresh, not an idle engine."""
-    return float(np.median(gauges)) == 0 and float(np.median(calls.load)) >= FEW_ENGINES_MIN
-
-
-def _outside(calls: ArmCalls) -> float:
-    """The engine's load beyond the proxy's own calls (other clients): the gauges' median less the
-    calls' median load, where enough calls carry gauges and the excess is not negligible."""
-    gauges = _gauges(calls)
-    if gauges is None:
-        return 0.0
-    own = float(np.median(calls.load))
-    excess = float(np.median(gauges)) - own
-    return excess if excess >= max(OUTSIDE_MIN, OUTSIDE_SHARE * own) else 0.0
-
-
-def _engine_p50(calls: ArmCalls) -> float | None:
-    gauges = _gauges(calls)
-    return None if gauges is None else float(np.median(gauges))
 
 
 def _shifted(calls: ArmCalls, extra: float) -> ArmCalls:
