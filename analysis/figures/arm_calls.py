@@ -29,18 +29,19 @@ from specproxy.schema import start_s_sql
 # A share of the calls carrying the engine's gauges for them to be read.
 MIN_COVERAGE = 0.9
 # Engine load beyond the proxy's own count is read as other clients' only when it is at least this
-# many requests and this share of the proxy's count: a gauge is a snapshot up to two scrape intervals
-# old, the count a mean over each call's decode; behind the proxy alone they differ by about 1.
+# many requests and this share of the proxy's count: behind the proxy alone a gauge and the proxy's
+# count at its reading differ by the calls that started or ended while the scrape was answered.
 OUTSIDE_MIN = 2.0
 OUTSIDE_SHARE = 0.5
 # Engine gauges under this share of the proxy's per-engine count (at a load of at least
 # FEW_ENGINES_MIN) suggest more engines behind the URL than the experiment file says.
 FEW_ENGINES_SHARE = 0.6
 FEW_ENGINES_MIN = 4.0
-# A gauge reading 0 running + waiting on a call sent while the proxy had this many other calls in
-# flight on the engine does not describe the engine's load at the call: a scrape that failed, or one
-# from before a burst (a snapshot up to two scrape intervals old). At a few calls in flight a short
-# call's neighbours turn over faster than the gauge is read, and 0 can be a true reading.
+# A gauge reading 0 running + waiting while the proxy had this many calls in flight on the engine as
+# it was read (where the span does not say when: as the call was sent) is a scrape that failed, or
+# one from before a burst. At a few calls in flight a short call's neighbours turn over faster than
+# the gauge is read, and 0 can be a true reading; stamped on a call long after, it is still true of
+# its moment (the first calls of a round carry a reading of the pause before it).
 BROKEN_GAUGE_INFLIGHT = 8
 
 
@@ -109,8 +110,8 @@ def broken_note(arm: str, calls: ArmCalls) -> str:
     if not calls.broken:
         return ""
     return (
-        f"{arm}'s engine gauges read 0 running+waiting on {calls.broken} of {len(calls.load)} calls sent "
-        f"while the proxy had {BROKEN_GAUGE_INFLIGHT} or more others in flight on it (a failed or stale "
+        f"{arm}'s engine gauges read 0 running+waiting on {calls.broken} of {len(calls.load)} calls "
+        f"where the proxy had {BROKEN_GAUGE_INFLIGHT} or more others in flight on it (a failed or stale "
         "/metrics scrape): those readings left out"
     )
 
@@ -121,12 +122,10 @@ def few_engines_note(arm: str, calls: ArmCalls, engines: Mapping[str, int]) -> s
     says. Compared at the reading, not over each call's decode: a gauge is up to two scrape intervals
     old, and calls shorter than that come and go between readings (a wave's start reads the last
     wave's end)."""
-    if _gauges(calls) is None or calls.engine_at_read is None:
-        return ""
-    both = np.isfinite(calls.engine) & np.isfinite(calls.engine_at_read)
-    if not both.any() or both.sum() < MIN_COVERAGE * np.isfinite(calls.engine).sum():
-        return ""  # spans that do not say when their gauges were read (written before schema 16)
-    gauge, own = float(np.median(calls.engine[both])), float(np.median(calls.engine_at_read[both]))
+    paired = _paired(calls) if _gauges(calls) is not None else None
+    if paired is None:
+        return ""  # no gauges to read, or spans that do not say when they were read (before schema 16)
+    gauge, own = float(np.median(paired[0])), float(np.median(paired[1]))
     if own < FEW_ENGINES_MIN or gauge >= FEW_ENGINES_SHARE * own:
         return ""
     return (
@@ -180,7 +179,9 @@ def arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dict
     load, at_start = call_loads(start, ttft, e2e)
     load = load / engines
     at_read = in_flight_at(start, e2e, start - _column(cols["engine_age"], np.nan)) / engines
-    broken = (engine == 0) & (at_start / engines >= BROKEN_GAUGE_INFLIGHT)
+    # the proxy's count as the gauges were read, or as the call was sent where the span does not say
+    reference = np.where(np.isfinite(at_read), at_read, at_start / engines)
+    broken = (engine == 0) & (reference >= BROKEN_GAUGE_INFLIGHT)
     engine = np.where(broken, np.nan, engine)
     out = {}
     for level in sorted(set(levels[ok].tolist())):
@@ -228,14 +229,32 @@ def _dead(calls: ArmCalls, gauges: FloatArray) -> bool:
 
 
 def outside_load(calls: ArmCalls) -> float:
-    """The engine's load beyond the proxy's own calls (other clients): the gauges' median less the
-    calls' median load, where enough calls carry gauges and the excess is not negligible."""
+    """The engine's load beyond the proxy's own calls (other clients), where enough calls carry gauges
+    and the excess is not negligible: the median of each gauge less the proxy's count as it was read,
+    or, where the spans do not say when (before schema 16), the gauges' median less the calls' median
+    load."""
     gauges = _gauges(calls)
     if gauges is None:
         return 0.0
     own = float(np.median(calls.load))
-    excess = float(np.median(gauges)) - own
+    paired = _paired(calls)
+    if paired is None:
+        excess = float(np.median(gauges)) - own
+    else:
+        excess = float(np.median(paired[0] - paired[1]))
     return excess if excess >= max(OUTSIDE_MIN, OUTSIDE_SHARE * own) else 0.0
+
+
+def _paired(calls: ArmCalls) -> tuple[FloatArray, FloatArray] | None:
+    """The good gauge readings and the proxy's per-engine count at each one's moment, where nearly
+    every reading says when it was made (:data:`MIN_COVERAGE`); else None."""
+    if calls.engine_at_read is None:
+        return None
+    have = np.isfinite(calls.engine)
+    both = have & np.isfinite(calls.engine_at_read)
+    if not both.any() or both.sum() < MIN_COVERAGE * have.sum():
+        return None
+    return calls.engine[both], calls.engine_at_read[both]
 
 
 def engine_p50(calls: ArmCalls) -> float | None:
