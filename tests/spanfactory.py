@@ -330,13 +330,19 @@ def make_live_load_run(
 
 
 def make_wave_run(
-    n_waves: int = 150, *, per_wave: int = 16, sample: float = 0.2, engines: int = 1, seed: int = 5
+    n_waves: int = 150,
+    *,
+    per_wave: int = 16,
+    sample: float = 0.2,
+    engines: int = 1,
+    read_at: tuple[float, float] = (0.28, 0.32),
+    seed: int = 5,
 ) -> SyntheticRun:
     """Shadow traffic of short calls in waves: ``per_wave`` calls start within 50 ms of each second
-    and last 0.15-0.4 s. The engine's gauges are scraped once a second in a wave's tail (0.28-0.32 s
-    after it starts) and stamped, with their age, on the calls that start before the next scrape, as
-    ``serve`` stamps them: every wave carries a reading of the last one's tail. ``engines``: how many
-    engines the baseline's URL spreads its calls over (its gauges read one of them)."""
+    and last 0.15-0.4 s. The engine's gauges are scraped once a second, ``read_at`` seconds after a
+    wave starts (by default in its tail), and stamped with their age on the calls that start before
+    the next scrape, as ``serve`` stamps them: every wave carries a reading of the last one.
+    ``engines``: how many engines the baseline's URL spreads its calls over (its gauges read one)."""
     rng = random.Random(seed)
     arms = (ArmSpec("baseline", "baseline", "none"), ArmSpec("candidate", spec_method="eagle3"))
     every = round(1 / sample)
@@ -358,7 +364,7 @@ def make_wave_run(
     for arm in arms:
         own = [s for s in spans if s.arm == arm.name]
         times = [since_t0(s) for s in own]
-        scrapes = [k + rng.uniform(0.28, 0.32) for k in range(n_waves)]
+        scrapes = [k + rng.uniform(*read_at) for k in range(n_waves)]
         for span, (start, _) in zip(own, times, strict=True):
             span.inflight_at_start = sum(1 for a, b in times if a < start < b)
             read = max((r for r in scrapes if r < start), default=None)

@@ -200,6 +200,18 @@ def test_stale_gauges_of_short_calls_are_not_read_as_more_engines(tmp_path: Path
     assert "set replicas_behind_url (now 1)" in cand.load.gauge_note
 
 
+def test_a_zero_read_between_waves_is_true_of_its_moment(tmp_path: Path) -> None:
+    """Gauges read in the pause between waves say 0, and every call of the next wave carries one,
+    sent while a dozen others were in flight. The proxy had none in flight as they were read: they
+    are neither failed scrapes nor a sign of other engines, and they are read (P50 0)."""
+    ev = _evaluate(make_wave_run(read_at=(0.6, 0.7)), tmp_path / "pause.duckdb")
+    cand = next(r for r in ev.rows if r.arm == "candidate")
+    assert cand.load is not None and cand.load.engine_baseline_p50 == 0.0, cand.load
+    assert "read 0" not in cand.load.gauge_note and "replicas_behind_url" not in cand.load.gauge_note, (
+        cand.load
+    )
+
+
 def test_live_levels_are_held_to_replays_validity_rule(tmp_path: Path) -> None:
     gain = Design("split", 2, weights={"candidate": 0.5}, speedups={"candidate": 1.6})
     clean = _evaluate(make_closed_loop_run(gain, seed=5), tmp_path / "clean.duckdb")

@@ -104,7 +104,7 @@ def broken_note(arm: str, calls: ArmCalls) -> str:
     if have.any() and _dead(calls, calls.engine[have]):
         return (
             f"{arm}'s engine gauges read 0 running+waiting at the median of its calls while the proxy had "
-            f"{float(np.median(calls.load)):.1f} others in flight on it (failed or stale /metrics scrapes): "
+            f"{_proxy_count(calls):.1f} others in flight on it (failed or stale /metrics scrapes): "
             "not read"
         )
     if not calls.broken:
@@ -223,9 +223,17 @@ def _gauges(calls: ArmCalls) -> FloatArray | None:
 
 
 def _dead(calls: ArmCalls, gauges: FloatArray) -> bool:
-    """Gauges whose median is 0 while the proxy's calls had a median of :data:`FEW_ENGINES_MIN` or
-    more others in flight: scrapes that fail or never refresh, not an idle engine."""
-    return float(np.median(gauges)) == 0 and float(np.median(calls.load)) >= FEW_ENGINES_MIN
+    """Gauges whose median is 0 while the proxy had a median of :data:`FEW_ENGINES_MIN` or more calls
+    in flight as they were read (where the spans do not say when: over the calls' decode): scrapes
+    that fail or never refresh, not an idle engine."""
+    return float(np.median(gauges)) == 0 and _proxy_count(calls) >= FEW_ENGINES_MIN
+
+
+def _proxy_count(calls: ArmCalls) -> float:
+    """The proxy's median count of calls in flight as the gauges were read, or over the calls' decode
+    where the spans do not say when they were read."""
+    paired = _paired(calls)
+    return float(np.median(paired[1] if paired is not None else calls.load))
 
 
 def outside_load(calls: ArmCalls) -> float:
