@@ -100,6 +100,8 @@ def in_flight_at(start: FloatArray, e2e: FloatArray, t: FloatArray) -> FloatArra
 
 
 def broken_note(arm: str, calls: ArmCalls) -> str:
+    """What was left out of the arm's gauges, for the figures' notes: all of them (scrapes that fail
+    or never refresh), or those that read 0 under load; empty where nothing was."""
     have = np.isfinite(calls.engine)
     if have.any() and _dead(calls, calls.engine[have]):
         return (
