@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from specproxy.analysis import Settings, evaluate, open_store
-from specproxy.analysis.figures import matched
+from specproxy.analysis.figures import arm_calls, matched
 from specproxy.analysis.figures.arm_calls import ArmCalls
 from specproxy.analysis.stats import Interval
 from specproxy.analysis.verdicts.rows import RunEvaluation
@@ -198,6 +198,30 @@ def test_stale_gauges_of_short_calls_are_not_read_as_more_engines(tmp_path: Path
     assert cand.load is not None
     assert "baseline's engine gauges read" in cand.load.gauge_note, cand.load
     assert "set replicas_behind_url (now 1)" in cand.load.gauge_note
+
+
+def _stamped(readings: list[tuple[float, float, int]]) -> ArmCalls:
+    """An arm's calls carrying ``readings``: (engine gauge, the proxy's count then, calls stamped)."""
+    gauge, count, read_s = (
+        np.repeat(column, [n for _, _, n in readings]).astype(np.float64)
+        for column in ([g for g, _, _ in readings], [c for _, c, _ in readings], np.arange(len(readings)))
+    )
+    n = len(gauge)
+    ones = np.ones(n)
+    return ArmCalls(count, 100 * ones, 32 * ones, ones, read_s, ones, gauge, 0, count, read_s)
+
+
+def test_one_reading_carried_by_most_calls_is_one_reading() -> None:
+    """A reading taken as a burst of calls starts finds the engine behind the proxy (1 against 4), and
+    every call of the burst carries it: the hint counts readings, not calls."""
+    burst = [(10.0, 10.0, 5)] * 5 + [(1.0, 4.0, 40)]
+    assert arm_calls.few_engines_note("twin", _stamped(burst), {}) == ""
+    halved = [(5.0, 10.0, 5)] * 5 + [(2.0, 4.0, 40)]
+    note = arm_calls.few_engines_note("twin", _stamped(halved), {})
+    assert "twin's engine gauges read 5.0 running+waiting where the proxy had 10.0" in note, note
+    assert "(6 readings)" in note and "set replicas_behind_url (now 1)" in note, note
+    # fewer readings than that say too little either way
+    assert arm_calls.few_engines_note("twin", _stamped(halved[:3] + halved[-1:]), {}) == ""
 
 
 def test_a_zero_read_between_waves_is_true_of_its_moment(tmp_path: Path) -> None:

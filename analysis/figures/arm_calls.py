@@ -37,6 +37,12 @@ OUTSIDE_SHARE = 0.5
 # FEW_ENGINES_MIN) suggest more engines behind the URL than the experiment file says.
 FEW_ENGINES_SHARE = 0.6
 FEW_ENGINES_MIN = 4.0
+# ... over at least this many distinct readings at that load: one scrape is stamped on every call
+# until the next, and a reading taken as a burst of calls starts finds the engine behind the proxy
+# (an identical twin's last-round reading said 1 where the proxy had 4, and most calls carried it).
+FEW_ENGINES_READINGS = 5
+# Stamps of one reading, their moments computed from each call's start and age, agree to this.
+READING_GRID_S = 0.01
 # A gauge reading 0 running + waiting while the proxy had this many calls in flight on the engine as
 # it was read (where the span does not say when: as the call was sent) is a scrape that failed, or
 # one from before a burst. At a few calls in flight a short call's neighbours turn over faster than
@@ -60,6 +66,7 @@ class ArmCalls:
     # the proxy's own count of the arm's calls in flight (per engine) at the moment those gauges were
     # read; NaN where the span does not say when (written before schema 16)
     engine_at_read: FloatArray | None = field(default=None, repr=False)
+    engine_read_s: FloatArray | None = field(default=None, repr=False)  # when, on the calls' clock
 
 
 def _integral(starts: FloatArray, ends: FloatArray, t: FloatArray) -> FloatArray:
@@ -125,15 +132,19 @@ def few_engines_note(arm: str, calls: ArmCalls, engines: Mapping[str, int]) -> s
     old, and calls shorter than that come and go between readings (a wave's start reads the last
     wave's end)."""
     paired = _paired(calls) if _gauges(calls) is not None else None
-    if paired is None:
+    if paired is None or calls.engine_read_s is None:
         return ""  # no gauges to read, or spans that do not say when they were read (before schema 16)
-    gauge, own = float(np.median(paired[0])), float(np.median(paired[1]))
-    if own < FEW_ENGINES_MIN or gauge >= FEW_ENGINES_SHARE * own:
+    # each reading once, however many calls carried it
+    both = np.isfinite(calls.engine) & np.isfinite(calls.engine_read_s)
+    _, first = np.unique(np.round(calls.engine_read_s[both] / READING_GRID_S), return_index=True)
+    gauge, own = paired[0][first], paired[1][first]
+    busy = own >= FEW_ENGINES_MIN
+    if busy.sum() < FEW_ENGINES_READINGS or np.median(gauge[busy] / own[busy]) >= FEW_ENGINES_SHARE:
         return ""
     return (
-        f"{arm}'s engine gauges read {gauge:.1f} running+waiting where the proxy had {own:.1f} per "
-        f"engine in flight as they were read: more engines behind its URL? set replicas_behind_url "
-        f"(now {engines.get(arm, 1)})"
+        f"{arm}'s engine gauges read {float(np.median(gauge[busy])):.1f} running+waiting where the proxy "
+        f"had {float(np.median(own[busy])):.1f} per engine in flight as they were read ({int(busy.sum())} "
+        f"readings): more engines behind its URL? set replicas_behind_url (now {engines.get(arm, 1)})"
     )
 
 
@@ -180,7 +191,8 @@ def arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dict
     )
     load, at_start = call_loads(start, ttft, e2e)
     load = load / engines
-    at_read = in_flight_at(start, e2e, start - _column(cols["engine_age"], np.nan)) / engines
+    read_s = start - _column(cols["engine_age"], np.nan)
+    at_read = in_flight_at(start, e2e, read_s) / engines
     # the proxy's count as the gauges were read, or as the call was sent where the span does not say
     reference = np.where(np.isfinite(at_read), at_read, at_start / engines)
     broken = (engine == 0) & (reference >= BROKEN_GAUGE_INFLIGHT)
@@ -202,6 +214,7 @@ def arm_calls(store: SpanStore, run_id: str, arm: str, engines: int = 1) -> dict
             engine[m],
             int(broken[m].sum()),
             at_read[m],
+            read_s[m],
         )
     return out
 
