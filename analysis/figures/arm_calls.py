@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -132,12 +133,11 @@ def few_engines_note(arm: str, calls: ArmCalls, engines: Mapping[str, int]) -> s
     old, and calls shorter than that come and go between readings (a wave's start reads the last
     wave's end)."""
     paired = _paired(calls) if _gauges(calls) is not None else None
-    if paired is None or calls.engine_read_s is None:
+    if paired is None or paired.moment is None:
         return ""  # no gauges to read, or spans that do not say when they were read (before schema 16)
     # each reading once, however many calls carried it
-    both = np.isfinite(calls.engine) & np.isfinite(calls.engine_read_s)
-    _, first = np.unique(np.round(calls.engine_read_s[both] / READING_GRID_S), return_index=True)
-    gauge, own = paired[0][first], paired[1][first]
+    _, first = np.unique(np.round(paired.moment / READING_GRID_S), return_index=True)
+    gauge, own = paired.gauge[first], paired.inflight[first]
     busy = own >= FEW_ENGINES_MIN
     if busy.sum() < FEW_ENGINES_READINGS or np.median(gauge[busy] / own[busy]) >= FEW_ENGINES_SHARE:
         return ""
@@ -248,7 +248,7 @@ def _proxy_count(calls: ArmCalls) -> float:
     """The proxy's median count of calls in flight as the gauges were read, or over the calls' decode
     where the spans do not say when they were read."""
     paired = _paired(calls)
-    return float(np.median(paired[1] if paired is not None else calls.load))
+    return float(np.median(paired.inflight if paired is not None else calls.load))
 
 
 def outside_load(calls: ArmCalls) -> float:
@@ -264,20 +264,30 @@ def outside_load(calls: ArmCalls) -> float:
     if paired is None:
         excess = float(np.median(gauges)) - own
     else:
-        excess = float(np.median(paired[0] - paired[1]))
+        excess = float(np.median(paired.gauge - paired.inflight))
     return excess if excess >= max(OUTSIDE_MIN, OUTSIDE_SHARE * own) else 0.0
 
 
-def _paired(calls: ArmCalls) -> tuple[FloatArray, FloatArray] | None:
-    """The good gauge readings and the proxy's per-engine count at each one's moment, where nearly
-    every reading says when it was made (:data:`MIN_COVERAGE`); else None."""
+class _Readings(NamedTuple):
+    """The calls' good gauge readings, the proxy's per-engine count at each one's moment, and that
+    moment (None where the calls do not carry it)."""
+
+    gauge: FloatArray
+    inflight: FloatArray
+    moment: FloatArray | None
+
+
+def _paired(calls: ArmCalls) -> _Readings | None:
+    """The good gauge readings with the proxy's count at their moments, where nearly every reading
+    says when it was made (:data:`MIN_COVERAGE`); else None."""
     if calls.engine_at_read is None:
         return None
     have = np.isfinite(calls.engine)
     both = have & np.isfinite(calls.engine_at_read)
     if not both.any() or both.sum() < MIN_COVERAGE * have.sum():
         return None
-    return calls.engine[both], calls.engine_at_read[both]
+    moment = calls.engine_read_s[both] if calls.engine_read_s is not None else None
+    return _Readings(calls.engine[both], calls.engine_at_read[both], moment)
 
 
 def engine_p50(calls: ArmCalls) -> float | None:
