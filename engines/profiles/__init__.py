@@ -8,7 +8,7 @@ request, k+1 per verifying request, a prefill chunk's tokens), B = requests in t
 
     >>> profile = load_profile("h100-llama3.1-8b")
     >>> round(profile.step_time(batched_tokens=1, kv_tokens=1024) * 1e3, 2)   # one decode step, ms
-    7.16
+    7.15
 """
 
 from __future__ import annotations
