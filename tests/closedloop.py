@@ -47,6 +47,7 @@ class Design:
     samples: dict[str, float] = field(default_factory=dict)
     speedups: dict[str, float] = field(default_factory=dict)
     clock_lag: dict[str, float] = field(default_factory=dict)  # arm -> the lag its health rows say
+    noise: float = 1.0  # the engines' slowness and step jitter, as a share of the defaults
 
     @property
     def arms(self) -> list[str]:
@@ -93,15 +94,16 @@ def make_design(rng: random.Random, speedup: float = 1.0, level: int | None = No
 class _Slowness:
     """Each engine's slowness factor per time slice (AR(1) in log), drawn lazily."""
 
-    def __init__(self, rng: random.Random, arms: list[str]) -> None:
+    def __init__(self, rng: random.Random, arms: list[str], sigma: float = SLOW_SIGMA) -> None:
         self.rng = rng
+        self.sigma = sigma
         self.values: dict[str, list[float]] = {a: [0.0] for a in arms}
 
     def at(self, arm: str, t: float) -> float:
         k = int(t / SLICE_S)
         series = self.values[arm]
         while len(series) <= k:
-            noise = self.rng.gauss(0.0, SLOW_SIGMA * math.sqrt(1 - SLOW_RHO**2))
+            noise = self.rng.gauss(0.0, self.sigma * math.sqrt(1 - SLOW_RHO**2))
             series.append(SLOW_RHO * series[-1] + noise)
         return math.exp(series[k])
 
@@ -110,7 +112,7 @@ def make_closed_loop_run(design: Design, seed: int, run_id: str = "live-aa") -> 
     """The design's spans and health rows (``engine_clock_lag`` per arm and round from
     ``design.clock_lag``, 0.4 % where not given; the proxy's loop lag share 0.3 %)."""
     rng = random.Random(seed)
-    slow = _Slowness(rng, design.arms)
+    slow = _Slowness(rng, design.arms, SLOW_SIGMA * design.noise)
     spans: list[SpanRecord] = []
     health: list[tuple[Any, ...]] = []
     t = 0.0
@@ -168,7 +170,7 @@ def _round(
         if n:
             nonlocal seq
             seq += 1
-            jitter = math.exp(rng.gauss(0.0, CALL_SIGMA))
+            jitter = math.exp(rng.gauss(0.0, CALL_SIGMA * design.noise))
             heapq.heappush(events, (t + BASE_TPT * (1 + n / KNEE) * slow.at(arm, t) * jitter, seq, arm))
 
     while events:

@@ -7,7 +7,8 @@ with known truth (tests/closedloop.py), designs drawn at random from a seed.
 - a matched interval holds its own point where only a few drains move the baseline's load;
 - broken engine gauges are left out with a note, never read as more engines behind a URL;
 - stale gauges of calls shorter than the scrape interval are not read as more engines either;
-- the validity gate holds live levels to replay's rule.
+- the validity gate holds live levels to replay's rule;
+- a shadow under one call lighter than its baseline spans the load's effect.
 """
 
 from __future__ import annotations
@@ -86,6 +87,28 @@ def test_split_unequal_loads_bracket_the_load_model(tmp_path: Path) -> None:
     assert plain.low is not None and plain.high is not None
     assert iv.low <= min(plain.low, iv.point) and iv.high >= max(plain.high, iv.point)
     assert iv.low <= 1.0 <= iv.high and row.verdict == "NO CLEAR GAIN", (iv, row.reason)
+
+
+def test_a_shadow_at_near_equal_load_spans_the_loads_effect(tmp_path: Path) -> None:
+    """A shadow twin at sample 0.75 of c=4 on quiet engines runs at about 2.2 calls beside the
+    baseline's 3: under one call apart, compared call by call, yet about 0.8 % faster for that alone,
+    which the paired interval resolves. The interval spans the load's effect and holds 1.0."""
+    lifted = 0
+    for seed in range(3):
+        design = Design(
+            "shadow", 4, requests=300, tokens=(64, 256), samples={"candidate": 0.75}, noise=0.03,
+            clock_lag={"baseline": 0.0, "candidate": 0.0},
+        )  # fmt: skip
+        ev = _evaluate(make_closed_loop_run(design, seed=seed), tmp_path / f"near{seed}.duckdb")
+        row = next(r for r in ev.rows if r.arm == "candidate")
+        iv, load = row.decode_speedup, row.load
+        assert load is not None and not load.unequal and load.method == matched.NEAR_EQUAL, load
+        assert load.effect is not None and 0.98 < load.effect < 0.999, load
+        assert iv is not None and iv.low is not None and iv.high is not None
+        assert iv.low <= 1.0 <= iv.high and row.verdict == "NO CLEAR GAIN", (iv, row.reason)
+        assert "the candidate's calls up to" in row.reason, row.reason
+        lifted += iv.low / load.effect > 1.0  # the plain interval alone would have missed 1.0
+    assert lifted >= 2, lifted
 
 
 def test_where_no_line_places_the_load_the_plain_comparison_is_stretched_by_the_loads_largest_effect() -> (

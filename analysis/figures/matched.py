@@ -115,6 +115,9 @@ class LoadFigures:
     baseline_range: tuple[float, float] | None = None
     method: str = ""
     gauge_note: str = ""  # the engine's gauges disagree with the proxy's count: a service of several
+    # At near-equal loads: the baseline's time per token at the candidate's load over its own, as its
+    # line reads it (< 1: the candidate's calls were that much faster for their load alone).
+    effect: float | None = None
 
     @property
     def unequal(self) -> bool:
@@ -254,7 +257,10 @@ def robust_line(x: FloatArray, y: FloatArray, w: FloatArray) -> _Line:
 
 SPANNED = "the load's effect lies between none and the fitted line's"
 INTERPOLATED, EXTRAPOLATED, NOT_COMPARED = "interpolated", "extrapolated", "not compared"
-BOUNDED = "bounded"
+BOUNDED, NEAR_EQUAL = "bounded", "near-equal"
+# A load effect at near-equal loads is named in the row's reason from this size on (the JSON always
+# carries it).
+NAMED_EFFECT = 0.001
 # Each block (round, or time block) is cut into this many time cells, resampled whole.
 CELLS_PER_BLOCK = 10
 
@@ -521,3 +527,64 @@ def bounded(load: MatchedLoad, decode: Interval | None, throughput: Interval | N
     )
     return replace(load, figures=replace(fig, method=BOUNDED), decode=wide,
                    throughput=stretch(throughput), note=note)  # fmt: skip
+
+
+def near_equal(bands: LoadBands, decode: Interval | None, throughput: Interval | None) -> MatchedLoad:
+    """At loads too close for a matched comparison (not :attr:`LoadFigures.unequal`) but not the same:
+    the plain comparison's intervals (``decode``, ``throughput``) stretched over the load's effect
+    (:func:`load_effect`). Under one call apart the effect is small, but a paired comparison resolves
+    it: a shadow twin at 2.3 calls beside a baseline at 3.0 decoded 0.2 % faster, every interval above
+    1.0. As at unequal loads, the truth lies between no effect and the lines'."""
+    fig = bands.figures
+    if fig.unequal or (decode is None and throughput is None):
+        return MatchedLoad(fig, None, None, "")
+    dc, tc = _figures(bands.candidate, np.zeros(len(bands.candidate.load)))
+    db, tb = _figures(bands.baseline, np.zeros(len(bands.baseline.load)))
+    f_decode, f_throughput = load_effect(dc, db), load_effect(tc, tb)
+    load = replace(fig, method=NEAR_EQUAL, effect=f_decode)
+    note = ""
+    if abs(f_decode - 1.0) >= NAMED_EFFECT:
+        lighter = "candidate" if f_decode < 1 else "baseline"
+        note = (
+            f"loads near-equal ({fig.describe()}): compared call by call, the interval spanning the "
+            f"load's effect as the arms' lines read it (the {lighter}'s calls up to {abs(1 - f_decode):.1%} "
+            "faster for their lighter load)"
+        )
+    return MatchedLoad(load, stretched(decode, f_decode), stretched(throughput, f_throughput), note)
+
+
+def stretched(iv: Interval | None, effect: float) -> Interval | None:
+    """``iv`` widened on one side to hold ``iv`` times ``effect`` too (the speedup had the load's effect
+    been taken out), its point kept.
+
+    >>> stretched(Interval(1.01, 1.0, 1.02), 0.5)
+    Interval(point=1.01, low=0.5, high=1.02)
+    """
+    if iv is None or iv.low is None or iv.high is None:
+        return iv
+    return Interval(iv.point, iv.low * min(effect, 1.0), iv.high * max(effect, 1.0))
+
+
+def load_effect(cand: _Figure, base: _Figure) -> float:
+    """How much faster (< 1) or slower the candidate's calls were for their load alone: each arm's line
+    read at the candidate's mean load over the same line at the baseline's (the speedup at the
+    baseline's load, and at the candidate's), the one farther from 1. Each is held between 1 (more
+    calls in flight never make a call faster) and the most a batch step's cost allows,
+    (l + 1) / (L + 1) (module docstring); an arm with too few calls for a line gives that bound. Both
+    lines are read: a closed loop keeps the baseline at one load, where its line sees no slope."""
+    if not len(cand.x) or not len(base.x):
+        return 1.0
+    at = float(cand.w @ cand.x / cand.w.sum())
+    own = float(base.w @ base.x / base.w.sum())
+    bound = (at + 1) / (own + 1)
+
+    def read(fig: _Figure) -> float:
+        if len(fig.x) < MIN_CALLS:
+            return bound
+        line = robust_line(fig.x, fig.y, fig.w)
+        there, here = line.at(at), line.at(own)
+        if line.b <= 0 or there <= 0 or here <= 0:
+            return 1.0
+        return min(max(there / here, min(bound, 1.0)), max(bound, 1.0))
+
+    return max(read(base), read(cand), key=lambda f: abs(math.log(f)))

@@ -4,9 +4,10 @@ row it belongs to, judged on that level's margin."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
+from specproxy.analysis.figures.matched import NEAR_EQUAL, stretched
 from specproxy.analysis.figures.run_figures import IdentityCounts
 from specproxy.analysis.levels import level_sort_key
 from specproxy.analysis.stats import rng_for
@@ -84,13 +85,22 @@ def category_rows(
         )
     # The arms' categories at a level share its blocks: their between-block terms are pooled.
     pooled = comparison.pooled(bootstrapped(jobs), lambda key: key[1:])
-    widened = {key: lag_bounded(run, c, *key[:2]) for key, c in pooled.items()}
+    widened = {
+        key: _load_stretched(lag_bounded(run, c, *key[:2]), by_key[key[:2]]) for key, c in pooled.items()
+    }
     figures = [
         (row, CategoryFigures(key[2], widened[key], calls, base_calls, p50, base_p50, identity))
         for key, (row, calls, base_calls, p50, base_p50, identity) in counts.items()
     ]
     out = [_category_row(row, fig, margins[row.level], settings.thresholds) for row, fig in figures]
     return sorted(out, key=lambda c: (c.arm, c.category, level_sort_key(c.level)))
+
+
+def _load_stretched(comp: Comparison, row: LevelRow) -> Comparison:
+    """A category of a level at near-equal loads spans the load's effect as its level does."""
+    if row.load is None or row.load.method != NEAR_EQUAL or row.load.effect is None:
+        return comp
+    return replace(comp, decode=stretched(comp.decode, row.load.effect))
 
 
 def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, thresholds: Thresholds) -> CategoryRow:

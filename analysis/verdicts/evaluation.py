@@ -518,9 +518,16 @@ def _matched_loads(
     """Each live or split level at matched load (:mod:`.matched`: its intervals carry the blocks'
     drift term), moved out by the arms' simulator lag bounds as the ordinary comparisons are, then
     stretched over the ``plain`` comparison's (the load's effect lies between none and the line's);
-    where no line placed the load, the ``plain`` comparison stretched by the load's largest effect."""
+    where no line placed the load, the ``plain`` comparison stretched by the load's largest effect; at
+    near-equal loads, the ``plain`` comparison stretched by the effect the baseline's line reads."""
     out = {}
     for (arm, level), bands in run.loads.items():
+        if not bands.figures.unequal:
+            own = plain.get((arm, level))
+            out[(arm, level)] = matched.near_equal(
+                bands, own.decode if own else None, own.throughput if own else None
+            )
+            continue
         load = matched.compare(
             bands,
             iterations=settings.bootstrap_iterations,
@@ -560,6 +567,8 @@ def _level_row(
     unequal = load is not None and load.figures.unequal
     if load is not None and unequal:
         decode, throughput, basis = load.decode, load.throughput, basis if s.shadow else "per call"
+    elif load is not None and load.figures.method == matched.NEAR_EQUAL:
+        decode, throughput = load.decode, load.throughput  # the plain ones, stretched over the load's effect
     check = check_identity(counts.identical, counts.compared, confidence[s.arm], settings.thresholds)
     base = run.summary(run.baseline, s.level) if s.arm != run.baseline else None
     estimated = estimate_note(s.tokens, base.tokens if base is not None else None)
