@@ -380,7 +380,8 @@ error_log {dir}/error.log warn;
 events {{ worker_connections 65536; }}
 http {{
     access_log off;
-    client_body_temp_path {dir}/body;
+    client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy; fastcgi_temp_path {dir}/fcgi;
+    uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
     server {{
         listen 127.0.0.1:{port} backlog=8192 reuseport;
         keepalive_requests 1000000;
@@ -445,11 +446,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+def wait_ready(
+    port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60, log: Path | None = None
+) -> None:
+    """Until ``port`` answers /health; SystemExit where ``proc`` exits first (with the end of its
+    ``log``, nginx's error log, which says why) or nothing answers in time."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"a target exited while starting ({proc.args!r}): exit status {proc.returncode}")
+            said = log.read_text(errors="replace").strip().splitlines()[-5:] if log and log.exists() else []
+            raise SystemExit(
+                f"a target exited while starting ({proc.args!r}): exit status {proc.returncode}"
+                + "".join(f"\n  {line}" for line in said)
+            )
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                 return
@@ -566,7 +575,7 @@ class Bench:
         proc = self.spawn(
             [exe, "-p", str(conf_dir), "-c", str(conf_dir / "nginx.conf"), "-e", str(conf_dir / "error.log")]
         )
-        wait_ready(port, proc)
+        wait_ready(port, proc, log=conf_dir / "error.log")
         return Target("nginx", port, proc)
 
     def echo_backend(self) -> int:
@@ -585,7 +594,7 @@ class Bench:
         proc = self.spawn(
             [exe, "-p", str(conf_dir), "-c", str(conf_dir / "nginx.conf"), "-e", str(conf_dir / "error.log")]
         )
-        wait_ready(port, proc)
+        wait_ready(port, proc, log=conf_dir / "error.log")
         self.echo = Target("echo-backend", port, proc)
         return port
 
