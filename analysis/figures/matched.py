@@ -570,21 +570,23 @@ def load_effect(cand: _Figure, base: _Figure) -> float:
     read at the candidate's mean load over the same line at the baseline's (the speedup at the
     baseline's load, and at the candidate's), the one farther from 1. Each is held between 1 (more
     calls in flight never make a call faster) and the most a batch step's cost allows,
-    (l + 1) / (L + 1) (module docstring); an arm with too few calls for a line gives that bound. Both
-    lines are read: a closed loop keeps the baseline at one load, where its line sees no slope."""
+    (l + 1) / (L + 1) (module docstring), which is also the answer where neither arm has the calls
+    for a line. Both lines are read: a closed loop keeps the baseline at one load, where its own line
+    sees no slope."""
     if not len(cand.x) or not len(base.x):
         return 1.0
     at = float(cand.w @ cand.x / cand.w.sum())
     own = float(base.w @ base.x / base.w.sum())
     bound = (at + 1) / (own + 1)
 
-    def read(fig: _Figure) -> float:
+    def read(fig: _Figure) -> float | None:
         if len(fig.x) < MIN_CALLS:
-            return bound
+            return None
         line = robust_line(fig.x, fig.y, fig.w)
         there, here = line.at(at), line.at(own)
         if line.b <= 0 or there <= 0 or here <= 0:
             return 1.0
         return min(max(there / here, min(bound, 1.0)), max(bound, 1.0))
 
-    return max(read(base), read(cand), key=lambda f: abs(math.log(f)))
+    readings = [f for f in (read(base), read(cand)) if f is not None]
+    return max(readings, key=lambda f: abs(math.log(f))) if readings else bound
