@@ -38,7 +38,7 @@ then it is widened by the spread of the blocks' own estimates beyond that noise
 (:func:`~specproxy.analysis.stats.widen_for_blocks`, the drift term of the ordinary comparisons, on
 this arm's blocks alone). The evaluation then adds the simulators' lag bounds. Used when the arms'
 median loads differ by more than :data:`UNEQUAL_LOAD`; at equal loads the plain (paired) comparison
-is sharper.
+is sharper, and at near-equal ones :func:`near_equal` stretches it by the load's small effect.
 
 **What the line cannot know** is how much of its slope the load caused. In a closed loop an engine
 that slows down for any reason (a busy core, a long prompt) holds its clients longer, so its calls
@@ -103,7 +103,8 @@ class LoadFigures:
     the calls carry them; ``compared_at``: the load the two lines were read at (the candidate's mean);
     ``baseline_range``: the loads the baseline ran at (as far as 10 of its calls reach);
     ``matched_share``: the share of the candidate's calls inside that range; ``method``:
-    ``interpolated``, ``extrapolated``, ``bounded``, ``not compared`` (or empty at equal loads)."""
+    ``interpolated``, ``extrapolated``, ``bounded``, ``not compared``, ``near-equal`` (loads under
+    :data:`UNEQUAL_LOAD` or one call apart: the plain comparison, stretched by ``effect``), or empty."""
 
     basis: str  # "proxy in-flight" | "proxy in-flight + engine gauges"
     p50: float | None
@@ -115,8 +116,8 @@ class LoadFigures:
     baseline_range: tuple[float, float] | None = None
     method: str = ""
     gauge_note: str = ""  # the engine's gauges disagree with the proxy's count: a service of several
-    # At near-equal loads: the baseline's time per token at the candidate's load over its own, as its
-    # line reads it (< 1: the candidate's calls were that much faster for their load alone).
+    # At near-equal loads: time per token at the candidate's load over that at the baseline's, as the
+    # arms' lines read it (< 1: the candidate's calls were that much faster for their load alone).
     effect: float | None = None
 
     @property

@@ -519,7 +519,7 @@ def _matched_loads(
     drift term), moved out by the arms' simulator lag bounds as the ordinary comparisons are, then
     stretched over the ``plain`` comparison's (the load's effect lies between none and the line's);
     where no line placed the load, the ``plain`` comparison stretched by the load's largest effect; at
-    near-equal loads, the ``plain`` comparison stretched by the effect the baseline's line reads."""
+    near-equal loads, the ``plain`` comparison stretched by the effect the arms' lines read."""
     out = {}
     for (arm, level), bands in run.loads.items():
         if not bands.figures.unequal:
