@@ -508,15 +508,10 @@ def bounded(load: MatchedLoad, decode: Interval | None, throughput: Interval | N
     fig = load.figures
     if fig.method != NOT_COMPARED or fig.p50 is None or fig.baseline_p50 is None or decode is None:
         return load
-    factor = (fig.p50 + 1) / (fig.baseline_p50 + 1)  # the candidate's batch over the baseline's
-
-    def stretch(iv: Interval | None) -> Interval | None:
-        if iv is None or iv.low is None or iv.high is None:
-            return iv
-        # a lighter candidate decodes faster for its load alone: the truth lies below the plain figure
-        return Interval(iv.point, iv.low * min(factor, 1.0), iv.high * max(factor, 1.0))
-
-    wide = stretch(decode)
+    # the candidate's batch over the baseline's: a lighter candidate decodes faster for its load
+    # alone, so the truth lies below the plain figure
+    factor = (fig.p50 + 1) / (fig.baseline_p50 + 1)
+    wide = stretched(decode, factor)
     if wide is None or _unplaced(wide):
         return load  # the loads differ so much that even the bound places nothing
     heavier = "candidate" if factor > 1 else "baseline"
@@ -527,7 +522,7 @@ def bounded(load: MatchedLoad, decode: Interval | None, throughput: Interval | N
         "calls), and the interval spans that and the plain comparison"
     )
     return replace(load, figures=replace(fig, method=BOUNDED), decode=wide,
-                   throughput=stretch(throughput), note=note)  # fmt: skip
+                   throughput=stretched(throughput, factor), note=note)  # fmt: skip
 
 
 def near_equal(bands: LoadBands, decode: Interval | None, throughput: Interval | None) -> MatchedLoad:
