@@ -179,7 +179,9 @@ def p99(values: Iterable[float]) -> float | None:
 
 class LoopLagSampler:
     """While open, a task sleeps ``interval_s`` again and again and keeps how late each wake-up was
-    (only when ``keep()`` says so at the wake-up, if given)."""
+    (only when ``keep()`` says so at the wake-up, if given). A wake-up already overdue when the
+    sampler closes counts as late by then: a loop too busy to run it before the measured work ended
+    would otherwise leave no reading at all."""
 
     interval_s = 0.01
 
@@ -187,6 +189,7 @@ class LoopLagSampler:
         self.lags_s: list[float] = []
         self._keep = keep
         self._task: asyncio.Task[None] | None = None
+        self._due: float | None = None  # the pending wake-up's time
 
     async def __aenter__(self) -> LoopLagSampler:
         self._task = asyncio.create_task(self._sample(), name="specproxy-loop-lag")
@@ -195,15 +198,20 @@ class LoopLagSampler:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        now = time.perf_counter()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._due is not None and now > self._due and (self._keep is None or self._keep()):
+            self.lags_s.append(now - self._due)
+        self._due = None
 
     async def _sample(self) -> None:
         while True:
-            due = time.perf_counter() + self.interval_s
+            self._due = due = time.perf_counter() + self.interval_s
             await asyncio.sleep(self.interval_s)
+            self._due = None
             if self._keep is None or self._keep():
                 self.lags_s.append(max(0.0, time.perf_counter() - due))
 

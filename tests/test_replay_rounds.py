@@ -3,6 +3,8 @@ from one round to the next, the engine's load on each span, and the measurement'
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import aiohttp
@@ -12,6 +14,7 @@ from specproxy.engines.sim.config import SimConfig
 from specproxy.engines.sim.server import running_sim
 from specproxy.proxy.health import (
     THRESHOLDS,
+    LoopLagSampler,
     SimClock,
     histogram_quantile,
     over_threshold,
@@ -143,6 +146,19 @@ async def test_a_simulators_write_delays_are_counted_per_chunk_and_recorded_per_
     assert [(arm, k, threshold) for arm, k, _, threshold in delays] == [("base", 1, None), ("base", 2, None)]
     assert all(bounds[0] <= value <= bounds[-1] for *_, value, _ in delays)
     assert not [r for r in over_threshold(result.health) if r.check_name == "engine_write_delay_p99_s"]
+
+
+async def test_a_loop_too_busy_to_wake_the_lag_sampler_still_reads_late() -> None:
+    # The measured work ends while the sampler's wake-up is overdue and has never run (a client
+    # process starved of the CPU for a whole short round): the lag it would have read is kept.
+    async with LoopLagSampler() as sampler:
+        await asyncio.sleep(0)  # the sampler's task starts and arms its first wake-up
+        time.sleep(3 * LoopLagSampler.interval_s)  # the loop blocked past that wake-up
+    assert len(sampler.lags_s) == 1 and sampler.lags_s[0] >= 2 * LoopLagSampler.interval_s
+    async with LoopLagSampler(keep=lambda: False) as idle:
+        await asyncio.sleep(0)
+        time.sleep(3 * LoopLagSampler.interval_s)
+    assert idle.lags_s == []  # only while ``keep()`` says the lag counts
 
 
 def test_a_histograms_p99_is_the_upper_bound_of_the_bucket_that_holds_it() -> None:
