@@ -76,6 +76,7 @@ class BackendStats:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[CIMultiDict[str]] = field(default_factory=list)
     keep_requests: bool = True
+    metrics_reads: int = 0  # GET /metrics answered
 
 
 CONFIG = web.AppKey("config", BackendConfig)
@@ -442,6 +443,7 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     stats = request.app[STATS]
+    stats.metrics_reads += 1
     text = (
         "# TYPE vllm:num_requests_running gauge\n"
         f'vllm:num_requests_running{{engine="0",model_name="test-model"}} {stats.active}\n'

@@ -94,6 +94,8 @@ async def test_workers_share_the_port_and_write_one_store_each(tmp_path: Path) -
     db = tmp_path / "spans.duckdb"
     async with running_backend(BackendConfig(tokens=3)) as base:
         cfg = _write_config(tmp_path / "exp.toml", base.url, None, db)
+        often = cfg.read_text().replace("shutdown_grace_s", "scrape_interval_s = 0.5\nshutdown_grace_s")
+        cfg.write_text(often)
         port = free_port()
         proc = start_cli(
             ["serve", "--config", str(cfg), "--port", str(port), "--workers", "2", "--run-id", "shared-run"]
@@ -103,6 +105,8 @@ async def test_workers_share_the_port_and_write_one_store_each(tmp_path: Path) -
             files = [tmp_path / f"spans.w{i}.duckdb" for i in (0, 1)]
             # Both workers are past their signal set-up once their stores exist.
             await wait_until(lambda: all(f.exists() for f in files), "both workers' span stores")
+            # Each worker reads the arm's gauges every 0.5 s (only the first writes the scrapes).
+            await wait_until(lambda: base.stats.metrics_reads >= 6, "a few reads of the arm's /metrics")
             # Each request on its own connection, so the kernel spreads them over the workers.
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
                 for i in range(30):
@@ -119,6 +123,11 @@ async def test_workers_share_the_port_and_write_one_store_each(tmp_path: Path) -
         with duckdb.connect(str(tmp_path / f"spans.w{i}.duckdb"), read_only=True) as con:
             total += con.execute("SELECT count(*) FROM requests WHERE run_id = 'shared-run'").fetchone()[0]  # type: ignore[index]
             assert con.execute("SELECT run_id FROM runs").fetchall() == [("shared-run",)]
+            # Every worker's calls carry the engine's gauges, not only the scraping worker's.
+            with_gauges = "SELECT count(*) FROM requests WHERE engine_running IS NOT NULL"
+            assert con.execute(with_gauges).fetchone()[0] > 0, f"worker {i}: no span with engine gauges"  # type: ignore[index]
+            scraped = con.execute("SELECT count(*) FROM backend_metrics").fetchone()[0]  # type: ignore[index]
+            assert (scraped > 0) == (i == 0), f"worker {i}: {scraped} backend_metrics rows"
     assert total == 30
     assert not db.exists()
 

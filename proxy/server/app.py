@@ -632,7 +632,9 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
 async def _scraper(app: web.Application) -> AsyncIterator[None]:
     """Each arm's /metrics into backend_metrics every scrape_interval_s, and once more at shutdown; and
     whenever a client asks (POST /specproxy/scrape). Of several workers only the first scrapes
-    periodically (they would all scrape the same arms); each answers a client's request."""
+    periodically into the store (they would all write the same arms' samples); the others read just
+    the arms' load gauges on the same interval, for their own calls' spans. Each answers a client's
+    request."""
     st = app[STATE]
     if not st.settings.scrape_metrics:
         yield
@@ -649,14 +651,14 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
             engine_load=st.engine_load,
         )
         st.scraper = scraper
-        task = asyncio.create_task(scraper.run()) if periodic else None
+        task = asyncio.create_task(scraper.run() if periodic else scraper.run_gauges())
         try:
             yield
         finally:
             st.scraper = None
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if periodic:
                 await scraper.scrape_once("periodic")  # the run's last counters, for deltas over the run
 
 

@@ -337,7 +337,7 @@ def _run_workers(
             argv += ["--capture", worker_path(capture, i)]
             if capture_responses:
                 argv.append("--capture-responses")
-        if no_scrape:  # (of the workers that scrape, only the first does so periodically)
+        if no_scrape:  # (otherwise the first worker writes the scrapes, the others read the gauges)
             argv.append("--no-scrape")
         procs.append(subprocess.Popen(argv))
     stopping = False

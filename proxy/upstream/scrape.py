@@ -331,6 +331,14 @@ class MetricsScraper:
             # A slow scrape shortens the wait instead of shifting every later scrape.
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
+    async def run_gauges(self) -> None:
+        """Read the arms' two load gauges every ``interval_s`` (:meth:`scrape_engine_load`) until
+        cancelled: for a process whose calls need the gauges while another scrapes into the store."""
+        while True:
+            started = time.monotonic()
+            await self.scrape_engine_load()
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
     async def scrape_engine_load(self) -> None:
         """Update :attr:`engine_load` only: each arm's two gauges read straight from its /metrics text
         (a line scan, not a parse; nothing is written). Cheap enough to run every second during a
@@ -353,7 +361,7 @@ class MetricsScraper:
     def fresh_load(self, arm: str, max_age_s: float | None = None) -> EngineLoad | None:
         """The arm's gauges if they were read at most ``max_age_s`` ago (default two scrape intervals:
         one late scrape is tolerated), else None. A gauge carries no time of its own: stamped on a call
-        long after it was read (a worker that does not scrape periodically, a scrape that keeps
+        long after it was read (a gauge loop that stalled, a scrape that keeps
         failing), it would say the engine was idle while the call's traffic ran."""
         read_at = self.load_read_at.get(arm)
         limit = 2 * self.interval_s if max_age_s is None else max_age_s
