@@ -361,8 +361,8 @@ class MetricsScraper:
     def fresh_load(self, arm: str, max_age_s: float | None = None) -> EngineLoad | None:
         """The arm's gauges if they were read at most ``max_age_s`` ago (default two scrape intervals:
         one late scrape is tolerated), else None. A gauge carries no time of its own: stamped on a call
-        long after it was read (a gauge loop that stalled, a scrape that keeps
-        failing), it would say the engine was idle while the call's traffic ran."""
+        long after it was read (a gauge loop that stalled, a scrape that keeps failing), it would say
+        the engine was idle while the call's traffic ran."""
         read_at = self.load_read_at.get(arm)
         limit = 2 * self.interval_s if max_age_s is None else max_age_s
         if read_at is None or time.monotonic() - read_at > limit:
