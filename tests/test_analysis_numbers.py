@@ -412,6 +412,16 @@ def test_category_figures_match_an_independent_computation(
             level_thr["throughput_margin"],
         )
         assert c["verdict"] == _one_round(rule, c), key
+        # marked where the level's throughput set it: the category's own figures read otherwise
+        never_binds = {"low": 1.0, "high": 1.0}
+        own = _rule(
+            c["decode_speedup"],
+            never_binds,
+            None if mismatch is None else {"low": mismatch.low},
+            level_thr["decode_margin"],
+            level_thr["throughput_margin"],
+        )
+        assert c["set_by_level"] == (own != rule), key
     assert levels["1"]["verdict"] == "NO CLEAR GAIN" and "so no WIN" in levels["1"]["reason"]
     # the printed matrix, to the last digit: "1.49x WIN" per arm, category and level
     result = _cli("analyze", str(path))
@@ -428,7 +438,9 @@ def test_category_figures_match_an_independent_computation(
         arm, category = cells[0], cells[1]
         for level, cell in zip(level_names, cells[2:], strict=True):
             exp = expected[(arm, category, level)]
-            assert cell == f"{exp['decode_speedup']:.2f}x {short[got[(arm, category, level)]['verdict']]}"
+            mine = got[(arm, category, level)]
+            mark = "†" if mine["set_by_level"] else ""
+            assert cell == f"{exp['decode_speedup']:.2f}x {short[mine['verdict']]}{mark}"
             checked += 1
     assert checked == len(expected) == 3 * 2 * 3
 

@@ -102,12 +102,15 @@ def category_cell(cat: CategoryRow | None) -> str:
     if cat is None:
         return DASH
     speed = DASH if cat.decode_speedup is None else f"{cat.decode_speedup.point:.2f}x"
-    return f"{speed} {VERDICT_SHORT.get(cat.verdict or '', DASH)}"
+    mark = SET_BY_LEVEL if cat.set_by_level else ""
+    return f"{speed} {VERDICT_SHORT.get(cat.verdict or '', DASH)}{mark}"
 
 
+SET_BY_LEVEL = "†"
 CATEGORY_TITLE = (
     "by category: P50 decode speedup of that category's requests and its verdict (same rule, against the "
-    "level's aggregate throughput ratio; NCG = no clear gain)"
+    f"level's aggregate throughput ratio; NCG = no clear gain; {SET_BY_LEVEL} = the level's throughput set "
+    "the verdict, the category's own speed and identity alone would read otherwise)"
 )
 
 

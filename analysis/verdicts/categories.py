@@ -106,15 +106,20 @@ def _load_stretched(comp: Comparison, row: LevelRow) -> Comparison:
 def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, thresholds: Thresholds) -> CategoryRow:
     counts = fig.identity
     check = check_identity(counts.identical, counts.compared, row.confidence or 0.95, thresholds)
+    set_by_level = False
     if not row.reliable:
         verdict, reason = UNRELIABLE, row.reason
     else:
         # Aggregate throughput is the level's, shared by every category in the batch: a category has
         # no wall-clock throughput of its own, and an arm that lowers the level's throughput costs
         # every category's users.
+        decode = fig.comparison.decode
         verdict, reason = level_verdict(
-            fig.comparison.decode, row.throughput_speedup, check, margin, row.estimate_note, shadow=row.shadow
+            decode, row.throughput_speedup, check, margin, row.estimate_note, shadow=row.shadow
         )
+        # The category's own figures judged without the level's throughput (as a shadow arm is).
+        own, _ = level_verdict(decode, None, check, margin, row.estimate_note, shadow=True)
+        set_by_level = own != verdict
         if row.rounds == 1:
             verdict, reason = one_round(verdict, reason, check)
     return CategoryRow(
@@ -135,4 +140,5 @@ def _category_row(row: LevelRow, fig: CategoryFigures, margin: Margin, threshold
         verdict=verdict,
         reason=reason,
         tokens_estimated=row.tokens_estimated,
+        set_by_level=set_by_level,
     )

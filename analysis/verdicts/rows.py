@@ -137,7 +137,9 @@ class CategoryRow:
 
     ``throughput_speedup`` is per call (Σ tokens / Σ e2e of the category's calls, candidate over
     baseline): a category has no wall time of its own inside a mixed closed-loop level. The verdict
-    uses the category's decode speedup and identity with the LEVEL's aggregate throughput ratio.
+    uses the category's decode speedup and identity with the LEVEL's aggregate throughput ratio;
+    ``set_by_level`` says the level's throughput changed it (the category's own speed and identity
+    alone would read otherwise, e.g. a 1.4x category of a level whose throughput fell: LOSS).
     Category intervals are not corrected for the number of categories: they are for exploring.
     """
 
@@ -159,6 +161,7 @@ class CategoryRow:
     verdict: str | None = None
     reason: str = ""
     tokens_estimated: bool = False
+    set_by_level: bool = False
 
     @property
     def level_load(self) -> float | None:
