@@ -37,7 +37,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -325,18 +325,18 @@ class MetricsScraper:
 
     async def run(self) -> None:
         """Scrape every ``interval_s`` (phase ``periodic``) until cancelled."""
-        while True:
-            started = time.monotonic()
-            await self.scrape_once("periodic")
-            # A slow scrape shortens the wait instead of shifting every later scrape.
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+        await self._every_interval(lambda: self.scrape_once("periodic"))
 
     async def run_gauges(self) -> None:
         """Read the arms' two load gauges every ``interval_s`` (:meth:`scrape_engine_load`) until
         cancelled: for a process whose calls need the gauges while another scrapes into the store."""
+        await self._every_interval(self.scrape_engine_load)
+
+    async def _every_interval(self, step: Callable[[], Awaitable[object]]) -> None:
         while True:
             started = time.monotonic()
-            await self.scrape_engine_load()
+            await step()
+            # A slow scrape shortens the wait instead of shifting every later scrape.
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def scrape_engine_load(self) -> None:
