@@ -97,6 +97,10 @@ def category_levels(ev: RunEvaluation) -> list[str]:
     return sorted({c.level for c in ev.categories}, key=level_sort_key)
 
 
+# After a category cell whose verdict the level's throughput set (CategoryRow.set_by_level).
+SET_BY_LEVEL = "†"
+
+
 def category_cell(cat: CategoryRow | None) -> str:
     """A cell of the category matrix: P50 decode speedup and the verdict, short."""
     if cat is None:
@@ -106,7 +110,6 @@ def category_cell(cat: CategoryRow | None) -> str:
     return f"{speed} {VERDICT_SHORT.get(cat.verdict or '', DASH)}{mark}"
 
 
-SET_BY_LEVEL = "†"
 CATEGORY_TITLE = (
     "by category: P50 decode speedup of that category's requests and its verdict (same rule, against the "
     f"level's aggregate throughput ratio; NCG = no clear gain; {SET_BY_LEVEL} = the level's throughput set "
