@@ -50,6 +50,7 @@ from multidict import CIMultiDict
 from specproxy.config import Arm, Experiment, experiment_json
 from specproxy.proxy.health import read_sim_clocks
 from specproxy.proxy.identity import is_comparable
+from specproxy.proxy.server.after_calls import AfterCalls
 from specproxy.proxy.server.capture import CaptureWriter
 from specproxy.proxy.server.client_relay import ClientRelay
 from specproxy.proxy.server.errors import (
@@ -129,6 +130,7 @@ class ProxyState:
     scraper: MetricsScraper | None = None  # None: --no-scrape
     readiness: Readiness | None = None
     cutter: ShutdownCutter = field(default_factory=ShutdownCutter)  # primary calls, cut at grace's end
+    after_calls: AfterCalls = field(default_factory=AfterCalls)  # finished calls' bookkeeping, queued
 
     def finish(self, record: SpanRecord, parent: TraceParent | None = None) -> None:
         """A call is over: count it and hand its span to the sink (never blocks); ``parent``: the
@@ -197,9 +199,12 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             )
         raise
     finally:
-        _after_primary(st, primary, record, result, pair, parent)
+        # The client has its answer (or is gone): what is left waits for the requests that follow.
+        st.after_calls.add(functools.partial(_after_primary, st, primary, record, result, pair, parent))
         if st.capture is not None:
-            _capture_request(st.capture, request, checked, arrival, record, result)
+            st.after_calls.add(
+                functools.partial(_capture_request, st.capture, request, checked, arrival, record, result)
+            )
 
 
 async def _call_primary(
@@ -227,6 +232,7 @@ async def _call_primary(
         capture_output=st.capture is not None,
         tap=tap,
         describe=True,
+        later=st.after_calls.add,
     )
     return await st.cutter.run(call, record)
 
@@ -396,7 +402,9 @@ def _sink_counts(st: ProxyState) -> SinkCounts | None:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.render()
+    st = request.app[STATE]
+    st.after_calls.drain()  # (every call that has ended counts)
+    body = st.metrics.render()
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
@@ -434,6 +442,7 @@ async def scrape_phase(request: web.Request) -> web.Response:
             409, "this proxy does not scrape its arms' /metrics (it was started with --no-scrape)"
         )
     label, end = phase.rsplit(":", 1)
+    st.after_calls.drain()  # (every call that has ended counts in the phase it ended in)
     if key is not None and end == "before":
         await _begin_phase_health(st, label, key)
     running = 0
@@ -540,6 +549,7 @@ def create_app(settings: ProxySettings) -> web.Application:
     app.cleanup_ctx.append(_sessions)
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(_capture)
+    app.cleanup_ctx.append(_after_calls)  # (closed first: its work feeds everything above)
     app.on_shutdown.append(_mark_shutdown)
     app.on_response_prepare.append(json_http_exceptions)
     return app
@@ -674,6 +684,14 @@ async def _capture(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await writer.close()
+
+
+async def _after_calls(app: web.Application) -> AsyncIterator[None]:
+    """At shutdown: the bookkeeping still queued runs before the capture, copies and span store close."""
+    try:
+        yield
+    finally:
+        app[STATE].after_calls.close()
 
 
 async def _mark_shutdown(app: web.Application) -> None:

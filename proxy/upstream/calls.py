@@ -44,12 +44,13 @@ Example (replay-style, no relay)::
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +62,7 @@ from specproxy.config import Arm
 from specproxy.proxy.spans.trace import TRACEPARENT_HEADER, new_span_id, new_trace_id, traceparent
 from specproxy.proxy.upstream.acceptance import MergeCalibration
 from specproxy.proxy.upstream.extras import REJECTION_MARKERS, Strip, strip_body, upstream_body
-from specproxy.proxy.upstream.figures import finish_record, record_engine_facts, record_latency
+from specproxy.proxy.upstream.figures import finish_record, learn_engine, record_engine_facts, record_latency
 from specproxy.proxy.upstream.redact import redact_request_text
 from specproxy.proxy.upstream.relay import ClientGone, Relay, StreamConsumer, relay_drain, relay_send
 from specproxy.proxy.upstream.scrape import EngineLoad
@@ -170,6 +171,7 @@ class CallResult:
     client_gone: bool = False
     t_send: float = 0.0  # perf_counter at send
     t_end: float | None = None  # perf_counter at the response's end (None: not read to its end)
+    t_over: float | None = None  # perf_counter when the call was over, however it ended
 
     @property
     def ok(self) -> bool:
@@ -357,13 +359,16 @@ async def call_arm(
     state: UpstreamState | None = None,
     tap: CompletionTap | None = None,
     describe: bool = False,
+    later: Callable[[Callable[[], None]], None] | None = None,
 ) -> CallResult:
     """Send ``body`` to ``arm`` and fill ``record``; see the module docstring. Never raises for upstream
     trouble; re-raises ``asyncio.CancelledError`` after closing the upstream connection (the record
     stays ``ok`` when the stream's final event had already been relayed). ``tap``: the caller's own
     :class:`CompletionTap` to fill (a new one by default). ``describe``: ``record`` came from
     :func:`call_record`; its request fields are filled from ``body`` when the call is over, so that
-    reading and hashing the body does not delay the request (the proxy's calls that serve clients)."""
+    reading and hashing the body does not delay the request (the proxy's calls that serve clients).
+    ``later``: where the span's figures are computed once the call is over: None, at once; else they
+    are handed to ``later`` to run when the client has its answer (the proxy's :class:`AfterCalls`)."""
     state = state or DEFAULT_STATE
     timeout = timeout or UpstreamTimeout()
     url = arm.url + ENDPOINT_PATHS[endpoint]
@@ -397,9 +402,15 @@ async def call_arm(
         record.error = f"{exc.__class__.__name__}: {exc}"[:500]
     finally:
         state.inflight[arm.url] -= 1
-        if describe:
-            describe_request(record, body)
-        _settle_record(result, arm, body, state, capture_output)
+        result.t_over = time.perf_counter()
+        learn_engine(arm, tap, state)  # (at once: the arm's next call asks by what it answered as)
+        if record.error and not capture_output and (record.status == "http_error" or tap.error is not None):
+            record.error = redact_request_text(record.error, body)  # the arm's text may quote the prompt
+        settle = functools.partial(settle_call, result, arm, body, state, capture_output, describe=describe)
+        if later is None:
+            settle()
+        else:
+            later(settle)
     return result
 
 
@@ -550,14 +561,22 @@ def _timeout_error(exc: TimeoutError, timeout: UpstreamTimeout) -> str:
     return "upstream timed out"
 
 
-def _settle_record(
-    result: CallResult, arm: Arm, body: dict[str, Any], state: UpstreamState, capture_output: bool
+def settle_call(
+    result: CallResult,
+    arm: Arm,
+    body: dict[str, Any],
+    state: UpstreamState,
+    capture_output: bool,
+    *,
+    describe: bool = False,
 ) -> None:
-    """The span's figures once the call is over, however it ended."""
+    """The span's figures once the call is over, however it ended (``describe``: and its request
+    fields, read from ``body``); what :func:`call_arm` runs, or hands to its ``later``."""
     record, tap = result.record, result.tap
-    if record.error and not capture_output and (record.status == "http_error" or tap.error is not None):
-        record.error = redact_request_text(record.error, body)  # the arm's text may quote the prompt
-    finish_record(record, arm, tap, result.t_send, result.t_end, capture_output)
+    if describe:
+        describe_request(record, body)
+    end = result.t_end if result.t_end is not None else result.t_over
+    finish_record(record, arm, tap, result.t_send, end, capture_output)
     record_engine_facts(record, arm, tap, state)
     record_latency(record, tap)
     # Values from the client and the backend (a seed of 2**64 - 1, an undecodable request id) are made

@@ -45,11 +45,15 @@ def finish_record(
         record.output_text = text
 
 
+def learn_engine(arm: Arm, tap: CompletionTap, state: UpstreamState) -> None:
+    """Remember the engine the arm's URL answered as (its first response that shows one)."""
+    if tap.engine_hint is not None and arm.url not in state.engines:
+        state.engines[arm.url] = tap.engine_hint
+
+
 def record_engine_facts(record: SpanRecord, arm: Arm, tap: CompletionTap, state: UpstreamState) -> None:
     """What the engine told about the call (its name, queueing, speculation) and the completion tokens
     with their source: the parts of a span that depend on which engine answered."""
-    if tap.engine_hint is not None and arm.url not in state.engines:
-        state.engines[arm.url] = tap.engine_hint
     engine = arm.engine_kind if arm.engine_kind != "auto" else tap.engine_hint or state.engine_of(arm)
     record.engine = engine
     report = engine_report(tap, engine)
