@@ -19,10 +19,10 @@ Endpoints::
 Long-lived resources are made and closed in ``cleanup_ctx`` (in this order, closed in reverse): the
 span sink (DuckDB writer thread; the run's row with each arm's stack), the upstream clients
 (:mod:`.wire`: one for calls that serve clients, one for copies, so a slow shadow arm cannot take
-connections the client path needs) with the shadow dispatcher, the metrics scraper, and the capture
-writer. At shutdown the server first stops accepting and lets in-flight requests finish
-(``shutdown_grace_s``), then copies still running get the rest of the grace period, then the sink
-writes every accepted span and closes.
+connections the client path needs) with the shadow dispatcher, the metrics scraper, the capture writer
+and the finished calls' queued bookkeeping (:mod:`.after_calls`). At shutdown the server stops accepting
+and lets in-flight requests finish (``shutdown_grace_s``), their bookkeeping runs, copies still running
+get the rest of the grace period, then the sink writes every accepted span and closes.
 
 Example::
 
