@@ -12,10 +12,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specproxy.proxy.server.after_calls import AfterCalls
-from tests.backends import running_backend
-from tests.proxies import running_proxy, spans
+from tests.backends import BackendConfig, running_backend
+from tests.proxies import running_proxy, spans, two_arm_proxy
 from tests.support import loop_turns, metric_totals, wait_until
 
 MSG: Any = [{"role": "user", "content": "hello"}]
@@ -100,3 +101,34 @@ async def test_the_client_has_its_answer_before_the_bookkeeping_and_nothing_is_l
     assert len(rows) == 3
     assert all(r["status"] == "ok" and r["completion_tokens"] and r["prompt_sha256"] for r in rows)
     assert [r["stream"] for r in rows] == [True, False, True]
+
+
+async def test_a_shadow_copy_s_bookkeeping_waits_too(tmp_path: Path) -> None:
+    async with two_arm_proxy(tmp_path, BackendConfig()) as (p, _base, _cand):
+        p.state.after_calls.delay_s = 3600
+        dispatcher = p.state.dispatcher
+        assert dispatcher is not None
+        client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
+        await client.chat.completions.create(model="m", messages=MSG, temperature=0)
+        await client.close()
+        assert await _metric_totals(p.url) == {"primary": 1, "checks": 0}
+        # The copy compares its output with the baseline's, which that /metrics read handed it.
+        await wait_until(lambda: dispatcher.pending == 0, "the shadow copy to end")
+        assert len(p.state.after_calls) >= 1  # (at least) the copy's hand-off to the sink
+        assert await _metric_totals(p.url) == {"primary": 1, "checks": 1}
+    rows = {r["arm"]: r for r in spans(p.db)}
+    assert rows.keys() == {"base", "cand"}
+    assert rows["cand"]["identical"] is True and rows["cand"]["completion_tokens"]
+
+
+async def _metric_totals(url: str) -> dict[str, float]:
+    """Calls ended by route primary, and identity checks, as /metrics counts them."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    primary = sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "specproxy_requests_total" and s.labels.get("route") == "primary"
+    )
+    return {"primary": primary, "checks": metric_totals(text).get("specproxy_identity_checks_total", 0)}

@@ -25,7 +25,9 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,13 @@ class AfterCalls:
         """Run what is queued; from now on :meth:`add` runs its work at once."""
         self.drain()
         self._closed = True
+
+    async def cleanup_ctx(self, _app: web.Application) -> AsyncIterator[None]:
+        """An aiohttp ``cleanup_ctx`` entry: :meth:`close` at shutdown, once the handlers have returned."""
+        try:
+            yield
+        finally:
+            self.close()
 
     def __len__(self) -> int:
         return len(self._queue)

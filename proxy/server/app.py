@@ -448,6 +448,7 @@ async def scrape_phase(request: web.Request) -> web.Response:
     running = 0
     if end == "after" and st.dispatcher is not None:
         running = await st.dispatcher.settle(SETTLE_BEFORE_SCRAPE_S)
+        st.after_calls.drain()
     snapshots = await st.scraper.scrape_once(phase)
     arms = {name: {"ok": snap.ok, "error": snap.error} for name, snap in snapshots.items()}
     answer = {"run_id": st.run_id, "phase": phase, "arms": arms, "copies_running": running}
@@ -549,7 +550,7 @@ def create_app(settings: ProxySettings) -> web.Application:
     app.cleanup_ctx.append(_sessions)
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(_capture)
-    app.cleanup_ctx.append(_after_calls)  # (closed first: its work feeds everything above)
+    app.cleanup_ctx.append(state.after_calls.cleanup_ctx)  # (closed first: it feeds everything above)
     app.on_shutdown.append(_mark_shutdown)
     app.on_response_prepare.append(json_http_exceptions)
     return app
@@ -626,6 +627,7 @@ async def _sessions(app: web.Application) -> AsyncIterator[None]:
         emit=st.finish,
         capture_output=st.settings.capture is not None,
         on_queue=st.health.queued if st.health is not None else None,
+        later=st.after_calls.add,
     )
     try:
         yield
@@ -684,14 +686,6 @@ async def _capture(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await writer.close()
-
-
-async def _after_calls(app: web.Application) -> AsyncIterator[None]:
-    """At shutdown: the bookkeeping still queued runs before the capture, copies and span store close."""
-    try:
-        yield
-    finally:
-        app[STATE].after_calls.close()
 
 
 async def _mark_shutdown(app: web.Application) -> None:

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -79,9 +80,13 @@ class ShadowDispatcher:
         emit: Callable[[SpanRecord, TraceParent | None], None],
         capture_output: bool = False,
         on_queue: Callable[[str, float], None] | None = None,
+        later: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
-        """``on_queue(arm, seconds)``: each sent copy's wait from being handed over to its upstream send."""
+        """``on_queue(arm, seconds)``: each sent copy's wait from being handed over to its upstream send;
+        ``later``: where an ended copy's figures and ``emit`` run (None: at once; the proxy's
+        :class:`~specproxy.proxy.server.after_calls.AfterCalls`, off the path of the requests that follow)."""
         self.client = client
+        self.later = later
         self.on_queue = on_queue
         self.timeout = timeout
         self.state = state
@@ -153,6 +158,7 @@ class ShadowDispatcher:
                 headers=headers,
                 state=self.state,
                 capture_output=self.capture_output,
+                later=self.later,
             )
             if self.on_queue is not None:
                 self.on_queue(copy.arm.name, result.t_send - handed_over)
@@ -173,7 +179,10 @@ class ShadowDispatcher:
             if pair is not None and is_baseline:
                 pair.set_baseline(None)
             self.inflight[copy.arm.name] -= 1
-            self.emit(record, parent)
+            if self.later is None:
+                self.emit(record, parent)
+            else:
+                self.later(functools.partial(self.emit, record, parent))
 
     @property
     def pending(self) -> int:
