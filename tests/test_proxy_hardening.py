@@ -393,3 +393,25 @@ async def test_errors_aiohttp_raises_on_any_path_are_json_and_broken_bodies_log_
         out = await raw_exchange(p.url, head + b"Content-Encoding: gzip\r\n\r\nabcd")
         assert status_and_error(out)[0] in (404, 405)
     no_tracebacks(caplog)
+
+
+async def test_a_chunked_body_that_came_whole_is_checked_against_the_limit(tmp_path: Path) -> None:
+    # No Content-Length to refuse it by: the body's own size decides, read as it came with the headers.
+    async with (
+        running_backend(BackendConfig()) as base,
+        running_proxy(
+            tmp_path, [{"name": "b", "role": "baseline", "url": base.url}], max_body_bytes=1000
+        ) as p,
+    ):
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        head += b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+        def chunked(body: bytes) -> bytes:
+            return b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+
+        out = await raw_exchange(p.url, head + chunked(orjson.dumps({"prompt": "x" * 2000})))
+        status, err = status_and_error(out)
+        assert status == 413 and "over the limit of 1000 bytes" in err["message"]
+        out = await raw_exchange(p.url, head + chunked(orjson.dumps({"prompt": "p", "max_tokens": 3})))
+        assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    assert [r["status"] for r in spans(p.db)] == ["ok"]

@@ -168,9 +168,6 @@ def _refusal(request: web.Request, status: int, message: str) -> web.Response:
 
 
 async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
-    too_large = (
-        f"request body is over the limit of {max_body_bytes} bytes (max_body_bytes in the experiment file)"
-    )
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise Rejected(
@@ -179,9 +176,17 @@ async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
             "(max_body_bytes in the experiment file)",
         )
     try:
+        if request.content.is_eof():
+            # The whole body came with the headers (most requests): take it as it is, without the
+            # read loop's awaits.
+            raw = request.content.read_nowait()
+            if len(raw) > max_body_bytes:
+                raise web.HTTPRequestEntityTooLarge(max_body_bytes, len(raw))
+            return raw
         return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise Rejected(413, too_large) from exc
+        limit = f"{max_body_bytes} bytes (max_body_bytes in the experiment file)"
+        raise Rejected(413, f"request body is over the limit of {limit}") from exc
     except web.RequestPayloadError as exc:
         # Content-Encoding that the body does not have (aiohttp decodes it while reading), or a body
         # cut short: the client's mistake, not ours.
