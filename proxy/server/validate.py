@@ -176,17 +176,11 @@ async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
             "(max_body_bytes in the experiment file)",
         )
     try:
-        if request.content.is_eof():
-            # The whole body came with the headers (most requests): take it as it is, without the
-            # read loop's awaits.
-            raw = request.content.read_nowait()
-            if len(raw) > max_body_bytes:
-                raise web.HTTPRequestEntityTooLarge(max_body_bytes, len(raw))
-            return raw
-        return await request.read()
+        # A body that came whole with its headers (most requests) is taken as it is, without the read
+        # loop's awaits; the size check below then does what aiohttp's client_max_size does in read().
+        raw = request.content.read_nowait() if request.content.is_eof() else await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        limit = f"{max_body_bytes} bytes (max_body_bytes in the experiment file)"
-        raise Rejected(413, f"request body is over the limit of {limit}") from exc
+        raise Rejected(413, _over_the_limit(max_body_bytes)) from exc
     except web.RequestPayloadError as exc:
         # Content-Encoding that the body does not have (aiohttp decodes it while reading), or a body
         # cut short: the client's mistake, not ours.
@@ -197,6 +191,13 @@ async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
         # read (and fail on) it again after the answer, and close the connection.
         request.content.feed_eof()
         raise Rejected(400, f"request body could not be read{what}: {cause}", close=True) from exc
+    if len(raw) > max_body_bytes:
+        raise Rejected(413, _over_the_limit(max_body_bytes))
+    return raw
+
+
+def _over_the_limit(max_body_bytes: int) -> str:
+    return f"request body is over the limit of {max_body_bytes} bytes (max_body_bytes in the experiment file)"
 
 
 def json_depth_over(value: Any, limit: int) -> bool:
