@@ -88,7 +88,7 @@ class AfterCalls:
             _run(queue.popleft())
             if time.perf_counter() >= end:
                 break
-        if queue:
+        if queue and self._scheduled is None:  # (unless an item's work queued more and scheduled it)
             # The rest in the next loop pass, after the reads that came in meanwhile.
             self._scheduled = asyncio.get_running_loop().call_soon(self._run_slice)
 
