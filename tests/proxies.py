@@ -69,12 +69,13 @@ async def running_proxy(
 
 @asynccontextmanager
 async def one_arm_proxy(
-    tmp_path: Path, cfg: BackendConfig | None = None
+    tmp_path: Path, cfg: BackendConfig | None = None, **experiment: Any
 ) -> AsyncIterator[tuple[RunningProxy, RunningBackend]]:
-    """The proxy in front of one scripted backend, the baseline ``b``: yields the proxy and the backend."""
+    """The proxy in front of one scripted backend, the baseline ``b``: yields the proxy and the backend.
+    Keyword arguments are [experiment] fields, as for :func:`running_proxy`."""
     async with (
         running_backend(cfg or BackendConfig()) as base,
-        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}]) as p,
+        running_proxy(tmp_path, [{"name": "b", "role": "baseline", "url": base.url}], **experiment) as p,
     ):
         yield p, base
 

@@ -291,12 +291,7 @@ async def test_no_host_header_and_unknown_encodings_are_answered_in_json(
 
 
 async def test_expect_100_continue_over_the_limit_is_a_413_before_the_body(tmp_path: Path) -> None:
-    async with (
-        running_backend(BackendConfig()) as base,
-        running_proxy(
-            tmp_path, [{"name": "b", "role": "baseline", "url": base.url}], max_body_bytes=1000
-        ) as p,
-    ):
+    async with one_arm_proxy(tmp_path, max_body_bytes=1000) as (p, _base):
         head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
         head += b"Content-Length: %d\r\nExpect: %b\r\n\r\n"
         out = await raw_exchange(p.url, head % (5000, b"100-continue"))
@@ -397,12 +392,7 @@ async def test_errors_aiohttp_raises_on_any_path_are_json_and_broken_bodies_log_
 
 async def test_a_chunked_body_that_came_whole_is_checked_against_the_limit(tmp_path: Path) -> None:
     # No Content-Length to refuse it by: the body's own size decides, read as it came with the headers.
-    async with (
-        running_backend(BackendConfig()) as base,
-        running_proxy(
-            tmp_path, [{"name": "b", "role": "baseline", "url": base.url}], max_body_bytes=1000
-        ) as p,
-    ):
+    async with one_arm_proxy(tmp_path, max_body_bytes=1000) as (p, _base):
         head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
         head += b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
 
