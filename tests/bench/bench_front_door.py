@@ -9,7 +9,11 @@ else is in this file, in subprocesses of it:
 
 - the backend: a minimal streaming server (asyncio.Protocol, keep-alive, chunked SSE) with a 20 ms TTFT,
   10 ms per token, 64 tokens (``--tokens``), one token per chunk; ``--backend-procs`` processes share
-  each port (SO_REUSEPORT); the baseline's port and, for shadow, the candidate's;
+  each port (SO_REUSEPORT); the baseline's port and, for shadow, the candidate's. Every response the
+  same length on a timer of its own makes a closed loop's streams end, and their clients send again,
+  in lockstep cohorts (the worst case for a relay); ``--tokens-spread S`` scatters the lengths,
+  ``--engine-steps`` sends every running stream's next token in one pass per step, as an engine's
+  continuous batching does;
 - the load generator: ``--client-procs`` processes, closed loop (c streams always in flight, spread
   over the processes), a raw HTTP/1.1 client with one keep-alive connection per stream: the first
   content chunk's arrival is the TTFT, every ``data: {`` event a relayed chunk;
@@ -49,6 +53,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import resource
 import shutil
 import signal
@@ -88,11 +93,52 @@ def _header_value(head: bytes, name: bytes) -> bytes | None:
     return head[start : head.index(b"\r\n", start)].strip()
 
 
-class BackendStream(asyncio.Protocol):
-    """One client connection of the minimal backend: a POST gets a ``tokens``-token stream, a GET a 200."""
+class ResponseLengths:
+    """How many tokens each response of a backend process has: ``tokens`` every time, or with ``spread``
+    (0 < spread < 1) drawn uniformly from tokens x [1 - spread, 1 + spread], from a seeded generator."""
 
-    def __init__(self, ttft_s: float, itl_s: float, tokens: int = TOKENS) -> None:
-        self.ttft_s, self.itl_s, self.tokens = ttft_s, itl_s, tokens
+    def __init__(self, tokens: int, spread: float = 0.0, seed: int = 0) -> None:
+        self.low = max(1, round(tokens * (1 - spread)))
+        self.high = max(self.low, round(tokens * (1 + spread)))
+        self._rng = random.Random(seed)
+
+    def next(self) -> int:
+        return self.low if self.low == self.high else self._rng.randint(self.low, self.high)
+
+
+class EngineSteps:
+    """One engine's step clock (``--engine-steps``): every ``itl_s`` each running stream sends its next
+    token, all in one pass, as vLLM's continuous batching ends each step with one chunk for every running
+    request. A stream's first token still goes ``ttft_s`` after its request on a timer of its own, so that
+    the TTFT a target adds is not rounded up to a whole step (a request that a relay delays past a step's
+    start would otherwise wait for the next one); its later tokens go with the steps. Without this clock
+    each stream keeps its own timer for every token."""
+
+    def __init__(self, itl_s: float) -> None:
+        self.itl_s = itl_s
+        self.running: list[BackendStream] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, stream: BackendStream) -> None:
+        self.running.append(stream)
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.itl_s, self._step)
+
+    def _step(self) -> None:
+        self.running = [s for s in self.running if s.send_next()]
+        self.timer = asyncio.get_running_loop().call_later(self.itl_s, self._step) if self.running else None
+
+
+class BackendStream(asyncio.Protocol):
+    """One client connection of the minimal backend: a POST gets a stream of ``lengths.next()`` tokens,
+    a GET a 200."""
+
+    def __init__(
+        self, ttft_s: float, itl_s: float, lengths: ResponseLengths, steps: EngineSteps | None = None
+    ) -> None:
+        self.ttft_s, self.itl_s, self.lengths, self.steps = ttft_s, itl_s, lengths, steps
+        self.tokens = lengths.low
+        self.sent = 0
         self.buf = b""
         self.timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
@@ -119,29 +165,43 @@ class BackendStream(asyncio.Protocol):
         itl = _header_value(head, ITL_HEADER.lower())
         itl_s = float(itl) / 1000 if itl else self.itl_s
         self.transport.write(STREAM_HEAD)
+        self.tokens, self.sent = self.lengths.next(), 0
         loop = asyncio.get_running_loop()
-        self.timer = loop.call_later(self.ttft_s, self._token, 0, itl_s, loop)
+        self.timer = loop.call_later(self.ttft_s, self._token, itl_s, loop)
 
-    def _token(self, i: int, itl_s: float, loop: asyncio.AbstractEventLoop) -> None:
+    def send_next(self) -> bool:
+        """Writes the stream's next token (the last one with the stream's end); False once it has ended."""
         assert self.transport is not None
         if self.transport.is_closing():
-            return
-        if i < self.tokens - 1:
+            return False
+        if self.sent < self.tokens - 1:
             self.transport.write(_chunk(EVENT))
-            self.timer = loop.call_later(itl_s, self._token, i + 1, itl_s, loop)
+            self.sent += 1
+            return True
+        self.transport.write(_chunk(LAST) + _chunk(DONE) + b"0\r\n\r\n")
+        return False
+
+    def _token(self, itl_s: float, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer = None
+        if not self.send_next():
+            return
+        if self.steps is not None:
+            self.steps.add(self)  # (the first token sent: the rest go with the engine's steps)
         else:
-            self.transport.write(_chunk(LAST) + _chunk(DONE) + b"0\r\n\r\n")
-            self.timer = None
+            self.timer = loop.call_later(itl_s, self._token, itl_s, loop)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
 
 
-async def serve_backend(port: int, ttft_s: float, itl_s: float, tokens: int) -> None:
+async def serve_backend(
+    port: int, ttft_s: float, itl_s: float, lengths: ResponseLengths, steps: bool = False
+) -> None:
+    clock = EngineSteps(itl_s) if steps else None
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: BackendStream(ttft_s, itl_s, tokens), "127.0.0.1", port, reuse_port=True, backlog=4096
+        lambda: BackendStream(ttft_s, itl_s, lengths, clock), "127.0.0.1", port, reuse_port=True, backlog=4096
     )
     async with server:
         await server.serve_forever()
@@ -330,7 +390,9 @@ def role_main(args: argparse.Namespace) -> None:
     """A subprocess of the bench: a backend process, or one load generator process (JSON on stdout)."""
     _use_uvloop()
     if args.role == "backend":
-        asyncio.run(serve_backend(args.port, args.ttft_ms / 1000, args.itl_ms / 1000, args.tokens))
+        lengths = ResponseLengths(args.tokens, args.tokens_spread, args.seed)
+        ttft_s, itl_s = args.ttft_ms / 1000, args.itl_ms / 1000
+        asyncio.run(serve_backend(args.port, ttft_s, itl_s, lengths, args.engine_steps))
         return
     if args.role == "pipe":
         asyncio.run(serve_pipe(args.port, args.upstream))
@@ -561,6 +623,11 @@ class Bench:
                     str(a.itl_ms),
                     "--tokens",
                     str(a.tokens),
+                    "--tokens-spread",
+                    str(a.tokens_spread),
+                    "--seed",
+                    str(a.seed * 1000 + len(self.procs)),  # each process its own stream of lengths
+                    *(["--engine-steps"] if a.engine_steps else []),
                 ]
             )
 
@@ -945,6 +1012,23 @@ def parse_args() -> argparse.Namespace:
         help="tokens (chunks) per response; two runs at different "
         "counts split CPU per request into a part per request and a part per chunk",
     )
+    ap.add_argument(
+        "--tokens-spread",
+        type=float,
+        default=0.0,
+        help="each response's tokens drawn uniformly from tokens x [1 - S, 1 + S] (0 <= S < 1); 0 (the "
+        "default): every response the same length, so streams end and clients send again in lockstep "
+        "cohorts, the worst case for a relay that handles a burst one request at a time (the Python "
+        "backend only: --scaling-load wrk's streams keep --tokens)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the response lengths' seed (with --tokens-spread)")
+    ap.add_argument(
+        "--engine-steps",
+        action="store_true",
+        help="the Python backend sends tokens on one step clock per process, every running stream's "
+        "next token in the same pass (vLLM's continuous batching), instead of a timer per stream; "
+        "the scaling run's faster pace does not apply to it",
+    )
     ap.add_argument("--role", choices=["backend", "client", "pipe"], help=argparse.SUPPRESS)
     ap.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -959,6 +1043,10 @@ def main() -> None:
         return
     if args.out is None:
         raise SystemExit("--out DIR is required")
+    if not 0 <= args.tokens_spread < 1:
+        raise SystemExit("--tokens-spread must be at least 0 and below 1")
+    if args.engine_steps and args.scaling and args.scaling_load == "python":
+        raise SystemExit("--engine-steps keeps the backend's --itl-ms pace: run --scaling without it")
     args.out.mkdir(parents=True, exist_ok=True)
     loadavg = os.getloadavg()
     meta: dict[str, Any] = {
