@@ -177,6 +177,43 @@ async def test_a_body_read_whole_stops_at_its_cap_and_closes_the_connection() ->
     assert len(peers) == 2 and peers[0] != peers[1]  # the cut connection was not reused
 
 
+async def test_the_chunks_of_one_read_reach_the_consumer_in_one_call() -> None:
+    consuming = asyncio.Event()
+
+    async def handler(_r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await w.drain()
+        await asyncio.wait_for(consuming.wait(), WAIT_S)
+        events = (b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n")
+        if n == 0:  # three chunks and the body's end in one write: one read
+            w.write(chunked(*events))
+        else:  # the same, then a chunk size that is not one
+            w.write(b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events) + b"zz\r\n")
+        await w.drain()
+
+    got: list[bytes] = []
+
+    def keep(data: bytes) -> bool:
+        got.append(data)
+        return False
+
+    async with raw_server(handler) as (url, _peers), UpstreamClient() as client:
+        for n in range(2):
+            consuming.clear()
+            got.clear()
+            ex = await client.post(url, b"", {})
+            ex.consume(keep)
+            consuming.set()
+            if n == 0:
+                assert await ex.wait() is True
+                ex.release()
+            else:
+                with pytest.raises(BadResponse):
+                    await ex.wait()  # the pieces before the bad bytes were handed over first
+                ex.abort()
+            assert got == [b"data: 1\n\ndata: 2\n\ndata: 3\n\n"]
+
+
 async def test_a_consumer_that_asks_to_pause_stops_the_reads_until_resume() -> None:
     all_sent = asyncio.Event()
 

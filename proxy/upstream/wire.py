@@ -5,9 +5,11 @@ hands each one to the reading coroutine through a buffer and a future: one task 
 re-arm and several Python frames per token, which on a machine with few cores costs as much CPU as the
 generation it relays. Here each call is an :class:`Exchange` on a pooled keep-alive connection
 (an ``asyncio.Protocol``): ``httptools`` (llhttp, the parser uvicorn uses) decodes the response, and
-every body piece goes straight from ``data_received`` to the caller's consumer callback, which can
-parse it and write it to the client's socket in the same call. The reading coroutine wakes only at the
-end of the body, or when the consumer asks to wait (the client's socket is full: backpressure).
+the body pieces of each read go straight from ``data_received`` to the caller's consumer callback, in
+one piece (a busy proxy finds several chunks per read: one call and one client write for them all),
+which can parse it and write it to the client's socket in the same call. The reading coroutine wakes
+only at the end of the body, or when the consumer asks to wait (the client's socket is full:
+backpressure).
 
 What it does, and nothing more: POST with a body, keep-alive connection reuse (LIFO, idle connections
 expire after ``keepalive_s``; a reused connection that dies before answering is retried once on a new
@@ -272,6 +274,7 @@ class _Connection(asyncio.Protocol):
         self.reused = False
         self.reading_paused = False
         self._header_items: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []  # the body pieces of the read being parsed
         self._read_timeout: float | None = None
         self._last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -291,8 +294,23 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            self._hand_over_body()
             ex._fail(BadResponse(f"malformed HTTP response from {self.origin.host_header}: {exc}"))
             self.close()
+            return
+        if self._body:
+            self._hand_over_body()
+
+    def _hand_over_body(self) -> None:
+        """The body pieces of one read as one piece: a read that holds several HTTP chunks (several
+        stream events) costs the consumer one call, and the client one write. Nothing waits for more
+        data: what one read brought is handed over before the next read."""
+        pieces, ex = self._body, self.exchange
+        if not pieces:
+            return
+        self._body = []
+        if ex is not None:
+            ex._on_body(pieces[0] if len(pieces) == 1 else b"".join(pieces))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -332,10 +350,10 @@ class _Connection(asyncio.Protocol):
         self.exchange._on_headers(status, headers, self.parser.get_http_version() == "1.1")
 
     def on_body(self, body: bytes) -> None:
-        assert self.exchange is not None
-        self.exchange._on_body(body)
+        self._body.append(body)  # handed over at the end of the read (see _hand_over_body)
 
     def on_message_complete(self) -> None:
+        self._hand_over_body()
         ex = self.exchange
         if ex is not None and ex._head.done():
             self._stop_timer()
